@@ -1,0 +1,203 @@
+"""``vpnrepl``: the broker admin's command line (names are a contract).
+
+Exit status: 0 on success, 2 on a usage or config error, 1 on any other
+failure, always with one line on stderr saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from ._config import SiteConfig, load_config
+from ._errors import PluginError, UsageError
+from ._store import connect, disable_vpn, enable_vpn, status
+from ._vpn import DEFAULT_SYNC_TIMEOUT_MS, Mode, Role, SyncTimeoutPolicy, VpnSettings
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+log = logging.getLogger("vpnrepl")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+class NotImplementedYet(PluginError):
+    """A contract command whose capability has not landed yet."""
+
+
+def _cmd_init(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    from sql import migrate  # alembic is slow to import; only init needs it
+
+    try:
+        before, after = migrate(cfg.store_dsn)
+    except Exception as e:
+        if isinstance(e, PluginError):
+            raise
+        # translate at this boundary: SQLAlchemy wraps psycopg's errors
+        with connect(cfg.store_dsn):
+            pass  # raises StoreUnavailable with a clear reason if unreachable
+        raise PluginError(f"schema migration failed: {e}") from e
+    if before == after:
+        print(f"schema is current (revision {after})")
+    else:
+        print(f"schema upgraded from {before or 'empty'} to revision {after}")
+    return EXIT_OK
+
+
+def _cmd_vpn_enable(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    settings = VpnSettings.from_args(
+        name=args.vpn,
+        role=args.role,
+        mode=args.mode,
+        sync_timeout_ms=args.sync_timeout_ms,
+        on_sync_timeout=args.on_sync_timeout,
+        queues=tuple(args.queues),
+        topics=tuple(args.topics),
+    )
+    with connect(cfg.store_dsn) as conn:
+        created = enable_vpn(conn, settings)
+    verb = "enabled" if created else "updated"
+    print(f"VPN {settings.name!r} {verb}: role {settings.role}, mode {settings.mode}")
+    return EXIT_OK
+
+
+def _cmd_vpn_disable(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    with connect(cfg.store_dsn) as conn:
+        disable_vpn(conn, args.vpn)
+    print(f"VPN {args.vpn!r} disabled")
+    return EXIT_OK
+
+
+def _cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    with connect(cfg.store_dsn) as conn:
+        doc = status(conn, cfg.site_name)
+    if args.json:
+        print(json.dumps(doc))
+        return EXIT_OK
+    print(f"site {doc['site']}")
+    if not doc["vpns"]:
+        print("  no VPN is enabled for replication")
+    for v in doc["vpns"]:
+        print(
+            f"  {v['name']}: {v['role']} epoch {v['epoch']} {v['mode']}"
+            f"{'' if v['sync_eligible'] else ' (sync-ineligible)'}"
+            f"{' FENCED' if v['fenced'] else ''}, bridge {v['bridge']}, "
+            f"ledger {v['ledger_index']} applied {v['applied_index']} "
+            f"lag {v['lag_events']} ev/{v['lag_seconds']} s, in-doubt txns {v['in_doubt_txns']}"
+        )
+        for queue, count in v["queues"].items():
+            print(f"    {queue}: {count} live")
+    return EXIT_OK
+
+
+def _not_yet(what: str) -> Callable[[SiteConfig | None, argparse.Namespace], int]:
+    def run(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
+        raise NotImplementedYet(f"`vpnrepl {what}` is not implemented yet")
+
+    return run
+
+
+def _build_parser() -> _Parser:
+    p = _Parser(prog="vpnrepl", description="Disaster-recovery replication for RabbitMQ vhosts.")
+    p.add_argument("--config", metavar="SITE.TOML", help="the site's configuration file")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one key of the config file (repeatable)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    c = sub.add_parser("init", help="create or upgrade the site's schema")
+    c.set_defaults(run=_cmd_init)
+    c = sub.add_parser("node", help="run the site process")
+    c.set_defaults(run=_not_yet("node"))
+
+    vpn = sub.add_parser("vpn", help="enable or disable replication of a VPN (vhost)")
+    vsub = vpn.add_subparsers(dest="vpn_command", metavar="ACTION", parser_class=_Parser)
+    vsub.required = True
+    e = vsub.add_parser("enable", help="enable replication of VPN, or change its settings")
+    e.add_argument("vpn", metavar="VPN")
+    e.add_argument("--role", required=True, choices=[r.value for r in Role])
+    e.add_argument("--mode", default=Mode.ASYNC.value, choices=[m.value for m in Mode])
+    e.add_argument("--sync-timeout-ms", type=int, default=DEFAULT_SYNC_TIMEOUT_MS, metavar="N")
+    e.add_argument(
+        "--on-sync-timeout",
+        default=SyncTimeoutPolicy.DEGRADE.value,
+        choices=[s.value for s in SyncTimeoutPolicy],
+    )
+    e.add_argument(
+        "--queues",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="replicate queues whose name matches REGEX (repeatable)",
+    )
+    e.add_argument(
+        "--topics",
+        action="append",
+        default=[],
+        metavar="EXCHANGE:PATTERN",
+        help="replicate publishes to EXCHANGE matching PATTERN (repeatable)",
+    )
+    e.set_defaults(run=_cmd_vpn_enable)
+    d = vsub.add_parser("disable", help="stop replicating VPN")
+    d.add_argument("vpn", metavar="VPN")
+    d.set_defaults(run=_cmd_vpn_disable)
+
+    s = sub.add_parser("status", help="per VPN: role, epoch, mode, lag, in-doubt txns, bridge")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(run=_cmd_status)
+    for name, text in (("promote", "standby -> active"), ("demote", "former active -> standby")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("vpn", metavar="VPN")
+        c.set_defaults(run=_not_yet(name))
+    c = sub.add_parser("reconcile", help="full-sync reconciliation of a VPN (PySpark)")
+    c.add_argument("vpn", metavar="VPN")
+    c.add_argument("--master", metavar="URL", help="Spark master (default local[*])")
+    c.set_defaults(run=_not_yet("reconcile"))
+    c = sub.add_parser("demo", help="two local sites, a workload, a promotion")
+    c.set_defaults(run=_not_yet("demo"), needs_config=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        args = _build_parser().parse_args(argv)
+        if args.verbose:
+            logging.getLogger().setLevel(logging.DEBUG)
+        run: Callable[[Any, argparse.Namespace], int] = args.run
+        cfg = None
+        if getattr(args, "needs_config", True):
+            if not args.config:
+                raise UsageError("vpnrepl: --config SITE.TOML is required for this command")
+            cfg = load_config(args.config, tuple(args.overrides))
+        return run(cfg, args)
+    except UsageError as e:
+        print(f"vpnrepl: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except PluginError as e:
+        print(f"vpnrepl: error: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return EXIT_FAILURE

@@ -1,0 +1,224 @@
+"""Site configuration: one TOML file per site, merged with CLI overrides.
+
+Everything about reading the file lives in :func:`load_config`, which either
+returns a frozen :class:`SiteConfig` or raises one :class:`ConfigError` naming
+the file and the dotted key. An unknown key is an error, not a warning: a typo
+such as ``amqp_ulr`` would otherwise silently fall back to a default and point
+the node at the wrong broker.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from ._errors import ConfigError
+
+__all__ = ["HostPort", "SiteConfig", "TlsConfig", "load_config", "redact_url"]
+
+
+@dataclass(frozen=True, slots=True)
+class HostPort:
+    """A ``host:port`` listen or connect address."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> HostPort:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host or not port_text.isdigit():
+            raise ValueError(f"expected HOST:PORT, got {text!r}")
+        port = int(port_text)
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port {port} is outside 0..65535")
+        return cls(host.strip("[]"), port)
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """Bridge TLS material; mutual TLS when ``ca`` is set."""
+
+    cert: Path
+    key: Path
+    ca: Path | None
+
+
+@dataclass(frozen=True, slots=True)
+class SiteConfig:
+    """A validated site configuration."""
+
+    path: str
+    site_name: str
+    amqp_url: str
+    management_url: str
+    listen_amqp: HostPort
+    listen_bridge: HostPort
+    listen_admin: HostPort
+    store_dsn: str
+    peer_bridge: HostPort | None
+    tls: TlsConfig | None
+
+
+_REQUIRED = object()
+
+
+def _url(*schemes: str) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in schemes or not parts.hostname:
+            raise ValueError(f"expected a {' or '.join(schemes)} URL with a host")
+        return value
+
+    return check
+
+
+def _site_name(value: str) -> str:
+    if not value or not all(c.isalnum() or c in "-_." for c in value):
+        raise ValueError("expected letters, digits, '-', '_' or '.'")
+    return value
+
+
+def _file(value: str) -> str:
+    if not value:
+        raise ValueError("expected a file path")
+    return value
+
+
+# section -> key -> (type, default or _REQUIRED, converter)
+_SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
+    "site": {"name": (str, _REQUIRED, _site_name)},
+    "broker": {
+        "amqp_url": (str, _REQUIRED, _url("amqp", "amqps")),
+        "management_url": (str, _REQUIRED, _url("http", "https")),
+    },
+    "listen": {
+        "amqp": (str, _REQUIRED, HostPort.parse),
+        "bridge": (str, _REQUIRED, HostPort.parse),
+        "admin": (str, "127.0.0.1:9480", HostPort.parse),
+    },
+    "store": {"dsn": (str, _REQUIRED, _url("postgresql", "postgres"))},
+    "peer": {"bridge": (str, None, HostPort.parse)},
+    "tls": {
+        "cert": (str, _REQUIRED, _file),
+        "key": (str, _REQUIRED, _file),
+        "ca": (str, None, _file),
+    },
+}
+_OPTIONAL_SECTIONS = {"peer", "tls"}
+
+
+def _parse_override(path: str, item: str) -> tuple[str, str, object]:
+    dotted, sep, raw = item.partition("=")
+    section, dot, key = dotted.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(path, None, f"override {item!r} is not SECTION.KEY=VALUE")
+    try:
+        value: object = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(path, None, "file not found") from e
+    except OSError as e:
+        raise ConfigError(path, None, f"cannot read: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(path, None, f"not valid TOML: {e}") from e
+
+
+def _validated_section(path: str, section: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    keys = _SCHEMA[section]
+    for key in given:
+        if key not in keys:
+            raise ConfigError(path, f"{section}.{key}", f"unknown key (known: {', '.join(keys)})")
+    values: dict[str, Any] = {}
+    for key, (typ, default, convert) in keys.items():
+        dotted = f"{section}.{key}"
+        if key not in given:
+            if default is _REQUIRED:
+                raise ConfigError(path, dotted, "required key is missing")
+            values[key] = default if default is None else convert(default)
+            continue
+        value = given[key]
+        if not isinstance(value, typ):
+            raise ConfigError(path, dotted, f"expected {typ.__name__}, got {type(value).__name__}")
+        try:
+            values[key] = convert(value)
+        except ValueError as e:
+            raise ConfigError(path, dotted, str(e)) from e
+    return values
+
+
+def _validated(path: str, raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    for section in raw:
+        if section not in _SCHEMA:
+            raise ConfigError(path, section, f"unknown section (known: {', '.join(_SCHEMA)})")
+        if not isinstance(raw[section], dict):
+            raise ConfigError(path, section, "expected a [section] table")
+    return {
+        section: _validated_section(path, section, raw.get(section) or {})
+        for section in _SCHEMA
+        if section in raw or section not in _OPTIONAL_SECTIONS
+    }
+
+
+def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
+    """Read ``path``, apply ``SECTION.KEY=VALUE`` overrides, validate, freeze.
+
+    Override values are TOML values when they parse as one (``5``, ``"x"``)
+    and plain strings otherwise (``127.0.0.1:5673``).
+    """
+    raw = _read_file(path)
+    for item in overrides:
+        section, key, value = _parse_override(path, item)
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(path, section, "expected a [section] table")
+        table[key] = value
+    v = _validated(path, raw)
+    tls = None
+    if "tls" in v:
+        base = Path(path).resolve().parent
+        files = {k: (base / p if p is not None else None) for k, p in v["tls"].items()}
+        for key, file in files.items():
+            if file is not None and not file.is_file():
+                raise ConfigError(path, f"tls.{key}", f"file not found: {file}")
+        cert, key_file = files["cert"], files["key"]
+        assert cert is not None and key_file is not None  # noqa: S101 - required keys
+        tls = TlsConfig(cert=cert, key=key_file, ca=files["ca"])
+    return SiteConfig(
+        path=path,
+        site_name=v["site"]["name"],
+        amqp_url=v["broker"]["amqp_url"],
+        management_url=v["broker"]["management_url"],
+        listen_amqp=v["listen"]["amqp"],
+        listen_bridge=v["listen"]["bridge"],
+        listen_admin=v["listen"]["admin"],
+        store_dsn=v["store"]["dsn"],
+        peer_bridge=v["peer"]["bridge"] if "peer" in v else None,
+        tls=tls,
+    )
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced, fit for a log line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.hostname}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -1,0 +1,142 @@
+"""The site database as the admin commands see it: VPN settings and status.
+
+Plain psycopg with parameterised SQL; every foreign error is translated here
+into the plugin's taxonomy (:class:`StoreUnavailable` when the server cannot
+be reached, :class:`StateError` when the schema is missing or a request
+conflicts with what is stored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.rows import dict_row
+
+from ._config import redact_url
+from ._errors import StateError, StoreUnavailable
+from ._vpn import VpnSettings
+
+__all__ = ["connect", "disable_vpn", "enable_vpn", "status"]
+
+
+@contextmanager
+def connect(dsn: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+    """A connection that commits on success; errors translated at this edge."""
+    try:
+        conn = psycopg.connect(dsn, row_factory=dict_row, connect_timeout=10)
+    except psycopg.OperationalError as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise StoreUnavailable(f"cannot connect to {redact_url(dsn)}: {reason}") from e
+    try:
+        with conn:
+            yield conn
+    except pg_errors.UndefinedTable as e:
+        raise StateError("the site database has no schema: run `vpnrepl init` first") from e
+
+
+def enable_vpn(conn: psycopg.Connection[dict[str, Any]], s: VpnSettings) -> bool:
+    """Store ``s``; returns True when the VPN was newly enabled.
+
+    Re-enabling an enabled VPN updates its mode, timeout, policy and scope. Its
+    role is not changed here: a role change moves the fencing epoch and must go
+    through ``promote``/``demote``.
+    """
+    row = conn.execute(
+        "SELECT role, enabled FROM vpn_config WHERE name = %s FOR UPDATE", (s.name,)
+    ).fetchone()
+    if row is not None and row["enabled"] and row["role"] != s.role:
+        raise StateError(
+            f"VPN {s.name!r} is already enabled as {row['role']}; "
+            "use `vpnrepl promote` or `vpnrepl demote` to change its role"
+        )
+    conn.execute(
+        """
+        INSERT INTO vpn_config AS c (name, enabled, role, mode, sync_timeout_ms,
+                                     on_sync_timeout, queue_patterns, topic_filters)
+        VALUES (%(name)s, true, %(role)s, %(mode)s, %(timeout)s, %(policy)s,
+                %(queues)s, %(topics)s)
+        ON CONFLICT (name) DO UPDATE SET
+            enabled = true, role = EXCLUDED.role, mode = EXCLUDED.mode,
+            sync_timeout_ms = EXCLUDED.sync_timeout_ms,
+            on_sync_timeout = EXCLUDED.on_sync_timeout,
+            queue_patterns = EXCLUDED.queue_patterns,
+            topic_filters = EXCLUDED.topic_filters,
+            updated_at = now()
+        """,
+        {
+            "name": s.name,
+            "role": s.role.value,
+            "mode": s.mode.value,
+            "timeout": s.sync_timeout_ms,
+            "policy": s.on_sync_timeout.value,
+            "queues": list(s.queue_patterns),
+            "topics": [str(t) for t in s.topic_filters],
+        },
+    )
+    conn.execute("INSERT INTO vpn_state (vpn) VALUES (%s) ON CONFLICT DO NOTHING", (s.name,))
+    return row is None or not row["enabled"]
+
+
+def disable_vpn(conn: psycopg.Connection[dict[str, Any]], name: str) -> None:
+    """Stop replicating ``name``; its replicated state is kept for a later enable."""
+    cur = conn.execute(
+        "UPDATE vpn_config SET enabled = false, updated_at = now() WHERE name = %s AND enabled",
+        (name,),
+    )
+    if cur.rowcount == 0:
+        raise StateError(f"VPN {name!r} is not enabled for replication")
+
+
+_STATUS_SQL = """
+SELECT c.name, c.role, c.epoch, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
+       c.queue_patterns, c.topic_filters,
+       s.sync_eligible, s.fenced, s.bridge_state, s.ledger_index, s.applied_index,
+       s.unknown_acks,
+       COALESCE(EXTRACT(EPOCH FROM (now() - s.applied_at)), 0)::float8 AS since_applied,
+       (SELECT count(*) FROM txn_log t
+         WHERE t.vpn = c.name AND t.state IN ('prepared', 'committed')) AS in_doubt,
+       (SELECT count(*) FROM txn_log t WHERE t.vpn = c.name AND t.degraded
+         AND t.state <> 'ended') AS degraded_txns
+FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
+WHERE c.enabled
+ORDER BY c.name
+"""
+
+
+def status(conn: psycopg.Connection[dict[str, Any]], site: str) -> dict[str, Any]:
+    """The ``status --json`` object for this site (key names are a contract)."""
+    queues: dict[str, dict[str, int]] = {}
+    for row in conn.execute(
+        "SELECT vpn, queue, count(*) AS n FROM live_message GROUP BY vpn, queue ORDER BY 1, 2"
+    ):
+        queues.setdefault(row["vpn"], {})[row["queue"]] = row["n"]
+    vpns = []
+    for r in conn.execute(_STATUS_SQL):
+        lag = max(r["ledger_index"] - r["applied_index"], 0) if r["role"] == "active" else 0
+        vpns.append(
+            {
+                "name": r["name"],
+                "role": r["role"],
+                "epoch": r["epoch"],
+                "mode": r["mode"],
+                "sync_timeout_ms": r["sync_timeout_ms"],
+                "on_sync_timeout": r["on_sync_timeout"],
+                "scope": {"queues": r["queue_patterns"], "topics": r["topic_filters"]},
+                "sync_eligible": r["sync_eligible"],
+                "fenced": r["fenced"],
+                "bridge": r["bridge_state"],
+                "ledger_index": r["ledger_index"],
+                "applied_index": r["applied_index"],
+                "lag_events": lag,
+                "lag_seconds": round(r["since_applied"], 3) if lag else 0.0,
+                "in_doubt_txns": r["in_doubt"],
+                "degraded_txns": r["degraded_txns"],
+                "unknown_acks": r["unknown_acks"],
+                "queues": queues.get(r["name"], {}),
+            }
+        )
+    return {"site": site, "vpns": vpns}

@@ -1,0 +1,112 @@
+"""Per-VPN replication settings as a validated value object.
+
+A VPN is a RabbitMQ vhost. Its replication scope is the union of two filters:
+queue-name regexes (``--queues``, matched with :func:`re.fullmatch`) and
+``EXCHANGE:PATTERN`` topic filters (``--topics``: a publish to EXCHANGE whose
+routing key matches the AMQP topic PATTERN is in scope for every queue it
+reaches). With neither filter, every queue of the VPN is in scope — what an
+operator who "enables replication for orders" expects.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TypeVar
+
+from ._errors import UsageError
+
+__all__ = ["Mode", "Role", "SyncTimeoutPolicy", "TopicFilter", "VpnSettings"]
+
+_E = TypeVar("_E", bound=StrEnum)
+
+DEFAULT_SYNC_TIMEOUT_MS = 2000
+MAX_SYNC_TIMEOUT_MS = 3_600_000
+
+
+class Role(StrEnum):
+    ACTIVE = "active"
+    STANDBY = "standby"
+
+
+class Mode(StrEnum):
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+class SyncTimeoutPolicy(StrEnum):
+    DEGRADE = "degrade"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class TopicFilter:
+    """``EXCHANGE:PATTERN``: publishes to EXCHANGE whose key matches PATTERN."""
+
+    exchange: str
+    pattern: str
+
+    @classmethod
+    def parse(cls, text: str) -> TopicFilter:
+        exchange, sep, pattern = text.partition(":")
+        if not sep or not pattern:
+            raise UsageError(f"--topics {text!r}: expected EXCHANGE:PATTERN")
+        if any(w not in ("*", "#") and ("*" in w or "#" in w) for w in pattern.split(".")):
+            raise UsageError(f"--topics {text!r}: '*' and '#' must stand alone between dots")
+        return cls(exchange, pattern)
+
+    def __str__(self) -> str:
+        return f"{self.exchange}:{self.pattern}"
+
+
+@dataclass(frozen=True, slots=True)
+class VpnSettings:
+    """What ``vpnrepl vpn enable`` stores for one VPN."""
+
+    name: str
+    role: Role
+    mode: Mode = Mode.ASYNC
+    sync_timeout_ms: int = DEFAULT_SYNC_TIMEOUT_MS
+    on_sync_timeout: SyncTimeoutPolicy = SyncTimeoutPolicy.DEGRADE
+    queue_patterns: tuple[str, ...] = ()
+    topic_filters: tuple[TopicFilter, ...] = ()
+
+    @classmethod
+    def from_args(
+        cls,
+        name: str,
+        role: str,
+        mode: str = Mode.ASYNC,
+        sync_timeout_ms: int = DEFAULT_SYNC_TIMEOUT_MS,
+        on_sync_timeout: str = SyncTimeoutPolicy.DEGRADE,
+        queues: tuple[str, ...] = (),
+        topics: tuple[str, ...] = (),
+    ) -> VpnSettings:
+        """Validate admin input; every fault names the option at fault."""
+        if not name or len(name.encode()) > 255:
+            raise UsageError("VPN name must be 1..255 bytes")
+        if not 1 <= sync_timeout_ms <= MAX_SYNC_TIMEOUT_MS:
+            raise UsageError(f"--sync-timeout-ms must be 1..{MAX_SYNC_TIMEOUT_MS}")
+        for regex in queues:
+            try:
+                re.compile(regex)
+            except re.error as e:
+                raise UsageError(f"--queues {regex!r}: not a valid regex: {e}") from e
+        return cls(
+            name=name,
+            role=_enum(Role, role, "--role"),
+            mode=_enum(Mode, mode, "--mode"),
+            sync_timeout_ms=sync_timeout_ms,
+            on_sync_timeout=_enum(SyncTimeoutPolicy, on_sync_timeout, "--on-sync-timeout"),
+            queue_patterns=tuple(queues),
+            topic_filters=tuple(TopicFilter.parse(t) for t in topics),
+        )
+
+
+def _enum(kind: type[_E], value: str, option: str) -> _E:
+    try:
+        return kind(value)
+    except ValueError as e:
+        allowed = "|".join(m.value for m in kind)
+        raise UsageError(f"{option} {value!r}: expected {allowed}") from e

@@ -1,0 +1,1 @@
+pytest_plugins = ["tests.fix_sites", "tests.fix_cli"]

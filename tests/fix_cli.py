@@ -1,0 +1,29 @@
+"""Run the installed ``vpnrepl`` console script as an admin would."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from plugin._localsites import LocalSite
+
+
+@dataclass
+class Vpnrepl:
+    config: Path
+
+    def __call__(self, *args: str, config: bool = True) -> subprocess.CompletedProcess[str]:
+        exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))
+        argv = [exe, *(["--config", str(self.config)] if config else []), *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.fixture
+def vpnrepl_a(site_a: LocalSite, tmp_path: Path) -> Vpnrepl:
+    """``vpnrepl`` with a config for site A."""
+    return Vpnrepl(site_a.write_config(tmp_path / "a.toml"))

@@ -1,0 +1,182 @@
+"""The admin's CLI against a real PostgreSQL: init, vpn enable/disable, status."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from plugin._localsites import LocalSite
+from tests.fix_cli import Vpnrepl
+
+CONTRACT_COMMANDS = ["init", "node", "vpn", "status", "promote", "demote", "reconcile", "demo"]
+
+
+def test_help_lists_every_contract_command(tmp_path: Path) -> None:
+    result = Vpnrepl(tmp_path / "unused.toml")("--help", config=False)
+    assert result.returncode == 0
+    for command in CONTRACT_COMMANDS:
+        assert f"    {command} " in result.stdout, command
+
+
+def test_init_creates_the_schema_and_is_idempotent(vpnrepl_a: Vpnrepl, site_a: LocalSite) -> None:
+    first = vpnrepl_a("init")
+    assert first.returncode == 0, first.stderr
+    assert "upgraded from empty to revision 0001" in first.stdout
+    second = vpnrepl_a("init")
+    assert second.returncode == 0, second.stderr
+    assert "schema is current (revision 0001)" in second.stdout
+    with psycopg.connect(site_a.pg.dsn()) as conn:
+        tables = {
+            r[0]
+            for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        }
+    assert {
+        "vpn_config",
+        "vpn_state",
+        "ledger",
+        "live_message",
+        "txn_log",
+        "node_incarnation",
+        "alembic_version",
+    } <= tables
+
+
+def test_enable_then_status_json_shows_role_and_mode(vpnrepl_a: Vpnrepl) -> None:
+    assert vpnrepl_a("init").returncode == 0
+    result = vpnrepl_a(
+        "vpn",
+        "enable",
+        "orders",
+        "--role",
+        "active",
+        "--mode",
+        "sync",
+        "--sync-timeout-ms",
+        "750",
+        "--on-sync-timeout",
+        "reject",
+        "--queues",
+        r"orders\..*",
+        "--topics",
+        "amq.topic:orders.#",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "VPN 'orders' enabled" in result.stdout
+    assert vpnrepl_a("vpn", "enable", "audit", "--role", "standby").returncode == 0
+
+    status = vpnrepl_a("status", "--json")
+    assert status.returncode == 0, status.stderr
+    doc = json.loads(status.stdout)
+    assert doc["site"] == "a"
+    by_name = {v["name"]: v for v in doc["vpns"]}
+    orders = by_name["orders"]
+    assert (orders["role"], orders["mode"], orders["epoch"]) == ("active", "sync", 1)
+    assert orders["sync_timeout_ms"] == 750
+    assert orders["on_sync_timeout"] == "reject"
+    assert orders["scope"] == {"queues": [r"orders\..*"], "topics": ["amq.topic:orders.#"]}
+    for key in (
+        "sync_eligible",
+        "bridge",
+        "ledger_index",
+        "applied_index",
+        "lag_events",
+        "lag_seconds",
+        "in_doubt_txns",
+        "queues",
+    ):
+        assert key in orders, key
+    assert orders["in_doubt_txns"] == 0 and orders["queues"] == {}
+    assert (by_name["audit"]["role"], by_name["audit"]["mode"]) == ("standby", "async")
+
+    text = vpnrepl_a("status")
+    assert text.returncode == 0
+    assert "orders: active epoch 1 sync" in text.stdout
+
+
+def test_reenable_updates_settings_but_refuses_a_role_change(vpnrepl_a: Vpnrepl) -> None:
+    assert vpnrepl_a("init").returncode == 0
+    assert vpnrepl_a("vpn", "enable", "orders", "--role", "active").returncode == 0
+    again = vpnrepl_a("vpn", "enable", "orders", "--role", "active", "--mode", "sync")
+    assert again.returncode == 0 and "updated" in again.stdout
+    flip = vpnrepl_a("vpn", "enable", "orders", "--role", "standby")
+    assert flip.returncode == 1
+    assert "already enabled as active" in flip.stderr and "promote" in flip.stderr
+    doc = json.loads(vpnrepl_a("status", "--json").stdout)
+    assert [(v["role"], v["mode"]) for v in doc["vpns"]] == [("active", "sync")]
+
+
+def test_disable_removes_the_vpn_from_status(vpnrepl_a: Vpnrepl) -> None:
+    assert vpnrepl_a("init").returncode == 0
+    assert vpnrepl_a("vpn", "enable", "orders", "--role", "active").returncode == 0
+    assert vpnrepl_a("vpn", "disable", "orders").returncode == 0
+    assert json.loads(vpnrepl_a("status", "--json").stdout)["vpns"] == []
+    again = vpnrepl_a("vpn", "disable", "orders")
+    assert again.returncode == 1
+    assert "'orders' is not enabled" in again.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--queues", "orders.(["], "--queues 'orders.([': not a valid regex"),
+        (["--topics", "no-colon"], "--topics 'no-colon': expected EXCHANGE:PATTERN"),
+        (["--topics", "x:a.b*.c"], "must stand alone"),
+        (["--sync-timeout-ms", "0"], "--sync-timeout-ms must be"),
+        (["--mode", "eventual"], "argument --mode: invalid choice"),
+    ],
+)
+def test_bad_vpn_arguments_exit_2_naming_the_option(
+    vpnrepl_a: Vpnrepl, args: list[str], needle: str
+) -> None:
+    result = vpnrepl_a("vpn", "enable", "orders", "--role", "active", *args)
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_status_before_init_says_to_run_init(vpnrepl_a: Vpnrepl) -> None:
+    result = vpnrepl_a("status", "--json")
+    assert result.returncode == 1
+    assert "run `vpnrepl init`" in result.stderr
+
+
+def test_unreachable_database_is_a_clear_failure_without_the_password(
+    tmp_path: Path, site_a: LocalSite
+) -> None:
+    text = site_a.config_text().replace(
+        site_a.pg.dsn(), "postgresql://admin:hunter2@127.0.0.1:1/vpnrepl"
+    )
+    cfg = tmp_path / "down.toml"
+    cfg.write_text(text)
+    result = Vpnrepl(cfg)("status")
+    assert result.returncode == 1
+    assert "cannot connect to postgresql://admin:***@127.0.0.1:1/vpnrepl" in result.stderr
+    assert "hunter2" not in result.stderr
+
+
+def test_config_errors_exit_2_naming_file_and_key(tmp_path: Path, site_a: LocalSite) -> None:
+    cfg = tmp_path / "typo.toml"
+    cfg.write_text(site_a.config_text().replace("management_url", "managment_url"))
+    result = Vpnrepl(cfg)("status")
+    assert result.returncode == 2
+    assert f"{cfg}: broker.managment_url: unknown key" in result.stderr
+    cfg.write_text(site_a.config_text().replace("[store]\ndsn", "[store]\nfoo"))
+    result = Vpnrepl(cfg)("init")
+    assert result.returncode == 2
+    assert "store.foo: unknown key" in result.stderr
+    missing = Vpnrepl(tmp_path / "nope.toml")("status")
+    assert missing.returncode == 2 and "file not found" in missing.stderr
+    no_config = Vpnrepl(cfg)("status", config=False)
+    assert no_config.returncode == 2 and "--config SITE.TOML is required" in no_config.stderr
+
+
+@pytest.mark.parametrize(
+    "command", [["node"], ["promote", "orders"], ["demote", "orders"], ["reconcile", "orders"]]
+)
+def test_commands_not_landed_yet_fail_honestly(vpnrepl_a: Vpnrepl, command: list[str]) -> None:
+    result = vpnrepl_a(*command)
+    assert result.returncode == 1
+    assert "not implemented yet" in result.stderr

@@ -1,0 +1,414 @@
+"""AMQP 0-9-1 wire pieces the listener needs, without I/O.
+
+Invariant: bytes the listener does not have to change are relayed exactly as
+received. The :class:`FrameSplitter` cuts the stream on frame headers (7 bytes
+and a frame-end octet, ~1.6 µs a frame) and hands back offsets, never copies;
+only the frames replication needs are decoded — the hot ones (publish, ack,
+deliver, confirms) with ``struct`` here, the rare ones with pamqp. A content
+header that must carry a replication id is *spliced*, not re-encoded: pamqp
+would re-encode every header value with its own choice of integer width, and a
+Java consumer expecting an ``Integer`` would then get a ``Byte``.
+
+Protocol faults are exceptions whose class carries the AMQP reply code, found
+through :data:`REPLY_CODES`, so the session can close the client connection
+with the right code and a reply text that names the fault.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pamqp import commands, decode, frame
+
+__all__ = [
+    "AMQPError",
+    "CommandInvalid",
+    "FrameError",
+    "FrameSplitter",
+    "NotAllowed",
+    "PROTOCOL_HEADER",
+    "REPLY_CODES",
+    "SyntaxError_",
+    "UnexpectedFrame",
+]
+
+PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
+FRAME_METHOD, FRAME_HEADER, FRAME_BODY, FRAME_HEARTBEAT = 1, 2, 3, 8
+FRAME_END = 0xCE
+_FRAME_HEAD = struct.Struct(">BHI")
+_METHOD_ID = struct.Struct(">HH")
+_U64 = struct.Struct(">Q")
+_U32 = struct.Struct(">I")
+_U16 = struct.Struct(">H")
+
+# (class id, method id) of the methods the session looks at.
+CONNECTION_TUNE_OK = (10, 31)
+CONNECTION_OPEN = (10, 40)
+CONNECTION_OPEN_OK = (10, 41)
+CONNECTION_CLOSE = (10, 50)
+CONNECTION_CLOSE_OK = (10, 51)
+CHANNEL_OPEN = (20, 10)
+CHANNEL_CLOSE = (20, 40)
+CHANNEL_CLOSE_OK = (20, 41)
+EXCHANGE_DECLARE, EXCHANGE_DECLARE_OK = (40, 10), (40, 11)
+EXCHANGE_DELETE, EXCHANGE_DELETE_OK = (40, 20), (40, 21)
+EXCHANGE_BIND, EXCHANGE_BIND_OK = (40, 30), (40, 31)
+EXCHANGE_UNBIND, EXCHANGE_UNBIND_OK = (40, 40), (40, 51)
+QUEUE_DECLARE, QUEUE_DECLARE_OK = (50, 10), (50, 11)
+QUEUE_BIND, QUEUE_BIND_OK = (50, 20), (50, 21)
+QUEUE_PURGE, QUEUE_PURGE_OK = (50, 30), (50, 31)
+QUEUE_DELETE, QUEUE_DELETE_OK = (50, 40), (50, 41)
+QUEUE_UNBIND, QUEUE_UNBIND_OK = (50, 50), (50, 51)
+BASIC_CONSUME, BASIC_CONSUME_OK = (60, 20), (60, 21)
+BASIC_CANCEL, BASIC_CANCEL_OK = (60, 30), (60, 31)
+BASIC_PUBLISH = (60, 40)
+BASIC_RETURN = (60, 50)
+BASIC_DELIVER = (60, 60)
+BASIC_GET, BASIC_GET_OK, BASIC_GET_EMPTY = (60, 70), (60, 71), (60, 72)
+BASIC_ACK = (60, 80)
+BASIC_REJECT = (60, 90)
+BASIC_RECOVER_ASYNC, BASIC_RECOVER = (60, 100), (60, 110)
+BASIC_NACK = (60, 120)
+CONFIRM_SELECT, CONFIRM_SELECT_OK = (85, 10), (85, 11)
+TX_SELECT, TX_SELECT_OK = (90, 10), (90, 11)
+TX_COMMIT, TX_COMMIT_OK = (90, 20), (90, 21)
+TX_ROLLBACK, TX_ROLLBACK_OK = (90, 30), (90, 31)
+
+# Methods that carry content (a header and body frames follow).
+CONTENT_METHODS = {BASIC_PUBLISH, BASIC_RETURN, BASIC_DELIVER, BASIC_GET_OK}
+_KNOWN_METHODS = {(index >> 16, index & 0xFFFF) for index in commands.INDEX_MAPPING}
+
+
+# ---------------------------------------------------------------- errors
+
+
+class AMQPError(Exception):
+    """A protocol fault; ``reply_code`` and ``reply_text`` go on the wire."""
+
+    reply_code: ClassVar[int] = 541
+    reply_name: ClassVar[str] = "INTERNAL_ERROR"
+
+    def __init__(self, text: str, method: tuple[int, int] = (0, 0)) -> None:
+        super().__init__(text)
+        self.method = method
+
+    @property
+    def reply_text(self) -> str:
+        text = f"{self.reply_name} - {self.args[0]}"
+        return text.encode()[:255].decode(errors="ignore")
+
+
+class FrameError(AMQPError):
+    reply_code, reply_name = 501, "FRAME_ERROR"
+
+
+class SyntaxError_(AMQPError):  # noqa: N801 - the AMQP name, kept apart from the builtin
+    reply_code, reply_name = 502, "SYNTAX_ERROR"
+
+
+class CommandInvalid(AMQPError):
+    reply_code, reply_name = 503, "COMMAND_INVALID"
+
+
+class UnexpectedFrame(AMQPError):
+    reply_code, reply_name = 505, "UNEXPECTED_FRAME"
+
+
+class NotAllowed(AMQPError):
+    reply_code, reply_name = 530, "NOT_ALLOWED"
+
+
+class ConnectionForced(AMQPError):
+    reply_code, reply_name = 320, "CONNECTION_FORCED"
+
+
+REPLY_CODES: dict[int, type[AMQPError]] = {
+    cls.reply_code: cls
+    for cls in (
+        FrameError,
+        SyntaxError_,
+        CommandInvalid,
+        UnexpectedFrame,
+        NotAllowed,
+        ConnectionForced,
+        AMQPError,
+    )
+}
+
+
+# ---------------------------------------------------------------- frames
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One frame inside a buffer: ``buf[start:end]`` is the whole frame."""
+
+    type: int
+    channel: int
+    start: int
+    end: int
+
+    @property
+    def payload_start(self) -> int:
+        return self.start + 7
+
+    @property
+    def payload_end(self) -> int:
+        return self.end - 1
+
+
+class FrameSplitter:
+    """Cut a byte stream into frames; keep the incomplete tail for next time.
+
+    ``frame_max`` (0: no limit) is the negotiated maximum frame size; a larger
+    frame is a :class:`FrameError` as soon as its header is seen, before its
+    payload is buffered, so an oversize frame cannot exhaust memory.
+    """
+
+    def __init__(self, frame_max: int = 0) -> None:
+        self.frame_max = frame_max
+        self._tail = b""
+
+    def feed(self, data: bytes) -> tuple[bytes, list[Frame]]:
+        """Return ``(buffer, frames)``: the frames complete in ``buffer``."""
+        buf = self._tail + data if self._tail else data
+        frames: list[Frame] = []
+        pos, n = 0, len(buf)
+        limit = self.frame_max
+        while n - pos >= 7:
+            ftype, channel, size = _FRAME_HEAD.unpack_from(buf, pos)
+            if ftype not in (FRAME_METHOD, FRAME_HEADER, FRAME_BODY, FRAME_HEARTBEAT):
+                if buf[pos : pos + 4] == b"AMQP":
+                    raise FrameError("protocol header received inside an open connection")
+                raise FrameError(f"unknown frame type {ftype}")
+            if limit and size + 8 > limit:
+                raise FrameError(f"frame of {size + 8} bytes exceeds frame-max {limit}")
+            end = pos + 7 + size + 1
+            if end > n:
+                break
+            if buf[end - 1] != FRAME_END:
+                raise FrameError(f"frame-end octet is {buf[end - 1]:#04x}, expected 0xce")
+            frames.append(Frame(ftype, channel, pos, end))
+            pos = end
+        self._tail = buf[pos:]
+        return buf, frames
+
+    @property
+    def pending(self) -> int:
+        return len(self._tail)
+
+
+def method_id(buf: bytes, f: Frame) -> tuple[int, int]:
+    if f.end - f.start < 12:
+        raise FrameError("method frame too short for a class and method id")
+    ids: tuple[int, int] = _METHOD_ID.unpack_from(buf, f.payload_start)
+    if ids not in _KNOWN_METHODS:
+        raise CommandInvalid(f"unknown class {ids[0]} method {ids[1]}", ids)
+    return ids
+
+
+def decode_method(buf: bytes, f: Frame) -> commands.base.Frame:
+    """Decode a rare method frame with pamqp; faults become 502 SYNTAX_ERROR."""
+    try:
+        _, _, value = frame.unmarshal(buf[f.start : f.end])
+    except Exception as e:  # pamqp raises several types for malformed arguments
+        ids = _METHOD_ID.unpack_from(buf, f.payload_start)
+        raise SyntaxError_(f"malformed arguments of method {ids[0]}.{ids[1]}", ids) from e
+    assert isinstance(value, commands.base.Frame)  # noqa: S101 - method frames decode to methods
+    return value
+
+
+def marshal_method(method: commands.base.Frame, channel: int) -> bytes:
+    return frame.marshal(method, channel)
+
+
+# ------------------------------------------------- hot methods, by struct
+
+
+def _shortstr(buf: bytes, pos: int) -> tuple[str, int]:
+    n = buf[pos]
+    return buf[pos + 1 : pos + 1 + n].decode(), pos + 1 + n
+
+
+def decode_publish(buf: bytes, f: Frame) -> tuple[str, str, bool]:
+    """basic.publish → (exchange, routing key, mandatory)."""
+    try:
+        pos = f.payload_start + 4 + 2  # ids, reserved-1
+        exchange, pos = _shortstr(buf, pos)
+        key, pos = _shortstr(buf, pos)
+        if pos >= f.payload_end:
+            raise IndexError
+        return exchange, key, bool(buf[pos] & 1)
+    except (IndexError, UnicodeDecodeError) as e:
+        raise SyntaxError_("malformed basic.publish", BASIC_PUBLISH) from e
+
+
+def decode_ack(buf: bytes, f: Frame) -> tuple[int, bool, bool]:
+    """basic.ack / basic.nack / basic.reject → (delivery tag, multiple, requeue).
+
+    For basic.ack ``requeue`` is False; for basic.reject ``multiple`` is False.
+    """
+    pos = f.payload_start + 4
+    if f.payload_end - pos < 9:
+        ids = _METHOD_ID.unpack_from(buf, f.payload_start)
+        raise SyntaxError_(f"malformed arguments of method {ids[0]}.{ids[1]}", ids)
+    tag = _U64.unpack_from(buf, pos)[0]
+    bits = buf[pos + 8]
+    kind = buf[f.payload_start + 3]  # method id low byte: 80 ack, 90 reject, 120 nack
+    if kind == 80:
+        return tag, bool(bits & 1), False
+    if kind == 90:
+        return tag, False, bool(bits & 1)
+    return tag, bool(bits & 1), bool(bits & 2)
+
+
+def decode_deliver(buf: bytes, f: Frame) -> tuple[str, int]:
+    """basic.deliver → (consumer tag, delivery tag)."""
+    try:
+        tag, pos = _shortstr(buf, f.payload_start + 4)
+        return tag, _U64.unpack_from(buf, pos)[0]
+    except (IndexError, UnicodeDecodeError, struct.error) as e:
+        raise SyntaxError_("malformed basic.deliver", BASIC_DELIVER) from e
+
+
+def decode_get_ok(buf: bytes, f: Frame) -> int:
+    """basic.get-ok → delivery tag."""
+    return int(_U64.unpack_from(buf, f.payload_start + 4)[0])
+
+
+def encode_ack(channel: int, tag: int, multiple: bool) -> bytes:
+    payload = b"\x00\x3c\x00\x50" + _U64.pack(tag) + (b"\x01" if multiple else b"\x00")
+    return _FRAME_HEAD.pack(FRAME_METHOD, channel, len(payload)) + payload + b"\xce"
+
+
+def encode_nack(channel: int, tag: int, multiple: bool) -> bytes:
+    payload = b"\x00\x3c\x00\x78" + _U64.pack(tag) + (b"\x01" if multiple else b"\x00")
+    return _FRAME_HEAD.pack(FRAME_METHOD, channel, len(payload)) + payload + b"\xce"
+
+
+def content_body_size(buf: bytes, f: Frame) -> int:
+    if f.payload_end - f.payload_start < 14:
+        raise SyntaxError_("content header frame too short")
+    return int(_U64.unpack_from(buf, f.payload_start + 4)[0])
+
+
+# ------------------------------------------------- content header splicing
+
+_FLAG_CONTENT_TYPE, _FLAG_CONTENT_ENCODING = 0x8000, 0x4000
+_FLAG_HEADERS, _FLAG_DELIVERY_MODE = 0x2000, 0x1000
+
+
+@dataclass(frozen=True, slots=True)
+class PropertyLayout:
+    """Where the headers table and delivery mode sit in a content header."""
+
+    flags: int
+    headers_at: int  # offset of the table (its length) or of where it would go
+    headers_end: int  # == headers_at when there is no table
+    delivery_mode: int | None
+
+
+def property_layout(payload: bytes) -> PropertyLayout:
+    """Read just enough of a content header payload (without the frame head)."""
+    try:
+        flags = _U16.unpack_from(payload, 12)[0]
+        pos = 14
+        if flags & 1:
+            raise SyntaxError_("content header property flags continue past one word")
+        if flags & _FLAG_CONTENT_TYPE:
+            pos += 1 + payload[pos]
+        if flags & _FLAG_CONTENT_ENCODING:
+            pos += 1 + payload[pos]
+        headers_at = pos
+        if flags & _FLAG_HEADERS:
+            pos += 4 + _U32.unpack_from(payload, pos)[0]
+        delivery_mode = None
+        if flags & _FLAG_DELIVERY_MODE:
+            delivery_mode = payload[pos]
+        if pos > len(payload):
+            raise IndexError
+        return PropertyLayout(flags, headers_at, pos, delivery_mode)
+    except (IndexError, struct.error) as e:
+        raise SyntaxError_("malformed content header properties") from e
+
+
+def _table_entries(table: bytes) -> list[tuple[str, int, int]]:
+    """(key, entry start, entry end) of each entry of a field table's body."""
+    out = []
+    pos = 0
+    while pos < len(table):
+        start = pos
+        klen = table[pos]
+        key = table[pos + 1 : pos + 1 + klen].decode(errors="replace")
+        pos += 1 + klen
+        consumed, _ = decode.embedded_value(table[pos:])
+        pos += consumed
+        out.append((key, start, pos))
+    return out
+
+
+def splice_header(payload: bytes, layout: PropertyLayout, key: str, value: str) -> bytes:
+    """The content header payload with ``key: value`` (longstr) in its headers.
+
+    Every other byte stays as the client sent it; an existing ``key`` is
+    replaced (a message re-published from a replicated queue gets a new id).
+    """
+    entry = bytes([len(key)]) + key.encode() + b"S" + _U32.pack(len(value)) + value.encode()
+    if layout.flags & _FLAG_HEADERS:
+        body = payload[layout.headers_at + 4 : layout.headers_end]
+        if key.encode() in body:
+            try:
+                kept = [body[s:e] for k, s, e in _table_entries(body) if k != key]
+            except (ValueError, IndexError) as e:
+                raise SyntaxError_("malformed headers table in content header") from e
+            body = b"".join(kept)
+        table = _U32.pack(len(body) + len(entry)) + body + entry
+        return payload[: layout.headers_at] + table + payload[layout.headers_end :]
+    flags = _U16.pack(layout.flags | _FLAG_HEADERS)
+    table = _U32.pack(len(entry)) + entry
+    return (
+        payload[:12]
+        + flags
+        + payload[14 : layout.headers_at]
+        + table
+        + payload[layout.headers_at :]
+    )
+
+
+def find_header(payload: bytes, layout: PropertyLayout, key: str) -> str | None:
+    """The longstr value of ``key`` in the headers, or None."""
+    if not layout.flags & _FLAG_HEADERS:
+        return None
+    body = payload[layout.headers_at + 4 : layout.headers_end]
+    needle = bytes([len(key)]) + key.encode() + b"S"
+    at = body.find(needle)
+    if at < 0:
+        return None
+    try:
+        for k, s, e in _table_entries(body):
+            if k == key:
+                value_len = _U32.unpack_from(body, s + len(needle))[0]
+                start = s + len(needle) + 4
+                if start + value_len != e:
+                    return None
+                return body[start:e].decode(errors="replace")
+    except (ValueError, IndexError, struct.error):
+        return None
+    return None
+
+
+def decode_headers(payload: bytes, layout: PropertyLayout) -> dict[str, object]:
+    """The decoded headers table (pamqp types), for routing by headers/CC/BCC."""
+    if not layout.flags & _FLAG_HEADERS:
+        return {}
+    try:
+        _, table = decode.field_table(payload[layout.headers_at : layout.headers_end])
+    except ValueError as e:
+        raise SyntaxError_("malformed headers table in content header") from e
+    return dict(table)
+
+
+def frame_bytes(ftype: int, channel: int, payload: bytes) -> bytes:
+    return _FRAME_HEAD.pack(ftype, channel, len(payload)) + payload + b"\xce"

@@ -1,0 +1,186 @@
+"""What the listener tells replication: typed events and the sink interface.
+
+The listener hands every event to a :class:`ReplicationSink` in the order it
+saw them on the wire, so a consumption always follows its publish. The bridge
+implements the sink (ledger, standby acknowledgements); :class:`MemorySink`
+is the in-process implementation used by tests and the listener benchmark.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Consumed",
+    "Event",
+    "IdSource",
+    "LocalTransaction",
+    "MemorySink",
+    "Published",
+    "ReplicationId",
+    "ReplicationSink",
+    "TransactionRefused",
+]
+
+#: The message header carrying a replication id (our own: JMS clients do not
+#: set ``message_id``, and a client's own properties must stay the client's).
+REPLICATION_HEADER = "x-vpnrepl-id"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicationId:
+    """128 bits: a process incarnation (persisted at start) and a counter.
+
+    Not derived from the ledger index: the id is put into the message before
+    its ledger entry is durable, so a restarted node must never hand out an
+    id again; a new incarnation guarantees it.
+    """
+
+    value: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.value) != 16:
+            raise ValueError(f"a replication id is 16 bytes, got {len(self.value)}")
+
+    @classmethod
+    def from_parts(cls, incarnation: int, counter: int) -> ReplicationId:
+        if not 0 <= incarnation < 2**64 or not 0 <= counter < 2**64:
+            raise ValueError("incarnation and counter must fit in 64 bits")
+        return cls(incarnation.to_bytes(8, "big") + counter.to_bytes(8, "big"))
+
+    @classmethod
+    def from_hex(cls, text: str) -> ReplicationId:
+        if len(text) != 32:
+            raise ValueError(f"a replication id is 32 hex digits, got {len(text)}")
+        return cls(bytes.fromhex(text))
+
+    @property
+    def hex(self) -> str:
+        return self.value.hex()
+
+    def __str__(self) -> str:
+        return self.hex
+
+
+class IdSource:
+    """Hands out replication ids for one process incarnation."""
+
+    def __init__(self, incarnation: int) -> None:
+        self._prefix = incarnation.to_bytes(8, "big")
+        self._counter = itertools.count(1)
+
+    def next(self) -> ReplicationId:
+        return ReplicationId(self._prefix + next(self._counter).to_bytes(8, "big"))
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """A persistent publish routed to in-scope queues of a replicated VPN.
+
+    ``properties`` is the content header's property bytes (flags and values)
+    exactly as the broker received them, replication header included, so the
+    standby can materialise the message byte for byte.
+    """
+
+    vpn: str
+    repl_id: ReplicationId
+    exchange: str
+    routing_key: str
+    properties: bytes
+    body: bytes
+    queues: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Consumed:
+    """A replicated message left ``queue`` for good (ack, nack/reject without
+    requeue, or delivery to a no-ack consumer)."""
+
+    vpn: str
+    repl_id: ReplicationId
+    queue: str
+
+
+Event = Published | Consumed
+
+
+@dataclass(frozen=True, slots=True)
+class LocalTransaction:
+    """The replicated events of one ``tx.commit`` on one channel."""
+
+    vpn: str
+    connection: int
+    channel: int
+    sequence: int
+    events: tuple[Event, ...]
+
+    @property
+    def txid(self) -> str:
+        return f"{self.connection}.{self.channel}.{self.sequence}"
+
+
+class TransactionRefused(Exception):
+    """The sink could not prepare a transaction; ``reason`` goes to the client."""
+
+
+class ReplicationSink(abc.ABC):
+    """Where the listener's events go. Implemented by the bridge."""
+
+    @abc.abstractmethod
+    def append(self, event: Event, on_durable: Callable[[bool], None] | None) -> None:
+        """Take ``event`` in listener order.
+
+        ``on_durable(ok)`` is called once the event is as durable as its VPN's
+        mode requires; ``ok=False`` means the client's confirm must be a nack.
+        It may be called before ``append`` returns.
+        """
+
+    @abc.abstractmethod
+    async def prepare(self, txn: LocalTransaction) -> None:
+        """Persist ``txn`` as prepared; raise :class:`TransactionRefused` if not."""
+
+    @abc.abstractmethod
+    async def commit(self, txn: LocalTransaction) -> None:
+        """Persist the commit decision of a prepared ``txn`` and apply it."""
+
+    @abc.abstractmethod
+    async def abort(self, txn: LocalTransaction) -> None:
+        """Forget a prepared ``txn`` whose broker commit did not happen."""
+
+    def full(self) -> bool:
+        """True while the sink holds as many not-yet-durable events as it may;
+        the listener then stops reading the client (TCP backpressure)."""
+        return False
+
+    async def wait_for_room(self) -> None:
+        """Return once :meth:`full` is False again (at once for a sink that
+        is never full)."""
+        return None
+
+
+@dataclass
+class MemorySink(ReplicationSink):
+    """Keeps events in memory and reports them durable at once."""
+
+    events: list[Event] = field(default_factory=list)
+    committed: list[LocalTransaction] = field(default_factory=list)
+    prepared: list[LocalTransaction] = field(default_factory=list)
+    aborted: list[LocalTransaction] = field(default_factory=list)
+
+    def append(self, event: Event, on_durable: Callable[[bool], None] | None) -> None:
+        self.events.append(event)
+        if on_durable is not None:
+            on_durable(True)
+
+    async def prepare(self, txn: LocalTransaction) -> None:
+        self.prepared.append(txn)
+
+    async def commit(self, txn: LocalTransaction) -> None:
+        self.committed.append(txn)
+        self.events.extend(txn.events)
+
+    async def abort(self, txn: LocalTransaction) -> None:
+        self.aborted.append(txn)

@@ -1,0 +1,295 @@
+"""The AMQP listener: the asyncio shell around :class:`Session`.
+
+One upstream broker connection per client connection; the handshake is
+relayed, so RabbitMQ itself authenticates the client and this process holds no
+client credentials. asyncio *protocols* (not streams) move the bytes: each
+``data_received`` feeds the session and writes what it returns, without a
+task switch. Backpressure is TCP's: when one side's write buffer fills, the
+other side stops being read (``pause_writing`` → ``pause_reading``), and a
+publishing client is not read while the replication sink's backlog is over its
+limit. Foreign errors (``OSError`` from connect) are translated here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from ._directory import VpnDirectory
+from ._events import IdSource, LocalTransaction, ReplicationSink, TransactionRefused
+from ._session import BrokerUnavailable, Output, Session
+
+__all__ = ["BrokerAddress", "Listener"]
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 5.0
+CLOSE_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerAddress:
+    """Where the site's RabbitMQ accepts AMQP (from ``broker.amqp_url``)."""
+
+    host: str
+    port: int
+    tls: bool = False
+
+    @classmethod
+    def from_url(cls, url: str) -> BrokerAddress:
+        parts = urlsplit(url)
+        tls = parts.scheme == "amqps"
+        return cls(parts.hostname or "127.0.0.1", parts.port or (5671 if tls else 5672), tls)
+
+
+def _nodelay(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+class _BrokerSide(asyncio.Protocol):
+    def __init__(self, conn: _ClientSide) -> None:
+        self.conn = conn
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)  # noqa: S101
+        self.transport = transport
+        _nodelay(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.conn.apply(self.conn.session.broker_data(data))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conn.broker_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.conn.pause_client()
+
+    def resume_writing(self) -> None:
+        self.conn.resume_client()
+
+
+class _ClientSide(asyncio.Protocol):
+    """One client connection and its upstream."""
+
+    def __init__(self, listener: Listener) -> None:
+        self.listener = listener
+        self.session = Session(listener.directory, listener.ids)
+        self.transport: asyncio.Transport | None = None
+        self.broker: _BrokerSide | None = None
+        self.refusal: BrokerUnavailable | None = None
+        self._early: list[bytes] = []
+        self._paused_by: set[str] = set()
+        self._closed = False
+        self._close_timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # client transport callbacks ------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)  # noqa: S101
+        self.transport = transport
+        _nodelay(transport)
+        self.listener.connections.add(self)
+        self._spawn(self._connect_upstream())
+
+    def data_received(self, data: bytes) -> None:
+        if self.refusal is not None:
+            self._write_client(self.refusal.client_data(data))
+            if self.refusal.done:
+                self.close()
+            return
+        if self.broker is None or self.broker.transport is None:
+            self._early.append(data)  # the upstream connect is in progress
+            return
+        self.apply(self.session.client_data(data))
+        if self.listener.sink.full():
+            self._pause("sink")
+            self._spawn(self._wait_for_sink())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.session.client_done = True
+        self.close()
+
+    def pause_writing(self) -> None:
+        if self.broker is not None and self.broker.transport is not None:
+            self.broker.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.broker is not None and self.broker.transport is not None:
+            self.broker.transport.resume_reading()
+
+    # plumbing ---------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _connect_upstream(self) -> None:
+        addr = self.listener.broker
+        loop = asyncio.get_running_loop()
+        broker = _BrokerSide(self)
+        try:
+            await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: broker,
+                    addr.host,
+                    addr.port,
+                    ssl=self.listener.broker_ssl if addr.tls else None,
+                ),
+                CONNECT_TIMEOUT,
+            )
+        except (OSError, TimeoutError) as e:
+            reason = f"{addr.host}:{addr.port}: {getattr(e, 'strerror', None) or 'timed out'}"
+            log.warning("broker unreachable for a client connection: %s", reason)
+            self.refusal = BrokerUnavailable(reason)
+            early, self._early = self._early, []
+            for chunk in early:
+                self.data_received(chunk)
+            return
+        if self._closed:
+            if broker.transport is not None:
+                broker.transport.close()
+            return
+        self.broker = broker
+        early, self._early = self._early, []
+        for chunk in early:
+            self.data_received(chunk)
+
+    def apply(self, out: Output) -> None:
+        """Carry out what the session asked for."""
+        if out.to_broker and self.broker is not None and self.broker.transport is not None:
+            self.broker.transport.writelines(out.to_broker)
+        if out.to_client:
+            self._write_client(out.to_client)
+        sink = self.listener.sink
+        for event, key in out.events:
+            sink.append(event, self._confirm_callback(key) if key is not None else None)
+        for txn in out.prepare:
+            self._spawn(self._prepare(txn))
+        for txn in out.commit:
+            self._spawn(self._commit(txn))
+        if out.drop_broker and self.broker is not None and self.broker.transport is not None:
+            self.broker.transport.close()
+        if self.session.closing and not self._close_timer and not self._closed:
+            self._close_timer = asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, self.close)
+        if self.session.client_done and (self.session.broker_done or out.drop_broker):
+            self.close()
+
+    def _confirm_callback(self, key: tuple[int, int]) -> Callable[[bool], None]:
+        channel, seq = key
+
+        def done(ok: bool) -> None:
+            if not self._closed:
+                self.apply(self.session.replicated_done(channel, seq, ok))
+
+        return done
+
+    async def _prepare(self, txn: LocalTransaction) -> None:
+        refused: str | None = None
+        try:
+            await self.listener.sink.prepare(txn)
+        except TransactionRefused as e:
+            refused = str(e)
+        if not self._closed:
+            self.apply(self.session.transaction_prepared(txn.channel, refused))
+
+    async def _commit(self, txn: LocalTransaction) -> None:
+        await self.listener.sink.commit(txn)
+        if not self._closed:
+            self.apply(self.session.transaction_committed(txn.channel))
+
+    async def _wait_for_sink(self) -> None:
+        await self.listener.sink.wait_for_room()
+        self._resume("sink")
+
+    def _write_client(self, chunks: list[bytes]) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(chunks)
+
+    def _pause(self, why: str) -> None:
+        if not self._paused_by and self.transport is not None:
+            self.transport.pause_reading()
+        self._paused_by.add(why)
+
+    def _resume(self, why: str) -> None:
+        self._paused_by.discard(why)
+        if not self._paused_by and self.transport is not None and not self._closed:
+            self.transport.resume_reading()
+
+    def pause_client(self) -> None:
+        self._pause("broker")
+
+    def resume_client(self) -> None:
+        self._resume("broker")
+
+    def broker_lost(self, exc: Exception | None) -> None:
+        """The broker closed the TCP connection: so does the client's."""
+        self.session.broker_done = True
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._close_timer is not None:
+            self._close_timer.cancel()
+        self.session.connection_lost()
+        if self.transport is not None:
+            self.transport.close()
+        if self.broker is not None and self.broker.transport is not None:
+            self.broker.transport.close()
+        self.listener.connections.discard(self)
+
+
+class Listener:
+    """Accepts AMQP clients on ``listen.amqp`` and relays them to the broker."""
+
+    def __init__(
+        self,
+        broker: BrokerAddress,
+        directory: VpnDirectory,
+        ids: IdSource,
+        sink: ReplicationSink,
+        broker_ssl: ssl.SSLContext | None = None,
+    ) -> None:
+        self.broker = broker
+        self.directory = directory
+        self.ids = ids
+        self.sink = sink
+        self.broker_ssl = broker_ssl or (ssl.create_default_context() if broker.tls else None)
+        self.connections: set[_ClientSide] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(
+                lambda: _ClientSide(self), host, port, reuse_address=True
+            )
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen for AMQP on {host}:{port}: {e.strerror}") from e
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None  # noqa: S101 - after start()
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for conn in list(self.connections):
+            conn.close()

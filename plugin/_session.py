@@ -1,0 +1,972 @@
+"""One client connection through the listener, as a sans-IO state machine.
+
+``Session`` is fed the bytes each side sent and returns what to send on, plus
+the replication events it saw. It never opens a socket; ``_listener`` drives it.
+
+Invariants, and why the code keeps them:
+
+* **The client's channel numbering is never disturbed.** The session only
+  relays, splices or holds the client's own frames; it never injects a frame
+  that would move publisher-confirm sequence numbers or delivery tags. Frames
+  it sends of its own accord are replies in place of a held frame (a confirm,
+  ``tx.commit-ok``) or the closing of a connection it has to refuse.
+* **A held confirm is released once, and ``multiple`` never spans a held
+  tag.** On a replicated connection every publish of a confirm channel gets a
+  ``_Confirm`` entry keyed by its sequence number. An entry is *ready* when the
+  broker has answered and, for a replicated publish, the sink has reported it
+  durable. Ready entries at the front are released as ``multiple`` runs (all
+  lower tags are already released by construction); ready entries behind a
+  held one are released one by one. A released entry is deleted.
+* **A consumption event always follows its publish.** Events reach the sink
+  in the order frames arrive, and a delivery can only be acked after it was
+  delivered, which is after it was published.
+* **Requeues and closes produce no event.** An unacked delivery that returns
+  to its queue (nack/reject with requeue, ``basic.recover``, channel or
+  connection close) just forgets its mapping.
+* **Transactions are all-or-nothing towards the sink.** Events of a
+  transactional channel are buffered; ``tx.commit`` is held until the sink has
+  prepared them, ``tx.commit-ok`` until the sink has committed them;
+  ``tx.rollback`` and a close discard them (acks rolled back are restored, as
+  the deliveries stay unacked at the broker).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pamqp import commands
+
+from . import _amqp as amqp
+from ._amqp import AMQPError, Frame, FrameSplitter
+from ._directory import VpnDirectory, VpnView
+from ._events import (
+    REPLICATION_HEADER,
+    Consumed,
+    Event,
+    IdSource,
+    LocalTransaction,
+    Published,
+    ReplicationId,
+)
+
+__all__ = ["BrokerUnavailable", "Output", "Session"]
+
+log = logging.getLogger(__name__)
+
+#: frame-max before tune-ok: RabbitMQ's own ceiling for handshake frames.
+HANDSHAKE_FRAME_MAX = 131072
+
+
+@dataclass(slots=True)
+class Output:
+    """What the driver must do after feeding the session."""
+
+    to_broker: list[bytes] = field(default_factory=list)
+    to_client: list[bytes] = field(default_factory=list)
+    #: (event, confirm key or None): hand to ``ReplicationSink.append``.
+    events: list[tuple[Event, tuple[int, int] | None]] = field(default_factory=list)
+    #: transactions to prepare (sink.prepare, then ``transaction_prepared``).
+    prepare: list[LocalTransaction] = field(default_factory=list)
+    #: transactions to commit (sink.commit, then ``transaction_committed``).
+    commit: list[LocalTransaction] = field(default_factory=list)
+    #: the upstream connection is to be dropped without an AMQP close.
+    drop_broker: bool = False
+
+
+@dataclass(slots=True)
+class _Confirm:
+    replicated: bool = False
+    broker: bool | None = None  # True ack, False nack, None not yet
+    durable: bool | None = None  # sink outcome for replicated publishes
+
+    @property
+    def ready(self) -> bool:
+        if self.broker is None:
+            return False
+        return not self.replicated or self.durable is not None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.broker) and (not self.replicated or bool(self.durable))
+
+
+@dataclass(slots=True)
+class _Publish:
+    """A publish whose content is on its way from the client."""
+
+    exchange: str
+    routing_key: str
+    seq: int | None
+    body_size: int = -1  # -1 until the content header arrived
+    received: int = 0
+    #: set when the publish is replicated
+    repl_id: ReplicationId | None = None
+    properties: bytes = b""
+    queues: tuple[str, ...] = ()
+    chunks: list[bytes] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Incoming:
+    """A delivery or get-ok whose content header is on its way from the broker."""
+
+    queue: str | None
+    delivery_tag: int
+    no_ack: bool
+    is_return: bool = False
+
+
+@dataclass(slots=True)
+class _Channel:
+    closing: bool = False  # channel.close sent by either side, close-ok pending
+    publish: _Publish | None = None
+    incoming: _Incoming | None = None
+    confirm: bool = False
+    next_seq: int = 1
+    pending: dict[int, _Confirm] = field(default_factory=dict)
+    tx: bool = False
+    tx_events: list[Event] = field(default_factory=list)
+    tx_acked: dict[int, tuple[ReplicationId, str]] = field(default_factory=dict)
+    tx_sequence: int = 0
+    tx_prepared: LocalTransaction | None = None
+    tx_committing: LocalTransaction | None = None
+    held_commit: bytes = b""
+    consumers: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    consumes: deque[tuple[str, bool]] = field(default_factory=deque)
+    gets: deque[tuple[str, bool]] = field(default_factory=deque)
+    deliveries: dict[int, tuple[ReplicationId, str]] = field(default_factory=dict)
+    topology_ops: deque[Callable[[Any], None] | None] = field(default_factory=deque)
+
+
+_Handler = Callable[["Session", int, bytes, Frame], bytes | None]
+
+
+class Session:
+    """The AMQP 0-9-1 state of one proxied client connection."""
+
+    _ids_counter = 0
+
+    def __init__(self, directory: VpnDirectory, ids: IdSource) -> None:
+        Session._ids_counter += 1
+        self.connection_id = Session._ids_counter
+        self._directory = directory
+        self._ids = ids
+        self._client = FrameSplitter(HANDSHAKE_FRAME_MAX)
+        self._broker = FrameSplitter(0)
+        self._got_protocol_header = False
+        self._channels: dict[int, _Channel] = {}
+        self._out = Output()
+        self.vhost: str | None = None
+        self.vpn: VpnView | None = None
+        self.open = False  # connection.open-ok seen
+        self.closing = False  # a connection.close is on its way
+        self.client_done = False  # nothing more will come from / go to the client
+        self.broker_done = False
+        self._closed_by_us = False
+        self._exclusive_queues: list[str] = []
+        self._client_header_buf = b""
+
+    # ------------------------------------------------------------ feeding
+
+    @property
+    def replicated(self) -> bool:
+        return self.vpn is not None and self.vpn.replicated
+
+    def client_data(self, data: bytes) -> Output:
+        """Bytes from the client; returns what to forward and what happened."""
+        self._out = out = Output()
+        if self.client_done:
+            return out
+        try:
+            if not self._got_protocol_header:
+                data = self._protocol_header(data)
+                if not data:
+                    return out
+            buf, frames = self._client.feed(data)
+            self._from_client(buf, frames)
+        except AMQPError as e:
+            self._fail(e)
+        return out
+
+    def broker_data(self, data: bytes) -> Output:
+        """Bytes from the broker; returns what to forward and what happened."""
+        self._out = out = Output()
+        if self.broker_done:
+            return out
+        try:
+            buf, frames = self._broker.feed(data)
+            self._from_broker(buf, frames)
+        except AMQPError as e:
+            log.warning("connection %d: broker sent a bad frame: %s", self.connection_id, e)
+            self._fail(amqp.AMQPError(f"broker protocol fault: {e.args[0]}"))
+        return out
+
+    def replicated_done(self, channel: int, seq: int, ok: bool) -> Output:
+        """The sink's verdict on the replicated publish ``seq`` of ``channel``."""
+        self._out = out = Output()
+        ch = self._channels.get(channel)
+        if ch is not None and not self.closing:
+            entry = ch.pending.get(seq)
+            if entry is not None:
+                entry.durable = ok
+                self._release_confirms(channel, ch)
+        return out
+
+    def transaction_prepared(self, channel: int, refused: str | None = None) -> Output:
+        """The sink prepared (``refused`` None) or refused the held commit."""
+        self._out = out = Output()
+        ch = self._channels.get(channel)
+        if ch is None or ch.tx_prepared is None or self.closing:
+            return out
+        if refused is None:
+            ch.tx_committing, ch.tx_prepared = ch.tx_prepared, None
+            out.to_broker.append(ch.held_commit)
+        else:
+            ch.tx_prepared = None
+            self._fail(amqp.NotAllowed(f"transaction not committed: {refused}", amqp.TX_COMMIT))
+        ch.held_commit = b""
+        return out
+
+    def transaction_committed(self, channel: int) -> Output:
+        """The sink committed the transaction: release ``tx.commit-ok``."""
+        self._out = out = Output()
+        ch = self._channels.get(channel)
+        if ch is not None and not self.closing:
+            out.to_client.append(amqp.marshal_method(commands.Tx.CommitOk(), channel))
+        return out
+
+    def connection_lost(self) -> None:
+        """Either side went away: exclusive queues of this connection are gone."""
+        if self.vpn is not None:
+            for queue in self._exclusive_queues:
+                self.vpn.topology.delete_queue(queue)
+        self._exclusive_queues.clear()
+        self._channels.clear()
+
+    # ------------------------------------------------------------ client side
+
+    def _protocol_header(self, data: bytes) -> bytes:
+        need = 8 - len(self._client_header_buf)
+        self._client_header_buf += data[:need]
+        rest = data[need:]
+        if len(self._client_header_buf) < 8:
+            return b""
+        self._got_protocol_header = True
+        if self._client_header_buf != amqp.PROTOCOL_HEADER:
+            # AMQP 0-9-1 section 4.2.2: answer with the header we speak, then close.
+            self._out.to_client.append(amqp.PROTOCOL_HEADER)
+            self._out.drop_broker = True
+            self.client_done = self.broker_done = True
+            return b""
+        self._out.to_broker.append(amqp.PROTOCOL_HEADER)
+        return rest
+
+    def _from_client(self, buf: bytes, frames: list[Frame]) -> None:
+        out = self._out.to_broker
+        run = 0  # start of the untouched run of frames to relay
+        for f in frames:
+            if self._closed_by_us:
+                self._closing_from_client(buf, f)
+                return
+            try:
+                replacement = self._client_frame(buf, f)
+            except AMQPError as e:
+                if f.start > run:
+                    out.append(buf[run : f.start])
+                self._fail(e)
+                return
+            if replacement is None:
+                continue
+            if f.start > run:
+                out.append(buf[run : f.start])
+            if replacement:
+                out.append(replacement)
+            run = f.end
+        if frames:
+            end = frames[-1].end
+            if run == 0 and end == len(buf):
+                out.append(buf)
+            elif end > run:
+                out.append(buf[run:end])
+
+    def _client_frame(self, buf: bytes, f: Frame) -> bytes | None:
+        """Handle one client frame: None relays it, bytes replace it (b"" drops)."""
+        ch = self._channels.get(f.channel)
+        if ch is not None and ch.closing:
+            # The broker discards what a closing channel still carries; only
+            # the close handshake matters.
+            if f.type == amqp.FRAME_METHOD and amqp.method_id(buf, f) == amqp.CHANNEL_CLOSE_OK:
+                del self._channels[f.channel]
+            return None
+        if f.type == amqp.FRAME_METHOD:
+            if ch is not None and ch.publish is not None:
+                raise amqp.UnexpectedFrame(
+                    f"method frame on channel {f.channel} while content was expected"
+                )
+            ids = amqp.method_id(buf, f)
+            handler = _CLIENT_METHODS.get(ids)
+            return handler(self, f.channel, buf, f) if handler is not None else None
+        if f.type == amqp.FRAME_HEADER:
+            return self._client_content_header(buf, f)
+        if f.type == amqp.FRAME_BODY:
+            return self._client_body(buf, f)
+        if f.channel != 0:
+            raise amqp.FrameError(f"heartbeat frame on channel {f.channel}")
+        return None
+
+    def _client_content_header(self, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channels.get(f.channel)
+        p = ch.publish if ch is not None else None
+        if p is None or p.body_size >= 0:
+            raise amqp.UnexpectedFrame(f"content header on channel {f.channel} without a publish")
+        p.body_size = amqp.content_body_size(buf, f)
+        replacement = None
+        if self.replicated:
+            replacement = self._intercept(p, buf[f.payload_start : f.payload_end], f.channel)
+        if p.body_size == 0:
+            self._publish_complete(f.channel)
+        return replacement
+
+    def _intercept(self, p: _Publish, payload: bytes, channel: int) -> bytes | None:
+        """Decide whether a publish is replicated; splice its id if so."""
+        layout = amqp.property_layout(payload)
+        if layout.delivery_mode != 2:
+            return None
+        vpn = self.vpn
+        assert vpn is not None  # noqa: S101 - only called when replicated
+        headers = amqp.decode_headers(payload, layout) if layout.flags & 0x2000 else None
+        routed = vpn.topology.route(p.exchange, p.routing_key, headers)
+        if not routed:
+            return None
+        queues = vpn.scope.in_scope(p.exchange, p.routing_key, routed)
+        if not queues:
+            return None
+        p.repl_id = self._ids.next()
+        p.queues = tuple(sorted(queues))
+        new_payload = amqp.splice_header(payload, layout, REPLICATION_HEADER, p.repl_id.hex)
+        p.properties = new_payload[12:]
+        return amqp.frame_bytes(amqp.FRAME_HEADER, channel, new_payload)
+
+    def _client_body(self, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channels.get(f.channel)
+        p = ch.publish if ch is not None else None
+        if p is None or p.body_size < 0:
+            raise amqp.UnexpectedFrame(f"content body on channel {f.channel} without a header")
+        size = f.payload_end - f.payload_start
+        p.received += size
+        if p.received > p.body_size:
+            raise amqp.FrameError(
+                f"content body of {p.received} bytes exceeds the declared size {p.body_size}"
+            )
+        if p.repl_id is not None:
+            p.chunks.append(buf[f.payload_start : f.payload_end])
+        if p.received == p.body_size:
+            self._publish_complete(f.channel)
+        return None
+
+    def _publish_complete(self, channel: int) -> None:
+        ch = self._channels[channel]
+        p = ch.publish
+        assert p is not None  # noqa: S101 - caller checked
+        ch.publish = None
+        if p.repl_id is None or self.vpn is None:
+            return
+        event = Published(
+            vpn=self.vpn.name,
+            repl_id=p.repl_id,
+            exchange=p.exchange,
+            routing_key=p.routing_key,
+            properties=p.properties,
+            body=b"".join(p.chunks),
+            queues=p.queues,
+        )
+        if ch.tx:
+            ch.tx_events.append(event)
+            return
+        if p.seq is not None:
+            ch.pending[p.seq].replicated = True
+            self._out.events.append((event, (channel, p.seq)))
+        else:
+            self._out.events.append((event, None))
+
+    def _channel(self, channel: int) -> _Channel:
+        ch = self._channels.get(channel)
+        if ch is None:
+            ch = self._channels[channel] = _Channel()
+        return ch
+
+    # client methods ------------------------------------------------------
+
+    def _c_tune_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        m = amqp.decode_method(buf, f)
+        assert isinstance(m, commands.Connection.TuneOk)  # noqa: S101
+        self._client.frame_max = m.frame_max
+        return None
+
+    def _c_open(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        m = amqp.decode_method(buf, f)
+        assert isinstance(m, commands.Connection.Open)  # noqa: S101
+        self.vhost = m.virtual_host
+        self.vpn = self._directory.lookup(m.virtual_host)
+        if self.vpn is not None and not self.vpn.replicated:
+            raise amqp.NotAllowed(
+                f"vhost '{m.virtual_host}' is a replication standby; connect to the active site",
+                amqp.CONNECTION_OPEN,
+            )
+        return None
+
+    def _c_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        self.closing = True
+        return None
+
+    def _c_close_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        self.client_done = True
+        return None
+
+    def _c_channel_open(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        self._channels[channel] = _Channel()
+        return None
+
+    def _c_channel_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        # The channel's unacked deliveries return to their queues: no event.
+        self._channel(channel).closing = True
+        return None
+
+    def _c_publish(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channel(channel)
+        exchange, key, _ = amqp.decode_publish(buf, f)
+        seq = None
+        if ch.confirm:
+            seq = ch.next_seq
+            ch.next_seq += 1
+            if self.replicated:
+                ch.pending[seq] = _Confirm()
+        ch.publish = _Publish(exchange, key, seq)
+        return None
+
+    def _c_ack(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channel(channel)
+        if not ch.deliveries:
+            return None
+        tag, multiple, requeue = amqp.decode_ack(buf, f)
+        if multiple:
+            tags = [t for t in ch.deliveries if tag == 0 or t <= tag]
+        else:
+            tags = [tag] if tag in ch.deliveries else []
+        for t in tags:
+            repl_id, queue = ch.deliveries.pop(t)
+            if requeue:
+                continue  # back to the queue: nothing consumed
+            event = Consumed(self.vpn.name if self.vpn else "", repl_id, queue)
+            if ch.tx:
+                ch.tx_events.append(event)
+                ch.tx_acked[t] = (repl_id, queue)
+            else:
+                self._out.events.append((event, None))
+        return None
+
+    def _c_consume(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        if not self.replicated:
+            return None
+        m = amqp.decode_method(buf, f)
+        assert isinstance(m, commands.Basic.Consume)  # noqa: S101
+        ch = self._channel(channel)
+        if m.nowait:
+            ch.consumers[m.consumer_tag] = (m.queue, m.no_ack)
+        else:
+            ch.consumes.append((m.queue, m.no_ack))
+        return None
+
+    def _c_cancel(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        return None  # the consumer is forgotten on cancel-ok; its deliveries stay acked-able
+
+    def _c_get(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        if not self.replicated:
+            return None
+        m = amqp.decode_method(buf, f)
+        assert isinstance(m, commands.Basic.Get)  # noqa: S101
+        self._channel(channel).gets.append((m.queue, m.no_ack))
+        return None
+
+    def _c_recover(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        self._channel(channel).deliveries.clear()  # redelivered under new tags
+        return None
+
+    def _c_confirm_select(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        self._channel(channel).confirm = True
+        return None
+
+    def _c_tx_select(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        self._channel(channel).tx = True
+        return None
+
+    def _c_tx_commit(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channel(channel)
+        if not ch.tx_events or self.vpn is None:
+            ch.tx_acked.clear()
+            return None
+        ch.tx_sequence += 1
+        txn = LocalTransaction(
+            vpn=self.vpn.name,
+            connection=self.connection_id,
+            channel=channel,
+            sequence=ch.tx_sequence,
+            events=tuple(ch.tx_events),
+        )
+        ch.tx_events.clear()
+        ch.tx_acked.clear()
+        ch.tx_prepared = txn
+        ch.held_commit = buf[f.start : f.end]
+        self._out.prepare.append(txn)
+        return b""  # held until the sink has prepared
+
+    def _c_tx_rollback(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channel(channel)
+        ch.tx_events.clear()
+        ch.deliveries.update(ch.tx_acked)  # rolled-back acks: still unacked
+        ch.tx_acked.clear()
+        return None
+
+    # topology: applied when the broker says -ok (or at once with nowait)
+
+    def _topology(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        if not self.replicated:
+            return None
+        m = amqp.decode_method(buf, f)
+        op = _topology_op(m)
+        if getattr(m, "nowait", False):
+            if op is not None:
+                self._apply_topology(op, None)
+        else:
+            # one entry per request, so each -ok pops its own request
+            self._channel(channel).topology_ops.append(op)
+        return None
+
+    def _apply_topology(self, op: Callable[[Any], None], ok: Any) -> None:
+        vpn = self.vpn
+        if vpn is None:
+            return
+        try:
+            op((vpn, ok, self))
+        except Exception:  # a topology mismatch must never break the relay
+            log.exception("connection %d: topology update failed", self.connection_id)
+
+    def _closing_from_client(self, buf: bytes, f: Frame) -> None:
+        """After our connection.close: wait for the client's close-ok."""
+        if f.type != amqp.FRAME_METHOD or f.channel != 0:
+            return
+        ids = amqp.method_id(buf, f)
+        if ids == amqp.CONNECTION_CLOSE:  # both sides closed at once
+            self._out.to_client.append(amqp.marshal_method(commands.Connection.CloseOk(), 0))
+            self.client_done = True
+        elif ids == amqp.CONNECTION_CLOSE_OK:
+            self.client_done = True
+
+    # ------------------------------------------------------------ broker side
+
+    def _from_broker(self, buf: bytes, frames: list[Frame]) -> None:
+        out = self._out.to_client
+        run = 0
+        for f in frames:
+            if self._closed_by_us:
+                self._closing_from_broker(buf, f)
+                continue
+            replacement = self._broker_frame(buf, f)
+            if replacement is None:
+                continue
+            if f.start > run:
+                out.append(buf[run : f.start])
+            if replacement:
+                out.append(replacement)
+            run = f.end
+        if frames and not self._closed_by_us:
+            end = frames[-1].end
+            if run == 0 and end == len(buf):
+                out.append(buf)
+            elif end > run:
+                out.append(buf[run:end])
+
+    def _broker_frame(self, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channels.get(f.channel)
+        if ch is not None and ch.closing:
+            if f.type == amqp.FRAME_METHOD and amqp.method_id(buf, f) == amqp.CHANNEL_CLOSE_OK:
+                del self._channels[f.channel]
+            return None
+        if f.type == amqp.FRAME_METHOD:
+            ids = amqp.method_id(buf, f)
+            handler = _BROKER_METHODS.get(ids)
+            return handler(self, f.channel, buf, f) if handler is not None else None
+        if f.type == amqp.FRAME_HEADER:
+            if ch is not None and ch.incoming is not None:
+                self._broker_content_header(ch, buf, f)
+        return None
+
+    def _broker_content_header(self, ch: _Channel, buf: bytes, f: Frame) -> None:
+        inc, ch.incoming = ch.incoming, None
+        assert inc is not None  # noqa: S101 - caller checked
+        if inc.is_return or inc.queue is None or self.vpn is None:
+            return
+        payload = buf[f.payload_start : f.payload_end]
+        layout = amqp.property_layout(payload)
+        text = amqp.find_header(payload, layout, REPLICATION_HEADER)
+        if text is None:
+            return
+        try:
+            repl_id = ReplicationId.from_hex(text)
+        except ValueError:
+            return  # not one of ours
+        if inc.no_ack:
+            self._out.events.append((Consumed(self.vpn.name, repl_id, inc.queue), None))
+        else:
+            ch.deliveries[inc.delivery_tag] = (repl_id, inc.queue)
+
+    def _b_open_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        self.open = True
+        return None
+
+    def _b_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        self.closing = True
+        return None
+
+    def _b_close_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        self.broker_done = True
+        return None
+
+    def _b_channel_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        # Unacked deliveries return to their queues, buffered tx events are
+        # void, unconfirmed publishes will never be confirmed: forget them all
+        # once the client has answered close-ok.
+        self._channel(channel).closing = True
+        return None
+
+    def _b_deliver(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        if not self.replicated:
+            return None
+        ch = self._channel(channel)
+        consumer_tag, delivery_tag = amqp.decode_deliver(buf, f)
+        consumer = ch.consumers.get(consumer_tag)
+        if consumer is not None:
+            ch.incoming = _Incoming(consumer[0], delivery_tag, consumer[1])
+        return None
+
+    def _b_get_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        if not self.replicated:
+            return None
+        ch = self._channel(channel)
+        if ch.gets:
+            queue, no_ack = ch.gets.popleft()
+            ch.incoming = _Incoming(queue, amqp.decode_get_ok(buf, f), no_ack)
+        return None
+
+    def _b_get_empty(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channels.get(channel)
+        if ch is not None and ch.gets:
+            ch.gets.popleft()
+        return None
+
+    def _b_consume_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channels.get(channel)
+        if ch is not None and ch.consumes:
+            m = amqp.decode_method(buf, f)
+            assert isinstance(m, commands.Basic.ConsumeOk)  # noqa: S101
+            ch.consumers[m.consumer_tag] = ch.consumes.popleft()
+        return None
+
+    def _b_cancel(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channels.get(channel)
+        if ch is not None and ch.consumers:
+            m = amqp.decode_method(buf, f)
+            ch.consumers.pop(getattr(m, "consumer_tag", ""), None)
+        return None
+
+    def _b_confirm(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channels.get(channel)
+        if ch is None or not ch.pending:
+            return None  # nothing replicated is waiting: relay as is
+        tag, multiple, _ = amqp.decode_ack(buf, f)
+        ok = buf[f.payload_start + 3] == 80
+        if multiple:
+            for seq, entry in ch.pending.items():
+                if seq > tag:
+                    break
+                if entry.broker is None:
+                    entry.broker = ok
+        elif tag in ch.pending:
+            ch.pending[tag].broker = ok
+        self._release_confirms(channel, ch)
+        return b""
+
+    def _release_confirms(self, channel: int, ch: _Channel) -> None:
+        """Send the client every ready confirm; see the module invariants."""
+        out = self._out.to_client
+        pending = ch.pending
+        prefix: list[tuple[int, bool]] = []  # ready entries before the first held one
+        behind: list[tuple[int, bool]] = []  # ready entries behind a held one
+        held = False
+        for seq, entry in pending.items():
+            if not entry.ready:
+                held = True
+            elif held:
+                behind.append((seq, entry.ok))
+            else:
+                prefix.append((seq, entry.ok))
+        # Every tag below a prefix entry is released, so one multiple frame
+        # per run of equal outcomes covers the run.
+        i = 0
+        while i < len(prefix):
+            j = i
+            while j + 1 < len(prefix) and prefix[j + 1][1] == prefix[i][1]:
+                j += 1
+            out.append(_confirm_frame(channel, prefix[j][0], prefix[i][1], multiple=j > i))
+            i = j + 1
+        for seq, ok in behind:
+            out.append(_confirm_frame(channel, seq, ok, multiple=False))
+        for seq, _ in prefix:
+            del pending[seq]
+        for seq, _ in behind:
+            del pending[seq]
+
+    def _b_tx_commit_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channels.get(channel)
+        if ch is None or ch.tx_committing is None:
+            return None
+        txn, ch.tx_committing = ch.tx_committing, None
+        self._out.commit.append(txn)
+        return b""  # held until the sink has committed
+
+    def _b_topology_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channels.get(channel)
+        if ch is None or not ch.topology_ops:
+            return None
+        op = ch.topology_ops.popleft()
+        if op is not None:
+            ok = (
+                amqp.decode_method(buf, f)
+                if amqp.method_id(buf, f) == amqp.QUEUE_DECLARE_OK
+                else None
+            )
+            self._apply_topology(op, ok)
+        return None
+
+    def _b_deliver_return(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        if self.replicated:
+            ch = self._channel(channel)
+            ch.incoming = _Incoming(None, 0, True, is_return=True)
+        return None
+
+    def _closing_from_broker(self, buf: bytes, f: Frame) -> None:
+        """After our connection.close: wait for the broker's close-ok."""
+        if f.type != amqp.FRAME_METHOD or f.channel != 0:
+            return
+        ids = amqp.method_id(buf, f)
+        if ids == amqp.CONNECTION_CLOSE:
+            self._out.to_broker.append(amqp.marshal_method(commands.Connection.CloseOk(), 0))
+            self.broker_done = True
+        elif ids == amqp.CONNECTION_CLOSE_OK:
+            self.broker_done = True
+
+    # ------------------------------------------------------------ failure
+
+    def _fail(self, error: AMQPError) -> None:
+        """Close the client connection with ``error``'s reply code and text;
+        close the upstream connection cleanly (or drop it mid-handshake)."""
+        if self.closing and self._closed_by_us:
+            return
+        log.warning(
+            "connection %d: closing client connection: %d %s",
+            self.connection_id,
+            error.reply_code,
+            error.reply_text,
+        )
+        self._out.to_client.append(
+            amqp.marshal_method(
+                commands.Connection.Close(
+                    reply_code=error.reply_code,
+                    reply_text=error.reply_text,
+                    class_id=error.method[0],
+                    method_id=error.method[1],
+                ),
+                0,
+            )
+        )
+        self.closing = True
+        self._closed_by_us = True
+        if self.open:
+            self._out.to_broker.append(
+                amqp.marshal_method(
+                    commands.Connection.Close(
+                        reply_code=200, reply_text="client connection closed by vpnrepl"
+                    ),
+                    0,
+                )
+            )
+        else:
+            self._out.drop_broker = True
+            self.broker_done = True
+
+
+def _confirm_frame(channel: int, tag: int, ok: bool, multiple: bool) -> bytes:
+    if ok:
+        return amqp.encode_ack(channel, tag, multiple)
+    return amqp.encode_nack(channel, tag, multiple)
+
+
+# topology operations: each takes (vpn, ok-method or None, session)
+
+
+def _topology_op(m: commands.base.Frame) -> Callable[[Any], None] | None:
+    if isinstance(m, commands.Exchange.Declare):
+        if m.passive:
+            return None
+        return lambda a: a[0].topology.declare_exchange(
+            m.exchange, m.exchange_type, dict(m.arguments or {}), internal=m.internal
+        )
+    if isinstance(m, commands.Exchange.Delete):
+        return lambda a: a[0].topology.delete_exchange(m.exchange)
+    if isinstance(m, commands.Exchange.Bind):
+        return lambda a: a[0].topology.bind_exchange(
+            m.destination, m.source, m.routing_key, dict(m.arguments or {})
+        )
+    if isinstance(m, commands.Exchange.Unbind):
+        return lambda a: a[0].topology.unbind_exchange(
+            m.destination, m.source, m.routing_key, dict(m.arguments or {})
+        )
+    if isinstance(m, commands.Queue.Declare):
+        if m.passive:
+            return None
+        return lambda a: _declare_queue(a, m)
+    if isinstance(m, commands.Queue.Delete):
+        return lambda a: a[0].topology.delete_queue(m.queue)
+    if isinstance(m, commands.Queue.Bind):
+        return lambda a: a[0].topology.bind_queue(
+            m.queue, m.exchange, m.routing_key, dict(m.arguments or {})
+        )
+    if isinstance(m, commands.Queue.Unbind):
+        return lambda a: a[0].topology.unbind_queue(
+            m.queue, m.exchange, m.routing_key, dict(m.arguments or {})
+        )
+    return None
+
+
+def _declare_queue(a: tuple[VpnView, Any, Session], m: commands.Queue.Declare) -> None:
+    vpn, ok, session = a
+    name = ok.queue if ok is not None else m.queue
+    vpn.topology.declare_queue(name, dict(m.arguments or {}))
+    if m.exclusive:
+        session._exclusive_queues.append(name)
+
+
+_CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
+    amqp.CONNECTION_TUNE_OK: Session._c_tune_ok,
+    amqp.CONNECTION_OPEN: Session._c_open,
+    amqp.CONNECTION_CLOSE: Session._c_close,
+    amqp.CONNECTION_CLOSE_OK: Session._c_close_ok,
+    amqp.CHANNEL_OPEN: Session._c_channel_open,
+    amqp.CHANNEL_CLOSE: Session._c_channel_close,
+    amqp.BASIC_PUBLISH: Session._c_publish,
+    amqp.BASIC_ACK: Session._c_ack,
+    amqp.BASIC_NACK: Session._c_ack,
+    amqp.BASIC_REJECT: Session._c_ack,
+    amqp.BASIC_CONSUME: Session._c_consume,
+    amqp.BASIC_CANCEL: Session._c_cancel,
+    amqp.BASIC_GET: Session._c_get,
+    amqp.BASIC_RECOVER: Session._c_recover,
+    amqp.BASIC_RECOVER_ASYNC: Session._c_recover,
+    amqp.CONFIRM_SELECT: Session._c_confirm_select,
+    amqp.TX_SELECT: Session._c_tx_select,
+    amqp.TX_COMMIT: Session._c_tx_commit,
+    amqp.TX_ROLLBACK: Session._c_tx_rollback,
+    amqp.EXCHANGE_DECLARE: Session._topology,
+    amqp.EXCHANGE_DELETE: Session._topology,
+    amqp.EXCHANGE_BIND: Session._topology,
+    amqp.EXCHANGE_UNBIND: Session._topology,
+    amqp.QUEUE_DECLARE: Session._topology,
+    amqp.QUEUE_DELETE: Session._topology,
+    amqp.QUEUE_BIND: Session._topology,
+    amqp.QUEUE_UNBIND: Session._topology,
+}
+
+_BROKER_METHODS: dict[tuple[int, int], _Handler] = {
+    amqp.CONNECTION_OPEN_OK: Session._b_open_ok,
+    amqp.CONNECTION_CLOSE: Session._b_close,
+    amqp.CONNECTION_CLOSE_OK: Session._b_close_ok,
+    amqp.CHANNEL_CLOSE: Session._b_channel_close,
+    amqp.BASIC_DELIVER: Session._b_deliver,
+    amqp.BASIC_GET_OK: Session._b_get_ok,
+    amqp.BASIC_GET_EMPTY: Session._b_get_empty,
+    amqp.BASIC_CONSUME_OK: Session._b_consume_ok,
+    amqp.BASIC_CANCEL: Session._b_cancel,
+    amqp.BASIC_CANCEL_OK: Session._b_cancel,
+    amqp.BASIC_ACK: Session._b_confirm,
+    amqp.BASIC_NACK: Session._b_confirm,
+    amqp.BASIC_RETURN: Session._b_deliver_return,
+    amqp.TX_COMMIT_OK: Session._b_tx_commit_ok,
+    amqp.EXCHANGE_DECLARE_OK: Session._b_topology_ok,
+    amqp.EXCHANGE_DELETE_OK: Session._b_topology_ok,
+    amqp.EXCHANGE_BIND_OK: Session._b_topology_ok,
+    amqp.EXCHANGE_UNBIND_OK: Session._b_topology_ok,
+    amqp.QUEUE_DECLARE_OK: Session._b_topology_ok,
+    amqp.QUEUE_DELETE_OK: Session._b_topology_ok,
+    amqp.QUEUE_BIND_OK: Session._b_topology_ok,
+    amqp.QUEUE_UNBIND_OK: Session._b_topology_ok,
+}
+
+
+class BrokerUnavailable:
+    """Refuse a client cleanly when the broker cannot be reached.
+
+    A client expects ``connection.start`` after its protocol header; closing
+    the socket instead looks like a network fault, and some clients retry at
+    once. So the listener plays the server's first step, and answers the
+    client's ``start-ok`` with ``connection.close`` 320 naming the reason.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self._header = b""
+        self._splitter = FrameSplitter(HANDSHAKE_FRAME_MAX)
+        self.done = False
+
+    def client_data(self, data: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        if self.done:
+            return out
+        if len(self._header) < 8:
+            need = 8 - len(self._header)
+            self._header += data[:need]
+            data = data[need:]
+            if len(self._header) < 8:
+                return out
+            if self._header != amqp.PROTOCOL_HEADER:
+                self.done = True
+                return [amqp.PROTOCOL_HEADER]
+            start = commands.Connection.Start(
+                server_properties={"product": "vpnrepl"},
+                mechanisms="PLAIN AMQPLAIN",
+                locales="en_US",
+            )
+            out.append(amqp.marshal_method(start, 0))
+        try:
+            buf, frames = self._splitter.feed(data)
+        except AMQPError:
+            self.done = True
+            return out
+        for f in frames:
+            if f.type == amqp.FRAME_METHOD and f.channel == 0:
+                try:
+                    ids = amqp.method_id(buf, f)
+                except AMQPError:
+                    ids = (0, 0)
+                if ids == amqp.CONNECTION_CLOSE_OK:
+                    self.done = True
+                elif ids in ((10, 11), amqp.CONNECTION_CLOSE):  # start-ok, or the client gives up
+                    error = amqp.ConnectionForced(f"broker unavailable: {self.reason}")
+                    close = commands.Connection.Close(
+                        reply_code=error.reply_code, reply_text=error.reply_text
+                    )
+                    out.append(amqp.marshal_method(close, 0))
+        return out

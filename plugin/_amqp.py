@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pamqp import commands, decode, frame
+from pamqp import base, commands, decode, frame
 
 __all__ = [
     "AMQPError",
@@ -171,29 +171,36 @@ class FrameSplitter:
         self.frame_max = frame_max
         self._tail = b""
 
-    def feed(self, data: bytes) -> tuple[bytes, list[Frame]]:
-        """Return ``(buffer, frames)``: the frames complete in ``buffer``."""
+    def feed(self, data: bytes) -> tuple[bytes, list[Frame], AMQPError | None]:
+        """Return ``(buffer, frames, fault)``: the frames complete in ``buffer``
+        and, if the stream broke after them, the fault (the frames before it
+        are still good and are relayed)."""
         buf = self._tail + data if self._tail else data
         frames: list[Frame] = []
         pos, n = 0, len(buf)
         limit = self.frame_max
+        fault: AMQPError | None = None
         while n - pos >= 7:
             ftype, channel, size = _FRAME_HEAD.unpack_from(buf, pos)
             if ftype not in (FRAME_METHOD, FRAME_HEADER, FRAME_BODY, FRAME_HEARTBEAT):
                 if buf[pos : pos + 4] == b"AMQP":
-                    raise FrameError("protocol header received inside an open connection")
-                raise FrameError(f"unknown frame type {ftype}")
+                    fault = FrameError("protocol header received inside an open connection")
+                else:
+                    fault = FrameError(f"unknown frame type {ftype}")
+                break
             if limit and size + 8 > limit:
-                raise FrameError(f"frame of {size + 8} bytes exceeds frame-max {limit}")
+                fault = FrameError(f"frame of {size + 8} bytes exceeds frame-max {limit}")
+                break
             end = pos + 7 + size + 1
             if end > n:
                 break
             if buf[end - 1] != FRAME_END:
-                raise FrameError(f"frame-end octet is {buf[end - 1]:#04x}, expected 0xce")
+                fault = FrameError(f"frame-end octet is {buf[end - 1]:#04x}, expected 0xce")
+                break
             frames.append(Frame(ftype, channel, pos, end))
             pos = end
-        self._tail = buf[pos:]
-        return buf, frames
+        self._tail = b"" if fault else buf[pos:]
+        return buf, frames, fault
 
     @property
     def pending(self) -> int:
@@ -209,18 +216,18 @@ def method_id(buf: bytes, f: Frame) -> tuple[int, int]:
     return ids
 
 
-def decode_method(buf: bytes, f: Frame) -> commands.base.Frame:
+def decode_method(buf: bytes, f: Frame) -> base.Frame:
     """Decode a rare method frame with pamqp; faults become 502 SYNTAX_ERROR."""
     try:
         _, _, value = frame.unmarshal(buf[f.start : f.end])
     except Exception as e:  # pamqp raises several types for malformed arguments
         ids = _METHOD_ID.unpack_from(buf, f.payload_start)
         raise SyntaxError_(f"malformed arguments of method {ids[0]}.{ids[1]}", ids) from e
-    assert isinstance(value, commands.base.Frame)  # noqa: S101 - method frames decode to methods
+    assert isinstance(value, base.Frame)  # noqa: S101 - method frames decode to methods
     return value
 
 
-def marshal_method(method: commands.base.Frame, channel: int) -> bytes:
+def marshal_method(method: base.Frame, channel: int) -> bytes:
     return frame.marshal(method, channel)
 
 

@@ -18,7 +18,7 @@ import socket
 import ssl
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from ._directory import VpnDirectory
@@ -63,8 +63,8 @@ class _BrokerSide(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)  # noqa: S101
-        self.transport = transport
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
         _nodelay(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -98,8 +98,8 @@ class _ClientSide(asyncio.Protocol):
     # client transport callbacks ------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)  # noqa: S101
-        self.transport = transport
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
         _nodelay(transport)
         self.listener.connections.add(self)
         self._spawn(self._connect_upstream())

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pamqp import commands
+from pamqp import base, commands
 
 from . import _amqp as amqp
 from ._amqp import AMQPError, Frame, FrameSplitter
@@ -186,8 +186,10 @@ class Session:
                 data = self._protocol_header(data)
                 if not data:
                     return out
-            buf, frames = self._client.feed(data)
+            buf, frames, fault = self._client.feed(data)
             self._from_client(buf, frames)
+            if fault is not None and not self._closed_by_us:
+                raise fault
         except AMQPError as e:
             self._fail(e)
         return out
@@ -198,8 +200,10 @@ class Session:
         if self.broker_done:
             return out
         try:
-            buf, frames = self._broker.feed(data)
+            buf, frames, fault = self._broker.feed(data)
             self._from_broker(buf, frames)
+            if fault is not None and not self._closed_by_us:
+                raise fault
         except AMQPError as e:
             log.warning("connection %d: broker sent a bad frame: %s", self.connection_id, e)
             self._fail(amqp.AMQPError(f"broker protocol fault: {e.args[0]}"))
@@ -673,7 +677,7 @@ class Session:
         if ch is not None and ch.consumes:
             m = amqp.decode_method(buf, f)
             assert isinstance(m, commands.Basic.ConsumeOk)  # noqa: S101
-            ch.consumers[m.consumer_tag] = ch.consumes.popleft()
+            ch.consumers[m.consumer_tag or ""] = ch.consumes.popleft()
         return None
 
     def _b_cancel(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -799,7 +803,10 @@ class Session:
             self._out.to_broker.append(
                 amqp.marshal_method(
                     commands.Connection.Close(
-                        reply_code=200, reply_text="client connection closed by vpnrepl"
+                        reply_code=200,
+                        reply_text="client connection closed by vpnrepl",
+                        class_id=0,
+                        method_id=0,
                     ),
                     0,
                 )
@@ -818,7 +825,7 @@ def _confirm_frame(channel: int, tag: int, ok: bool, multiple: bool) -> bytes:
 # topology operations: each takes (vpn, ok-method or None, session)
 
 
-def _topology_op(m: commands.base.Frame) -> Callable[[Any], None] | None:
+def _topology_op(m: base.Frame) -> Callable[[Any], None] | None:
     if isinstance(m, commands.Exchange.Declare):
         if m.passive:
             return None
@@ -950,9 +957,8 @@ class BrokerUnavailable:
                 locales="en_US",
             )
             out.append(amqp.marshal_method(start, 0))
-        try:
-            buf, frames = self._splitter.feed(data)
-        except AMQPError:
+        buf, frames, fault = self._splitter.feed(data)
+        if fault is not None:
             self.done = True
             return out
         for f in frames:
@@ -966,7 +972,10 @@ class BrokerUnavailable:
                 elif ids in ((10, 11), amqp.CONNECTION_CLOSE):  # start-ok, or the client gives up
                     error = amqp.ConnectionForced(f"broker unavailable: {self.reason}")
                     close = commands.Connection.Close(
-                        reply_code=error.reply_code, reply_text=error.reply_text
+                        reply_code=error.reply_code,
+                        reply_text=error.reply_text,
+                        class_id=0,
+                        method_id=0,
                     )
                     out.append(amqp.marshal_method(close, 0))
         return out

@@ -1,0 +1,1030 @@
+"""The topology of one VPN and RabbitMQ 3.10's routing, reproduced without I/O.
+
+The listener asks :meth:`Topology.route` for every persistent publish which
+queues the broker will put the message in, and records that set in the
+ledger: the standby materialises exactly those copies after a promotion. So
+the invariant is: **route() answers what RabbitMQ 3.10.8 itself would
+answer** for the topology the model holds — never a guess. Every rule below
+was read from the broker's own code (decompiled from the ``debug_info`` of
+the 3.10.8 ``.beam`` files installed here) and is checked against a live
+node by ``tests/test_routing_differential.py``:
+
+``rabbit_exchange:route/2`` and ``route1/3``
+    The default exchange maps each routing key (CC/BCC included) to the queue
+    of that name; it has no bindings, no alternate exchange and no
+    exchange-to-exchange hops. Every other exchange starts a walk: each
+    exchange on the work list asks its type for destinations; queues are
+    collected, destination exchanges that exist and were not seen yet (the
+    start counts as seen) are walked in turn, so cycles end. An exchange's
+    alternate exchange is followed only when *that exchange's own* type
+    routing found no destination at all (a binding to another exchange counts
+    as a destination even if that exchange routes nowhere). The result is a
+    set: a queue reached twice gets one copy.
+``rabbit_policy:get_arg/3``
+    The ``alternate-exchange`` argument wins; without it the one
+    highest-priority policy matching the exchange supplies it (a lower
+    priority policy is never consulted).
+``rabbit_channel`` basic.publish
+    Publishing to a missing exchange is a 404 channel error and to an
+    internal one an access-refused channel error: nothing is routed.
+``rabbit_basic:make_message/4`` and ``header_routes/1``
+    The routing keys are the publish's key followed by the longstr elements
+    of the ``CC`` and ``BCC`` header arrays (other element types are
+    dropped); a ``CC``/``BCC`` header that is not an array makes the broker
+    refuse the message (precondition-failed). ``BCC`` is stripped from the
+    headers *before* routing, so a headers exchange never sees it.
+``rabbit_exchange_type_direct`` / ``_fanout`` / ``rabbit_router``
+    Direct: a binding matches when its key equals any routing key exactly.
+    Fanout: every binding, keys ignored.
+``rabbit_exchange_type_topic``
+    Keys and patterns split on ``.`` with ``""`` being *zero* words and every
+    other string ``n+1`` words (``"a."`` is ``a`` and an empty word); ``*``
+    is exactly one word (possibly empty), ``#`` zero or more; any other word,
+    ``a*`` included, is literal.
+``rabbit_exchange_type_headers``
+    ``x-match`` is ``all`` (also when absent or unrecognised), ``any``,
+    ``all-with-x`` or ``any-with-x``. The ``x-match`` entry itself is never
+    compared; other binding arguments starting with ``x-`` are ignored except
+    in the ``-with-x`` variants. A void (``None``) binding value means "the
+    header is present". ``all`` needs every compared argument to match (so a
+    binding with none matches every message), ``any`` at least one. Values
+    compare with Erlang ``==`` on the decoded value, the AMQP type tag
+    dropped: every integer type and floats compare by number (``1 == 1.0``),
+    ``S`` and ``x`` strings by their bytes, a timestamp as its integer
+    seconds, booleans only with booleans, a decimal only with a decimal of
+    the same scale and digits. Nested tables and arrays compare *with* their
+    element type tags, in wire order.
+``rabbit_binding`` / ``rabbit_exchange:maybe_auto_delete/2``
+    An ``auto_delete`` exchange is deleted when removing a binding (an
+    unbind, or the deletion of its destination) leaves it the source of no
+    binding; the deletion cascades.
+
+The model takes AMQP field values as pamqp 4 decodes them; where that
+decoding loses information route() cannot recover it (see
+:func:`_tagged`): the width of nested integers and floats, and a timestamp
+pamqp divided by 1000. Exchange types other than the four built-in ones
+(plugins) cannot be reproduced; they route like fanout, a superset.
+
+Cost: per publish a dict lookup in a result cache keyed by (exchange,
+routing keys), which every mutation clears; a miss walks per-exchange
+indexes (a dict for direct, a trie for topic) built lazily and rebuilt only
+when that exchange's bindings change. Walks that touch a headers exchange
+depend on the headers and are never cached.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from enum import StrEnum
+from functools import lru_cache
+from types import MappingProxyType
+from typing import Any
+
+from ._errors import PluginError, UsageError
+from ._vpn import TopicFilter, VpnSettings
+
+__all__ = [
+    "Binding",
+    "DefinitionsError",
+    "DestinationKind",
+    "Exchange",
+    "ExchangeType",
+    "Policy",
+    "Queue",
+    "ReplicationScope",
+    "Topology",
+    "topic_matches",
+]
+
+_EMPTY: frozenset[str] = frozenset()
+_NO_ARGS: Mapping[str, object] = MappingProxyType({})
+_ROUTE_CACHE_LIMIT = 65_536
+_SCOPE_MEMO_LIMIT = 65_536
+
+
+class DefinitionsError(PluginError):
+    """The management API's definitions JSON is not what RabbitMQ exports."""
+
+
+class ExchangeType(StrEnum):
+    DIRECT = "direct"
+    FANOUT = "fanout"
+    TOPIC = "topic"
+    HEADERS = "headers"
+
+
+class DestinationKind(StrEnum):
+    QUEUE = "queue"
+    EXCHANGE = "exchange"
+
+
+def _frozen_args(arguments: Mapping[str, object] | None) -> Mapping[str, object]:
+    return _NO_ARGS if not arguments else MappingProxyType(dict(arguments))
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One exchange. ``type`` is a plain string so plugin types survive a load."""
+
+    name: str
+    type: str
+    arguments: Mapping[str, object] = field(default_factory=lambda: _NO_ARGS, hash=False)
+    internal: bool = False
+    auto_delete: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "arguments", _frozen_args(self.arguments))
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    name: str
+    arguments: Mapping[str, object] = field(default_factory=lambda: _NO_ARGS, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "arguments", _frozen_args(self.arguments))
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """A binding. Its identity, as in RabbitMQ, includes the arguments:
+    two headers bindings between the same pair differing only in arguments
+    are two bindings."""
+
+    source: str
+    destination: str
+    destination_kind: DestinationKind
+    routing_key: str
+    arguments: Mapping[str, object] = field(default_factory=lambda: _NO_ARGS, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "arguments", _frozen_args(self.arguments))
+
+    @property
+    def identity(self) -> tuple[object, ...]:
+        """What RabbitMQ compares to find the binding an unbind names: the
+        argument table sorted by key (``rabbit_binding:binding_action/3``)."""
+        args = tuple(sorted((k, _tagged(v)) for k, v in self.arguments.items()))
+        return (self.source, self.destination_kind, self.destination, self.routing_key, args)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A (user) policy; only ``alternate-exchange`` affects routing.
+
+    Operator policies cannot set ``alternate-exchange``, so they are not
+    modelled.
+    """
+
+    name: str
+    pattern: str
+    definition: Mapping[str, object] = field(default_factory=lambda: _NO_ARGS, hash=False)
+    priority: int = 0
+    apply_to: str = "all"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "definition", _frozen_args(self.definition))
+
+    def applies_to_exchange(self, name: str) -> bool:
+        """``rabbit_policy:matches/2``: ``apply-to`` exchanges|all, and the
+        pattern is *searched* (``re:run``, unanchored) in the name."""
+        if self.apply_to not in ("exchanges", "all"):
+            return False
+        regex = _policy_regex(self.pattern)
+        return regex is not None and regex.search(name) is not None
+
+
+@lru_cache(maxsize=256)
+def _policy_regex(pattern: str) -> re.Pattern[str] | None:
+    try:
+        return re.compile(pattern)
+    except re.error:
+        return None  # RabbitMQ validated it as PCRE; Python cannot read it
+
+
+# ---------------------------------------------------------------------------
+# Field values: Erlang == on what pamqp decoded
+
+
+_VOID = object()  # a compiled headers-binding entry that only needs presence
+_X_MATCH = frozenset({"all", "any", "all-with-x", "any-with-x"})
+
+
+def _decimal_parts(value: Decimal) -> tuple[int, int] | str:
+    sign, digits, exponent = value.as_tuple()
+    if not isinstance(exponent, int):
+        return str(value)  # NaN/Infinity: no AMQP encoding, compares with itself only
+    if exponent > 0:
+        return (0, int(value))
+    unscaled = int("".join(map(str, digits)) or "0")
+    return (-exponent, -unscaled if sign else unscaled)
+
+
+def _timestamp(value: datetime.datetime) -> int:
+    """The integer a ``T`` field carried. pamqp divides values above
+    0xFFFFFFFF by 1000; a fractional result can only come from there."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=datetime.UTC)
+    seconds = value.timestamp()
+    return int(seconds) if seconds.is_integer() else round(seconds * 1000)
+
+
+def _tagged(value: object) -> tuple[str, object]:
+    """A nested value with its type class, as Erlang compares ``{Type, V}``.
+
+    pamqp decodes ``S`` to ``str`` (``bytes`` when not UTF-8) and ``x`` to
+    ``bytearray``, so the two string types stay apart. Integer and float
+    widths are lost in decoding; they compare as one class each.
+    """
+    if isinstance(value, str):
+        return ("longstr", value.encode("utf-8", "surrogateescape"))
+    if isinstance(value, bytearray | memoryview):
+        return ("binary", bytes(value))
+    if isinstance(value, bytes):
+        return ("longstr", value)
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, int):
+        return ("int", value)
+    if isinstance(value, float):
+        return ("float", value)
+    if isinstance(value, Decimal):
+        return ("decimal", _decimal_parts(value))
+    if isinstance(value, datetime.datetime):
+        return ("timestamp", _timestamp(value))
+    if value is None:
+        return ("void", None)
+    if isinstance(value, Mapping):
+        return ("table", _table(value))
+    if isinstance(value, list | tuple):
+        return ("array", _array(value))
+    return ("unknown", repr(value))
+
+
+def _table(value: Mapping[Any, object]) -> tuple[object, ...]:
+    return tuple((k, *_tagged(v)) for k, v in value.items())
+
+
+def _array(value: Iterable[object]) -> tuple[object, ...]:
+    return tuple(_tagged(v) for v in value)
+
+
+def _value(value: object) -> object:
+    """A top-level header or binding value in the form Erlang ``==`` sees.
+
+    The type tag is dropped, so ``S``/``x`` strings become bytes, integers
+    and floats stay numbers (``1 == 1.0``), a timestamp is its integer;
+    booleans and decimals are tagged so they equal only their own kind. A
+    table is a list of 3-tuples and an array of 2-tuples, so the empty table
+    equals the empty array, as ``[] == []`` does in Erlang.
+    """
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogateescape")
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, int | float):
+        return value
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, Decimal):
+        return ("decimal", _decimal_parts(value))
+    if isinstance(value, datetime.datetime):
+        return _timestamp(value)
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return _table(value)
+    if isinstance(value, list | tuple):
+        return _array(value)
+    return ("unknown", repr(value))
+
+
+# ---------------------------------------------------------------------------
+# Topic patterns
+
+
+def _words(key: str) -> tuple[str, ...]:
+    """``rabbit_exchange_type_topic:split_topic_key/1``: ``""`` is no word."""
+    return tuple(key.split(".")) if key else ()
+
+
+@lru_cache(maxsize=4096)
+def _pattern_words(pattern: str) -> tuple[str, ...]:
+    """A binding pattern's words, runs of ``#`` collapsed (``#.#`` matches
+    exactly what ``#`` matches)."""
+    out: list[str] = []
+    for word in _words(pattern):
+        if not (word == "#" and out and out[-1] == "#"):
+            out.append(word)
+    return tuple(out)
+
+
+def _hash_closure(states: set[int], pattern: tuple[str, ...]) -> set[int]:
+    """Add the states reached by letting each ``#`` match zero words."""
+    todo = list(states)
+    while todo:
+        i = todo.pop()
+        if i < len(pattern) and pattern[i] == "#" and i + 1 not in states:
+            states.add(i + 1)
+            todo.append(i + 1)
+    return states
+
+
+def topic_matches(pattern: str, routing_key: str) -> bool:
+    """Whether a topic binding with ``pattern`` matches ``routing_key``.
+
+    A set-of-positions walk over the pattern, one step per key word, so
+    ``#.a.#.a.#`` against a long key costs words x pattern steps, never the
+    exponential backtracking a regex would.
+    """
+    words = _pattern_words(pattern)
+    end = len(words)
+    states = _hash_closure({0}, words)
+    for word in _words(routing_key):
+        step: set[int] = set()
+        for i in states:
+            if i < end:
+                p = words[i]
+                if p == "#":
+                    step.add(i)
+                elif p == "*" or p == word:
+                    step.add(i + 1)
+        if not step:
+            return False
+        states = _hash_closure(step, words)
+    return end in states
+
+
+# ---------------------------------------------------------------------------
+# Per-exchange routing indexes
+
+_Dest = tuple[DestinationKind, str]
+
+
+class _TrieNode:
+    __slots__ = ("children", "dests")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _TrieNode] = {}
+        self.dests: list[_Dest] = []
+
+
+class _Router:
+    """What one exchange's type does with a message, plus its AE."""
+
+    __slots__ = ("alternate", "uses_headers")
+
+    def __init__(self, alternate: str | None) -> None:
+        self.alternate = alternate
+        self.uses_headers = False
+
+    def match(self, keys: tuple[str, ...], headers: Mapping[str, object]) -> Iterable[_Dest]:
+        raise NotImplementedError
+
+
+class _FanoutRouter(_Router):
+    __slots__ = ("dests",)
+
+    def __init__(self, alternate: str | None, bindings: Iterable[Binding]) -> None:
+        super().__init__(alternate)
+        self.dests = tuple({(b.destination_kind, b.destination) for b in bindings})
+
+    def match(self, keys: tuple[str, ...], headers: Mapping[str, object]) -> Iterable[_Dest]:
+        return self.dests
+
+
+class _DirectRouter(_Router):
+    __slots__ = ("by_key",)
+
+    def __init__(self, alternate: str | None, bindings: Iterable[Binding]) -> None:
+        super().__init__(alternate)
+        self.by_key: dict[str, set[_Dest]] = {}
+        for b in bindings:
+            self.by_key.setdefault(b.routing_key, set()).add((b.destination_kind, b.destination))
+
+    def match(self, keys: tuple[str, ...], headers: Mapping[str, object]) -> Iterable[_Dest]:
+        if len(keys) == 1:
+            return self.by_key.get(keys[0], ())
+        return [d for k in dict.fromkeys(keys) for d in self.by_key.get(k, ())]
+
+
+class _TopicRouter(_Router):
+    """The broker's trie walk (``trie_match/4``); states already visited are
+    skipped, which only removes duplicates but keeps ``#.#.#`` linear."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, alternate: str | None, bindings: Iterable[Binding]) -> None:
+        super().__init__(alternate)
+        self.root = _TrieNode()
+        for b in bindings:
+            node = self.root
+            for word in _words(b.routing_key):
+                node = node.children.setdefault(word, _TrieNode())
+            node.dests.append((b.destination_kind, b.destination))
+
+    def match(self, keys: tuple[str, ...], headers: Mapping[str, object]) -> Iterable[_Dest]:
+        out: list[_Dest] = []
+        for key in keys:
+            self._walk(self.root, _words(key), 0, out, set())
+        return out
+
+    def _walk(
+        self,
+        node: _TrieNode,
+        words: tuple[str, ...],
+        i: int,
+        out: list[_Dest],
+        seen: set[tuple[int, int]],
+    ) -> None:
+        state = (id(node), i)
+        if state in seen:
+            return
+        seen.add(state)
+        children = node.children
+        if i == len(words):
+            out.extend(node.dests)
+        else:
+            child = children.get(words[i])
+            if child is not None:
+                self._walk(child, words, i + 1, out, seen)
+            child = children.get("*")
+            if child is not None:
+                self._walk(child, words, i + 1, out, seen)
+        hash_child = children.get("#")
+        if hash_child is not None:
+            for j in range(i, len(words) + 1):
+                self._walk(hash_child, words, j, out, seen)
+
+
+class _HeadersRouter(_Router):
+    __slots__ = ("specs",)
+
+    def __init__(self, alternate: str | None, bindings: Iterable[Binding]) -> None:
+        super().__init__(alternate)
+        self.uses_headers = True
+        self.specs = tuple(
+            (*_headers_spec(b.arguments), (b.destination_kind, b.destination)) for b in bindings
+        )
+
+    def match(self, keys: tuple[str, ...], headers: Mapping[str, object]) -> Iterable[_Dest]:
+        return [
+            dest
+            for match_all, entries, dest in self.specs
+            if _headers_match(match_all, entries, headers)
+        ]
+
+
+def _headers_spec(arguments: Mapping[str, object]) -> tuple[bool, tuple[tuple[str, object], ...]]:
+    """Compile a headers binding: (match all?, the (key, value) pairs compared)."""
+    x_match = arguments.get("x-match")
+    mode = x_match if isinstance(x_match, str) and x_match in _X_MATCH else "all"
+    with_x = mode.endswith("-with-x")
+    entries = tuple(
+        (k, _VOID if v is None else _value(v))
+        for k, v in arguments.items()
+        if k != "x-match" and (with_x or not k.startswith("x-"))
+    )
+    return mode.startswith("all"), entries
+
+
+def _headers_match(
+    match_all: bool, entries: tuple[tuple[str, object], ...], headers: Mapping[str, object]
+) -> bool:
+    if match_all:
+        for key, want in entries:
+            if key not in headers or (want is not _VOID and headers[key] != want):
+                return False
+        return True
+    for key, want in entries:
+        if key in headers and (want is _VOID or headers[key] == want):
+            return True
+    return False
+
+
+_ROUTERS: dict[str, type[_FanoutRouter | _DirectRouter | _TopicRouter | _HeadersRouter]] = {
+    ExchangeType.DIRECT: _DirectRouter,
+    ExchangeType.FANOUT: _FanoutRouter,
+    ExchangeType.TOPIC: _TopicRouter,
+    ExchangeType.HEADERS: _HeadersRouter,
+}
+
+
+class _Refused(Exception):
+    """The broker would refuse the publish itself (bad CC/BCC header)."""
+
+
+def _header_routes(headers: Mapping[str, object]) -> tuple[str, ...]:
+    """``rabbit_basic:header_routes/1``: longstr elements of CC then BCC."""
+    routes: list[str] = []
+    for name in ("CC", "BCC"):
+        if name not in headers:
+            continue
+        value = headers[name]
+        if not isinstance(value, list | tuple):
+            raise _Refused(name)
+        for item in value:
+            if isinstance(item, str):
+                routes.append(item)
+            elif type(item) is bytes:  # a longstr pamqp could not decode as UTF-8
+                routes.append(item.decode("utf-8", "surrogateescape"))
+    return tuple(routes)
+
+
+# ---------------------------------------------------------------------------
+# The topology
+
+_PREDECLARED = (
+    Exchange("", ExchangeType.DIRECT),
+    Exchange("amq.direct", ExchangeType.DIRECT),
+    Exchange("amq.fanout", ExchangeType.FANOUT),
+    Exchange("amq.topic", ExchangeType.TOPIC),
+    Exchange("amq.headers", ExchangeType.HEADERS),
+    Exchange("amq.match", ExchangeType.HEADERS),
+    Exchange("amq.rabbitmq.trace", ExchangeType.TOPIC, internal=True),
+)
+
+_BindingId = tuple[object, ...]
+
+
+class Topology:
+    """Exchanges, queues, bindings and policies of one vhost, and its routing.
+
+    Mutators mirror what the listener sees *after* the broker's ``-ok``, so
+    they never fail: a re-declare keeps the existing entity (the broker does
+    too; it only checks equivalence), deleting something unknown is a no-op,
+    and a binding whose endpoint the model does not know is kept but routes
+    nowhere until that endpoint is declared. A queue named in a bind-ok is
+    known to exist, so :meth:`bind_queue` records it.
+    """
+
+    def __init__(self, vhost: str = "/") -> None:
+        self.vhost = vhost
+        self._exchanges: dict[str, Exchange] = {x.name: x for x in _PREDECLARED}
+        self._queues: dict[str, Queue] = {}
+        self._by_source: dict[str, dict[_BindingId, Binding]] = {}
+        self._by_destination: dict[_Dest, set[_BindingId]] = {}
+        self._policies: tuple[Policy, ...] = ()
+        self._routers: dict[str, _Router] = {}
+        self._cache: dict[tuple[str, str, tuple[str, ...]], frozenset[str]] = {}
+        self._generation = 0
+
+    # -- views --------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """Bumped by every mutation that changed something: a holder of a
+        definitions snapshot taken at generation N knows whether the wire
+        changed the model since."""
+        return self._generation
+
+    @property
+    def exchanges(self) -> Mapping[str, Exchange]:
+        return MappingProxyType(self._exchanges)
+
+    @property
+    def queues(self) -> Mapping[str, Queue]:
+        return MappingProxyType(self._queues)
+
+    @property
+    def policies(self) -> tuple[Policy, ...]:
+        return self._policies
+
+    def bindings(self) -> Iterator[Binding]:
+        for by_id in self._by_source.values():
+            yield from by_id.values()
+
+    def alternate_exchange(self, exchange: str) -> str | None:
+        """The AE RabbitMQ would use for ``exchange`` (argument, else policy)."""
+        x = self._exchanges.get(exchange)
+        if x is None:
+            return None
+        if "alternate-exchange" in x.arguments:
+            value = x.arguments["alternate-exchange"]
+            return value if isinstance(value, str) else None
+        policy = self._policy_for(x.name)
+        if policy is None:
+            return None
+        value = policy.definition.get("alternate-exchange")
+        return value if isinstance(value, str) else None
+
+    def _policy_for(self, exchange: str) -> Policy | None:
+        """The one policy RabbitMQ applies: highest priority; ties are in an
+        order RabbitMQ does not define, here by name."""
+        best: Policy | None = None
+        for p in self._policies:
+            if p.applies_to_exchange(exchange) and (
+                best is None or (-p.priority, p.name) < (-best.priority, best.name)
+            ):
+                best = p
+        return best
+
+    # -- mutators -------------------------------------------------------------
+
+    def declare_exchange(
+        self,
+        name: str,
+        type: str,
+        arguments: Mapping[str, object] | None = None,
+        internal: bool = False,
+        *,
+        auto_delete: bool = False,
+    ) -> None:
+        if name in self._exchanges:
+            return
+        self._exchanges[name] = Exchange(name, type, _frozen_args(arguments), internal, auto_delete)
+        self._changed(name)
+
+    def delete_exchange(self, name: str) -> None:
+        """Also removes its bindings either way; the default exchange stays."""
+        if name == "" or name not in self._exchanges:
+            return
+        self._remove_exchange(name)
+
+    def declare_queue(self, name: str, arguments: Mapping[str, object] | None = None) -> None:
+        if name in self._queues:
+            return
+        self._queues[name] = Queue(name, _frozen_args(arguments))
+        self._touch()
+
+    def delete_queue(self, name: str) -> None:
+        if self._queues.pop(name, None) is None:
+            return
+        self._touch()
+        self._remove_bindings_to((DestinationKind.QUEUE, name))
+
+    def bind_queue(
+        self,
+        queue: str,
+        exchange: str,
+        routing_key: str,
+        arguments: Mapping[str, object] | None = None,
+    ) -> None:
+        self.declare_queue(queue)
+        self._add(
+            Binding(exchange, queue, DestinationKind.QUEUE, routing_key, _frozen_args(arguments))
+        )
+
+    def unbind_queue(
+        self,
+        queue: str,
+        exchange: str,
+        routing_key: str,
+        arguments: Mapping[str, object] | None = None,
+    ) -> None:
+        self._remove(
+            Binding(exchange, queue, DestinationKind.QUEUE, routing_key, _frozen_args(arguments))
+        )
+
+    def bind_exchange(
+        self,
+        destination: str,
+        source: str,
+        routing_key: str,
+        arguments: Mapping[str, object] | None = None,
+    ) -> None:
+        self._add(
+            Binding(
+                source, destination, DestinationKind.EXCHANGE, routing_key, _frozen_args(arguments)
+            )
+        )
+
+    def unbind_exchange(
+        self,
+        destination: str,
+        source: str,
+        routing_key: str,
+        arguments: Mapping[str, object] | None = None,
+    ) -> None:
+        self._remove(
+            Binding(
+                source, destination, DestinationKind.EXCHANGE, routing_key, _frozen_args(arguments)
+            )
+        )
+
+    def set_policies(self, policies: Iterable[Policy]) -> None:
+        self._policies = tuple(policies)
+        self._routers.clear()
+        self._touch()
+
+    def _touch(self) -> None:
+        self._cache.clear()
+        self._generation += 1
+
+    def _changed(self, exchange: str) -> None:
+        self._routers.pop(exchange, None)
+        self._touch()
+
+    def _add(self, b: Binding) -> None:
+        ident = b.identity
+        by_id = self._by_source.setdefault(b.source, {})
+        if ident in by_id:
+            return
+        by_id[ident] = b
+        self._by_destination.setdefault((b.destination_kind, b.destination), set()).add(ident)
+        self._changed(b.source)
+
+    def _remove(self, b: Binding) -> None:
+        ident = b.identity
+        by_id = self._by_source.get(b.source)
+        if by_id is None or by_id.pop(ident, None) is None:
+            return  # the broker unbinds nothing and auto-deletes nothing either
+        self._forget_destination(b, ident)
+        if not by_id:
+            del self._by_source[b.source]
+        self._changed(b.source)
+        self._maybe_auto_delete(b.source)
+
+    def _forget_destination(self, b: Binding, ident: _BindingId) -> None:
+        dest = (b.destination_kind, b.destination)
+        idents = self._by_destination.get(dest)
+        if idents is not None:
+            idents.discard(ident)
+            if not idents:
+                del self._by_destination[dest]
+
+    def _remove_bindings_to(self, dest: _Dest) -> None:
+        sources: set[str] = set()
+        for ident in self._by_destination.pop(dest, set()):
+            source = ident[0]
+            assert isinstance(source, str)  # noqa: S101 - identity layout
+            by_id = self._by_source.get(source)
+            if by_id is not None and by_id.pop(ident, None) is not None:
+                sources.add(source)
+                if not by_id:
+                    del self._by_source[source]
+                self._changed(source)
+        for source in sorted(sources):
+            self._maybe_auto_delete(source)
+
+    def _maybe_auto_delete(self, name: str) -> None:
+        x = self._exchanges.get(name)
+        if x is not None and x.auto_delete and name not in self._by_source:
+            self._remove_exchange(name)
+
+    def _remove_exchange(self, name: str) -> None:
+        del self._exchanges[name]
+        for b in list(self._by_source.pop(name, {}).values()):
+            self._forget_destination(b, b.identity)
+        self._changed(name)
+        self._remove_bindings_to((DestinationKind.EXCHANGE, name))
+
+    # -- loading --------------------------------------------------------------
+
+    @classmethod
+    def from_definitions(cls, vhost: str, definitions: Mapping[str, Any]) -> Topology:
+        """Build from ``GET /api/definitions/{vhost}`` (or the whole-broker
+        ``GET /api/definitions``, whose items carry ``vhost``; other vhosts'
+        items are skipped).
+
+        The export is lossy and this loader undoes what it can: a void
+        binding argument is exported as the string ``"undefined"`` and is read
+        back as void (a literal ``"undefined"`` string argument cannot be told
+        apart); ``x`` byte strings arrive as strings and timestamps as
+        integers, which compare the same at the top level; decimals arrive
+        mangled as floats and cannot be restored.
+        """
+        if not isinstance(definitions, Mapping):
+            raise DefinitionsError("definitions: expected a JSON object")
+        topology = cls(vhost)
+        for item in _items(definitions, "exchanges", vhost):
+            topology.declare_exchange(
+                _field(item, "exchanges", "name", str),
+                _field(item, "exchanges", "type", str),
+                _field(item, "exchanges", "arguments", dict, {}),
+                _field(item, "exchanges", "internal", bool, False),
+                auto_delete=_field(item, "exchanges", "auto_delete", bool, False),
+            )
+        for item in _items(definitions, "queues", vhost):
+            topology.declare_queue(
+                _field(item, "queues", "name", str), _field(item, "queues", "arguments", dict, {})
+            )
+        for item in _items(definitions, "bindings", vhost):
+            topology._add(_binding_from_json(item))
+        topology.set_policies(_policy_from_json(p) for p in _items(definitions, "policies", vhost))
+        return topology
+
+    # -- routing --------------------------------------------------------------
+
+    def route(
+        self, exchange: str, routing_key: str, headers: Mapping[str, object] | None = None
+    ) -> frozenset[str]:
+        """The queues RabbitMQ 3.10 delivers this publish to (see module doc)."""
+        extra: tuple[str, ...] = ()
+        if headers and ("CC" in headers or "BCC" in headers):
+            try:
+                extra = _header_routes(headers)
+            except _Refused:
+                return _EMPTY
+        cache_key = (exchange, routing_key, extra)
+        hit = self._cache.get(cache_key)
+        if hit is not None:
+            return hit
+        x = self._exchanges.get(exchange)
+        if x is None or x.internal:
+            return _EMPTY
+        keys = (routing_key, *extra)
+        if exchange == "":
+            result = frozenset(k for k in keys if k in self._queues)
+            cacheable = True
+        else:
+            result, cacheable = self._walk(x, keys, headers)
+        if cacheable:
+            if len(self._cache) >= _ROUTE_CACHE_LIMIT:
+                del self._cache[next(iter(self._cache))]
+            self._cache[cache_key] = result
+        return result
+
+    def _walk(
+        self, start: Exchange, keys: tuple[str, ...], headers: Mapping[str, object] | None
+    ) -> tuple[frozenset[str], bool]:
+        """``rabbit_exchange:route1/3``; returns (queues, cacheable)."""
+        queues: set[str] = set()
+        seen = {start.name}
+        work = [start]
+        norm: Mapping[str, object] | None = None
+        cacheable = True
+        while work:
+            router = self._router(work.pop())
+            if router.uses_headers:
+                cacheable = False
+                if norm is None:
+                    norm = _normalised_headers(headers)
+            found = False
+            for kind, name in router.match(keys, _NO_ARGS if norm is None else norm):
+                if kind is DestinationKind.QUEUE:
+                    if name in self._queues:
+                        queues.add(name)
+                        found = True
+                elif name in self._exchanges:
+                    found = True
+                    if name not in seen:
+                        seen.add(name)
+                        work.append(self._exchanges[name])
+            ae = router.alternate
+            if not found and ae is not None and ae not in seen:
+                seen.add(ae)
+                if ae in self._exchanges:
+                    work.append(self._exchanges[ae])
+        return frozenset(queues), cacheable
+
+    def _router(self, x: Exchange) -> _Router:
+        router = self._routers.get(x.name)
+        if router is None:
+            kind = _ROUTERS.get(x.type, _FanoutRouter)
+            bindings = self._by_source.get(x.name, {}).values()
+            router = kind(self.alternate_exchange(x.name), bindings)
+            self._routers[x.name] = router
+        return router
+
+
+def _normalised_headers(headers: Mapping[str, object] | None) -> Mapping[str, object]:
+    if not headers:
+        return _NO_ARGS
+    return {k: _value(v) for k, v in headers.items() if k != "BCC"}
+
+
+def _items(definitions: Mapping[str, Any], key: str, vhost: str) -> Iterator[Mapping[str, Any]]:
+    items = definitions.get(key, [])
+    if not isinstance(items, list):
+        raise DefinitionsError(f"definitions: {key!r} must be a list")
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise DefinitionsError(f"definitions: {key}[{i}] must be an object")
+        if item.get("vhost", vhost) == vhost:
+            yield item
+
+
+def _field(item: Mapping[str, Any], kind: str, name: str, typ: type, *default: Any) -> Any:
+    if name not in item:
+        if default:
+            return default[0]
+        raise DefinitionsError(f"definitions: {kind} item {_label(item)} lacks {name!r}")
+    value = item[name]
+    if typ is dict and value == []:
+        value = {}  # RabbitMQ exports an empty argument table as [] in some versions
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise DefinitionsError(
+            f"definitions: {kind} item {_label(item)}: {name!r} must be {typ.__name__}"
+        )
+    return value
+
+
+def _label(item: Mapping[str, Any]) -> str:
+    return repr(item.get("name", item.get("source", "?")))
+
+
+def _binding_from_json(item: Mapping[str, Any]) -> Binding:
+    kind = _field(item, "bindings", "destination_type", str)
+    if kind not in (DestinationKind.QUEUE, DestinationKind.EXCHANGE):
+        raise DefinitionsError(
+            f"definitions: bindings item {_label(item)}: destination_type {kind!r} "
+            "is neither 'queue' nor 'exchange'"
+        )
+    arguments = {
+        k: None if v == "undefined" else v
+        for k, v in _field(item, "bindings", "arguments", dict, {}).items()
+    }
+    return Binding(
+        _field(item, "bindings", "source", str),
+        _field(item, "bindings", "destination", str),
+        DestinationKind(kind),
+        _field(item, "bindings", "routing_key", str, ""),
+        arguments,
+    )
+
+
+def _policy_from_json(item: Mapping[str, Any]) -> Policy:
+    return Policy(
+        name=_field(item, "policies", "name", str),
+        pattern=_field(item, "policies", "pattern", str),
+        definition=_field(item, "policies", "definition", dict, {}),
+        priority=_field(item, "policies", "priority", int, 0),
+        apply_to=_field(item, "policies", "apply-to", str, "all"),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Replication scope
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicationScope:
+    """Which routed queues of a publish the VPN replicates (see :mod:`._vpn`).
+
+    Regexes are compiled once; per-queue and per-(exchange, key) answers are
+    memoised (bounded), so a publish costs a few dict lookups.
+    """
+
+    queue_patterns: tuple[str, ...] = ()
+    topic_filters: tuple[TopicFilter, ...] = ()
+    _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
+    _filters: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
+    _queue_memo: dict[str, bool] = field(init=False, repr=False, compare=False)
+    _topic_memo: dict[tuple[str, str], bool] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        regexes = []
+        for pattern in self.queue_patterns:
+            try:
+                regexes.append(re.compile(pattern))
+            except re.error as e:
+                raise UsageError(f"--queues {pattern!r}: not a valid regex: {e}") from e
+        filters: dict[str, tuple[str, ...]] = {}
+        for f in self.topic_filters:
+            filters[f.exchange] = (*filters.get(f.exchange, ()), f.pattern)
+            _pattern_words(f.pattern)
+        object.__setattr__(self, "_regexes", tuple(regexes))
+        object.__setattr__(self, "_filters", filters)
+        object.__setattr__(self, "_queue_memo", {})
+        object.__setattr__(self, "_topic_memo", {})
+
+    @classmethod
+    def of(cls, settings: VpnSettings) -> ReplicationScope:
+        return cls(settings.queue_patterns, settings.topic_filters)
+
+    @property
+    def everything(self) -> bool:
+        """No filter at all: every queue of the VPN is in scope."""
+        return not self.queue_patterns and not self.topic_filters
+
+    def in_scope(self, exchange: str, routing_key: str, queues: frozenset[str]) -> frozenset[str]:
+        if not queues or self.everything:
+            return queues
+        if self._filters and self._topic_hit(exchange, routing_key):
+            return queues
+        if not self._regexes:
+            return _EMPTY
+        memo = self._queue_memo
+        hits = []
+        for q in queues:
+            hit = memo.get(q)
+            if hit is None:
+                hit = self._learn_queue(q)
+            if hit:
+                hits.append(q)
+        return queues if len(hits) == len(queues) else frozenset(hits)
+
+    def _learn_queue(self, queue: str) -> bool:
+        hit = any(r.fullmatch(queue) for r in self._regexes)
+        if len(self._queue_memo) >= _SCOPE_MEMO_LIMIT:
+            self._queue_memo.clear()
+        self._queue_memo[queue] = hit
+        return hit
+
+    def _topic_hit(self, exchange: str, routing_key: str) -> bool:
+        patterns = self._filters.get(exchange)
+        if patterns is None:
+            return False
+        key = (exchange, routing_key)
+        hit = self._topic_memo.get(key)
+        if hit is None:
+            hit = any(topic_matches(p, routing_key) for p in patterns)
+            if len(self._topic_memo) >= _SCOPE_MEMO_LIMIT:
+                self._topic_memo.clear()
+            self._topic_memo[key] = hit
+        return hit

@@ -1,0 +1,92 @@
+"""The AMQP listener running in a background event loop, in front of site A.
+
+Tests talk to it with blocking clients from the test thread; the listener's
+loop runs in its own thread (uvloop, as in production).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import pytest
+import uvloop
+
+from plugin._directory import VpnDirectory, VpnView
+from plugin._events import IdSource, MemorySink, ReplicationSink
+from plugin._listener import BrokerAddress, Listener
+from plugin._localsites import LocalSite
+from plugin._topology import ReplicationScope, Topology
+from plugin._vpn import Role, TopicFilter
+
+T = TypeVar("T")
+
+
+class ListenerThread:
+    def __init__(self, broker_port: int, sink: ReplicationSink | None = None) -> None:
+        self.directory = VpnDirectory()
+        self.sink = sink if sink is not None else MemorySink()
+        self.loop = uvloop.new_event_loop()
+        self.errors: list[dict[str, Any]] = []
+        self.loop.set_exception_handler(lambda loop, ctx: self.errors.append(ctx))
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.listener = Listener(
+            BrokerAddress("127.0.0.1", broker_port), self.directory, IdSource(7), self.sink
+        )
+        self.run(self.listener.start("127.0.0.1", 0))
+        self.port = self.listener.port
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        async def wrapper() -> T:
+            return fn()
+
+        return self.run(wrapper())  # type: ignore[no-any-return]
+
+    def url(self, vhost: str = "/", **params: str) -> str:
+        query = "&".join(f"{k}={v}" for k, v in params.items())
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/{quote(vhost, safe='')}" + (
+            f"?{query}" if query else ""
+        )
+
+    def stop(self) -> None:
+        self.run(self.listener.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+def enable_vpn(
+    lt: ListenerThread,
+    site: LocalSite,
+    vhost: str,
+    role: Role = Role.ACTIVE,
+    queues: tuple[str, ...] = (),
+    topics: tuple[str, ...] = (),
+) -> VpnView:
+    """Put ``vhost`` into the listener's directory with its current topology."""
+    definitions = site.rabbit.api("GET", f"definitions/{quote(vhost, safe='')}")
+    view = VpnView(
+        name=vhost,
+        role=role,
+        scope=ReplicationScope(queues, tuple(TopicFilter.parse(t) for t in topics)),
+        topology=Topology.from_definitions(vhost, definitions),
+    )
+    lt.call(lambda: lt.directory.put(view))
+    return view
+
+
+@pytest.fixture
+def listener_a(site_a: LocalSite) -> Iterator[ListenerThread]:
+    lt = ListenerThread(site_a.rabbit.amqp_port)
+    try:
+        yield lt
+    finally:
+        lt.stop()
+    assert lt.errors == [], lt.errors

@@ -1,0 +1,182 @@
+"""The listener in front of a real RabbitMQ: relay, interception, refusal."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pika
+import pytest
+from pika.exceptions import ProbableAccessDeniedError, ProbableAuthenticationError
+
+from plugin._events import REPLICATION_HEADER, Consumed, MemorySink, Published
+from plugin._localsites import LocalSite, free_port
+from plugin._vpn import Role
+from tests.fix_listener import ListenerThread, enable_vpn
+
+PERSISTENT = pika.BasicProperties(delivery_mode=2)
+TRANSIENT = pika.BasicProperties(delivery_mode=1)
+
+
+def _topic_setup(site: LocalSite) -> None:
+    """orders vhost: topic exchange `events` bound to three queues."""
+    site.rabbit.add_vhost("orders")
+    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url("orders")))
+    ch = conn.channel()
+    ch.exchange_declare("events", "topic", durable=True)
+    for q, key in (("orders.q1", "order.*"), ("orders.q2", "order.#"), ("audit", "#")):
+        ch.queue_declare(q, durable=True)
+        ch.queue_bind(q, "events", key)
+    conn.close()
+
+
+def _events(sink: MemorySink, kind: type) -> list:
+    return [e for e in sink.events if isinstance(e, kind)]
+
+
+def test_unreplicated_vhost_is_relayed_untouched(site_a: LocalSite, listener_a: ListenerThread):
+    site_a.rabbit.add_vhost("plain")
+    conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("plain")))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("q", durable=True)
+    for i in range(50):
+        ch.basic_publish("", "q", f"m{i}".encode(), PERSISTENT)
+    bodies = []
+    for _ in range(50):
+        _, props, body = ch.basic_get("q", auto_ack=True)
+        bodies.append(body)
+        assert props.headers is None  # no replication header outside replicated VPNs
+    conn.close()
+    assert bodies == [f"m{i}".encode() for i in range(50)]
+    assert listener_a.sink.events == []
+
+
+def test_sink_sees_one_event_per_persistent_in_scope_publish(
+    site_a: LocalSite, listener_a: ListenerThread
+):
+    _topic_setup(site_a)
+    enable_vpn(listener_a, site_a, "orders", queues=(r"orders\..*",))
+    conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for i in range(20):
+        ch.basic_publish("events", "order.created", f"p{i}".encode(), PERSISTENT)
+    for i in range(5):
+        ch.basic_publish("events", "order.created", f"t{i}".encode(), TRANSIENT)
+    for i in range(5):  # reaches only `audit`, which is out of scope
+        ch.basic_publish("events", "invoice.sent", f"a{i}".encode(), PERSISTENT)
+    conn.close()
+    published = _events(listener_a.sink, Published)
+    assert [e.body for e in published] == [f"p{i}".encode() for i in range(20)]
+    assert {e.queues for e in published} == {("orders.q1", "orders.q2")}
+    assert len({e.repl_id for e in published}) == 20
+    assert all(e.vpn == "orders" and e.exchange == "events" for e in published)
+
+
+def test_consumption_events_for_acks_nacks_and_no_ack_but_not_requeues(
+    site_a: LocalSite, listener_a: ListenerThread
+):
+    _topic_setup(site_a)
+    enable_vpn(listener_a, site_a, "orders", queues=(r"orders\.q1",))
+    conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for i in range(10):
+        ch.basic_publish("events", "order.x", f"m{i}".encode(), PERSISTENT)
+    ids = {e.body: e.repl_id for e in _events(listener_a.sink, Published)}
+
+    got = []
+    for _ in range(6):
+        method, props, body = ch.basic_get("orders.q1")
+        assert props.headers[REPLICATION_HEADER] == ids[body].hex
+        got.append((method.delivery_tag, body))
+    ch.basic_ack(got[1][0], multiple=True)  # m0, m1
+    ch.basic_nack(got[2][0], requeue=False)  # m2 consumed (dropped)
+    ch.basic_reject(got[4][0], requeue=False)  # m4 consumed
+    _, _, body = ch.basic_get("orders.q1", auto_ack=True)  # no-ack get: m6
+    assert body == b"m6"
+    ch.basic_nack(got[3][0], requeue=True)  # m3 back to the queue
+    ch.basic_reject(got[5][0], requeue=True)  # m5 back
+    _, _, body = ch.basic_get("orders.q1")  # the requeued m3, redelivered
+    assert body == b"m3"
+    conn.close()  # unacked redeliveries return to the queue: no event
+
+    consumed = _events(listener_a.sink, Consumed)
+    assert [(c.repl_id, c.queue) for c in consumed] == [
+        (ids[b], "orders.q1") for b in (b"m0", b"m1", b"m2", b"m4", b"m6")
+    ]
+
+
+def test_consumer_with_manual_and_auto_ack(site_a: LocalSite, listener_a: ListenerThread):
+    _topic_setup(site_a)
+    enable_vpn(listener_a, site_a, "orders")  # no filters: every queue in scope
+    conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for i in range(30):
+        ch.basic_publish("events", "order.y", f"m{i}".encode(), PERSISTENT)
+    published = _events(listener_a.sink, Published)
+    assert {e.queues for e in published} == {("audit", "orders.q1", "orders.q2")}
+
+    seen = []
+
+    def on_msg(channel, method, props, body):
+        seen.append(body)
+        if len(seen) % 10 == 0:
+            channel.basic_ack(method.delivery_tag, multiple=True)
+
+    ch.basic_qos(prefetch_count=50)
+    ch.basic_consume("orders.q1", on_msg)
+    ch.basic_consume("audit", lambda *a: seen.append(a[3]), auto_ack=True)
+    deadline = time.monotonic() + 10
+    while len(seen) < 60 and time.monotonic() < deadline:
+        conn.process_data_events(0.1)
+    conn.close()
+    consumed = Counter((c.queue) for c in _events(listener_a.sink, Consumed))
+    assert consumed == {"orders.q1": 30, "audit": 30}
+
+
+def test_transaction_events_reach_the_sink_only_on_commit(
+    site_a: LocalSite, listener_a: ListenerThread
+):
+    _topic_setup(site_a)
+    enable_vpn(listener_a, site_a, "orders", queues=(r"orders\.q1",))
+    sink = listener_a.sink
+    conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
+    ch = conn.channel()
+    ch.tx_select()
+    ch.basic_publish("events", "order.a", b"rolled-back", PERSISTENT)
+    ch.tx_rollback()
+    ch.basic_publish("events", "order.a", b"c1", PERSISTENT)
+    ch.basic_publish("events", "order.a", b"c2", PERSISTENT)
+    ch.tx_commit()
+    assert [e.body for e in _events(sink, Published)] == [b"c1", b"c2"]
+    assert len(sink.committed) == 1 and len(sink.prepared) == 1
+
+    method, _, body = ch.basic_get("orders.q1")
+    ch.basic_ack(method.delivery_tag)
+    ch.tx_rollback()  # the ack is undone: still unacked
+    assert _events(sink, Consumed) == []
+    ch.basic_ack(method.delivery_tag)  # acking again after rollback is legal
+    ch.tx_commit()
+    conn.close()
+    assert [c.repl_id for c in _events(sink, Consumed)] == [_events(sink, Published)[0].repl_id]
+
+
+def test_standby_vhost_refuses_clients_with_530(site_a: LocalSite, listener_a: ListenerThread):
+    site_a.rabbit.add_vhost("orders")
+    enable_vpn(listener_a, site_a, "orders", role=Role.STANDBY)
+    with pytest.raises(ProbableAccessDeniedError, match=r"\(530\) .*replication standby"):
+        pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
+
+
+def test_broker_down_gives_a_clean_close_not_a_hang(site_a: LocalSite):
+    lt = ListenerThread(free_port())  # nothing listens there
+    try:
+        # pika files a close during the handshake under "probable authentication
+        # error"; what matters is the reply code and text, not a socket timeout
+        with pytest.raises(ProbableAuthenticationError, match=r"\(320\) .*broker unavailable"):
+            pika.BlockingConnection(pika.URLParameters(lt.url("/", socket_timeout="10")))
+    finally:
+        lt.stop()

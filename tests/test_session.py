@@ -1,0 +1,343 @@
+"""The listener's session state machine, fed scripted byte streams (no servers)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from pamqp import commands, frame, header
+from pamqp.body import ContentBody
+
+from plugin import _amqp as amqp
+from plugin._directory import VpnDirectory, VpnView
+from plugin._events import Consumed, IdSource, Published
+from plugin._session import Session
+from plugin._topology import ReplicationScope, Topology
+from plugin._vpn import Role
+
+C = commands
+
+
+def m(method, channel: int = 0) -> bytes:
+    return frame.marshal(method, channel)
+
+
+def content(channel: int, body: bytes, **props) -> bytes:
+    hdr = header.ContentHeader(body_size=len(body), properties=C.Basic.Properties(**props))
+    out = frame.marshal(hdr, channel)
+    if body:
+        out += frame.marshal(ContentBody(body), channel)
+    return out
+
+
+def publish(channel: int, body: bytes, queue: str = "q", mode: int = 2, **props) -> bytes:
+    return m(C.Basic.Publish(exchange="", routing_key=queue), channel) + content(
+        channel, body, delivery_mode=mode, **props
+    )
+
+
+def decode_all(chunks: list[bytes]) -> list[tuple[int, object]]:
+    data = b"".join(chunks)
+    out = []
+    while data:
+        n, channel, value = frame.unmarshal(data)
+        out.append((channel, value))
+        data = data[n:]
+    return out
+
+
+def make_session(role: Role = Role.ACTIVE, vhost: str = "orders") -> Session:
+    topology = Topology(vhost)
+    topology.declare_queue("q", {})
+    topology.declare_queue("other", {})
+    directory = VpnDirectory()
+    directory.put(VpnView(vhost, role, ReplicationScope((r"q",)), topology))
+    return Session(directory, IdSource(1))
+
+
+def open_session(session: Session, vhost: str = "orders") -> None:
+    session.client_data(amqp.PROTOCOL_HEADER)
+    session.broker_data(m(C.Connection.Start(mechanisms="PLAIN", locales="en_US")))
+    session.client_data(m(C.Connection.StartOk(response="\0guest\0guest")))
+    session.broker_data(m(C.Connection.Tune(channel_max=2047, frame_max=131072, heartbeat=60)))
+    session.client_data(m(C.Connection.TuneOk(channel_max=2047, frame_max=131072, heartbeat=60)))
+    out = session.client_data(m(C.Connection.Open(virtual_host=vhost)))
+    assert out.to_client == []
+    session.broker_data(m(C.Connection.OpenOk()))
+    session.client_data(m(C.Channel.Open(), 1))
+    session.broker_data(m(C.Channel.OpenOk(), 1))
+
+
+@pytest.fixture
+def confirming() -> Session:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Confirm.Select(), 1))
+    s.broker_data(m(C.Confirm.SelectOk(), 1))
+    return s
+
+
+def acks(out) -> list[tuple[str, int, bool]]:
+    return [
+        (type(v).__name__, v.delivery_tag, v.multiple)
+        for _, v in decode_all(out.to_client)
+        if isinstance(v, C.Basic.Ack | C.Basic.Nack)
+    ]
+
+
+def test_relayed_bytes_are_the_clients_own(confirming: Session) -> None:
+    data = publish(1, b"x", queue="other", mode=2)
+    out = confirming.client_data(data)
+    assert b"".join(out.to_broker) == data
+    assert out.events == []  # `other` is out of scope
+
+
+def test_replicated_publish_carries_an_id_and_yields_one_event(confirming: Session) -> None:
+    out = confirming.client_data(publish(1, b"hello", app_id="shop"))
+    [(event, key)] = out.events
+    assert isinstance(event, Published)
+    assert (event.vpn, event.exchange, event.routing_key, event.queues, event.body) == (
+        "orders",
+        "",
+        "q",
+        ("q",),
+        b"hello",
+    )
+    assert key == (1, 1)
+    sent = decode_all(out.to_broker)
+    hdr = sent[1][1]
+    assert isinstance(hdr, header.ContentHeader)
+    assert hdr.properties.headers == {"x-vpnrepl-id": event.repl_id.hex}
+    assert hdr.properties.app_id == "shop"
+    assert (
+        event.properties
+        == b"".join(out.to_broker)[
+            len(m(C.Basic.Publish(exchange="", routing_key="q"), 1)) + 7 + 12 : -len(
+                frame.marshal(ContentBody(b"hello"), 1)
+            )
+            - 1
+        ]
+    )
+
+
+def test_transient_publish_is_not_replicated(confirming: Session) -> None:
+    out = confirming.client_data(publish(1, b"t", mode=1))
+    assert out.events == []
+
+
+def test_confirms_wait_for_the_broker_and_the_sink(confirming: Session) -> None:
+    s = confirming
+    for i in range(3):
+        s.client_data(publish(1, b"m%d" % i))
+    # broker confirms all three at once: all still held for replication
+    assert acks(s.broker_data(m(C.Basic.Ack(delivery_tag=3, multiple=True), 1))) == []
+    # seq 2 durable first: released alone, seq 1 still held
+    assert acks(s.replicated_done(1, 2, True)) == [("Ack", 2, False)]
+    assert acks(s.replicated_done(1, 1, True)) == [("Ack", 1, False)]
+    assert acks(s.replicated_done(1, 3, True)) == [("Ack", 3, False)]
+    # nothing is ever released twice
+    assert acks(s.replicated_done(1, 3, True)) == []
+
+
+def test_a_ready_prefix_is_released_as_one_multiple_ack(confirming: Session) -> None:
+    s = confirming
+    for i in range(4):
+        s.client_data(publish(1, b"m%d" % i))
+    for seq in (1, 2, 3, 4):
+        assert acks(s.replicated_done(1, seq, True)) == []  # broker not yet
+    assert acks(s.broker_data(m(C.Basic.Ack(delivery_tag=4, multiple=True), 1))) == [
+        ("Ack", 4, True)
+    ]
+
+
+def test_unreplicated_confirms_pass_a_held_one_individually(confirming: Session) -> None:
+    s = confirming
+    s.client_data(publish(1, b"held"))  # seq 1, replicated
+    s.client_data(publish(1, b"free", queue="other"))  # seq 2, out of scope
+    s.client_data(publish(1, b"transient", mode=1))  # seq 3, not persistent
+    out = s.broker_data(m(C.Basic.Ack(delivery_tag=3, multiple=True), 1))
+    # multiple=true must not span the held tag 1
+    assert acks(out) == [("Ack", 2, False), ("Ack", 3, False)]
+    assert acks(s.replicated_done(1, 1, True)) == [("Ack", 1, False)]
+
+
+def test_sink_failure_and_broker_nack_become_nacks(confirming: Session) -> None:
+    s = confirming
+    s.client_data(publish(1, b"a"))
+    s.client_data(publish(1, b"b"))
+    s.broker_data(m(C.Basic.Ack(delivery_tag=1), 1))
+    assert acks(s.replicated_done(1, 1, False)) == [("Nack", 1, False)]
+    s.replicated_done(1, 2, True)
+    assert acks(s.broker_data(m(C.Basic.Nack(delivery_tag=2), 1))) == [("Nack", 2, False)]
+
+
+def test_unreplicated_connection_relays_confirm_frames_unchanged() -> None:
+    s = Session(VpnDirectory(), IdSource(1))
+    open_session(s, vhost="plain")
+    s.client_data(m(C.Confirm.Select(), 1))
+    s.client_data(publish(1, b"x"))
+    frame_bytes = m(C.Basic.Ack(delivery_tag=1, multiple=True), 1)
+    assert s.broker_data(frame_bytes).to_client == [frame_bytes]
+
+
+def deliver(s: Session, tag: int, consumer: str, repl_hex: str | None, channel: int = 1):
+    headers = {"x-vpnrepl-id": repl_hex} if repl_hex else None
+    data = m(
+        C.Basic.Deliver(consumer_tag=consumer, delivery_tag=tag, exchange="", routing_key="q"),
+        channel,
+    ) + content(channel, b"body", headers=headers, delivery_mode=2)
+    out = s.broker_data(data)
+    assert b"".join(out.to_client) == data  # deliveries are relayed untouched
+    return out
+
+
+def test_acks_map_deliveries_to_consumption_events() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Basic.Consume(queue="q", consumer_tag=""), 1))
+    s.broker_data(m(C.Basic.ConsumeOk(consumer_tag="ctag-1"), 1))
+    ids = [f"{i:032x}" for i in range(1, 6)]
+    for tag, rid in enumerate(ids, start=1):
+        deliver(s, tag, "ctag-1", rid)
+    deliver(s, 6, "ctag-1", None)  # predates replication: no id, no event
+    events = []
+    events += s.client_data(m(C.Basic.Ack(delivery_tag=2, multiple=True), 1)).events
+    events += s.client_data(m(C.Basic.Nack(delivery_tag=3, requeue=True), 1)).events
+    events += s.client_data(m(C.Basic.Reject(delivery_tag=4, requeue=False), 1)).events
+    events += s.client_data(m(C.Basic.Ack(delivery_tag=6), 1)).events
+    assert [(e.repl_id.hex, e.queue) for e, _ in events] == [
+        (ids[0], "q"),
+        (ids[1], "q"),
+        (ids[3], "q"),
+    ]
+    assert all(isinstance(e, Consumed) for e, _ in events)
+    # closing the channel returns delivery 5 to the queue: no event
+    out = s.client_data(
+        m(C.Channel.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0), 1)
+    )
+    assert out.events == []
+
+
+def test_no_ack_consumer_consumes_on_delivery() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Basic.Consume(queue="q", consumer_tag="mine", no_ack=True), 1))
+    s.broker_data(m(C.Basic.ConsumeOk(consumer_tag="mine"), 1))
+    out = deliver(s, 1, "mine", "ab" * 16)
+    [(event, _)] = out.events
+    assert isinstance(event, Consumed) and event.repl_id.hex == "ab" * 16
+
+
+def test_standby_vhost_is_refused_with_530() -> None:
+    s = make_session(role=Role.STANDBY)
+    s.client_data(amqp.PROTOCOL_HEADER)
+    s.broker_data(m(C.Connection.Start(mechanisms="PLAIN", locales="en_US")))
+    s.client_data(m(C.Connection.StartOk(response="\0guest\0guest")))
+    s.broker_data(m(C.Connection.Tune(frame_max=131072)))
+    s.client_data(m(C.Connection.TuneOk(frame_max=131072)))
+    out = s.client_data(m(C.Connection.Open(virtual_host="orders")))
+    assert out.to_broker == [] and out.drop_broker
+    [(_, close)] = decode_all(out.to_client)
+    assert isinstance(close, C.Connection.Close) and close.reply_code == 530
+    assert "replication standby" in close.reply_text
+
+
+def closing_code(out) -> int:
+    closes = [v for _, v in decode_all(out.to_client) if isinstance(v, C.Connection.Close)]
+    assert len(closes) == 1, out.to_client
+    to_broker = [v for _, v in decode_all(out.to_broker) if isinstance(v, C.Connection.Close)]
+    assert len(to_broker) == 1  # upstream closed cleanly too
+    return closes[0].reply_code
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (content(1, b"orphan"), 505),  # header without a publish
+        (frame.marshal(ContentBody(b"orphan"), 1), 505),  # body without a header
+        (
+            m(C.Basic.Publish(exchange="", routing_key="q"), 1)
+            + frame.marshal(header.ContentHeader(body_size=2), 1)
+            + frame.marshal(ContentBody(b"too long"), 1),
+            501,
+        ),
+        (
+            m(C.Basic.Publish(exchange="", routing_key="q"), 1) + m(C.Basic.Ack(delivery_tag=1), 1),
+            505,
+        ),  # method while content expected
+        (struct.pack(">BHI", 1, 1, 4) + struct.pack(">HH", 77, 7) + b"\xce", 503),
+        (struct.pack(">BHI", 8, 1, 0) + b"\xce", 501),  # heartbeat on channel 1
+        (struct.pack(">BHI", 3, 1, 300_000), 501),  # oversize
+        (struct.pack(">BHI", 1, 1, 5) + b"\x00\x3c\x00\x28\x00" + b"\xce", 502),  # truncated
+    ],
+)
+def test_bad_client_frames_close_with_the_right_code(data: bytes, code: int) -> None:
+    s = make_session()
+    open_session(s)
+    assert closing_code(s.client_data(data)) == code
+    # the client's close-ok and the broker's close-ok end the session
+    s.client_data(m(C.Connection.CloseOk()))
+    s.broker_data(m(C.Connection.CloseOk()))
+    assert s.client_done and s.broker_done
+
+
+def test_frames_before_a_fault_are_still_relayed() -> None:
+    s = make_session()
+    open_session(s)
+    good = m(C.Basic.Ack(delivery_tag=1), 1)
+    out = s.client_data(good + struct.pack(">BHI", 3, 1, 300_000))
+    assert out.to_broker[0] == good
+
+
+def test_wrong_protocol_header_gets_ours_back() -> None:
+    s = make_session()
+    out = s.client_data(b"AMQP\x01\x01\x00\x0a")
+    assert out.to_client == [amqp.PROTOCOL_HEADER] and out.drop_broker
+
+
+def test_transactions_hold_commit_until_prepared_and_commit_ok_until_committed() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Tx.Select(), 1))
+    s.broker_data(m(C.Tx.SelectOk(), 1))
+    out = s.client_data(publish(1, b"a") + publish(1, b"b"))
+    assert out.events == []  # buffered until commit
+    out = s.client_data(m(C.Tx.Commit(), 1))
+    assert out.to_broker == [] and len(out.prepare) == 1
+    txn = out.prepare[0]
+    assert [e.body for e in txn.events] == [b"a", b"b"]
+    out = s.transaction_prepared(1)
+    assert decode_all(out.to_broker)[0][1].name == "Tx.Commit"
+    out = s.broker_data(m(C.Tx.CommitOk(), 1))
+    assert out.to_client == [] and out.commit == [txn]
+    out = s.transaction_committed(1)
+    assert decode_all(out.to_client)[0][1].name == "Tx.CommitOk"
+
+
+def test_refused_prepare_closes_the_connection_and_sends_nothing_upstream() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Tx.Select(), 1))
+    s.client_data(publish(1, b"a"))
+    s.client_data(m(C.Tx.Commit(), 1))
+    out = s.transaction_prepared(1, refused="standby did not prepare in time")
+    assert not any(isinstance(v, C.Tx.Commit) for _, v in decode_all(out.to_broker))
+    [(_, close)] = decode_all(out.to_client)
+    assert "standby did not prepare in time" in close.reply_text
+
+
+def test_topology_changes_apply_on_ok_only() -> None:
+    s = make_session()
+    open_session(s)
+    vpn = s.vpn
+    assert vpn is not None
+    s.client_data(m(C.Queue.Declare(queue=""), 1))
+    s.client_data(m(C.Queue.Declare(queue="passive", passive=True), 1))
+    s.broker_data(m(C.Queue.DeclareOk(queue="amq.gen-1", message_count=0, consumer_count=0), 1))
+    s.broker_data(m(C.Queue.DeclareOk(queue="passive", message_count=0, consumer_count=0), 1))
+    assert "amq.gen-1" in vpn.topology.queues
+    assert "passive" not in vpn.topology.queues  # a passive declare changes nothing
+    s.client_data(m(C.Queue.Bind(queue="amq.gen-1", exchange="amq.topic", routing_key="a.*"), 1))
+    assert vpn.topology.route("amq.topic", "a.b", None) == frozenset()
+    s.broker_data(m(C.Queue.BindOk(), 1))
+    assert vpn.topology.route("amq.topic", "a.b", None) == {"amq.gen-1"}

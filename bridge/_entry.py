@@ -1,0 +1,126 @@
+"""Ledger entries and the byte encoding of replication events.
+
+An entry is one event of one VPN at (epoch, index). Indexes are dense per VPN
+(1, 2, 3, ...) and never reused: the standby detects a gap by index and asks
+for a resync from its last applied index. The epoch is the VPN's fencing epoch
+when the entry was appended.
+
+The event encoding is shared by the ledger table (``ledger.event``) and the
+bridge wire, so an entry is encoded once on the active and stored, shipped and
+applied from the same bytes. It is length-prefixed and versionless on purpose:
+the bridge handshake carries the protocol version, and a schema migration
+rewrites stored entries if the encoding ever changes.
+
+    PUBLISHED: b"P" id(16) exchange(str16) routing_key(str16) nqueues(u16)
+               queue(str16)* properties(bytes32) body(bytes32)
+    CONSUMED:  b"C" id(16) queue(str16)
+    (str16 = u16 length + UTF-8, bytes32 = u32 length + bytes)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from plugin._events import Consumed, Event, Published, ReplicationId
+
+__all__ = ["EventDecodeError", "LedgerEntry", "decode_event", "encode_event"]
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+KIND_PUBLISHED = b"P"
+KIND_CONSUMED = b"C"
+
+
+class EventDecodeError(ValueError):
+    """Bytes that are not an encoded event (corrupt ledger row or frame)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """One event of ``vpn`` at ``(epoch, index)``."""
+
+    vpn: str
+    epoch: int
+    index: int
+    event: Event
+
+    def __post_init__(self) -> None:
+        if self.index < 1 or self.epoch < 1:
+            raise ValueError(f"ledger index and epoch start at 1 (got {self.index}, {self.epoch})")
+
+    @property
+    def kind(self) -> str:
+        return "published" if isinstance(self.event, Published) else "consumed"
+
+
+def _str16(text: str) -> bytes:
+    raw = text.encode()
+    if len(raw) > 0xFFFF:
+        raise ValueError("string longer than 65535 bytes")
+    return _U16.pack(len(raw)) + raw
+
+
+def encode_event(event: Event) -> bytes:
+    if isinstance(event, Published):
+        parts = [
+            KIND_PUBLISHED,
+            event.repl_id.value,
+            _str16(event.exchange),
+            _str16(event.routing_key),
+            _U16.pack(len(event.queues)),
+            *(_str16(q) for q in event.queues),
+            _U32.pack(len(event.properties)),
+            event.properties,
+            _U32.pack(len(event.body)),
+            event.body,
+        ]
+        return b"".join(parts)
+    return KIND_CONSUMED + event.repl_id.value + _str16(event.queue)
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def take(self, n: int) -> bytes:
+        end = self.pos + n
+        if end > len(self.data):
+            raise EventDecodeError(f"event truncated at byte {self.pos} (needs {n} more)")
+        out = self.data[self.pos : end]
+        self.pos = end
+        return out
+
+    def u16(self) -> int:
+        return int(_U16.unpack(self.take(2))[0])
+
+    def u32(self) -> int:
+        return int(_U32.unpack(self.take(4))[0])
+
+    def str16(self) -> str:
+        try:
+            return self.take(self.u16()).decode()
+        except UnicodeDecodeError as e:
+            raise EventDecodeError("event string is not UTF-8") from e
+
+
+def decode_event(data: bytes, vpn: str) -> Event:
+    """Decode an event of ``vpn`` (the VPN is not repeated in every event)."""
+    r = _Reader(bytes(data))
+    kind = r.take(1)
+    repl_id = ReplicationId(r.take(16))
+    event: Event
+    if kind == KIND_PUBLISHED:
+        exchange, routing_key = r.str16(), r.str16()
+        queues = tuple(r.str16() for _ in range(r.u16()))
+        properties = r.take(r.u32())
+        body = r.take(r.u32())
+        event = Published(vpn, repl_id, exchange, routing_key, properties, body, queues)
+    elif kind == KIND_CONSUMED:
+        event = Consumed(vpn, repl_id, r.str16())
+    else:
+        raise EventDecodeError(f"unknown event kind {kind!r}")
+    if r.pos != len(r.data):
+        raise EventDecodeError(f"{len(r.data) - r.pos} bytes after the event")
+    return event

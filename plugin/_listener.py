@@ -22,7 +22,8 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from ._directory import VpnDirectory
-from ._events import IdSource, LocalTransaction, ReplicationSink, TransactionRefused
+from ._events import IdSource, LocalTransaction, Published, ReplicationSink, TransactionRefused
+from ._metrics import ListenerStats
 from ._session import BrokerUnavailable, Output, Session
 
 __all__ = ["BrokerAddress", "Listener"]
@@ -102,6 +103,9 @@ class _ClientSide(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         _nodelay(transport)
         self.listener.connections.add(self)
+        stats = self.listener.stats
+        stats.connections_open += 1
+        stats.connections_total += 1
         self._spawn(self._connect_upstream())
 
     def data_received(self, data: bytes) -> None:
@@ -175,8 +179,13 @@ class _ClientSide(asyncio.Protocol):
         if out.to_client:
             self._write_client(out.to_client)
         sink = self.listener.sink
-        for event, key in out.events:
-            sink.append(event, self._confirm_callback(key) if key is not None else None)
+        if out.events:
+            counts = self.listener.stats.events
+            for event, key in out.events:
+                counts[
+                    (event.vpn, "published" if isinstance(event, Published) else "consumed")
+                ] += 1
+                sink.append(event, self._confirm_callback(key) if key is not None else None)
         for txn in out.prepare:
             self._spawn(self._prepare(txn))
         for txn in out.commit:
@@ -247,6 +256,10 @@ class _ClientSide(asyncio.Protocol):
         if self._close_timer is not None:
             self._close_timer.cancel()
         self.session.connection_lost()
+        stats = self.listener.stats
+        stats.connections_open -= 1
+        if self.session.fault_code is not None:
+            stats.protocol_closes[self.session.fault_code] += 1
         if self.transport is not None:
             self.transport.close()
         if self.broker is not None and self.broker.transport is not None:
@@ -271,6 +284,7 @@ class Listener:
         self.sink = sink
         self.broker_ssl = broker_ssl or (ssl.create_default_context() if broker.tls else None)
         self.connections: set[_ClientSide] = set()
+        self.stats = ListenerStats()
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:

@@ -167,6 +167,8 @@ class Session:
         self.client_done = False  # nothing more will come from / go to the client
         self.broker_done = False
         self._closed_by_us = False
+        #: reply code of the fault that made us close the client, if any
+        self.fault_code: int | None = None
         self._exclusive_queues: list[str] = []
         self._client_header_buf = b""
 
@@ -799,6 +801,7 @@ class Session:
         )
         self.closing = True
         self._closed_by_us = True
+        self.fault_code = error.reply_code
         if self.open:
             self._out.to_broker.append(
                 amqp.marshal_method(

@@ -180,3 +180,34 @@ def test_broker_down_gives_a_clean_close_not_a_hang(site_a: LocalSite):
             pika.BlockingConnection(pika.URLParameters(lt.url("/", socket_timeout="10")))
     finally:
         lt.stop()
+
+
+def test_metrics_count_connections_events_and_protocol_closes(
+    site_a: LocalSite, listener_a: ListenerThread
+):
+    import socket
+    import struct
+
+    from plugin._metrics import Metrics
+
+    _topic_setup(site_a)
+    enable_vpn(listener_a, site_a, "orders", queues=(r"orders\.q1",))
+    conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for _ in range(3):
+        ch.basic_publish("events", "order.z", b"x", PERSISTENT)
+    conn.close()
+    with socket.create_connection(("127.0.0.1", listener_a.port), timeout=10) as raw:
+        raw.sendall(
+            b"AMQP\x00\x00\x09\x01" + struct.pack(">BHI", 1, 0, 4) + b"\x00\x0a\x00\x0b\x00"
+        )
+        while raw.recv(4096):  # the listener closes after its connection.close
+            pass
+    metrics = Metrics()
+    metrics.observe_listener(listener_a.listener.stats)
+    text = metrics.prometheus_text()
+    assert 'vpnrepl_events_total{kind="published",vpn="orders"} 3' in text
+    assert 'vpnrepl_protocol_closes_total{reply_code="501"} 1' in text
+    assert "vpnrepl_client_connections_total 2" in text
+    metrics.shutdown()

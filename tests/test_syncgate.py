@@ -1,0 +1,75 @@
+"""Sync-mode confirm gating (no servers, time passed in)."""
+
+from __future__ import annotations
+
+from bridge._syncgate import SyncGate
+from plugin._vpn import SyncTimeoutPolicy
+
+DEGRADE, REJECT = SyncTimeoutPolicy.DEGRADE, SyncTimeoutPolicy.REJECT
+
+
+class Outcomes(dict[int, bool]):
+    def resolver(self, index: int):
+        def resolve(ok: bool) -> None:
+            assert index not in self, f"index {index} resolved twice"
+            self[index] = ok
+
+        return resolve
+
+
+def test_confirms_wait_for_the_standby_ack() -> None:
+    gate, out = SyncGate("v", 1000, REJECT), Outcomes()
+    for i in (1, 2, 3):
+        gate.wait(i, 0.0, out.resolver(i))
+    assert out == {}
+    gate.acked(2)
+    assert out == {1: True, 2: True}
+    gate.acked(3)
+    assert out == {1: True, 2: True, 3: True}
+    gate.expire(5.0)  # nothing left to expire
+    assert gate.rejections == 0
+
+
+def test_already_acknowledged_index_confirms_at_once() -> None:
+    gate, out = SyncGate("v", 1000, REJECT, acked_index=10), Outcomes()
+    gate.wait(9, 0.0, out.resolver(9))
+    assert out == {9: True}
+
+
+def test_reject_nacks_each_publish_after_its_own_timeout() -> None:
+    gate, out = SyncGate("v", 500, REJECT), Outcomes()
+    gate.wait(1, 0.0, out.resolver(1))
+    gate.wait(2, 0.4, out.resolver(2))
+    gate.expire(0.45)
+    assert out == {}
+    gate.expire(0.5)
+    assert out == {1: False}
+    gate.acked(2)  # in time for the second
+    assert out == {1: False, 2: True}
+    assert gate.rejections == 1 and gate.eligible
+
+
+def test_degrade_confirms_goes_ineligible_and_recovers_after_catch_up() -> None:
+    gate, out = SyncGate("v", 500, DEGRADE), Outcomes()
+    gate.wait(1, 0.0, out.resolver(1))
+    gate.wait(2, 0.1, out.resolver(2))
+    gate.expire(0.5)
+    assert out == {1: True, 2: True}  # everything waiting is confirmed
+    assert not gate.eligible and gate.degradations == 1
+    gate.wait(3, 0.6, out.resolver(3))  # ineligible: confirmed without waiting
+    assert out[3] is True
+    gate.acked(2)
+    assert not gate.eligible  # not caught up with index 3 yet
+    gate.acked(3)
+    assert gate.eligible
+    gate.wait(4, 1.0, out.resolver(4))
+    assert 4 not in out  # eligible again: waits for the standby
+    gate.acked(4)
+    assert out[4] is True and gate.degradations == 1
+
+
+def test_next_deadline_tells_the_driver_when_to_call_expire() -> None:
+    gate, out = SyncGate("v", 250, REJECT), Outcomes()
+    assert gate.next_deadline() is None
+    gate.wait(1, 1.0, out.resolver(1))
+    assert gate.next_deadline() == 1.25

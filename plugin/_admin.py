@@ -36,7 +36,9 @@ class AdminServer:
         try:
             self._server = await asyncio.start_server(self._handle, host, port)
         except OSError as e:
-            raise OSError(e.errno, f"cannot listen for admin HTTP on {host}:{port}: {e.strerror}") from e
+            raise OSError(
+                e.errno, f"cannot listen for admin HTTP on {host}:{port}: {e.strerror}"
+            ) from e
 
     @property
     def port(self) -> int:

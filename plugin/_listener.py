@@ -95,6 +95,7 @@ class _ClientSide(asyncio.Protocol):
         self._closed = False
         self._close_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._durable: list[tuple[int, int, bool]] = []
 
     # client transport callbacks ------------------------------------------
 
@@ -201,10 +202,18 @@ class _ClientSide(asyncio.Protocol):
         channel, seq = key
 
         def done(ok: bool) -> None:
-            if not self._closed:
-                self.apply(self.session.replicated_done(channel, seq, ok))
+            if not self._durable:
+                asyncio.get_running_loop().call_soon(self._flush_durable)
+            self._durable.append((channel, seq, ok))
 
         return done
+
+    def _flush_durable(self) -> None:
+        """Release held confirms for every durable notice of this loop turn
+        at once: one pass over the pending confirms, one write."""
+        done, self._durable = self._durable, []
+        if not self._closed:
+            self.apply(self.session.replicated_done(done))
 
     async def _prepare(self, txn: LocalTransaction) -> None:
         refused: str | None = None

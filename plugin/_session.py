@@ -128,6 +128,8 @@ class _Channel:
     confirm: bool = False
     next_seq: int = 1
     pending: dict[int, _Confirm] = field(default_factory=dict)
+    #: sequence numbers in publish order; released ones are skipped lazily
+    order: deque[int] = field(default_factory=deque)
     tx: bool = False
     tx_events: list[Event] = field(default_factory=list)
     tx_acked: dict[int, tuple[ReplicationId, str]] = field(default_factory=dict)
@@ -163,6 +165,8 @@ class Session:
         self.vhost: str | None = None
         self.vpn: VpnView | None = None
         self.open = False  # connection.open-ok seen
+        #: open on a vhost that is not replicated: relay bytes without parsing
+        self.passthrough = False
         self.closing = False  # a connection.close is on its way
         self.client_done = False  # nothing more will come from / go to the client
         self.broker_done = False
@@ -181,6 +185,9 @@ class Session:
     def client_data(self, data: bytes) -> Output:
         """Bytes from the client; returns what to forward and what happened."""
         self._out = out = Output()
+        if self.passthrough:
+            out.to_broker.append(self._client.take_tail() + data if self._client.pending else data)
+            return out
         if self.client_done:
             return out
         try:
@@ -199,6 +206,9 @@ class Session:
     def broker_data(self, data: bytes) -> Output:
         """Bytes from the broker; returns what to forward and what happened."""
         self._out = out = Output()
+        if self.passthrough:
+            out.to_client.append(self._broker.take_tail() + data if self._broker.pending else data)
+            return out
         if self.broker_done:
             return out
         try:
@@ -211,15 +221,22 @@ class Session:
             self._fail(amqp.AMQPError(f"broker protocol fault: {e.args[0]}"))
         return out
 
-    def replicated_done(self, channel: int, seq: int, ok: bool) -> Output:
-        """The sink's verdict on the replicated publish ``seq`` of ``channel``."""
+    def replicated_done(self, done: list[tuple[int, int, bool]]) -> Output:
+        """The sink's verdicts ``(channel, seq, ok)`` on replicated publishes."""
         self._out = out = Output()
-        ch = self._channels.get(channel)
-        if ch is not None and not self.closing:
-            entry = ch.pending.get(seq)
-            if entry is not None:
-                entry.durable = ok
-                self._release_confirms(channel, ch)
+        if self.closing:
+            return out
+        touched: dict[int, list[int]] = {}
+        for channel, seq, ok in done:
+            ch = self._channels.get(channel)
+            entry = ch.pending.get(seq) if ch is not None else None
+            if entry is None:
+                continue
+            entry.durable = ok
+            if entry.broker is not None:  # else nothing can be released yet
+                touched.setdefault(channel, []).append(seq)
+        for channel, seqs in touched.items():
+            self._release_confirms(channel, self._channels[channel], seqs)
         return out
 
     def transaction_prepared(self, channel: int, refused: str | None = None) -> Output:
@@ -451,6 +468,7 @@ class Session:
             ch.next_seq += 1
             if self.replicated:
                 ch.pending[seq] = _Confirm()
+                ch.order.append(seq)
         ch.publish = _Publish(exchange, key, seq)
         return None
 
@@ -632,6 +650,10 @@ class Session:
 
     def _b_open_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         self.open = True
+        # Nothing on an unreplicated vhost concerns replication (settings apply
+        # to connections opened after a change): relay bytes from here on, and
+        # leave bad input to the broker, which closes with its own reply code.
+        self.passthrough = not self.replicated
         return None
 
     def _b_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -695,46 +717,55 @@ class Session:
             return None  # nothing replicated is waiting: relay as is
         tag, multiple, _ = amqp.decode_ack(buf, f)
         ok = buf[f.payload_start + 3] == 80
+        pending = ch.pending
+        changed: list[int] = []
         if multiple:
-            for seq, entry in ch.pending.items():
+            for seq in ch.order:
                 if seq > tag:
                     break
-                if entry.broker is None:
+                entry = pending.get(seq)
+                if entry is not None and entry.broker is None:
                     entry.broker = ok
-        elif tag in ch.pending:
-            ch.pending[tag].broker = ok
-        self._release_confirms(channel, ch)
+                    changed.append(seq)
+        elif tag in pending:
+            pending[tag].broker = ok
+            changed.append(tag)
+        self._release_confirms(channel, ch, changed)
         return b""
 
-    def _release_confirms(self, channel: int, ch: _Channel) -> None:
-        """Send the client every ready confirm; see the module invariants."""
+    def _release_confirms(self, channel: int, ch: _Channel, changed: list[int]) -> None:
+        """Send the client the confirms that became ready; see the invariants.
+
+        ``changed`` are the sequence numbers whose state just changed. Ready
+        entries at the front are released as runs of ``multiple`` frames
+        (every lower tag is released already); a changed entry that is ready
+        behind a held one is released alone.
+        """
         out = self._out.to_client
-        pending = ch.pending
-        prefix: list[tuple[int, bool]] = []  # ready entries before the first held one
-        behind: list[tuple[int, bool]] = []  # ready entries behind a held one
-        held = False
-        for seq, entry in pending.items():
+        pending, order = ch.pending, ch.order
+        run_seq, run_ok, run_len = 0, True, 0
+        while order:
+            seq = order[0]
+            entry = pending.get(seq)
+            if entry is None:  # released earlier, behind a held one
+                order.popleft()
+                continue
             if not entry.ready:
-                held = True
-            elif held:
-                behind.append((seq, entry.ok))
-            else:
-                prefix.append((seq, entry.ok))
-        # Every tag below a prefix entry is released, so one multiple frame
-        # per run of equal outcomes covers the run.
-        i = 0
-        while i < len(prefix):
-            j = i
-            while j + 1 < len(prefix) and prefix[j + 1][1] == prefix[i][1]:
-                j += 1
-            out.append(_confirm_frame(channel, prefix[j][0], prefix[i][1], multiple=j > i))
-            i = j + 1
-        for seq, ok in behind:
-            out.append(_confirm_frame(channel, seq, ok, multiple=False))
-        for seq, _ in prefix:
+                break
+            ok = entry.ok
+            if run_len and ok != run_ok:
+                out.append(_confirm_frame(channel, run_seq, run_ok, multiple=run_len > 1))
+                run_len = 0
+            run_seq, run_ok, run_len = seq, ok, run_len + 1
             del pending[seq]
-        for seq, _ in behind:
-            del pending[seq]
+            order.popleft()
+        if run_len:
+            out.append(_confirm_frame(channel, run_seq, run_ok, multiple=run_len > 1))
+        for seq in changed:
+            entry = pending.get(seq)
+            if entry is not None and entry.ready:
+                out.append(_confirm_frame(channel, seq, entry.ok, multiple=False))
+                del pending[seq]
 
     def _b_tx_commit_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         ch = self._channels.get(channel)

@@ -132,11 +132,11 @@ def test_confirms_wait_for_the_broker_and_the_sink(confirming: Session) -> None:
     # broker confirms all three at once: all still held for replication
     assert acks(s.broker_data(m(C.Basic.Ack(delivery_tag=3, multiple=True), 1))) == []
     # seq 2 durable first: released alone, seq 1 still held
-    assert acks(s.replicated_done(1, 2, True)) == [("Ack", 2, False)]
-    assert acks(s.replicated_done(1, 1, True)) == [("Ack", 1, False)]
-    assert acks(s.replicated_done(1, 3, True)) == [("Ack", 3, False)]
+    assert acks(s.replicated_done([(1, 2, True)])) == [("Ack", 2, False)]
+    assert acks(s.replicated_done([(1, 1, True)])) == [("Ack", 1, False)]
+    assert acks(s.replicated_done([(1, 3, True)])) == [("Ack", 3, False)]
     # nothing is ever released twice
-    assert acks(s.replicated_done(1, 3, True)) == []
+    assert acks(s.replicated_done([(1, 3, True)])) == []
 
 
 def test_a_ready_prefix_is_released_as_one_multiple_ack(confirming: Session) -> None:
@@ -144,7 +144,7 @@ def test_a_ready_prefix_is_released_as_one_multiple_ack(confirming: Session) -> 
     for i in range(4):
         s.client_data(publish(1, b"m%d" % i))
     for seq in (1, 2, 3, 4):
-        assert acks(s.replicated_done(1, seq, True)) == []  # broker not yet
+        assert acks(s.replicated_done([(1, seq, True)])) == []  # broker not yet
     assert acks(s.broker_data(m(C.Basic.Ack(delivery_tag=4, multiple=True), 1))) == [
         ("Ack", 4, True)
     ]
@@ -158,7 +158,7 @@ def test_unreplicated_confirms_pass_a_held_one_individually(confirming: Session)
     out = s.broker_data(m(C.Basic.Ack(delivery_tag=3, multiple=True), 1))
     # multiple=true must not span the held tag 1
     assert acks(out) == [("Ack", 2, False), ("Ack", 3, False)]
-    assert acks(s.replicated_done(1, 1, True)) == [("Ack", 1, False)]
+    assert acks(s.replicated_done([(1, 1, True)])) == [("Ack", 1, False)]
 
 
 def test_sink_failure_and_broker_nack_become_nacks(confirming: Session) -> None:
@@ -166,8 +166,8 @@ def test_sink_failure_and_broker_nack_become_nacks(confirming: Session) -> None:
     s.client_data(publish(1, b"a"))
     s.client_data(publish(1, b"b"))
     s.broker_data(m(C.Basic.Ack(delivery_tag=1), 1))
-    assert acks(s.replicated_done(1, 1, False)) == [("Nack", 1, False)]
-    s.replicated_done(1, 2, True)
+    assert acks(s.replicated_done([(1, 1, False)])) == [("Nack", 1, False)]
+    s.replicated_done([(1, 2, True)])
     assert acks(s.broker_data(m(C.Basic.Nack(delivery_tag=2), 1))) == [("Nack", 2, False)]
 
 
@@ -341,3 +341,21 @@ def test_topology_changes_apply_on_ok_only() -> None:
     assert vpn.topology.route("amq.topic", "a.b", None) == frozenset()
     s.broker_data(m(C.Queue.BindOk(), 1))
     assert vpn.topology.route("amq.topic", "a.b", None) == {"amq.gen-1"}
+
+
+def test_many_durable_notices_release_in_one_pass(confirming: Session) -> None:
+    s = confirming
+    for i in range(1, 501):
+        s.client_data(publish(1, b"m"))
+    s.broker_data(m(C.Basic.Ack(delivery_tag=500, multiple=True), 1))
+    out = s.replicated_done([(1, seq, True) for seq in range(500, 0, -1)])
+    # released in one pass: one multiple ack for the whole window, nothing twice
+    assert acks(out) == [("Ack", 500, True)]
+
+
+def test_unreplicated_connection_becomes_a_byte_relay_after_open_ok() -> None:
+    s = Session(VpnDirectory(), IdSource(1))
+    open_session(s, vhost="plain")
+    assert s.passthrough
+    garbage = b"\x01\x02 not even a frame"
+    assert s.client_data(garbage).to_broker == [garbage]  # the broker judges it

@@ -345,7 +345,7 @@ def test_topology_changes_apply_on_ok_only() -> None:
 
 def test_many_durable_notices_release_in_one_pass(confirming: Session) -> None:
     s = confirming
-    for i in range(1, 501):
+    for _ in range(500):
         s.client_data(publish(1, b"m"))
     s.broker_data(m(C.Basic.Ack(delivery_tag=500, multiple=True), 1))
     out = s.replicated_done([(1, seq, True) for seq in range(500, 0, -1)])

@@ -174,7 +174,7 @@ def test_config_errors_exit_2_naming_file_and_key(tmp_path: Path, site_a: LocalS
 
 
 @pytest.mark.parametrize(
-    "command", [["node"], ["promote", "orders"], ["demote", "orders"], ["reconcile", "orders"]]
+    "command", [["promote", "orders"], ["demote", "orders"], ["reconcile", "orders"]]
 )
 def test_commands_not_landed_yet_fail_honestly(vpnrepl_a: Vpnrepl, command: list[str]) -> None:
     result = vpnrepl_a(*command)

@@ -1,0 +1,179 @@
+"""``vpnrepl node``: the site process.
+
+Starts, in order: the site database check and a new process incarnation (the
+high half of every replication id it hands out), the ledger writer and the
+replication sink, the VPN directory (settings from the database, topology
+from the management API, refreshed every ``REFRESH_SECONDS``), the AMQP
+listener on ``listen.amqp`` and the admin endpoint on ``listen.admin``. It
+stops on SIGTERM or SIGINT in reverse order: clients first, then the ledger
+after committing what it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from bridge._ledger import LedgerError, LedgerWriter
+from bridge._replicator import Replicator
+
+from ._admin import AdminServer
+from ._config import SiteConfig, redact_url
+from ._directory import VpnDirectory
+from ._errors import PluginError, StateError, StoreUnavailable
+from ._events import IdSource
+from ._listener import BrokerAddress, Listener
+from ._metrics import Metrics
+from ._refresher import DirectoryRefresher, ManagementAPI
+from ._store import connect, status
+from ._vpn import Role, VpnSettings
+
+__all__ = ["run_node"]
+
+log = logging.getLogger("vpnrepl.node")
+
+REFRESH_SECONDS = 30.0
+
+_SETTINGS = """
+SELECT c.name, c.role, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
+       c.queue_patterns, c.topic_filters, s.applied_index
+FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
+WHERE c.enabled ORDER BY c.name
+"""
+
+
+async def _incarnation(cfg: SiteConfig) -> int:
+    try:
+        async with await psycopg.AsyncConnection.connect(
+            cfg.store_dsn, autocommit=True, connect_timeout=10
+        ) as conn:
+            cur = await conn.execute(
+                "INSERT INTO node_incarnation (site) VALUES (%s) RETURNING incarnation",
+                (cfg.site_name,),
+            )
+            row = await cur.fetchone()
+            assert row is not None  # noqa: S101 - RETURNING always yields the row
+            return int(row[0])
+    except psycopg.errors.UndefinedTable as e:
+        raise StateError("the site database has no schema: run `vpnrepl init` first") from e
+    except psycopg.OperationalError as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise StoreUnavailable(f"cannot connect to {redact_url(cfg.store_dsn)}: {reason}") from e
+
+
+class Node:
+    """The running site process."""
+
+    def __init__(self, cfg: SiteConfig) -> None:
+        self.cfg = cfg
+        self.directory = VpnDirectory()
+        self.metrics = Metrics()
+        self.writer = LedgerWriter(cfg.store_dsn)
+        self.replicator = Replicator(self.writer)
+        self.listener: Listener | None = None
+        self.admin: AdminServer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def _load_settings(self) -> list[VpnSettings]:
+        async with await psycopg.AsyncConnection.connect(
+            self.cfg.store_dsn, autocommit=True, connect_timeout=10, row_factory=dict_row
+        ) as conn:
+            rows = await (await conn.execute(_SETTINGS)).fetchall()
+        out = []
+        for r in rows:
+            s = VpnSettings.from_args(
+                r["name"],
+                r["role"],
+                r["mode"],
+                r["sync_timeout_ms"],
+                r["on_sync_timeout"],
+                tuple(r["queue_patterns"]),
+                tuple(r["topic_filters"]),
+            )
+            if s.role is Role.ACTIVE:
+                await self.writer.open_vpn(s.name)
+                self.replicator.configure(s, r["applied_index"])
+            out.append(s)
+        return out
+
+    async def status(self) -> dict[str, Any]:
+        def read() -> dict[str, Any]:
+            with connect(self.cfg.store_dsn) as conn:
+                return status(conn, self.cfg.site_name)
+
+        doc = await asyncio.to_thread(read)
+        for vpn in doc["vpns"]:
+            if vpn["role"] == "active":
+                vpn["sync_eligible"] = self.replicator.sync_eligible(vpn["name"])
+                vpn["fenced"] = vpn["fenced"] or vpn["name"] in self.replicator.fenced
+        return doc
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        incarnation = await _incarnation(cfg)
+        try:
+            await self.writer.start()
+        except LedgerError as e:
+            raise PluginError(str(e)) from e
+        self.replicator.start()
+        refresher = DirectoryRefresher(
+            self.directory, ManagementAPI(cfg.management_url), self._load_settings, REFRESH_SECONDS
+        )
+        await refresher.refresh()
+        self.listener = Listener(
+            BrokerAddress.from_url(cfg.amqp_url),
+            self.directory,
+            IdSource(incarnation),
+            self.replicator,
+        )
+        self.metrics.observe_listener(self.listener.stats)
+        await self.listener.start(cfg.listen_amqp.host, cfg.listen_amqp.port)
+        self.admin = AdminServer(self.status, self.metrics.prometheus_text)
+        await self.admin.start(cfg.listen_admin.host, cfg.listen_admin.port)
+        self._tasks.append(asyncio.create_task(refresher.run(), name="directory-refresh"))
+        vpns = [v for n in self.directory.names() if (v := self.directory.lookup(n))]
+        log.info(
+            "site %s up (incarnation %d): AMQP on %s, admin on %s, VPNs: %s",
+            cfg.site_name,
+            incarnation,
+            cfg.listen_amqp,
+            cfg.listen_admin,
+            ", ".join(f"{v.name} ({v.role})" for v in vpns) or "none",
+        )
+
+    async def stop(self) -> None:
+        if self.listener is not None:
+            await self.listener.close()
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.replicator.close()
+        await self.writer.close()
+        if self.admin is not None:
+            await self.admin.close()
+        self.metrics.shutdown()
+
+
+async def run_node(cfg: SiteConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the site until ``stop`` is set or SIGTERM/SIGINT arrives."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    node = Node(cfg)
+    try:
+        await node.start()
+        await stop.wait()
+        log.info("site %s stopping", cfg.site_name)
+    except OSError as e:
+        raise PluginError(str(e)) from e
+    finally:
+        await node.stop()

@@ -1,0 +1,81 @@
+"""``vpnrepl node`` as a real process, for tests that need the whole site."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from plugin._localsites import LocalSite
+from tests.fix_cli import Vpnrepl
+
+
+class NodeProcess:
+    def __init__(self, site: LocalSite, config: Path, log: Path) -> None:
+        self.site = site
+        self.config = config
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        exe = Vpnrepl(self.config)("--help", config=False).args[0]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [exe, "--config", str(self.config), "node"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"node exited {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                if self.get("/health") == "ok\n":
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"node not healthy in {timeout} s:\n{self.log_text()}")
+            time.sleep(0.1)
+
+    def get(self, path: str) -> str:
+        url = f"http://127.0.0.1:{self.site.admin_port}{path}"
+        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback
+            return resp.read().decode()
+
+    def status(self) -> dict:
+        return json.loads(self.get("/status"))
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def node_a(site_a: LocalSite, vpnrepl_a: Vpnrepl, tmp_path: Path) -> Iterator[NodeProcess]:
+    """Site A's node (not started): init done; enable VPNs, then ``start()``."""
+    assert vpnrepl_a("init").returncode == 0
+    node = NodeProcess(site_a, vpnrepl_a.config, tmp_path / "node-a.log")
+    try:
+        yield node
+    finally:
+        node.kill()
+    assert "Traceback" not in node.log_text(), node.log_text()

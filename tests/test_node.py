@@ -1,0 +1,148 @@
+"""``vpnrepl node`` on an active site: listener, ledger, confirms, status."""
+
+from __future__ import annotations
+
+import time
+
+import pika
+import psycopg
+import pytest
+from pika.exceptions import NackError
+
+from plugin._localsites import LocalSite
+from tests.fix_cli import Vpnrepl
+from tests.fix_node import NodeProcess
+
+PERSISTENT = pika.BasicProperties(delivery_mode=2)
+
+
+def _setup_vhost(site: LocalSite) -> None:
+    site.rabbit.add_vhost("orders")
+    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url("orders")))
+    ch = conn.channel()
+    ch.exchange_declare("events", "topic", durable=True)
+    for q in ("orders.q1", "orders.q2", "audit"):
+        ch.queue_declare(q, durable=True)
+        ch.queue_bind(q, "events", "order.#" if q != "audit" else "#")
+    conn.close()
+
+
+def _client(site: LocalSite) -> pika.BlockingConnection:
+    return pika.BlockingConnection(
+        pika.URLParameters(f"amqp://guest:guest@127.0.0.1:{site.amqp_port}/orders")
+    )
+
+
+def test_confirmed_publishes_are_in_the_ledger_and_consumption_is_mirrored(
+    site_a: LocalSite, vpnrepl_a: Vpnrepl, node_a: NodeProcess
+) -> None:
+    _setup_vhost(site_a)
+    assert (
+        vpnrepl_a(
+            "vpn", "enable", "orders", "--role", "active", "--queues", r"orders\..*"
+        ).returncode
+        == 0
+    )
+    node_a.start()
+    conn = _client(site_a)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for i in range(200):
+        ch.basic_publish("events", "order.created", f"m{i}".encode(), PERSISTENT)
+    ch.basic_qos(prefetch_count=100)
+    for _ in range(80):
+        method, _, _ = ch.basic_get("orders.q1")
+        ch.basic_ack(method.delivery_tag)
+    conn.close()
+
+    with psycopg.connect(site_a.pg.dsn()) as db:
+        published = db.execute(
+            "SELECT count(*) FROM ledger WHERE vpn = 'orders' AND kind = 'published'"
+        ).fetchone()[0]
+        assert published == 200  # every confirmed publish is durable in the ledger
+    # consumption events are durable shortly after the ack: status shows it
+    queues = {}
+    for _ in range(100):
+        queues = node_a.status()["vpns"][0]["queues"]
+        if queues.get("orders.q1") == 120:
+            break
+        time.sleep(0.05)
+    assert queues == {"orders.q1": 120, "orders.q2": 200}
+    cli = vpnrepl_a("status", "--json")
+    assert '"orders.q1": 120' in cli.stdout
+    metrics = node_a.get("/metrics")
+    assert 'vpnrepl_events_total{kind="published",vpn="orders"} 200' in metrics
+    assert node_a.stop() == 0
+
+
+def test_sync_mode_without_a_standby_degrades_after_the_timeout(
+    site_a: LocalSite, vpnrepl_a: Vpnrepl, node_a: NodeProcess
+) -> None:
+    _setup_vhost(site_a)
+    assert (
+        vpnrepl_a(
+            "vpn",
+            "enable",
+            "orders",
+            "--role",
+            "active",
+            "--mode",
+            "sync",
+            "--sync-timeout-ms",
+            "300",
+            "--on-sync-timeout",
+            "degrade",
+        ).returncode
+        == 0
+    )
+    node_a.start()
+    conn = _client(site_a)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("events", "order.created", b"waits", PERSISTENT)  # confirmed after 300 ms
+    ch.basic_publish("events", "order.created", b"ineligible", PERSISTENT)
+    conn.close()
+    vpn = node_a.status()["vpns"][0]
+    assert vpn["sync_eligible"] is False
+    assert "did not acknowledge" in node_a.log_text()
+    assert node_a.stop() == 0
+
+
+def test_sync_mode_reject_nacks_without_a_standby(
+    site_a: LocalSite, vpnrepl_a: Vpnrepl, node_a: NodeProcess
+) -> None:
+    _setup_vhost(site_a)
+    assert (
+        vpnrepl_a(
+            "vpn",
+            "enable",
+            "orders",
+            "--role",
+            "active",
+            "--mode",
+            "sync",
+            "--sync-timeout-ms",
+            "200",
+            "--on-sync-timeout",
+            "reject",
+            "--queues",
+            r"orders\..*",
+        ).returncode
+        == 0
+    )
+    node_a.start()
+    conn = _client(site_a)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    with pytest.raises(NackError):
+        ch.basic_publish("events", "order.created", b"rejected", PERSISTENT)
+    ch.basic_publish("events", "invoice.x", b"out of scope: not held", PERSISTENT)
+    conn.close()
+    assert node_a.stop() == 0
+
+
+def test_node_without_schema_fails_with_one_clear_line(vpnrepl_a: Vpnrepl, site_a: LocalSite):
+    site_a.pg.reset()
+    result = vpnrepl_a("node")
+    assert result.returncode == 1
+    assert "run `vpnrepl init`" in result.stderr

@@ -16,6 +16,7 @@ with the right code and a reply text that names the fault.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -364,13 +365,19 @@ def _table_entries(table: bytes) -> list[tuple[str, int, int]]:
     return out
 
 
+@functools.cache
+def _entry_prefix(key: str) -> bytes:
+    return bytes([len(key)]) + key.encode() + b"S"
+
+
 def splice_header(payload: bytes, layout: PropertyLayout, key: str, value: str) -> bytes:
     """The content header payload with ``key: value`` (longstr) in its headers.
 
     Every other byte stays as the client sent it; an existing ``key`` is
     replaced (a message re-published from a replicated queue gets a new id).
     """
-    entry = bytes([len(key)]) + key.encode() + b"S" + _U32.pack(len(value)) + value.encode()
+    raw_value = value.encode()
+    entry = _entry_prefix(key) + _U32.pack(len(raw_value)) + raw_value
     if layout.flags & _FLAG_HEADERS:
         body = payload[layout.headers_at + 4 : layout.headers_end]
         if key.encode() in body:
@@ -382,13 +389,9 @@ def splice_header(payload: bytes, layout: PropertyLayout, key: str, value: str) 
         table = _U32.pack(len(body) + len(entry)) + body + entry
         return payload[: layout.headers_at] + table + payload[layout.headers_end :]
     flags = _U16.pack(layout.flags | _FLAG_HEADERS)
-    table = _U32.pack(len(entry)) + entry
-    return (
-        payload[:12]
-        + flags
-        + payload[14 : layout.headers_at]
-        + table
-        + payload[layout.headers_at :]
+    at = layout.headers_at
+    return b"".join(
+        (payload[:12], flags, payload[14:at], _U32.pack(len(entry)), entry, payload[at:])
     )
 
 

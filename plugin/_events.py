@@ -73,7 +73,10 @@ class IdSource:
         self._counter = itertools.count(1)
 
     def next(self) -> ReplicationId:
-        return ReplicationId(self._prefix + next(self._counter).to_bytes(8, "big"))
+        # 16 bytes by construction: skip the validating __init__ (hot path)
+        rid = object.__new__(ReplicationId)
+        object.__setattr__(rid, "value", self._prefix + next(self._counter).to_bytes(8, "big"))
+        return rid
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,6 +167,8 @@ class Session:
         self.open = False  # connection.open-ok seen
         #: open on a vhost that is not replicated: relay bytes without parsing
         self.passthrough = False
+        #: ``replicated``, fixed at connection.open (settings apply to new connections)
+        self._replicating = False
         self.closing = False  # a connection.close is on its way
         self.client_done = False  # nothing more will come from / go to the client
         self.broker_done = False
@@ -180,7 +182,7 @@ class Session:
 
     @property
     def replicated(self) -> bool:
-        return self.vpn is not None and self.vpn.replicated
+        return self._replicating
 
     def client_data(self, data: bytes) -> Output:
         """Bytes from the client; returns what to forward and what happened."""
@@ -333,23 +335,22 @@ class Session:
             ids = amqp.method_id(buf, f)
             handler = _CLIENT_METHODS.get(ids)
             return handler(self, f.channel, buf, f) if handler is not None else None
-        if f.type == amqp.FRAME_HEADER:
-            return self._client_content_header(buf, f)
         if f.type == amqp.FRAME_BODY:
-            return self._client_body(buf, f)
+            return self._client_body(ch, buf, f)
+        if f.type == amqp.FRAME_HEADER:
+            return self._client_content_header(ch, buf, f)
         if f.channel != 0:
             raise amqp.FrameError(f"heartbeat frame on channel {f.channel}")
         return None
 
-    def _client_content_header(self, buf: bytes, f: Frame) -> bytes | None:
-        ch = self._channels.get(f.channel)
+    def _client_content_header(self, ch: _Channel | None, buf: bytes, f: Frame) -> bytes | None:
         p = ch.publish if ch is not None else None
         if p is None or p.body_size >= 0:
             raise amqp.UnexpectedFrame(f"content header on channel {f.channel} without a publish")
         p.body_size = amqp.content_body_size(buf, f)
         replacement = None
-        if self.replicated:
-            replacement = self._intercept(p, buf[f.payload_start : f.payload_end], f.channel)
+        if self._replicating:
+            replacement = self._intercept(p, buf[f.start + 7 : f.end - 1], f.channel)
         if p.body_size == 0:
             self._publish_complete(f.channel)
         return replacement
@@ -370,23 +371,21 @@ class Session:
             return None
         p.repl_id = self._ids.next()
         p.queues = tuple(sorted(queues))
-        new_payload = amqp.splice_header(payload, layout, REPLICATION_HEADER, p.repl_id.hex)
+        new_payload = amqp.splice_header(payload, layout, REPLICATION_HEADER, p.repl_id.value.hex())
         p.properties = new_payload[12:]
         return amqp.frame_bytes(amqp.FRAME_HEADER, channel, new_payload)
 
-    def _client_body(self, buf: bytes, f: Frame) -> bytes | None:
-        ch = self._channels.get(f.channel)
+    def _client_body(self, ch: _Channel | None, buf: bytes, f: Frame) -> bytes | None:
         p = ch.publish if ch is not None else None
         if p is None or p.body_size < 0:
             raise amqp.UnexpectedFrame(f"content body on channel {f.channel} without a header")
-        size = f.payload_end - f.payload_start
-        p.received += size
+        p.received += f.end - f.start - 8
         if p.received > p.body_size:
             raise amqp.FrameError(
                 f"content body of {p.received} bytes exceeds the declared size {p.body_size}"
             )
         if p.repl_id is not None:
-            p.chunks.append(buf[f.payload_start : f.payload_end])
+            p.chunks.append(buf[f.start + 7 : f.end - 1])
         if p.received == p.body_size:
             self._publish_complete(f.channel)
         return None
@@ -435,6 +434,7 @@ class Session:
         assert isinstance(m, commands.Connection.Open)  # noqa: S101
         self.vhost = m.virtual_host
         self.vpn = self._directory.lookup(m.virtual_host)
+        self._replicating = self.vpn is not None and self.vpn.replicated
         if self.vpn is not None and not self.vpn.replicated:
             raise amqp.NotAllowed(
                 f"vhost '{m.virtual_host}' is a replication standby; connect to the active site",

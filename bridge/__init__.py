@@ -50,6 +50,22 @@ from ._protocol import (
     decode_frame,
 )
 
+# isort: split
+# Ledger (active side), the shared apply step, standby apply.
+from ._apply import ApplyResult, apply_entries, apply_entries_async
+from ._ledger import (
+    LedgerClosed,
+    LedgerConflict,
+    LedgerError,
+    LedgerPruned,
+    LedgerUnavailable,
+    LedgerWriter,
+    UnstorableEvent,
+    VpnNotOpen,
+    WriterStats,
+)
+from ._standby import LiveRow, NotStandby, StandbyApplier, StandbyError, StandbyUnavailable
+
 __all__: list[str] = []
 
 # Bridge wire protocol.
@@ -94,4 +110,25 @@ __all__ += [
     "VpnResource",
     "VpnState",
     "decode_frame",
+]
+
+# Ledger, apply, standby apply.
+__all__ += [
+    "ApplyResult",
+    "apply_entries",
+    "apply_entries_async",
+    "LedgerClosed",
+    "LedgerConflict",
+    "LedgerError",
+    "LedgerPruned",
+    "LedgerUnavailable",
+    "LedgerWriter",
+    "UnstorableEvent",
+    "VpnNotOpen",
+    "WriterStats",
+    "LiveRow",
+    "NotStandby",
+    "StandbyApplier",
+    "StandbyError",
+    "StandbyUnavailable",
 ]

@@ -21,11 +21,12 @@ and the delete found no row, or when the walk knows the key is absent.
 
 Both phases ship their rows with binary ``COPY`` into session temp tables and
 then run one set-based statement each. Measured on this machine (PostgreSQL 15,
-2 cores, 1,000-entry batches of 1 KiB messages, median of 15 transactions):
-insert via ``executemany`` (pipeline mode) 72-94 ms/batch (10.6-13.9k rows/s),
-via binary ``COPY`` into a temp table 49-58 ms (17-21k rows/s); delete via
-``executemany ... RETURNING`` 28-58 ms, via ``COPY`` + ``DELETE ... USING`` 8-18
-ms. ``COPY`` is kept.
+2 cores, shared with other work; 1,000-entry batches, 1 KiB bodies, median per
+transaction): inserts alone via ``executemany`` (pipeline mode) 72-94 ms, via
+``COPY`` + ``INSERT ... SELECT`` 49-58 ms; deletes via ``executemany ...
+RETURNING`` 28-58 ms, via ``COPY`` + ``DELETE ... USING`` 8-18 ms; the whole
+apply of a publish/ack mix 43-62 ms (16-23k entries/s) with ``executemany``
+against 25-36 ms (28-40k entries/s) with ``COPY``. ``COPY`` is kept.
 
 The step sequence is a generator of statements (no I/O here, in the psycopg
 style), driven by :func:`apply_entries` on a blocking connection and by
@@ -165,7 +166,7 @@ def _consume(plan: _Plan, event: Consumed) -> None:
     if p is None:
         plan.keys[key] = _KeyPlan(present=False, delete_first=True, counted=True, row=None)
     elif p.present:
-        p.present, p.row = False, None
+        p.present, p.row, p.delete_first = False, None, True
     else:
         plan.unknown.append(key)
 

@@ -59,6 +59,7 @@ from plugin._events import Event, Published
 
 from ._apply import apply_entries_async
 from ._entry import LedgerEntry, decode_event, encode_event
+from ._errors import BridgeError
 
 __all__ = [
     "LedgerClosed",
@@ -67,8 +68,8 @@ __all__ = [
     "LedgerPruned",
     "LedgerUnavailable",
     "LedgerWriter",
-    "UnknownVpn",
     "UnstorableEvent",
+    "VpnNotOpen",
     "WriterStats",
 ]
 
@@ -128,7 +129,7 @@ WHERE vpn = %(vpn)s
 """
 
 
-class LedgerError(Exception):
+class LedgerError(BridgeError):
     """Root of the ledger's errors."""
 
 
@@ -145,7 +146,7 @@ class LedgerConflict(LedgerError):
     writer, or a database restored behind the writer's back. Fatal."""
 
 
-class UnknownVpn(LedgerError, LookupError):
+class VpnNotOpen(LedgerError, LookupError):
     """No ledger is open for this VPN on this writer (see :meth:`LedgerWriter.open_vpn`)."""
 
 
@@ -157,10 +158,8 @@ class LedgerPruned(LedgerError):
     """The requested start of a replay is no longer retained: ship a checkpoint."""
 
     def __init__(self, vpn: str, from_index: int, oldest: int) -> None:
-        self.vpn, self.from_index, self.oldest = vpn, from_index, oldest
-        super().__init__(
-            f"VPN {vpn!r}: ledger index {from_index} was pruned (oldest retained is {oldest})"
-        )
+        super().__init__(f"ledger index {from_index} was pruned (oldest retained is {oldest})", vpn)
+        self.from_index, self.oldest = from_index, oldest
 
 
 @dataclass(slots=True)
@@ -202,7 +201,7 @@ def _check_storable(event: Event) -> None:
         else (event.queue,)
     )
     if any("\x00" in t for t in texts):
-        raise UnstorableEvent(f"VPN {event.vpn!r}: a name contains NUL, which PostgreSQL refuses")
+        raise UnstorableEvent("a name contains NUL, which PostgreSQL refuses", event.vpn)
 
 
 class LedgerWriter:
@@ -245,6 +244,7 @@ class LedgerWriter:
         self._room = asyncio.Event()
         self._durable_changed = asyncio.Event()
         self._closing = False
+        self._closed = False
         self._failure: BaseException | None = None
         self.stats = WriterStats()
         #: The last error of a commit attempt while the store is failing, else None.
@@ -287,9 +287,9 @@ class LedgerWriter:
         Entries still pending after that are reported ``on_durable(False)``:
         their commit never completed (or its outcome is unknown).
         """
-        if self._task is None:
+        if self._task is None or self._closed:
             return
-        self._closing = True
+        self._closed = self._closing = True
         self._wake.set()
         self._batch_ready.set()
         try:
@@ -313,14 +313,11 @@ class LedgerWriter:
     async def open_vpn(self, vpn: str) -> None:
         """Start (or refresh the epoch of) the ledger of ``vpn``, e.g. one
         enabled after :meth:`start`. Indexes continue after the last durable one."""
-        try:
-            async with self._read() as conn, conn.cursor(row_factory=tuple_row) as cur:
-                await cur.execute(_LOAD_ONE, (vpn,))
-                row = await cur.fetchone()
-        except psycopg.OperationalError as e:
-            raise LedgerUnavailable(f"ledger store: {_describe(e)}") from e
+        async with self._read() as conn, conn.cursor(row_factory=tuple_row) as cur:
+            await cur.execute(_LOAD_ONE, (vpn,))
+            row = await cur.fetchone()
         if row is None:
-            raise UnknownVpn(f"VPN {vpn!r} is not configured on this site")
+            raise VpnNotOpen("not configured on this site", vpn)
         known = self._vpns.get(vpn)
         if known is None:
             self._vpns[vpn] = _VpnLedger(row[1], row[2] + 1, row[2])
@@ -342,7 +339,7 @@ class LedgerWriter:
             raise LedgerClosed("the ledger writer is not running")
         vpn = self._vpns.get(event.vpn)
         if vpn is None:
-            raise UnknownVpn(f"no ledger is open for VPN {event.vpn!r}")
+            raise VpnNotOpen("no ledger is open for this VPN", event.vpn)
         _check_storable(event)
         data = encode_event(event)
         entry = LedgerEntry(event.vpn, vpn.epoch, vpn.next_index, event)
@@ -371,14 +368,14 @@ class LedgerWriter:
         try:
             return self._vpns[vpn].durable
         except KeyError:
-            raise UnknownVpn(f"no ledger is open for VPN {vpn!r}") from None
+            raise VpnNotOpen("no ledger is open for this VPN", vpn) from None
 
     async def wait_durable(self, vpn: str, index: int) -> None:
         """Return once ``index`` of ``vpn`` is committed; raise :class:`LedgerClosed`
         if the writer stops first."""
         while self.durable_index(vpn) < index:
             if self._failure is not None or (self._task is not None and self._task.done()):
-                raise LedgerClosed(f"VPN {vpn!r}: index {index} was not committed")
+                raise LedgerClosed(f"index {index} was not committed", vpn)
             await self._durable_changed.wait()
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
@@ -475,7 +472,7 @@ class LedgerWriter:
             todo: dict[str, list[_Pending]] = {}
             for vpn, items in by_vpn.items():
                 if vpn not in stored:
-                    raise LedgerConflict(f"VPN {vpn!r} has no vpn_state row any more")
+                    raise LedgerConflict("the VPN has no vpn_state row any more", vpn)
                 todo[vpn] = await self._not_yet_stored(cur, vpn, items, stored[vpn])
             rows = [p for items in todo.values() for p in items]
             if rows:
@@ -503,13 +500,13 @@ class LedgerWriter:
             return items
         if not first <= stored <= last:
             raise LedgerConflict(
-                f"VPN {vpn!r}: stored ledger_index is {stored}, this writer is at {first - 1}"
+                f"stored ledger_index is {stored}, this writer is at {first - 1}", vpn
             )
         await cur.execute(_STORED, (vpn, first, stored))
         found = await cur.fetchall()
         mine = [(p.entry.index, p.entry.epoch, p.data) for p in items[: stored - first + 1]]
         if [(int(i), int(ep), bytes(d)) for i, ep, d in found] != mine:
-            raise LedgerConflict(f"VPN {vpn!r}: ledger entries {first}..{stored} are not ours")
+            raise LedgerConflict(f"ledger entries {first}..{stored} are not ours", vpn)
         log.warning("VPN %r: entries %d..%d had committed already (reply lost)", vpn, first, stored)
         return items[stored - first + 1 :]
 
@@ -596,7 +593,7 @@ class LedgerWriter:
             await cur.execute(_OLDEST, {"vpn": vpn})
             found = await cur.fetchone()
         if found is None or found[0] is None:
-            raise UnknownVpn(f"VPN {vpn!r} is not configured on this site")
+            raise VpnNotOpen("not configured on this site", vpn)
         return int(found[0])
 
     async def prune(self, vpn: str, acked_index: int, retain_seconds: float) -> int:

@@ -148,4 +148,3 @@ def _settle(future: asyncio.Future[bool]) -> Callable[[bool], None]:
             future.set_result(ok)
 
     return settle
-

@@ -11,10 +11,13 @@ once and in index order, across crashes, reconnects and replays. Why:
   together or not at all, so a crash at any point leaves a state that the
   next replay continues without applying anything twice.
 * The rest must start at ``applied_index + 1`` and be dense, else
-  :class:`Gap` is raised before anything is written: the bridge then asks the
-  active to resend from the last applied index instead of skipping events.
+  :class:`~bridge._errors.Gap` is raised before anything is written: the
+  bridge then asks the active to resend from the last applied index instead
+  of skipping events.
 * An entry whose epoch is older than the newest epoch already applied comes
   from a fenced (superseded) active and is refused with :class:`StaleEpoch`.
+  Both are the bridge's own errors, so the receiver can answer the active
+  with the matching ``Error`` frame.
 
 :meth:`StandbyApplier.install_checkpoint` replaces the VPN's live messages
 and its ``applied_index`` in one transaction, for a standby behind the
@@ -37,19 +40,13 @@ from psycopg_pool import ConnectionPool
 
 from ._apply import apply_entries
 from ._entry import LedgerEntry
+from ._errors import BridgeError, Gap, StaleEpoch, UnknownVpn
+from ._protocol import CheckpointRow
 
-__all__ = [
-    "CheckpointRow",
-    "Gap",
-    "NotStandby",
-    "StaleEpoch",
-    "StandbyApplier",
-    "StandbyError",
-    "StandbyUnavailable",
-]
+__all__ = ["LiveRow", "NotStandby", "StandbyApplier", "StandbyError", "StandbyUnavailable"]
 
 #: ``(queue, repl_id, publish_index, exchange, routing_key, properties, body)``
-CheckpointRow = tuple[str, bytes, int, str, str, bytes, bytes]
+LiveRow = tuple[str, bytes, int, str, str, bytes, bytes]
 
 _LOCK_STATE = """
 SELECT s.applied_index, s.applied_epoch, c.role
@@ -69,8 +66,9 @@ _COPY_CHECKPOINT = (
 _CHECKPOINT_TYPES = ["text", "text", "bytea", "int8", "text", "text", "bytea", "bytea"]
 
 
-class StandbyError(Exception):
-    """Root of the standby applier's errors."""
+class StandbyError(BridgeError):
+    """Root of the standby applier's own errors (a gap or a stale epoch in what
+    the active sent raises the bridge's :class:`Gap` / :class:`StaleEpoch`)."""
 
 
 class StandbyUnavailable(StandbyError):
@@ -78,26 +76,9 @@ class StandbyUnavailable(StandbyError):
 
 
 class NotStandby(StandbyError):
-    """The VPN is unknown on this site or not in the standby role."""
+    """The VPN is enabled on this site, but not in the standby role."""
 
-
-class Gap(StandbyError):
-    """The entries do not continue the applied index: resync from ``expected``."""
-
-    def __init__(self, vpn: str, expected: int, got: int) -> None:
-        self.vpn, self.expected, self.got = vpn, expected, got
-        super().__init__(f"VPN {vpn!r}: gap in the ledger: expected index {expected}, got {got}")
-
-
-class StaleEpoch(StandbyError):
-    """An entry from an active that has been superseded (fenced)."""
-
-    def __init__(self, vpn: str, index: int, epoch: int, newest: int) -> None:
-        self.vpn, self.index, self.epoch, self.newest = vpn, index, epoch, newest
-        super().__init__(
-            f"VPN {vpn!r}: entry {index} has epoch {epoch}, older than epoch {newest} "
-            "already applied (the sender is fenced)"
-        )
+    closes_connection = False
 
 
 class StandbyApplier:
@@ -145,15 +126,16 @@ class StandbyApplier:
                     self._conn = None
                     raise
         except psycopg.OperationalError as e:
-            raise StandbyUnavailable(f"standby database: {e}".strip()) from e
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise StandbyUnavailable(f"standby database: {reason}") from e
 
     def _lock_state(self, conn: psycopg.Connection[Any], vpn: str) -> tuple[int, int]:
         with conn.cursor(row_factory=tuple_row) as cur:
             row = cur.execute(_LOCK_STATE, (vpn,)).fetchone()
         if row is None:
-            raise NotStandby(f"VPN {vpn!r} is not enabled on this site")
+            raise UnknownVpn("not enabled on this site", vpn)
         if row[2] != "standby":
-            raise NotStandby(f"VPN {vpn!r} is {row[2]} on this site, not standby")
+            raise NotStandby(f"{row[2]} on this site, not standby", vpn)
         return int(row[0]), int(row[1])
 
     def apply_batch(self, vpn: str, entries: Sequence[LedgerEntry]) -> int:
@@ -171,18 +153,33 @@ class StandbyApplier:
             expected, epoch = applied + 1, applied_epoch
             for entry in fresh:
                 if entry.index != expected:
-                    raise Gap(vpn, expected, entry.index)
+                    raise Gap(
+                        f"gap in the ledger: expected index {expected}, got {entry.index}",
+                        vpn,
+                        expected=expected,
+                        got=entry.index,
+                    )
                 if entry.epoch < epoch:
-                    raise StaleEpoch(vpn, entry.index, entry.epoch, epoch)
+                    raise StaleEpoch(
+                        f"entry {entry.index} has epoch {entry.epoch}, older than epoch "
+                        f"{epoch} already applied (the sender is fenced)",
+                        vpn,
+                        known=epoch,
+                        got=entry.epoch,
+                    )
                 expected, epoch = expected + 1, entry.epoch
             apply_entries(conn, vpn, fresh)
             conn.execute(_SET_APPLIED, (fresh[-1].index, epoch, vpn))
             return fresh[-1].index
 
     def install_checkpoint(
-        self, vpn: str, epoch: int, index: int, rows: Iterable[CheckpointRow]
+        self, vpn: str, epoch: int, index: int, rows: Iterable[LiveRow | CheckpointRow]
     ) -> None:
-        """Make ``rows`` the VPN's whole live state as of ledger ``index``."""
+        """Make ``rows`` the VPN's whole live state as of ledger ``index``.
+
+        Rows are tuples in ``live_message`` column order or the bridge's
+        :class:`~bridge._protocol.CheckpointRow` frames' rows.
+        """
         if index < 0 or epoch < 1:
             raise ValueError(f"checkpoint at index {index}, epoch {epoch}")
         with self._transaction() as conn:
@@ -191,7 +188,7 @@ class StandbyApplier:
             with conn.cursor() as cur, cur.copy(_COPY_CHECKPOINT) as copy:
                 copy.set_types(_CHECKPOINT_TYPES)
                 for row in rows:
-                    copy.write_row((vpn, *row))
+                    copy.write_row((vpn, *_live_row(row)))
             conn.execute(_SET_APPLIED, (index, epoch, vpn))
 
     def applied_index(self, vpn: str) -> int:
@@ -200,5 +197,19 @@ class StandbyApplier:
                 "SELECT applied_index FROM vpn_state WHERE vpn = %s", (vpn,)
             ).fetchone()
         if row is None:
-            raise NotStandby(f"VPN {vpn!r} is not enabled on this site")
+            raise UnknownVpn("not enabled on this site", vpn)
         return int(row[0])
+
+
+def _live_row(row: LiveRow | CheckpointRow) -> LiveRow:
+    if isinstance(row, CheckpointRow):
+        return (
+            row.queue,
+            row.repl_id.value,
+            row.publish_index,
+            row.exchange,
+            row.routing_key,
+            row.properties,
+            row.body,
+        )
+    return row

@@ -1,1 +1,7 @@
-pytest_plugins = ["tests.fix_sites", "tests.fix_cli", "tests.fix_endpoints", "tests.fix_listener", "tests.fix_node"]
+pytest_plugins = [
+    "tests.fix_sites",
+    "tests.fix_cli",
+    "tests.fix_endpoints",
+    "tests.fix_listener",
+    "tests.fix_node",
+]

@@ -1,0 +1,437 @@
+"""The active's ledger writer against a real PostgreSQL, including its death."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from bridge._apply import apply_entries_async
+from bridge._entry import LedgerEntry, decode_event, encode_event
+from bridge._ledger import (
+    LedgerClosed,
+    LedgerPruned,
+    LedgerWriter,
+    UnstorableEvent,
+    VpnNotOpen,
+)
+from plugin._events import Consumed, Event, Published, ReplicationId
+from plugin._localsites import LocalSite
+from plugin._store import connect, enable_vpn
+from plugin._vpn import VpnSettings
+from sql import migrate
+
+
+def prepare(dsn: str, **roles: str) -> None:
+    migrate(dsn)
+    with connect(dsn) as conn:
+        for name, role in roles.items():
+            enable_vpn(conn, VpnSettings.from_args(name, role))
+
+
+def pub(vpn: str, n: int, *queues: str) -> Published:
+    rid = ReplicationId.from_parts(3, n)
+    return Published(vpn, rid, "ex", f"rk.{n}", b"props", n.to_bytes(4, "big") * 64, queues)
+
+
+def ack(vpn: str, n: int, queue: str) -> Consumed:
+    return Consumed(vpn, ReplicationId.from_parts(3, n), queue)
+
+
+def stored(dsn: str, vpn: str) -> list[tuple[int, int, Event]]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT idx, epoch, event FROM ledger WHERE vpn = %s ORDER BY idx", (vpn,)
+        ).fetchall()
+    return [(i, ep, decode_event(data, vpn)) for i, ep, data in rows]
+
+
+def scalar(dsn: str, sql: str, *params: Any) -> Any:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(sql, params).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def live_keys(dsn: str, vpn: str) -> set[tuple[str, int]]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT queue, repl_id FROM live_message WHERE vpn = %s", (vpn,)
+        ).fetchall()
+    return {(q, int.from_bytes(r[8:], "big")) for q, r in rows}
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+class Durable:
+    """Records on_durable outcomes, in call order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool]] = []
+
+    def cb(self, index: int) -> Callable[[bool], None]:
+        return lambda ok: self.calls.append((index, ok))
+
+
+# ------------------------------------------------------------- indexes and order
+
+
+def test_indexes_are_dense_per_vpn_in_append_order_with_the_vpn_epoch(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, orders="active", audit="active", mirror="standby")
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE vpn_config SET epoch = 3 WHERE name = 'orders'")
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn, batch_size=100) as writer:
+            events = [pub("orders" if n % 3 else "audit", n, "q") for n in range(1, 1201)]
+            entries = [writer.append(e) for e in events]
+            await writer.wait_durable("orders", 800)
+            await writer.wait_durable("audit", 400)
+            assert writer.durable_index("orders") == 800
+            with pytest.raises(VpnNotOpen):
+                writer.append(pub("mirror", 1, "q"))  # a standby VPN has no ledger here
+        orders = [e for e in entries if e.vpn == "orders"]
+        assert [e.index for e in orders] == list(range(1, 801))
+        assert {e.epoch for e in orders} == {3}
+        assert [e.index for e in entries if e.vpn == "audit"] == list(range(1, 401))
+        assert stored(dsn, "orders") == [(e.index, 3, e.event) for e in orders]
+        assert [ev for _, _, ev in stored(dsn, "audit")] == [e for e in events if e.vpn == "audit"]
+
+    run(scenario)
+    assert scalar(dsn, "SELECT ledger_index FROM vpn_state WHERE vpn = 'orders'") == 800
+    assert scalar(dsn, "SELECT ledger_index FROM vpn_state WHERE vpn = 'audit'") == 400
+
+
+def test_the_active_applies_its_own_entries_to_live_message(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            events: list[Event] = [pub("v", 1, "q1", "q2"), pub("v", 2, "q1"), ack("v", 1, "q2")]
+            for event in events:
+                last = writer.append(event)
+            writer.append(ack("v", 99, "q1"))  # never published through us
+            await writer.wait_durable("v", last.index + 1)
+
+    run(scenario)
+    assert live_keys(dsn, "v") == {("q1", 1), ("q1", 2)}
+    assert scalar(dsn, "SELECT unknown_acks FROM vpn_state WHERE vpn = 'v'") == 1
+
+
+def test_an_unstorable_event_is_refused_without_taking_an_index(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            with pytest.raises(UnstorableEvent):
+                writer.append(pub("v", 1, "bad\x00queue"))
+            assert writer.append(pub("v", 2, "q")).index == 1
+
+    run(scenario)
+
+
+# ------------------------------------------------------------- durability
+
+
+async def _hold_vpn_state(dsn: str, vpn: str) -> psycopg.AsyncConnection[Any]:
+    """A transaction holding ``vpn``'s vpn_state row: the writer's commit blocks."""
+    blocker = await psycopg.AsyncConnection.connect(dsn)
+    await blocker.execute("SELECT 1 FROM vpn_state WHERE vpn = %s FOR UPDATE", (vpn,))
+    return blocker
+
+
+def test_durability_is_reported_only_after_the_commit(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+    durable = Durable()
+    seen: list[list[int]] = []
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            writer.subscribe(lambda entries: seen.append([e.index for e in entries]))
+            blocker = await _hold_vpn_state(dsn, "v")
+            for n in range(1, 6):
+                writer.append(pub("v", n, "q"), durable.cb(n))
+            await asyncio.sleep(0.3)
+            assert durable.calls == [] and seen == []
+            assert writer.durable_index("v") == 0
+            assert scalar(dsn, "SELECT count(*) FROM ledger") == 0
+            await blocker.commit()
+            await blocker.close()
+            await writer.wait_durable("v", 5)
+            assert durable.calls == [(n, True) for n in range(1, 6)]
+            assert scalar(dsn, "SELECT count(*) FROM ledger") == 5
+
+    run(scenario)
+    assert seen == [[1, 2, 3, 4, 5]]
+
+
+def test_group_commit_batches_by_size_and_by_time(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn, batch_size=500, max_delay=0.05) as writer:
+            for n in range(1, 2001):  # no await in between: all pending at once
+                writer.append(pub("v", n, "q"))
+            await writer.wait_durable("v", 2000)
+            assert (writer.stats.batches, writer.stats.entries) == (4, 2000)
+            # a trickle within max_delay of the first pending entry is one commit
+            t0 = time.monotonic()
+            for n in range(2001, 2011):
+                writer.append(pub("v", n, "q"))
+                await asyncio.sleep(0.001)
+            await writer.wait_durable("v", 2010)
+            assert time.monotonic() - t0 >= 0.04
+            assert writer.stats.batches == 5
+
+    run(scenario)
+    # now() is the transaction's start: one distinct appended_at per transaction
+    assert scalar(dsn, "SELECT count(DISTINCT appended_at) FROM ledger") == 5
+    assert scalar(dsn, "SELECT count(*) FROM ledger") == 2010
+
+
+def test_backpressure_holds_until_entries_are_durable(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn, batch_size=10, max_pending=10) as writer:
+            blocker = await _hold_vpn_state(dsn, "v")
+            for n in range(1, 11):
+                writer.append(pub("v", n, "q"))
+            assert not writer.full()
+            writer.append(pub("v", 11, "q"))
+            assert writer.full()
+            room = asyncio.create_task(writer.wait_for_room())
+            await asyncio.sleep(0.2)
+            assert not room.done()
+            await blocker.commit()
+            await blocker.close()
+            await asyncio.wait_for(room, 10)
+            assert not writer.full()
+            await writer.wait_durable("v", 11)
+
+    run(scenario)
+
+
+# ------------------------------------------------------------- restart
+
+
+def test_a_new_writer_continues_after_the_last_durable_index(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+    durable = Durable()
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as first:
+            for n in range(1, 11):
+                first.append(pub("v", n, "q"))
+            await first.wait_durable("v", 10)
+            # handed out but never committed: the writer goes away while blocked
+            blocker = await _hold_vpn_state(dsn, "v")
+            for n in range(11, 14):
+                first.append(pub("v", n, "q"), durable.cb(n))
+            await first.close(grace=0.2)
+            await blocker.rollback()
+            await blocker.close()
+            with pytest.raises(LedgerClosed):
+                first.append(pub("v", 14, "q"))
+            with pytest.raises(LedgerClosed):
+                await first.wait_durable("v", 11)
+        assert durable.calls == [(11, False), (12, False), (13, False)]
+        async with LedgerWriter(dsn) as second:
+            entry = second.append(pub("v", 11, "q"))
+            assert entry.index == 11
+            await second.wait_durable("v", 11)
+
+    run(scenario)
+    assert [i for i, _, _ in stored(dsn, "v")] == list(range(1, 12))
+
+
+def test_a_vpn_enabled_after_start_is_opened_explicitly(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn)
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            with pytest.raises(VpnNotOpen):
+                writer.append(pub("late", 1, "q"))
+            prepare(dsn, late="active")
+            await writer.open_vpn("late")
+            await writer.wait_durable("late", writer.append(pub("late", 1, "q")).index)
+            with pytest.raises(VpnNotOpen):
+                await writer.open_vpn("never")
+
+    run(scenario)
+
+
+def test_a_commit_whose_reply_was_lost_is_not_written_twice(site_a: LocalSite) -> None:
+    """What the next attempt sees when COMMIT went through but its reply was
+    lost: the ledger already holds the batch's first entries, byte for byte."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+    durable = Durable()
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            blocker = await _hold_vpn_state(dsn, "v")
+            entries = [writer.append(pub("v", n, "q"), durable.cb(n)) for n in range(1, 6)]
+            await asyncio.sleep(0.1)  # the writer now waits for the row lock
+            await _commit_in(blocker, entries[:3])
+            await writer.wait_durable("v", 5)
+        assert durable.calls == [(n, True) for n in range(1, 6)]
+
+    run(scenario)
+    assert [i for i, _, _ in stored(dsn, "v")] == [1, 2, 3, 4, 5]
+    assert live_keys(dsn, "v") == {("q", n) for n in range(1, 6)}
+
+
+async def _commit_in(blocker: psycopg.AsyncConnection[Any], entries: list[LedgerEntry]) -> None:
+    """Commit ``entries`` as the writer would have, in the blocker's transaction."""
+    for e in entries:
+        await blocker.execute(
+            "INSERT INTO ledger (vpn, idx, epoch, kind, event) VALUES (%s, %s, %s, %s, %s)",
+            (e.vpn, e.index, e.epoch, e.kind, encode_event(e.event)),
+        )
+    await apply_entries_async(blocker, entries[0].vpn, entries)
+    await blocker.execute(
+        "UPDATE vpn_state SET ledger_index = %s WHERE vpn = %s", (entries[-1].index, entries[0].vpn)
+    )
+    await blocker.commit()
+    await blocker.close()
+
+
+def test_a_second_writer_stops_the_first_and_nothing_is_confirmed(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+    durable = Durable()
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            blocker = await _hold_vpn_state(dsn, "v")
+            entries = [writer.append(pub("v", n, "q"), durable.cb(n)) for n in range(1, 4)]
+            await asyncio.sleep(0.1)
+            other = [LedgerEntry("v", 1, e.index, pub("v", 100 + e.index, "q")) for e in entries]
+            await _commit_in(blocker, other[:2])
+            with pytest.raises(LedgerClosed):
+                await writer.wait_durable("v", 3)
+            with pytest.raises(LedgerClosed, match="not ours"):
+                writer.append(pub("v", 4, "q"))
+        assert durable.calls == [(1, False), (2, False), (3, False)]
+
+    run(scenario)
+    assert [ev for _, _, ev in stored(dsn, "v")] == [pub("v", 101, "q"), pub("v", 102, "q")]
+
+
+# ------------------------------------------------------------- replay and retention
+
+
+def test_read_range_replays_committed_entries(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            entries = [writer.append(pub("v", n, "q")) for n in range(1, 51)]
+            await writer.wait_durable("v", 50)
+            assert await writer.read_range("v", 1, 20) == entries[:20]
+            assert await writer.read_range("v", 41, 100) == entries[40:]
+            assert await writer.read_range("v", 51, 10) == []
+            assert await writer.oldest_retained("v") == 1
+            with pytest.raises(ValueError):
+                await writer.read_range("v", 0, 10)
+
+    run(scenario)
+
+
+def test_prune_keeps_what_the_standby_lacks_and_what_is_recent(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            for n in range(1, 21):
+                writer.append(pub("v", n, "q"))
+            await writer.wait_durable("v", 20)
+            with psycopg.connect(dsn) as conn:  # entries 1..10 are an hour old
+                conn.execute(
+                    "UPDATE ledger SET appended_at = now() - interval '1 hour' WHERE idx <= 10"
+                )
+            assert await writer.prune("v", acked_index=5, retain_seconds=60) == 5
+            assert await writer.oldest_retained("v") == 6
+            assert await writer.prune("v", acked_index=15, retain_seconds=60) == 5
+            assert await writer.oldest_retained("v") == 11
+            assert await writer.prune("v", acked_index=20, retain_seconds=60) == 0
+            with pytest.raises(LedgerPruned) as err:
+                await writer.read_range("v", 3, 10)
+            assert err.value.oldest == 11
+            assert [e.index for e in await writer.read_range("v", 11, 3)] == [11, 12, 13]
+            assert await writer.prune("v", acked_index=20, retain_seconds=0) == 10
+            assert await writer.oldest_retained("v") == 21  # empty: the next to be written
+            with pytest.raises(LedgerPruned):
+                await writer.read_range("v", 20, 10)
+            assert await writer.read_range("v", 21, 10) == []
+            assert writer.append(pub("v", 21, "q")).index == 21
+            await writer.wait_durable("v", 21)
+            assert await writer.oldest_retained("v") == 21
+
+    run(scenario)
+
+
+# ------------------------------------------------------------- the database dies
+
+
+def test_entries_appended_while_the_database_is_down_become_durable_once(
+    site_a: LocalSite,
+) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+    durable = Durable()
+    total = 3000
+    events = [pub("v", n, "q") if n % 4 else ack("v", n - 1, "q") for n in range(1, total + 1)]
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn, batch_size=200, max_backoff=0.5) as writer:
+            killed, restarted = asyncio.Event(), asyncio.Event()
+            during_outage: list[int] = []
+
+            async def appender() -> None:
+                for n, event in enumerate(events, start=1):
+                    if n == total // 3:
+                        await asyncio.to_thread(site_a.pg.kill)
+                        killed.set()
+                    if n == 2 * total // 3:
+                        restart = asyncio.create_task(asyncio.to_thread(site_a.pg.start))
+                        restart.add_done_callback(lambda _: restarted.set())
+                    await writer.wait_for_room()
+                    entry = writer.append(event, durable.cb(n))
+                    if killed.is_set() and not restarted.is_set():
+                        during_outage.append(entry.index)
+                    if n % 50 == 0:
+                        await asyncio.sleep(0.005)
+
+            await appender()
+            await restarted.wait()
+            await writer.wait_durable("v", total)
+            assert writer.stats.failed_attempts > 0
+            assert writer.store_error is None
+            assert len(during_outage) > 500
+
+    run(scenario)
+    assert durable.calls == [(n, True) for n in range(1, total + 1)]
+    assert [(i, ev) for i, _, ev in stored(dsn, "v")] == list(enumerate(events, start=1))
+    assert scalar(dsn, "SELECT ledger_index FROM vpn_state WHERE vpn = 'v'") == total
+    published = {n for n in range(1, total + 1) if n % 4}
+    consumed = {n - 1 for n in range(1, total + 1) if not n % 4}
+    assert live_keys(dsn, "v") == {("q", n) for n in published - consumed}
+    assert scalar(dsn, "SELECT unknown_acks FROM vpn_state WHERE vpn = 'v'") == 0

@@ -1,0 +1,381 @@
+"""The shared apply step and the standby applier against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from typing import Any
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from psycopg_pool import ConnectionPool
+
+from bridge._apply import apply_entries
+from bridge._entry import LedgerEntry
+from bridge._errors import Gap, StaleEpoch, UnknownVpn
+from bridge._ledger import LedgerWriter
+from bridge._protocol import CheckpointRow
+from bridge._standby import NotStandby, StandbyApplier, StandbyUnavailable
+from plugin._events import Consumed, Event, Published, ReplicationId
+from plugin._localsites import LocalSite
+from plugin._store import connect, enable_vpn
+from plugin._vpn import VpnSettings
+from sql import migrate
+
+LIVE_SQL = (
+    "SELECT queue, repl_id, publish_index, exchange, routing_key, properties, body"
+    " FROM live_message WHERE vpn = %s ORDER BY queue, repl_id"
+)
+
+
+def prepare(dsn: str, **roles: str) -> None:
+    migrate(dsn)
+    with connect(dsn) as conn:
+        for name, role in roles.items():
+            enable_vpn(conn, VpnSettings.from_args(name, role))
+
+
+def rid(n: int) -> ReplicationId:
+    return ReplicationId.from_parts(9, n)
+
+
+def pub(vpn: str, n: int, *queues: str, body: bytes = b"secret-body") -> Published:
+    return Published(vpn, rid(n), "ex", f"rk.{n}", b"\x80props", body, queues)
+
+
+def ack(vpn: str, n: int, queue: str) -> Consumed:
+    return Consumed(vpn, rid(n), queue)
+
+
+def numbered(events: list[Event], start: int = 1, epoch: int = 1) -> list[LedgerEntry]:
+    return [LedgerEntry(e.vpn, epoch, start + i, e) for i, e in enumerate(events)]
+
+
+def live(dsn: str, vpn: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(LIVE_SQL, (vpn,)).fetchall()
+
+
+def state(dsn: str, vpn: str) -> tuple[Any, ...]:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT applied_index, applied_epoch, applied_at, unknown_acks FROM vpn_state "
+            "WHERE vpn = %s",
+            (vpn,),
+        ).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def keys(dsn: str, vpn: str) -> set[tuple[str, int, int]]:
+    """(queue, replication counter, publish index) of every live message."""
+    return {(r[0], int.from_bytes(r[1][8:], "big"), r[2]) for r in live(dsn, vpn)}
+
+
+# ------------------------------------------------------------- apply step
+
+
+def test_publish_makes_one_row_per_queue_and_ack_removes_one(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, orders="standby")
+    with StandbyApplier(dsn) as applier:
+        applied = applier.apply_batch(
+            "orders",
+            numbered(
+                [pub("orders", 1, "q1", "q2"), pub("orders", 2, "q1"), ack("orders", 1, "q2")]
+            ),
+        )
+    assert applied == 3
+    assert keys(dsn, "orders") == {("q1", 1, 1), ("q1", 2, 2)}
+    row = live(dsn, "orders")[0]
+    assert row[3:] == ("ex", "rk.1", b"\x80props", b"secret-body")
+    applied_index, applied_epoch, applied_at, unknown = state(dsn, "orders")
+    assert (applied_index, applied_epoch, unknown) == (3, 1, 0)
+    assert applied_at is not None
+
+
+def test_order_within_a_batch_is_kept_for_the_same_key(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    events: list[Event] = [
+        pub("v", 1, "q"),
+        ack("v", 1, "q"),  # published and consumed in one batch: gone, not unknown
+        ack("v", 2, "q"),  # consumed first (row not there): unknown
+        pub("v", 2, "q"),  # ... then published: present
+        pub("v", 3, "q"),
+        ack("v", 3, "q"),
+        pub("v", 3, "q"),  # back again (dead-lettered to the same queue): present, index 7
+        ack("v", 4, "q"),
+        ack("v", 4, "q"),  # twice unknown
+    ]
+    with psycopg.connect(dsn) as conn:
+        result = apply_entries(conn, "v", numbered(events))
+    assert keys(dsn, "v") == {("q", 2, 4), ("q", 3, 7)}
+    assert (result.inserted, result.unknown_acks) == (2, 3)
+    assert state(dsn, "v")[3] == 3
+
+
+def test_unknown_ack_is_counted_and_logged_not_raised(
+    site_b: LocalSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, orders="standby")
+    with StandbyApplier(dsn) as applier, caplog.at_level(logging.WARNING, "bridge._apply"):
+        applier.apply_batch("orders", numbered([pub("orders", 1, "q1"), ack("orders", 77, "q1")]))
+        applier.apply_batch("orders", numbered([ack("orders", 78, "q9")], start=3))
+    assert state(dsn, "orders")[3] == 2
+    assert keys(dsn, "orders") == {("q1", 1, 1)}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert "'orders'" in warnings[0] and "'q1'" in warnings[0] and rid(77).hex in warnings[0]
+    assert "'q9'" in warnings[1] and rid(78).hex in warnings[1]
+    assert "secret-body" not in caplog.text
+
+
+def test_many_unknown_acks_are_summarised(
+    site_b: LocalSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    with StandbyApplier(dsn) as applier, caplog.at_level(logging.WARNING, "bridge._apply"):
+        applier.apply_batch("v", numbered([ack("v", n, "q") for n in range(100)]))
+    assert state(dsn, "v")[3] == 100
+    warnings = [r.getMessage() for r in caplog.records if r.name == "bridge._apply"]
+    assert len(warnings) == 21
+    assert "80 more" in warnings[-1]
+
+
+_op = st.tuples(
+    st.sampled_from(["P", "C"]),
+    st.integers(0, 4),
+    st.lists(st.sampled_from(["q0", "q1", "q2"]), min_size=1, max_size=3, unique=True),
+)
+_vpn_names = itertools.count()
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    ops=st.lists(_op, max_size=30),
+    cuts=st.lists(st.integers(0, 30), max_size=6),
+    replay=st.booleans(),
+)
+def test_a_batch_leaves_the_state_one_by_one_apply_leaves(
+    site_b: LocalSite, ops: list[tuple[str, int, list[str]]], cuts: list[int], replay: bool
+) -> None:
+    """The invariant of bridge._apply: batching never changes the outcome,
+    including replays of entries already applied."""
+    dsn = site_b.pg.dsn()
+    n = next(_vpn_names)
+    with psycopg.connect(dsn) as plain:
+        schema = plain.execute("SELECT to_regclass('vpn_config')").fetchone()
+    if schema is None or schema[0] is None:
+        prepare(dsn)
+    batched, single = f"b{n}", f"s{n}"
+    with connect(dsn) as store:
+        for name in (batched, single):
+            enable_vpn(store, VpnSettings.from_args(name, "standby"))
+
+    def events_for(vpn: str) -> list[LedgerEntry]:
+        evs: list[Event] = []
+        for kind, i, queues in ops:
+            evs.append(pub(vpn, i, *queues) if kind == "P" else ack(vpn, i, queues[0]))
+        return numbered(evs)
+
+    bounds = sorted({0, len(ops), *(c for c in cuts if c <= len(ops))})
+    chunks = [slice(a, b) for a, b in itertools.pairwise(bounds)]
+    if replay and chunks:
+        chunks.append(chunks[0])
+    with psycopg.connect(dsn) as conn:
+        for chunk in chunks:
+            with conn.transaction():
+                apply_entries(conn, batched, events_for(batched)[chunk])
+            for entry in events_for(single)[chunk]:
+                with conn.transaction():
+                    apply_entries(conn, single, [entry])
+    assert live(dsn, batched) == live(dsn, single)
+    assert state(dsn, batched)[3] == state(dsn, single)[3]
+
+
+# ------------------------------------------------------------- standby applier
+
+
+def test_applying_the_same_batch_twice_changes_nothing(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    batch = numbered([pub("v", 1, "q"), pub("v", 2, "q"), ack("v", 1, "q"), ack("v", 9, "q")])
+    with StandbyApplier(dsn) as applier:
+        assert applier.apply_batch("v", batch) == 4
+        first = (live(dsn, "v"), state(dsn, "v"))
+        assert applier.apply_batch("v", batch) == 4
+        assert applier.apply_batch("v", batch[1:3]) == 4
+        assert (live(dsn, "v"), state(dsn, "v")) == first
+        assert applier.applied_index("v") == 4
+
+
+def test_an_overlapping_replay_applies_only_the_new_entries(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    events: list[Event] = [pub("v", n, "q") for n in range(1, 6)]
+    events += [ack("v", 1, "q"), pub("v", 6, "q"), ack("v", 2, "q")]
+    entries = numbered(events)
+    with StandbyApplier(dsn) as applier:
+        assert applier.apply_batch("v", entries[:5]) == 5
+        assert applier.apply_batch("v", entries[2:]) == 8
+    assert keys(dsn, "v") == {("q", 3, 3), ("q", 4, 4), ("q", 5, 5), ("q", 6, 7)}
+    assert state(dsn, "v")[3] == 0
+
+
+def test_a_gap_raises_and_writes_nothing(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    entries = numbered([pub("v", n, "q") for n in range(1, 6)])
+    with StandbyApplier(dsn) as applier:
+        with pytest.raises(Gap) as err:
+            applier.apply_batch("v", entries[1:])
+        assert (err.value.expected, err.value.got) == (1, 2)
+        assert "expected index 1, got 2" in str(err.value)
+        assert applier.apply_batch("v", entries[:2]) == 2
+        with pytest.raises(Gap) as err:
+            applier.apply_batch("v", [entries[2], entries[4]])  # 4 missing inside
+        assert (err.value.expected, err.value.got) == (4, 5)
+        assert applier.applied_index("v") == 2
+    assert keys(dsn, "v") == {("q", 1, 1), ("q", 2, 2)}
+
+
+def test_an_entry_from_an_older_epoch_is_refused(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    with StandbyApplier(dsn) as applier:
+        assert applier.apply_batch("v", numbered([pub("v", 1, "q")], epoch=2)) == 1
+        with pytest.raises(StaleEpoch):
+            applier.apply_batch("v", numbered([pub("v", 2, "q")], start=2, epoch=1))
+        assert applier.apply_batch("v", numbered([pub("v", 2, "q")], start=2, epoch=3)) == 2
+    assert state(dsn, "v")[:2] == (2, 3)
+
+
+def test_only_a_standby_vpn_of_this_site_is_applied(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, act="active")
+    with StandbyApplier(dsn) as applier:
+        with pytest.raises(NotStandby, match="active on this site"):
+            applier.apply_batch("act", numbered([pub("act", 1, "q")]))
+        with pytest.raises(UnknownVpn, match="not enabled"):
+            applier.apply_batch("nope", numbered([pub("nope", 1, "q")]))
+
+
+def test_install_checkpoint_replaces_the_live_state(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby", other="standby")
+    rows = [
+        ("q1", rid(500).value, 480, "ex", "rk", b"p", b"b1"),
+        ("q2", rid(501).value, 490, "ex2", "rk2", b"", b""),
+    ]
+    with StandbyApplier(dsn) as applier:
+        applier.apply_batch("v", numbered([pub("v", 1, "q"), pub("v", 2, "q")]))
+        applier.apply_batch("other", numbered([pub("other", 1, "q")]))
+        applier.install_checkpoint("v", 2, 500, rows)
+        assert applier.applied_index("v") == 500
+        assert live(dsn, "v") == sorted(rows)
+        assert state(dsn, "v")[:2] == (500, 2)
+        assert keys(dsn, "other") == {("q", 1, 1)}
+        # the stream continues from the checkpoint; older entries are replays
+        more = numbered([ack("v", 500, "q1"), pub("v", 502, "q1")], start=500, epoch=2)
+        assert applier.apply_batch("v", more) == 501
+    assert keys(dsn, "v") == {("q1", 500, 480), ("q2", 501, 490), ("q1", 502, 501)}
+
+
+def test_a_checkpoint_takes_the_bridge_frames_rows(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    row = CheckpointRow("q1", rid(7), 7, "ex", "rk", b"p", b"b")
+    with StandbyApplier(dsn) as applier:
+        applier.install_checkpoint("v", 1, 9, [row])
+    assert live(dsn, "v") == [("q1", rid(7).value, 7, "ex", "rk", b"p", b"b")]
+
+
+def test_a_borrowed_pool_works_too(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    with ConnectionPool(dsn, min_size=1, max_size=2, open=True) as pool:
+        applier = StandbyApplier(pool)
+        assert applier.apply_batch("v", numbered([pub("v", 1, "q")])) == 1
+        assert applier.applied_index("v") == 1
+
+
+def test_a_lost_database_is_reported_and_reconnected(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    entries = numbered([pub("v", 1, "q"), pub("v", 2, "q")])
+    with StandbyApplier(dsn) as applier:
+        assert applier.apply_batch("v", entries[:1]) == 1
+        site_b.pg.kill()
+        with pytest.raises(StandbyUnavailable):
+            applier.apply_batch("v", entries)
+        site_b.pg.start()
+        assert applier.apply_batch("v", entries) == 2
+    assert keys(dsn, "v") == {("q", 1, 1), ("q", 2, 2)}
+
+
+# ------------------------------------------------------------- both sites
+
+
+def _mixed_events(vpn: str, count: int, seed: int) -> list[Event]:
+    rnd = random.Random(seed)  # noqa: S311 - a reproducible workload
+    queues = ["orders.q1", "orders.q2", "orders.q3", "audit"]
+    live_pairs: list[tuple[int, str]] = []
+    events: list[Event] = []
+    for n in range(1, count + 1):
+        roll = rnd.random()
+        if roll < 0.55 or not live_pairs:
+            routed = rnd.sample(queues, rnd.randint(1, 3))
+            body = rnd.randbytes(rnd.randint(0, 2048))
+            events.append(pub(vpn, n, *routed, body=body))
+            live_pairs += [(n, q) for q in routed]
+        elif roll < 0.95:
+            i, q = live_pairs.pop(rnd.randrange(len(live_pairs)))
+            events.append(ack(vpn, i, q))
+        else:
+            events.append(ack(vpn, 100_000 + n, rnd.choice(queues)))  # predates replication
+    return events
+
+
+async def _write_through_ledger(dsn: str, events: list[Event]) -> list[LedgerEntry]:
+    async with LedgerWriter(dsn, batch_size=128) as writer:
+        entries = [writer.append(e) for e in events]
+        await writer.wait_durable(events[0].vpn, entries[-1].index)
+        shipped: list[LedgerEntry] = []
+        while len(shipped) < len(entries):
+            shipped += await writer.read_range("orders", len(shipped) + 1, 300)
+    assert shipped == entries
+    return shipped
+
+
+def test_both_sites_compute_the_same_state_with_the_same_apply_code(
+    site_a: LocalSite, site_b: LocalSite
+) -> None:
+    dsn_a, dsn_b = site_a.pg.dsn(), site_b.pg.dsn()
+    prepare(dsn_a, orders="active")
+    prepare(dsn_b, orders="standby")
+    events = _mixed_events("orders", 1000, seed=7)
+    shipped = asyncio.run(_write_through_ledger(dsn_a, events))
+    with StandbyApplier(dsn_b) as applier:
+        for start in range(0, len(shipped), 170):  # other boundaries than the active's
+            applier.apply_batch("orders", shipped[start : start + 170])
+        assert applier.applied_index("orders") == 1000
+    rows_a, rows_b = live(dsn_a, "orders"), live(dsn_b, "orders")
+    assert rows_a == rows_b
+    assert len(rows_a) > 100
+    unknown = sum(
+        1
+        for e in events
+        if isinstance(e, Consumed) and int.from_bytes(e.repl_id.value[8:]) > 100_000
+    )
+    assert state(dsn_a, "orders")[3] == state(dsn_b, "orders")[3] == unknown > 0

@@ -15,7 +15,8 @@ from typing import Any, NoReturn
 
 from ._config import SiteConfig, load_config
 from ._errors import PluginError, UsageError
-from ._store import connect, disable_vpn, enable_vpn, status
+from ._refresher import ManagementAPI
+from ._store import add_broker_depths, connect, disable_vpn, enable_vpn, status
 from ._vpn import DEFAULT_SYNC_TIMEOUT_MS, Mode, Role, SyncTimeoutPolicy, VpnSettings
 
 __all__ = ["main"]
@@ -91,6 +92,7 @@ def _cmd_vpn_disable(cfg: SiteConfig, args: argparse.Namespace) -> int:
 def _cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
     with connect(cfg.store_dsn) as conn:
         doc = status(conn, cfg.site_name)
+    add_broker_depths(doc, ManagementAPI(cfg.management_url, timeout=5))
     if args.json:
         print(json.dumps(doc))
         return EXIT_OK
@@ -105,8 +107,11 @@ def _cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
             f"ledger {v['ledger_index']} applied {v['applied_index']} "
             f"lag {v['lag_events']} ev/{v['lag_seconds']} s, in-doubt txns {v['in_doubt_txns']}"
         )
+        broker = v.get("broker_queues") or {}
         for queue, count in v["queues"].items():
-            print(f"    {queue}: {count} live")
+            print(f"    {queue}: {count} replicated live, {broker.get(queue, '?')} at the broker")
+        if v.get("broker_error"):
+            print(f"    broker depths unavailable: {v['broker_error']}")
     return EXIT_OK
 
 

@@ -31,7 +31,7 @@ from ._events import IdSource
 from ._listener import BrokerAddress, Listener
 from ._metrics import Metrics
 from ._refresher import DirectoryRefresher, ManagementAPI
-from ._store import connect, status
+from ._store import add_broker_depths, connect, status
 from ._vpn import Role, VpnSettings
 
 __all__ = ["run_node"]
@@ -73,6 +73,7 @@ class Node:
     def __init__(self, cfg: SiteConfig) -> None:
         self.cfg = cfg
         self.directory = VpnDirectory()
+        self.api = ManagementAPI(cfg.management_url)
         self.metrics = Metrics()
         self.writer = LedgerWriter(cfg.store_dsn)
         self.replicator = Replicator(self.writer)
@@ -108,6 +109,7 @@ class Node:
                 return status(conn, self.cfg.site_name)
 
         doc = await asyncio.to_thread(read)
+        await asyncio.to_thread(add_broker_depths, doc, self.api)
         for vpn in doc["vpns"]:
             if vpn["role"] == "active":
                 vpn["sync_eligible"] = self.replicator.sync_eligible(vpn["name"])
@@ -123,7 +125,7 @@ class Node:
             raise PluginError(str(e)) from e
         self.replicator.start()
         refresher = DirectoryRefresher(
-            self.directory, ManagementAPI(cfg.management_url), self._load_settings, REFRESH_SECONDS
+            self.directory, self.api, self._load_settings, REFRESH_SECONDS
         )
         await refresher.refresh()
         self.listener = Listener(

@@ -20,7 +20,7 @@ from ._config import redact_url
 from ._errors import StateError, StoreUnavailable
 from ._vpn import VpnSettings
 
-__all__ = ["connect", "disable_vpn", "enable_vpn", "status"]
+__all__ = ["add_broker_depths", "connect", "disable_vpn", "enable_vpn", "status"]
 
 
 @contextmanager
@@ -105,6 +105,28 @@ FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
 WHERE c.enabled
 ORDER BY c.name
 """
+
+
+def add_broker_depths(doc: dict[str, Any], api: Any) -> None:
+    """Add each VPN's broker-side queue depths next to the replicated counts.
+
+    Publishes that bypass the listener (management UI, direct clients) are
+    not replicated; a broker depth above the replicated live count shows
+    them. ``api`` is a :class:`~plugin._refresher.ManagementAPI`; when the
+    broker cannot be asked, ``broker_queues`` is null and ``broker_error``
+    says why, and the rest of the status stands.
+    """
+    from urllib.parse import quote
+
+    from ._refresher import ManagementUnavailable
+
+    for vpn in doc["vpns"]:
+        try:
+            queues = api.get(f"queues/{quote(vpn['name'], safe='')}?columns=name,messages")
+            vpn["broker_queues"] = {q["name"]: q.get("messages", 0) for q in queues}
+        except ManagementUnavailable as e:
+            vpn["broker_queues"] = None
+            vpn["broker_error"] = str(e)
 
 
 def status(conn: psycopg.Connection[dict[str, Any]], site: str) -> dict[str, Any]:

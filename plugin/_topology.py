@@ -413,8 +413,9 @@ class _DirectRouter(_Router):
 
 
 class _TopicRouter(_Router):
-    """The broker's trie walk (``trie_match/4``); states already visited are
-    skipped, which only removes duplicates but keeps ``#.#.#`` linear."""
+    """The broker's trie walk (``trie_match/4``). A (node, word index) state
+    already visited is skipped: that only drops duplicates, but bounds the
+    walk by nodes x words where ``#.#.#`` would otherwise explode."""
 
     __slots__ = ("root",)
 

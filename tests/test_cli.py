@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import psycopg
@@ -180,3 +181,27 @@ def test_commands_not_landed_yet_fail_honestly(vpnrepl_a: Vpnrepl, command: list
     result = vpnrepl_a(*command)
     assert result.returncode == 1
     assert "not implemented yet" in result.stderr
+
+
+def test_status_shows_broker_depth_next_to_replicated_count(
+    vpnrepl_a: Vpnrepl, site_a: LocalSite
+) -> None:
+    import pika
+
+    site_a.rabbit.add_vhost("orders")
+    conn = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("orders")))
+    ch = conn.channel()
+    ch.queue_declare("bypass.q", durable=True)
+    for _ in range(3):  # straight to the broker: not replicated
+        ch.basic_publish("", "bypass.q", b"x", pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    assert vpnrepl_a("init").returncode == 0
+    assert vpnrepl_a("vpn", "enable", "orders", "--role", "active").returncode == 0
+    [vpn] = json.loads(vpnrepl_a("status", "--json").stdout)["vpns"]
+    assert vpn["queues"] == {}
+    for _ in range(50):  # the management API's message counts lag by a few seconds
+        if vpn["broker_queues"] == {"bypass.q": 3}:
+            break
+        time.sleep(0.2)
+        [vpn] = json.loads(vpnrepl_a("status", "--json").stdout)["vpns"]
+    assert vpn["broker_queues"] == {"bypass.q": 3}

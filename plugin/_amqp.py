@@ -16,12 +16,14 @@ with the right code and a reply text that names the fault.
 
 from __future__ import annotations
 
+import decimal
 import functools
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from pamqp import base, commands, decode, frame
+from pamqp import base, commands, frame
 
 __all__ = [
     "AMQPError",
@@ -326,13 +328,48 @@ class PropertyLayout:
     delivery_mode: int | None
 
 
+# property flag -> size of its value: >0 fixed, -1 shortstr, -4 u32-prefixed table
+_LATER_PROPERTIES = (
+    (0x0800, 1),  # priority
+    (0x0400, -1),  # correlation-id
+    (0x0200, -1),  # reply-to
+    (0x0100, -1),  # expiration
+    (0x0080, -1),  # message-id
+    (0x0040, 8),  # timestamp
+    (0x0020, -1),  # type
+    (0x0010, -1),  # user-id
+    (0x0008, -1),  # app-id
+    (0x0004, -1),  # cluster-id
+)
+
+
+def _skip_later_properties(payload: bytes, flags: int, pos: int) -> int:
+    for flag, size in _LATER_PROPERTIES:
+        if flags & flag:
+            pos += 1 + payload[pos] if size == -1 else size
+    return pos
+
+
 def property_layout(payload: bytes) -> PropertyLayout:
-    """Read just enough of a content header payload (without the frame head)."""
+    """Check a content header payload (without the frame head) the way the
+    broker will, and say where its headers table and delivery mode are.
+
+    Every property is walked, so a header the broker would refuse is refused
+    here first and never becomes a replication event. Bytes after the last
+    property are tolerated, as RabbitMQ tolerates them.
+    """
     try:
+        class_id, weight = struct.unpack_from(">HH", payload, 0)
+        if class_id != 60:
+            raise UnexpectedFrame(f"content header for class {class_id}, expected 60 (basic)")
+        if weight != 0:
+            raise SyntaxError_(f"content header weight {weight}, expected 0")
         flags = _U16.unpack_from(payload, 12)[0]
         pos = 14
         if flags & 1:
             raise SyntaxError_("content header property flags continue past one word")
+        if flags & 0x2:
+            raise SyntaxError_("content header sets an undefined property flag")
         if flags & _FLAG_CONTENT_TYPE:
             pos += 1 + payload[pos]
         if flags & _FLAG_CONTENT_ENCODING:
@@ -340,14 +377,119 @@ def property_layout(payload: bytes) -> PropertyLayout:
         headers_at = pos
         if flags & _FLAG_HEADERS:
             pos += 4 + _U32.unpack_from(payload, pos)[0]
+        headers_end = pos
         delivery_mode = None
         if flags & _FLAG_DELIVERY_MODE:
             delivery_mode = payload[pos]
-        if pos > len(payload):
-            raise IndexError
-        return PropertyLayout(flags, headers_at, pos, delivery_mode)
+            pos += 1
+        pos = _skip_later_properties(payload, flags, pos)
+        if pos > len(payload):  # trailing bytes: RabbitMQ ignores them too
+            raise SyntaxError_(f"content header properties overrun the frame ({pos} bytes)")
+        return PropertyLayout(flags, headers_at, headers_end, delivery_mode)
     except (IndexError, struct.error) as e:
         raise SyntaxError_("malformed content header properties") from e
+
+
+_FIXED: dict[int, struct.Struct] = {
+    ord(code): struct.Struct(fmt)
+    for code, fmt in (
+        ("t", ">?"),
+        ("b", ">b"),
+        ("B", ">B"),
+        ("s", ">h"),
+        ("u", ">H"),
+        ("I", ">i"),
+        ("i", ">I"),
+        ("l", ">q"),
+        ("L", ">q"),
+        ("f", ">f"),
+        ("d", ">d"),
+        ("T", ">Q"),
+    )
+}
+
+
+def _long_string(buf: bytes, pos: int) -> tuple[object, int]:
+    n = _U32.unpack_from(buf, pos)[0]
+    end = pos + 4 + n
+    if end > len(buf):
+        raise IndexError
+    raw = buf[pos + 4 : end]
+    try:
+        return raw.decode(), end
+    except UnicodeDecodeError:
+        return raw, end
+
+
+def _byte_array(buf: bytes, pos: int) -> tuple[object, int]:
+    n = _U32.unpack_from(buf, pos)[0]
+    if pos + 4 + n > len(buf):
+        raise IndexError
+    return buf[pos + 4 : pos + 4 + n], pos + 4 + n
+
+
+def _nested_table(buf: bytes, pos: int) -> tuple[object, int]:
+    n = _U32.unpack_from(buf, pos)[0]
+    return _field_table(buf, pos + 4, pos + 4 + n), pos + 4 + n
+
+
+def _array(buf: bytes, pos: int) -> tuple[object, int]:
+    n = _U32.unpack_from(buf, pos)[0]
+    end, items, at = pos + 4 + n, [], pos + 4
+    while at < end:
+        value, at = _field_value(buf, at)
+        items.append(value)
+    if at != end:
+        raise IndexError
+    return items, end
+
+
+def _decimal(buf: bytes, pos: int) -> tuple[object, int]:
+    scale, value = struct.unpack_from(">Bi", buf, pos)
+    return decimal.Decimal(value).scaleb(-scale), pos + 5
+
+
+def _void(buf: bytes, pos: int) -> tuple[object, int]:
+    return None, pos
+
+
+_VARIABLE: dict[int, Callable[[bytes, int], tuple[object, int]]] = {
+    ord("S"): _long_string,
+    ord("x"): _byte_array,
+    ord("F"): _nested_table,
+    ord("A"): _array,
+    ord("D"): _decimal,
+    ord("V"): _void,
+}
+
+
+def _field_value(buf: bytes, pos: int) -> tuple[object, int]:
+    """Decode one field value at ``pos``; timestamps stay integers (seconds),
+    so no magnitude the broker accepts can make decoding fail."""
+    code = buf[pos]
+    fixed = _FIXED.get(code)
+    if fixed is not None:
+        end = pos + 1 + fixed.size
+        if end > len(buf):
+            raise IndexError
+        return fixed.unpack_from(buf, pos + 1)[0], end
+    decoder = _VARIABLE.get(code)
+    if decoder is None:
+        raise ValueError(f"unknown field type {chr(code)!r}")
+    return decoder(buf, pos + 1)
+
+
+def _field_table(buf: bytes, pos: int, end: int) -> dict[str, object]:
+    if end > len(buf):
+        raise IndexError
+    out: dict[str, object] = {}
+    while pos < end:
+        klen = buf[pos]
+        key = buf[pos + 1 : pos + 1 + klen].decode()
+        out[key], pos = _field_value(buf, pos + 1 + klen)
+    if pos != end:
+        raise IndexError
+    return out
 
 
 def _table_entries(table: bytes) -> list[tuple[str, int, int]]:
@@ -358,9 +500,7 @@ def _table_entries(table: bytes) -> list[tuple[str, int, int]]:
         start = pos
         klen = table[pos]
         key = table[pos + 1 : pos + 1 + klen].decode(errors="replace")
-        pos += 1 + klen
-        consumed, _ = decode.embedded_value(table[pos:])
-        pos += consumed
+        _, pos = _field_value(table, pos + 1 + klen)
         out.append((key, start, pos))
     return out
 
@@ -383,7 +523,7 @@ def splice_header(payload: bytes, layout: PropertyLayout, key: str, value: str) 
         if key.encode() in body:
             try:
                 kept = [body[s:e] for k, s, e in _table_entries(body) if k != key]
-            except (ValueError, IndexError) as e:
+            except (ValueError, IndexError, struct.error) as e:
                 raise SyntaxError_("malformed headers table in content header") from e
             body = b"".join(kept)
         table = _U32.pack(len(body) + len(entry)) + body + entry
@@ -412,20 +552,19 @@ def find_header(payload: bytes, layout: PropertyLayout, key: str) -> str | None:
                 if start + value_len != e:
                     return None
                 return body[start:e].decode(errors="replace")
-    except (ValueError, IndexError, struct.error):
+    except (ValueError, IndexError, struct.error, UnicodeDecodeError):
         return None
     return None
 
 
 def decode_headers(payload: bytes, layout: PropertyLayout) -> dict[str, object]:
-    """The decoded headers table (pamqp types), for routing by headers/CC/BCC."""
+    """The decoded headers table, for routing by headers, CC and BCC."""
     if not layout.flags & _FLAG_HEADERS:
         return {}
     try:
-        _, table = decode.field_table(payload[layout.headers_at : layout.headers_end])
-    except ValueError as e:
+        return _field_table(payload, layout.headers_at + 4, layout.headers_end)
+    except (ValueError, IndexError, struct.error, UnicodeDecodeError) as e:
         raise SyntaxError_("malformed headers table in content header") from e
-    return dict(table)
 
 
 def frame_bytes(ftype: int, channel: int, payload: bytes) -> bytes:

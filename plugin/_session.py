@@ -82,6 +82,9 @@ class _Confirm:
     replicated: bool = False
     broker: bool | None = None  # True ack, False nack, None not yet
     durable: bool | None = None  # sink outcome for replicated publishes
+    #: the replicated publish, kept until the broker has answered: a broker
+    #: nack (e.g. a full queue with reject-publish) must take it back out
+    event: Published | None = None
 
     @property
     def ready(self) -> bool:
@@ -165,8 +168,10 @@ class Session:
         self.vhost: str | None = None
         self.vpn: VpnView | None = None
         self.open = False  # connection.open-ok seen
-        #: open on a vhost that is not replicated: relay bytes without parsing
+        #: open on a vhost that is not replicated: check frames, track nothing
         self.passthrough = False
+        self._content: dict[int, int] = {}  # channel -> declared body size (-1: header due)
+        self._received: dict[int, int] = {}  # channel -> body bytes received so far
         #: ``replicated``, fixed at connection.open (settings apply to new connections)
         self._replicating = False
         self.closing = False  # a connection.close is on its way
@@ -187,9 +192,6 @@ class Session:
     def client_data(self, data: bytes) -> Output:
         """Bytes from the client; returns what to forward and what happened."""
         self._out = out = Output()
-        if self.passthrough:
-            out.to_broker.append(self._client.take_tail() + data if self._client.pending else data)
-            return out
         if self.client_done:
             return out
         try:
@@ -208,7 +210,7 @@ class Session:
     def broker_data(self, data: bytes) -> Output:
         """Bytes from the broker; returns what to forward and what happened."""
         self._out = out = Output()
-        if self.passthrough:
+        if self.passthrough and not self._closed_by_us:
             out.to_client.append(self._broker.take_tail() + data if self._broker.pending else data)
             return out
         if self.broker_done:
@@ -293,17 +295,18 @@ class Session:
     def _from_client(self, buf: bytes, frames: list[Frame]) -> None:
         out = self._out.to_broker
         run = 0  # start of the untouched run of frames to relay
+        check = self._check_frame if self.passthrough else self._client_frame
         for f in frames:
             if self._closed_by_us:
                 self._closing_from_client(buf, f)
-                return
+                continue
             try:
-                replacement = self._client_frame(buf, f)
+                replacement = check(buf, f)
             except AMQPError as e:
                 if f.start > run:
                     out.append(buf[run : f.start])
                 self._fail(e)
-                return
+                continue
             if replacement is None:
                 continue
             if f.start > run:
@@ -311,12 +314,56 @@ class Session:
             if replacement:
                 out.append(replacement)
             run = f.end
-        if frames:
+        if frames and not self._closed_by_us:
             end = frames[-1].end
             if run == 0 and end == len(buf):
                 out.append(buf)
             elif end > run:
                 out.append(buf[run:end])
+
+    def _check_frame(self, buf: bytes, f: Frame) -> None:
+        """Frame checks only, for a connection on an unreplicated vhost.
+
+        RabbitMQ 3.10 drops the TCP connection without a ``connection.close``
+        on an unknown method, and silently accepts a body longer than its
+        header declared; the listener answers both with the right reply code,
+        so a client sees the same behaviour on every vhost.
+        """
+        ftype, channel = f.type, f.channel
+        expect = self._content
+        if ftype == amqp.FRAME_METHOD:
+            ids = amqp.method_id(buf, f)
+            if channel in expect:
+                raise amqp.UnexpectedFrame(
+                    f"method frame on channel {channel} while content was expected"
+                )
+            if ids == amqp.BASIC_PUBLISH:
+                expect[channel] = -1
+        elif ftype == amqp.FRAME_BODY:
+            due = expect.get(channel, -1)
+            if due < 0:
+                raise amqp.UnexpectedFrame(f"content body on channel {channel} without a header")
+            got = self._received.get(channel, 0) + f.end - f.start - 8
+            if got > due:
+                raise amqp.FrameError(
+                    f"content body of {got} bytes exceeds the declared size {due}"
+                )
+            if got < due:
+                self._received[channel] = got
+            else:
+                del expect[channel]
+                self._received.pop(channel, None)
+        elif ftype == amqp.FRAME_HEADER:
+            if expect.get(channel) != -1:
+                raise amqp.UnexpectedFrame(f"content header on channel {channel} without a publish")
+            size = amqp.content_body_size(buf, f)
+            if size:
+                expect[channel] = size
+            else:
+                del expect[channel]
+        elif channel != 0:
+            raise amqp.FrameError(f"heartbeat frame on channel {channel}")
+        return None
 
     def _client_frame(self, buf: bytes, f: Frame) -> bytes | None:
         """Handle one client frame: None relays it, bytes replace it (b"" drops)."""
@@ -410,7 +457,8 @@ class Session:
             ch.tx_events.append(event)
             return
         if p.seq is not None:
-            ch.pending[p.seq].replicated = True
+            entry = ch.pending[p.seq]
+            entry.replicated, entry.event = True, event
             self._out.events.append((event, (channel, p.seq)))
         else:
             self._out.events.append((event, None))
@@ -651,8 +699,8 @@ class Session:
     def _b_open_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         self.open = True
         # Nothing on an unreplicated vhost concerns replication (settings apply
-        # to connections opened after a change): relay bytes from here on, and
-        # leave bad input to the broker, which closes with its own reply code.
+        # to connections opened after a change): from here on, frames are only
+        # checked, and broker bytes are relayed without parsing.
         self.passthrough = not self.replicated
         return None
 
@@ -753,6 +801,8 @@ class Session:
             if not entry.ready:
                 break
             ok = entry.ok
+            if entry.broker is False and entry.event is not None:
+                self._take_back(entry.event)
             if run_len and ok != run_ok:
                 out.append(_confirm_frame(channel, run_seq, run_ok, multiple=run_len > 1))
                 run_len = 0
@@ -764,8 +814,16 @@ class Session:
         for seq in changed:
             entry = pending.get(seq)
             if entry is not None and entry.ready:
+                if entry.broker is False and entry.event is not None:
+                    self._take_back(entry.event)
                 out.append(_confirm_frame(channel, seq, entry.ok, multiple=False))
                 del pending[seq]
+
+    def _take_back(self, event: Published) -> None:
+        """The broker refused a publish the sink already has: replicate its
+        removal, so both sites hold what the broker holds."""
+        for queue in event.queues:
+            self._out.events.append((Consumed(event.vpn, event.repl_id, queue), None))
 
     def _b_tx_commit_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         ch = self._channels.get(channel)

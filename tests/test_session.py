@@ -353,9 +353,55 @@ def test_many_durable_notices_release_in_one_pass(confirming: Session) -> None:
     assert acks(out) == [("Ack", 500, True)]
 
 
-def test_unreplicated_connection_becomes_a_byte_relay_after_open_ok() -> None:
+def test_unreplicated_connection_only_checks_client_frames_after_open_ok() -> None:
     s = Session(VpnDirectory(), IdSource(1))
     open_session(s, vhost="plain")
     assert s.passthrough
-    garbage = b"\x01\x02 not even a frame"
-    assert s.client_data(garbage).to_broker == [garbage]  # the broker judges it
+    data = publish(1, b"x")
+    out = s.client_data(data)
+    assert out.to_broker == [data] and out.events == []
+    broker_bytes = b"anything the broker sends is relayed as is"
+    assert s.broker_data(broker_bytes).to_client == [broker_bytes]
+    # the checks RabbitMQ itself does not make still close with a reply code
+    unknown = struct.pack(">BHI", 1, 1, 4) + struct.pack(">HH", 999, 10) + b"\xce"
+    assert closing_code(s.client_data(unknown)) == 503
+
+
+def test_body_longer_than_declared_is_refused_on_unreplicated_vhosts_too() -> None:
+    s = Session(VpnDirectory(), IdSource(1))
+    open_session(s, vhost="plain")
+    data = (
+        m(C.Basic.Publish(exchange="", routing_key="q"), 1)
+        + frame.marshal(header.ContentHeader(body_size=3), 1)
+        + frame.marshal(ContentBody(b"12345"), 1)
+    )
+    assert closing_code(s.client_data(data)) == 501
+
+
+def test_a_broker_nack_takes_a_replicated_publish_back(confirming: Session) -> None:
+    s = confirming
+    [(published, _)] = s.client_data(publish(1, b"refused")).events
+    s.replicated_done([(1, 1, True)])
+    out = s.broker_data(m(C.Basic.Nack(delivery_tag=1), 1))
+    assert acks(out) == [("Nack", 1, False)]
+    [(taken_back, key)] = out.events
+    assert isinstance(taken_back, Consumed) and key is None
+    assert (taken_back.repl_id, taken_back.queue) == (published.repl_id, "q")
+
+
+def test_close_ok_in_the_same_read_as_other_frames_ends_the_session() -> None:
+    s = make_session()
+    open_session(s)
+    unknown = struct.pack(">BHI", 1, 1, 4) + struct.pack(">HH", 999, 10) + b"\xce"
+    s.client_data(unknown)
+    s.client_data(publish(1, b"late") + m(C.Connection.CloseOk()))
+    assert s.client_done
+
+
+def test_content_header_of_another_class_is_refused() -> None:
+    s = make_session()
+    open_session(s)
+    bad = struct.pack(">HHQH", 61, 0, 0, 0x1000) + b"\x02"
+    data = m(C.Basic.Publish(exchange="", routing_key="q"), 1) + amqp.frame_bytes(2, 1, bad)
+    out = s.client_data(data)
+    assert closing_code(out) == 505 and out.events == []

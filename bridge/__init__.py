@@ -66,6 +66,23 @@ from ._ledger import (
 )
 from ._standby import LiveRow, NotStandby, StandbyApplier, StandbyError, StandbyUnavailable
 
+# isort: split
+# Bridge transport: TLS contexts, the active's server, the standby's client.
+from ._tls import TlsSetupError, describe_tls_error, make_client_context, make_server_context
+from ._transport import (
+    CONNECTED,
+    DISCONNECTED,
+    SYNCING,
+    BridgeClient,
+    BridgeServer,
+    ConfigSyncAPI,
+    LinkClosed,
+    LinkError,
+    PeerSilent,
+    PeerUnreachable,
+    TlsRefused,
+)
+
 __all__: list[str] = []
 
 # Bridge wire protocol.
@@ -131,4 +148,23 @@ __all__ += [
     "StandbyApplier",
     "StandbyError",
     "StandbyUnavailable",
+]
+
+# Bridge transport.
+__all__ += [
+    "TlsSetupError",
+    "describe_tls_error",
+    "make_client_context",
+    "make_server_context",
+    "CONNECTED",
+    "DISCONNECTED",
+    "SYNCING",
+    "BridgeClient",
+    "BridgeServer",
+    "ConfigSyncAPI",
+    "LinkClosed",
+    "LinkError",
+    "PeerSilent",
+    "PeerUnreachable",
+    "TlsRefused",
 ]

@@ -182,6 +182,9 @@ class Session:
         self.fault_code: int | None = None
         self._exclusive_queues: list[str] = []
         self._client_header_buf = b""
+        #: the client's stream lost its framing (we closed for a frame fault)
+        self._desynced = False
+        self._scan_tail = b""
 
     # ------------------------------------------------------------ feeding
 
@@ -194,6 +197,9 @@ class Session:
         self._out = out = Output()
         if self.client_done:
             return out
+        if self._desynced:
+            self._find_close_ok(data)
+            return out
         try:
             if not self._got_protocol_header:
                 data = self._protocol_header(data)
@@ -202,6 +208,7 @@ class Session:
             buf, frames, fault = self._client.feed(data)
             self._from_client(buf, frames)
             if fault is not None and not self._closed_by_us:
+                self._desynced = True
                 raise fault
         except AMQPError as e:
             self._fail(e)
@@ -627,6 +634,15 @@ class Session:
         except Exception:  # a topology mismatch must never break the relay
             log.exception("connection %d: topology update failed", self.connection_id)
 
+    def _find_close_ok(self, data: bytes) -> None:
+        """After a framing fault the frame boundaries are lost, but the
+        client's close-ok is still a fixed 12-byte frame: look for it, so a
+        well-behaved client is released at once, not by the close timer."""
+        window = self._scan_tail + data
+        if _CLOSE_OK_FRAME in window:
+            self.client_done = True
+        self._scan_tail = window[-(len(_CLOSE_OK_FRAME) - 1) :]
+
     def _closing_from_client(self, buf: bytes, f: Frame) -> None:
         """After our connection.close: wait for the client's close-ok."""
         if f.type != amqp.FRAME_METHOD or f.channel != 0:
@@ -906,6 +922,9 @@ class Session:
         else:
             self._out.drop_broker = True
             self.broker_done = True
+
+
+_CLOSE_OK_FRAME = amqp.frame_bytes(amqp.FRAME_METHOD, 0, b"\x00\x0a\x00\x33")
 
 
 def _confirm_frame(channel: int, tag: int, ok: bool, multiple: bool) -> bytes:

@@ -405,3 +405,14 @@ def test_content_header_of_another_class_is_refused() -> None:
     data = m(C.Basic.Publish(exchange="", routing_key="q"), 1) + amqp.frame_bytes(2, 1, bad)
     out = s.client_data(data)
     assert closing_code(out) == 505 and out.events == []
+
+
+def test_close_ok_is_found_after_a_framing_fault_lost_the_frame_boundaries() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(struct.pack(">BHI", 3, 1, 300_000))  # oversize: framing is lost
+    padding = b"\x00" * 5000
+    s.client_data(padding + m(C.Connection.CloseOk())[:5])
+    assert not s.client_done
+    s.client_data(m(C.Connection.CloseOk())[5:])
+    assert s.client_done

@@ -20,13 +20,16 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from bridge._errors import BridgeError
 from bridge._ledger import LedgerError, LedgerWriter
 from bridge._replicator import Replicator
+from bridge._tls import TlsSetupError
+from bridge._transport import BridgeClient, BridgeServer
 
 from ._admin import AdminServer
 from ._config import SiteConfig, redact_url
 from ._directory import VpnDirectory
-from ._errors import PluginError, StateError, StoreUnavailable
+from ._errors import ConfigError, PluginError, StateError, StoreUnavailable
 from ._events import IdSource
 from ._listener import BrokerAddress, Listener
 from ._metrics import Metrics
@@ -79,9 +82,18 @@ class Node:
         self.replicator = Replicator(self.writer)
         self.listener: Listener | None = None
         self.admin: AdminServer | None = None
+        self.bridge_server: BridgeServer | None = None
+        self.bridge_client: BridgeClient | None = None
+        self._bridge_up = False
         self._tasks: list[asyncio.Task[None]] = []
 
     async def _load_settings(self) -> list[VpnSettings]:
+        settings = await self._read_settings()
+        if self._bridge_up and self.bridge_server is not None:
+            await self.bridge_server.relist()  # standbys learn of changes at once
+        return settings
+
+    async def _read_settings(self) -> list[VpnSettings]:
         async with await psycopg.AsyncConnection.connect(
             self.cfg.store_dsn, autocommit=True, connect_timeout=10, row_factory=dict_row
         ) as conn:
@@ -124,6 +136,12 @@ class Node:
         except LedgerError as e:
             raise PluginError(str(e)) from e
         self.replicator.start()
+        try:
+            self.bridge_server = BridgeServer.from_config(cfg, self.writer, self.replicator)
+            if cfg.peer_bridge is not None:
+                self.bridge_client = BridgeClient.from_config(cfg)
+        except TlsSetupError as e:
+            raise ConfigError(cfg.path, "tls", str(e)) from e
         refresher = DirectoryRefresher(
             self.directory, self.api, self._load_settings, REFRESH_SECONDS
         )
@@ -138,13 +156,19 @@ class Node:
         await self.listener.start(cfg.listen_amqp.host, cfg.listen_amqp.port)
         self.admin = AdminServer(self.status, self.metrics.prometheus_text)
         await self.admin.start(cfg.listen_admin.host, cfg.listen_admin.port)
+        await self.bridge_server.start(cfg.listen_bridge.host, cfg.listen_bridge.port)
+        self._bridge_up = True
+        if self.bridge_client is not None:
+            self._tasks.append(asyncio.create_task(self.bridge_client.run(), name="bridge-client"))
         self._tasks.append(asyncio.create_task(refresher.run(), name="directory-refresh"))
         vpns = [v for n in self.directory.names() if (v := self.directory.lookup(n))]
         log.info(
-            "site %s up (incarnation %d): AMQP on %s, admin on %s, VPNs: %s",
+            "site %s up (incarnation %d): AMQP on %s, bridge on %s%s, admin on %s, VPNs: %s",
             cfg.site_name,
             incarnation,
             cfg.listen_amqp,
+            cfg.listen_bridge,
+            f" (standby of {cfg.peer_bridge})" if cfg.peer_bridge else "",
             cfg.listen_admin,
             ", ".join(f"{v.name} ({v.role})" for v in vpns) or "none",
         )
@@ -152,10 +176,14 @@ class Node:
     async def stop(self) -> None:
         if self.listener is not None:
             await self.listener.close()
+        if self.bridge_client is not None:
+            await self.bridge_client.close()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.bridge_server is not None:
+            await self.bridge_server.close()
         await self.replicator.close()
         await self.writer.close()
         if self.admin is not None:
@@ -176,6 +204,8 @@ async def run_node(cfg: SiteConfig, stop: asyncio.Event | None = None) -> None:
         await stop.wait()
         log.info("site %s stopping", cfg.site_name)
     except OSError as e:
+        raise PluginError(str(e)) from e
+    except BridgeError as e:
         raise PluginError(str(e)) from e
     finally:
         await node.stop()

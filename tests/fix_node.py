@@ -79,3 +79,16 @@ def node_a(site_a: LocalSite, vpnrepl_a: Vpnrepl, tmp_path: Path) -> Iterator[No
     finally:
         node.kill()
     assert "Traceback" not in node.log_text(), node.log_text()
+
+
+@pytest.fixture
+def node_b(site_a: LocalSite, site_b: LocalSite, tmp_path: Path) -> Iterator[NodeProcess]:
+    """Site B's node as the standby of site A (not started): init done."""
+    config = site_b.write_config(tmp_path / "b.toml", peer=site_a)
+    assert Vpnrepl(config)("init").returncode == 0
+    node = NodeProcess(site_b, config, tmp_path / "node-b.log")
+    try:
+        yield node
+    finally:
+        node.kill()
+    assert "Traceback" not in node.log_text(), node.log_text()

@@ -65,6 +65,9 @@ class SiteConfig:
     store_dsn: str
     peer_bridge: HostPort | None
     tls: TlsConfig | None
+    #: acknowledged ledger entries are kept this long before pruning, so a
+    #: standby that reconnects within it catches up by replay, not checkpoint
+    ledger_retain_seconds: int = 300
 
 
 _REQUIRED = object()
@@ -83,6 +86,12 @@ def _url(*schemes: str) -> Callable[[str], str]:
 def _site_name(value: str) -> str:
     if not value or not all(c.isalnum() or c in "-_." for c in value):
         raise ValueError("expected letters, digits, '-', '_' or '.'")
+    return value
+
+
+def _non_negative(value: int) -> int:
+    if value < 0:
+        raise ValueError("expected a number >= 0")
     return value
 
 
@@ -106,13 +115,14 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
     },
     "store": {"dsn": (str, _REQUIRED, _url("postgresql", "postgres"))},
     "peer": {"bridge": (str, None, HostPort.parse)},
+    "replication": {"ledger_retain_seconds": (int, 300, _non_negative)},
     "tls": {
         "cert": (str, _REQUIRED, _file),
         "key": (str, _REQUIRED, _file),
         "ca": (str, None, _file),
     },
 }
-_OPTIONAL_SECTIONS = {"peer", "tls"}
+_OPTIONAL_SECTIONS = {"peer", "tls", "replication"}
 
 
 def _parse_override(path: str, item: str) -> tuple[str, str, object]:
@@ -210,6 +220,9 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         store_dsn=v["store"]["dsn"],
         peer_bridge=v["peer"]["bridge"] if "peer" in v else None,
         tls=tls,
+        ledger_retain_seconds=(
+            v["replication"]["ledger_retain_seconds"] if "replication" in v else 300
+        ),
     )
 
 

@@ -137,7 +137,9 @@ class Node:
             raise PluginError(str(e)) from e
         self.replicator.start()
         try:
-            self.bridge_server = BridgeServer.from_config(cfg, self.writer, self.replicator)
+            self.bridge_server = BridgeServer.from_config(
+                cfg, self.writer, self.replicator, retain_seconds=cfg.ledger_retain_seconds
+            )
             if cfg.peer_bridge is not None:
                 self.bridge_client = BridgeClient.from_config(cfg)
         except TlsSetupError as e:

@@ -97,6 +97,15 @@ def test_tls_paths_resolve_relative_to_the_config(tmp_path: Path) -> None:
     assert cfg.tls.ca is None
 
 
+def test_ledger_retention_is_optional_and_checked(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, GOOD)).ledger_retain_seconds == 300
+    cfg = load_config(write(tmp_path, GOOD + "\n[replication]\nledger_retain_seconds = 5\n"))
+    assert cfg.ledger_retain_seconds == 5
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, GOOD + "\n[replication]\nledger_retain_seconds = -1\n"))
+    assert info.value.key == "replication.ledger_retain_seconds"
+
+
 def test_redact_url_hides_the_password_only() -> None:
     assert redact_url("amqp://guest:secret@host:5672/v") == "amqp://guest:***@host:5672/v"
     assert redact_url("postgresql://u@h/db") == "postgresql://u@h/db"

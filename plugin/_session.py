@@ -222,14 +222,10 @@ class Session:
             return out
         if self.broker_done:
             return out
-        try:
-            buf, frames, fault = self._broker.feed(data)
-            self._from_broker(buf, frames)
-            if fault is not None and not self._closed_by_us:
-                raise fault
-        except AMQPError as e:
-            log.warning("connection %d: broker sent a bad frame: %s", self.connection_id, e)
-            self._fail(amqp.AMQPError(f"broker protocol fault: {e.args[0]}"))
+        buf, frames, fault = self._broker.feed(data)
+        self._from_broker(buf, frames)
+        if fault is not None and not self._closed_by_us:
+            self._broker_fault(fault)
         return out
 
     def replicated_done(self, done: list[tuple[int, int, bool]]) -> Output:
@@ -300,19 +296,33 @@ class Session:
         return rest
 
     def _from_client(self, buf: bytes, frames: list[Frame]) -> None:
-        out = self._out.to_broker
-        run = 0  # start of the untouched run of frames to relay
         check = self._check_frame if self.passthrough else self._client_frame
+        self._relay(buf, frames, self._out.to_broker, check, self._closing_from_client, self._fail)
+
+    def _relay(
+        self,
+        buf: bytes,
+        frames: list[Frame],
+        out: list[bytes],
+        handle: Callable[[bytes, Frame], bytes | None],
+        closing: Callable[[bytes, Frame], None],
+        fail: Callable[[AMQPError], None],
+    ) -> None:
+        """Relay ``frames`` of ``buf`` into ``out``: untouched runs as slices of
+        the original bytes, a frame ``handle`` replaced by what it returned
+        (b"" drops it). Frames before a fault are still relayed; after we have
+        closed the connection, frames only go to ``closing``."""
+        run = 0  # start of the untouched run of frames to relay
         for f in frames:
             if self._closed_by_us:
-                self._closing_from_client(buf, f)
+                closing(buf, f)
                 continue
             try:
-                replacement = check(buf, f)
+                replacement = handle(buf, f)
             except AMQPError as e:
                 if f.start > run:
                     out.append(buf[run : f.start])
-                self._fail(e)
+                fail(e)
                 continue
             if replacement is None:
                 continue
@@ -657,26 +667,18 @@ class Session:
     # ------------------------------------------------------------ broker side
 
     def _from_broker(self, buf: bytes, frames: list[Frame]) -> None:
-        out = self._out.to_client
-        run = 0
-        for f in frames:
-            if self._closed_by_us:
-                self._closing_from_broker(buf, f)
-                continue
-            replacement = self._broker_frame(buf, f)
-            if replacement is None:
-                continue
-            if f.start > run:
-                out.append(buf[run : f.start])
-            if replacement:
-                out.append(replacement)
-            run = f.end
-        if frames and not self._closed_by_us:
-            end = frames[-1].end
-            if run == 0 and end == len(buf):
-                out.append(buf)
-            elif end > run:
-                out.append(buf[run:end])
+        self._relay(
+            buf,
+            frames,
+            self._out.to_client,
+            self._broker_frame,
+            self._closing_from_broker,
+            self._broker_fault,
+        )
+
+    def _broker_fault(self, e: AMQPError) -> None:
+        log.warning("connection %d: broker sent a bad frame: %s", self.connection_id, e)
+        self._fail(amqp.AMQPError(f"broker protocol fault: {e.args[0]}"))
 
     def _broker_frame(self, buf: bytes, f: Frame) -> bytes | None:
         ch = self._channels.get(f.channel)

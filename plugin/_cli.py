@@ -65,6 +65,12 @@ def _cmd_node(cfg: SiteConfig, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_demo(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
+    from ._demo import run_demo
+
+    return run_demo()
+
+
 def _cmd_vpn_enable(cfg: SiteConfig, args: argparse.Namespace) -> int:
     settings = VpnSettings.from_args(
         name=args.vpn,
@@ -186,7 +192,7 @@ def _build_parser() -> _Parser:
     c.add_argument("--master", metavar="URL", help="Spark master (default local[*])")
     c.set_defaults(run=_not_yet("reconcile"))
     c = sub.add_parser("demo", help="two local sites, a workload, a promotion")
-    c.set_defaults(run=_not_yet("demo"), needs_config=False)
+    c.set_defaults(run=_cmd_demo, needs_config=False)
     return p
 
 

@@ -344,6 +344,8 @@ _LATER_PROPERTIES = (
 
 
 def _skip_later_properties(payload: bytes, flags: int, pos: int) -> int:
+    if not flags & 0x0FFC:  # none of them: the common case
+        return pos
     for flag, size in _LATER_PROPERTIES:
         if flags & flag:
             pos += 1 + payload[pos] if size == -1 else size

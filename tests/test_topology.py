@@ -386,79 +386,79 @@ def headers_topo(args):
     return t
 
 
-@pytest.mark.parametrize(
-    ("args", "headers", "expected"),
-    [
-        # all is the default; a binding without arguments matches everything
-        ({}, None, True),
-        ({}, {"a": 1}, True),
-        ({"x-match": "any"}, {"a": 1}, False),
-        ({"a": 1}, {"a": 1, "b": 2}, True),
-        ({"a": 1, "b": 2}, {"a": 1}, False),
-        ({"x-match": "all", "a": 1, "b": 2}, {"a": 1, "b": 3}, False),
-        ({"x-match": "any", "a": 1, "b": 2}, {"a": 1, "b": 3}, True),
-        ({"x-match": "any", "a": 1, "b": 2}, {"c": 1}, False),
-        ({"x-match": "any", "a": 1}, None, False),
-        ({"a": 1}, None, False),
-        # an unknown x-match value means all (the broker refuses it at bind)
-        ({"x-match": "bogus", "a": 1, "b": 2}, {"a": 1}, False),
-        ({"x-match": "bogus", "a": 1}, {"a": 1}, True),
-        # x- arguments are ignored unless -with-x
-        ({"x-foo": "bar"}, {}, True),
-        ({"x-match": "any", "x-foo": "bar"}, {"x-foo": "bar"}, False),
-        ({"x-match": "any-with-x", "x-foo": "bar"}, {"x-foo": "bar"}, True),
-        ({"x-match": "all-with-x", "x-foo": "bar", "a": 1}, {"a": 1}, False),
-        ({"x-match": "all-with-x", "x-foo": "bar", "a": 1}, {"a": 1, "x-foo": "bar"}, True),
-        ({"x-match": "all-with-x"}, {"x-match": "any"}, True),  # x-match never compared
-        ({"x-match": "any-with-x"}, {"x-match": "any-with-x"}, False),
-        ({"X-Foo": 1}, {}, False),  # only lower-case x- is special
-        # void means presence
-        ({"a": None}, {"a": "anything"}, True),
-        ({"a": None}, {"a": None}, True),
-        ({"a": None}, {"b": 1}, False),
-        ({"x-match": "any", "a": None, "b": 1}, {"a": 0}, True),
-        ({"a": "v"}, {"a": None}, False),
-    ],
-)
+HEADERS_CASES = [
+    # all is the default; a binding without arguments matches everything
+    ({}, None, True),
+    ({}, {"a": 1}, True),
+    ({"x-match": "any"}, {"a": 1}, False),
+    ({"a": 1}, {"a": 1, "b": 2}, True),
+    ({"a": 1, "b": 2}, {"a": 1}, False),
+    ({"x-match": "all", "a": 1, "b": 2}, {"a": 1, "b": 3}, False),
+    ({"x-match": "any", "a": 1, "b": 2}, {"a": 1, "b": 3}, True),
+    ({"x-match": "any", "a": 1, "b": 2}, {"c": 1}, False),
+    ({"x-match": "any", "a": 1}, None, False),
+    ({"a": 1}, None, False),
+    # an unknown x-match value means all (the broker refuses it at bind)
+    ({"x-match": "bogus", "a": 1, "b": 2}, {"a": 1}, False),
+    ({"x-match": "bogus", "a": 1}, {"a": 1}, True),
+    # x- arguments are ignored unless -with-x
+    ({"x-foo": "bar"}, {}, True),
+    ({"x-match": "any", "x-foo": "bar"}, {"x-foo": "bar"}, False),
+    ({"x-match": "any-with-x", "x-foo": "bar"}, {"x-foo": "bar"}, True),
+    ({"x-match": "all-with-x", "x-foo": "bar", "a": 1}, {"a": 1}, False),
+    ({"x-match": "all-with-x", "x-foo": "bar", "a": 1}, {"a": 1, "x-foo": "bar"}, True),
+    ({"x-match": "all-with-x"}, {"x-match": "any"}, True),  # x-match never compared
+    ({"x-match": "any-with-x"}, {"x-match": "any-with-x"}, False),
+    ({"X-Foo": 1}, {}, False),  # only lower-case x- is special
+    # void means presence
+    ({"a": None}, {"a": "anything"}, True),
+    ({"a": None}, {"a": None}, True),
+    ({"a": None}, {"b": 1}, False),
+    ({"x-match": "any", "a": None, "b": 1}, {"a": 0}, True),
+    ({"a": "v"}, {"a": None}, False),
+]
+
+
+@pytest.mark.parametrize(("args", "headers", "expected"), HEADERS_CASES)
 def test_headers_exchange(args, headers, expected):
     assert (headers_topo(args).route("amq.headers", "k", headers) == {"q"}) is expected
 
 
-@pytest.mark.parametrize(
-    ("binding_value", "header_value", "expected"),
-    [
-        (1, 1, True),
-        (1, 1.0, True),  # Erlang 1 == 1.0
-        (2**40, 2**40, True),
-        (1, True, False),  # booleans are atoms
-        (True, True, True),
-        (False, 0, False),
-        ("abc", "abc", True),
-        ("abc", bytearray(b"abc"), True),  # S and x are both binaries
-        ("abc", b"abc", True),
-        ("\u00e9", "\u00e9".encode(), True),
-        ("abc", "ABC", False),
-        ("1", 1, False),
-        (Decimal("1.25"), Decimal("1.25"), True),
-        (Decimal("1.2"), Decimal("1.20"), False),  # scale is part of the value
-        (Decimal("1"), 1, False),
-        (1577836800, datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC), True),
-        (
-            datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC),
-            datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC),
-            True,
-        ),
-        ({"a": 1}, {"a": 1}, True),
-        ({"a": 1}, {"a": 1.0}, False),  # nested values keep their type
-        ({"a": 1, "b": 2}, {"b": 2, "a": 1}, False),  # nested tables keep wire order
-        ([1, "x"], [1, "x"], True),
-        (["x"], [bytearray(b"x")], False),
-        ({}, [], True),  # [] == [] in Erlang
-        ([], [], True),
-        ([1], {"a": 1}, False),
-        ("abc", None, False),
-    ],
-)
+VALUE_CASES = [
+    (1, 1, True),
+    (1, 1.0, True),  # Erlang 1 == 1.0
+    (2**40, 2**40, True),
+    (1, True, False),  # booleans are atoms
+    (True, True, True),
+    (False, 0, False),
+    ("abc", "abc", True),
+    ("abc", bytearray(b"abc"), True),  # S and x are both binaries
+    ("abc", b"abc", True),
+    ("\u00e9", "\u00e9".encode(), True),
+    ("abc", "ABC", False),
+    ("1", 1, False),
+    (Decimal("1.25"), Decimal("1.25"), True),
+    (Decimal("1.2"), Decimal("1.20"), False),  # scale is part of the value
+    (Decimal("1"), 1, False),
+    (1577836800, datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC), True),
+    (
+        datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC),
+        datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC),
+        True,
+    ),
+    ({"a": 1}, {"a": 1}, True),
+    ({"a": 1}, {"a": 1.0}, False),  # nested values keep their type
+    ({"a": 1, "b": 2}, {"b": 2, "a": 1}, False),  # nested tables keep wire order
+    ([1, "x"], [1, "x"], True),
+    (["x"], [bytearray(b"x")], False),
+    ({}, [], True),  # [] == [] in Erlang
+    ([], [], True),
+    ([1], {"a": 1}, False),
+    ("abc", None, False),
+]
+
+
+@pytest.mark.parametrize(("binding_value", "header_value", "expected"), VALUE_CASES)
 def test_headers_value_comparison(binding_value, header_value, expected):
     t = headers_topo({"k": binding_value})
     assert (t.route("amq.headers", "", {"k": header_value}) == {"q"}) is expected

@@ -943,7 +943,11 @@ def _topology_op(m: base.Frame) -> Callable[[Any], None] | None:
         if m.passive:
             return None
         return lambda a: a[0].topology.declare_exchange(
-            m.exchange, m.exchange_type, dict(m.arguments or {}), internal=m.internal
+            m.exchange,
+            m.exchange_type,
+            dict(m.arguments or {}),
+            internal=m.internal,
+            auto_delete=m.auto_delete,
         )
     if isinstance(m, commands.Exchange.Delete):
         return lambda a: a[0].topology.delete_exchange(m.exchange)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from plugin._vpn import SyncTimeoutPolicy
 
@@ -35,11 +35,10 @@ log = logging.getLogger(__name__)
 Resolve = Callable[[bool], None]
 
 
-@dataclass(order=True, slots=True)
+@dataclass(slots=True)
 class _Waiter:
-    index: int
-    deadline: float = field(compare=False)
-    resolve: Resolve = field(compare=False)
+    deadline: float
+    resolve: Resolve
 
 
 class SyncGate:
@@ -56,7 +55,8 @@ class SyncGate:
         self.degradations = 0
         self.rejections = 0
         self._catch_up_to = 0  # ineligible until the standby acked this index
-        self._waiters: list[_Waiter] = []  # heap by index
+        self._waiting: dict[int, _Waiter] = {}  # index -> waiter, still unresolved
+        self._by_index: list[int] = []  # heap of waiting indexes
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, index)
 
     def configure(self, timeout_ms: int, policy: SyncTimeoutPolicy) -> None:
@@ -73,7 +73,8 @@ class SyncGate:
             resolve(True)
             return
         deadline = now + self.timeout
-        heapq.heappush(self._waiters, _Waiter(index, deadline, resolve))
+        self._waiting[index] = _Waiter(deadline, resolve)
+        heapq.heappush(self._by_index, index)
         heapq.heappush(self._deadlines, (deadline, index))
 
     def acked(self, index: int) -> None:
@@ -81,45 +82,51 @@ class SyncGate:
         if index <= self.acked_index:
             return
         self.acked_index = index
-        while self._waiters and self._waiters[0].index <= index:
-            heapq.heappop(self._waiters).resolve(True)
+        while self._by_index and self._by_index[0] <= index:
+            waiter = self._waiting.pop(heapq.heappop(self._by_index), None)
+            if waiter is not None:
+                waiter.resolve(True)
         if not self.eligible and index >= self._catch_up_to:
             self.eligible = True
             log.info("VPN %s: standby caught up at index %d; sync-eligible again", self.vpn, index)
 
     def expire(self, now: float) -> None:
-        """Apply the timeout policy to every waiter whose deadline has passed."""
-        expired_upto = 0
+        """Apply the timeout policy to every waiter whose own deadline passed.
+
+        Deadlines of waiters the standby acknowledged in time are skipped: only
+        a publish still waiting at its deadline is a timeout.
+        """
+        timed_out: list[int] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, index = heapq.heappop(self._deadlines)
-            expired_upto = max(expired_upto, index)
-        if not expired_upto:
+            if index in self._waiting:
+                timed_out.append(index)
+        if not timed_out:
             return
         if self.policy is SyncTimeoutPolicy.REJECT:
-            while self._waiters and self._waiters[0].deadline <= now:
-                heapq.heappop(self._waiters).resolve(False)
+            for index in timed_out:
+                self._waiting.pop(index).resolve(False)
                 self.rejections += 1
             return
         # degrade: everything waiting is confirmed now, the VPN goes ineligible
-        newest = max(w.index for w in self._waiters) if self._waiters else expired_upto
         if self.eligible:
             self.degradations += 1
             log.warning(
                 "VPN %s: standby did not acknowledge index %d within %.0f ms; "
                 "confirming without it (sync-ineligible until it catches up)",
                 self.vpn,
-                expired_upto,
+                min(timed_out),
                 self.timeout * 1000,
             )
         self.eligible = False
-        self._catch_up_to = max(self._catch_up_to, newest)
-        waiters, self._waiters, self._deadlines = self._waiters, [], []
-        for w in waiters:
-            w.resolve(True)
+        self._catch_up_to = max(self._catch_up_to, max(self._waiting))
+        waiting, self._waiting, self._by_index, self._deadlines = self._waiting, {}, [], []
+        for waiter in waiting.values():
+            waiter.resolve(True)
 
     def next_deadline(self) -> float | None:
         return self._deadlines[0][0] if self._deadlines else None
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._waiting)

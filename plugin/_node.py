@@ -42,6 +42,7 @@ __all__ = ["run_node"]
 log = logging.getLogger("vpnrepl.node")
 
 REFRESH_SECONDS = 30.0
+ELIGIBILITY_SECONDS = 0.5
 
 _SETTINGS = """
 SELECT c.name, c.role, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
@@ -163,6 +164,7 @@ class Node:
         if self.bridge_client is not None:
             self._tasks.append(asyncio.create_task(self.bridge_client.run(), name="bridge-client"))
         self._tasks.append(asyncio.create_task(refresher.run(), name="directory-refresh"))
+        self._tasks.append(asyncio.create_task(self._record_eligibility(), name="eligibility"))
         vpns = [v for n in self.directory.names() if (v := self.directory.lookup(n))]
         log.info(
             "site %s up (incarnation %d): AMQP on %s, bridge on %s%s, admin on %s, VPNs: %s",
@@ -174,6 +176,37 @@ class Node:
             cfg.listen_admin,
             ", ".join(f"{v.name} ({v.role})" for v in vpns) or "none",
         )
+
+    async def _record_eligibility(self) -> None:
+        """Write sync eligibility changes to ``vpn_state``, so ``vpnrepl
+        status`` (which reads the database) shows a degraded VPN too."""
+        recorded: dict[str, bool] = {}
+        while True:
+            await asyncio.sleep(ELIGIBILITY_SECONDS)
+            changed = {
+                vpn: gate.eligible
+                for vpn, gate in self.replicator.gates.items()
+                if recorded.get(vpn, True) != gate.eligible
+            }
+            changed.update({vpn: True for vpn in recorded if vpn not in self.replicator.gates})
+            if not changed:
+                continue
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self.cfg.store_dsn, autocommit=True, connect_timeout=10
+                ) as conn:
+                    for vpn, eligible in changed.items():
+                        await conn.execute(
+                            "UPDATE vpn_state SET sync_eligible = %s, updated_at = now() "
+                            "WHERE vpn = %s",
+                            (eligible, vpn),
+                        )
+            except psycopg.Error as e:
+                log.warning("sync eligibility not recorded: %s", e)
+                continue
+            recorded.update(changed)
+            for vpn in [v for v in recorded if v not in self.replicator.gates]:
+                del recorded[vpn]
 
     async def stop(self) -> None:
         if self.listener is not None:

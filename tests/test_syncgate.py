@@ -73,3 +73,23 @@ def test_next_deadline_tells_the_driver_when_to_call_expire() -> None:
     assert gate.next_deadline() is None
     gate.wait(1, 1.0, out.resolver(1))
     assert gate.next_deadline() == 1.25
+
+
+def test_a_deadline_of_an_acknowledged_index_is_not_a_timeout() -> None:
+    gate, out = SyncGate("orders", 1500, DEGRADE), Outcomes()
+    gate.wait(1, 0.0, out.resolver(1))
+    gate.acked(1)  # the standby acknowledged index 1 in time
+    gate.wait(2, 1.4, out.resolver(2))  # index 2's own deadline is 2.9
+    gate.expire(1.5)  # only index 1's (answered) deadline has passed
+    assert out == {1: True}
+    assert gate.eligible and gate.degradations == 0
+    gate.expire(2.9)
+    assert out == {1: True, 2: True} and not gate.eligible  # now a real timeout
+
+
+def test_no_waiter_at_all_never_degrades() -> None:
+    gate, out = SyncGate("orders", 1000, DEGRADE), Outcomes()
+    gate.wait(1, 0.0, out.resolver(1))
+    gate.acked(1)
+    gate.expire(1.6)
+    assert gate.eligible and gate.degradations == 0

@@ -43,16 +43,11 @@ import cProfile
 import multiprocessing
 import os
 import pstats
-import re
-import shutil
 import signal
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -61,7 +56,14 @@ from typing import Any
 from urllib.parse import quote
 
 import uvloop
-from pamqp import base, body, commands, frame, header
+from _common import (
+    BenchError,
+    LeanPublisher,
+    RunResult,
+    process_cpu,
+    start_py_spy,
+    summarise_py_spy,
+)
 
 from plugin._directory import VpnDirectory, VpnView
 from plugin._events import Event, IdSource, LocalTransaction, Published, ReplicationSink
@@ -80,272 +82,6 @@ LABELS = {
 }
 #: the issue's bars, as a fraction of the direct rate
 BARS = {"plain": 0.90, "replicated": 0.80}
-
-PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
-_FRAME_HEAD = struct.Struct(">BHI")
-_ACK = struct.Struct(">HHQB")  # class, method, delivery tag, bits
-_ACK_FRAME_SIZE = 7 + _ACK.size + 1
-
-
-class BenchError(Exception):
-    """The benchmark cannot produce a trustworthy number."""
-
-
-# ---------------------------------------------------------------- publisher
-
-
-@dataclass(slots=True)
-class RunResult:
-    target: str
-    messages: int
-    seconds: float
-    latencies: list[float]
-    #: this (publisher) process's CPU time per message, µs
-    publisher_us: float
-    #: listener process CPU time per message, µs (None for direct runs)
-    listener_us: float | None = None
-    #: RabbitMQ's CPU time per message, µs (None where /proc is not there)
-    broker_us: float | None = None
-
-    @property
-    def rate(self) -> float:
-        return self.messages / self.seconds
-
-    def latency(self, q: float) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-class LeanPublisher(asyncio.Protocol):
-    """One AMQP connection and one confirm channel, driven by hand.
-
-    Control methods are decoded with pamqp and handed to :meth:`rpc`; during
-    the publish phase, ``basic.ack`` frames are decoded with ``struct`` in
-    ``data_received`` and refill the window in the same callback.
-    """
-
-    CHANNEL = 1
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.frame_max = 131072
-        self._buf = bytearray()
-        self._replies: asyncio.Queue[base.Frame | BaseException] = asyncio.Queue()
-        self._lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        # publish phase
-        self._message = b""
-        self._total = 0
-        self._next_tag = 1
-        self._low = 1  # lowest unconfirmed tag
-        self._confirmed = 0
-        self._acked = bytearray()
-        self._sent_at: list[float] = []
-        self.latencies: list[float] = []
-        self._done: asyncio.Future[float] | None = None
-
-    @classmethod
-    async def connect(cls, port: int, vhost: str) -> LeanPublisher:
-        loop = asyncio.get_running_loop()
-        _, proto = await loop.create_connection(cls, "127.0.0.1", port)
-        await proto._handshake(vhost)
-        return proto
-
-    # asyncio callbacks ------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        err = BenchError(f"connection lost: {exc or 'closed by peer'}")
-        self._fail(err)
-        if not self._lost.done():
-            self._lost.set_result(None)
-
-    def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        pos, n, refill = 0, len(buf), 0
-        try:
-            while n - pos >= 7:
-                ftype, channel, size = _FRAME_HEAD.unpack_from(buf, pos)
-                end = pos + 8 + size
-                if end > n:
-                    break
-                if buf[end - 1] != 0xCE:
-                    raise BenchError(f"bad frame end {buf[end - 1]:#x}")
-                refill += self._frame(buf, ftype, channel, pos, end)
-                pos = end
-        except BenchError as e:
-            self._fail(e)
-            if self.transport is not None:
-                self.transport.abort()
-            return
-        del buf[:pos]
-        if refill:
-            self._send(refill)
-
-    def _frame(self, buf: bytearray, ftype: int, channel: int, pos: int, end: int) -> int:
-        """Handle one whole frame; returns how many publishes it confirmed."""
-        if ftype == 8:
-            return 0  # heartbeat
-        if ftype != 1:
-            raise BenchError(f"unexpected frame type {ftype} on channel {channel}")
-        if end - pos == _ACK_FRAME_SIZE:
-            cls_id, meth_id, tag, bits = _ACK.unpack_from(buf, pos + 7)
-            if cls_id == 60 and meth_id == 80:
-                return self._on_ack(tag, bool(bits & 1))
-            if cls_id == 60 and meth_id == 120:
-                raise BenchError(f"broker nacked delivery tag {tag}")
-        _, _, method = frame.unmarshal(bytes(buf[pos:end]))
-        if not isinstance(method, base.Frame):
-            raise BenchError(f"undecodable method frame on channel {channel}")
-        self._control(method)
-        return 0
-
-    # control ------------------------------------------------------------------
-
-    def _control(self, method: base.Frame) -> None:
-        if isinstance(method, commands.Connection.Close | commands.Channel.Close):
-            raise BenchError(f"{method.name}: {method.reply_code} {method.reply_text}")
-        self._replies.put_nowait(method)
-
-    def _fail(self, err: BaseException) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_exception(err)
-        self._replies.put_nowait(err)
-
-    def _write(self, method: base.Frame, channel: int = 0) -> None:
-        assert self.transport is not None
-        self.transport.write(frame.marshal(method, channel))
-
-    async def rpc(
-        self, method: base.Frame | None, reply: type[base.Frame], channel: int = 0
-    ) -> Any:
-        if method is not None:
-            self._write(method, channel)
-        got = await asyncio.wait_for(self._replies.get(), 30)
-        if isinstance(got, BaseException):
-            raise got
-        if not isinstance(got, reply):
-            raise BenchError(f"expected {reply.__name__}, got {got.name}")
-        return got
-
-    async def _handshake(self, vhost: str) -> None:
-        assert self.transport is not None
-        self.transport.write(PROTOCOL_HEADER)
-        await self.rpc(None, commands.Connection.Start)
-        start_ok = commands.Connection.StartOk(
-            client_properties={
-                "product": "vpnrepl bench",
-                "capabilities": {"publisher_confirms": True, "connection.blocked": True},
-            },
-            mechanism="PLAIN",
-            response="\0guest\0guest",
-        )
-        tune = await self.rpc(start_ok, commands.Connection.Tune)
-        self.frame_max = tune.frame_max or 131072
-        self._write(commands.Connection.TuneOk(tune.channel_max, self.frame_max, 0))
-        await self.rpc(commands.Connection.Open(virtual_host=vhost), commands.Connection.OpenOk)
-        ch = self.CHANNEL
-        await self.rpc(commands.Channel.Open(), commands.Channel.OpenOk, ch)
-        await self.rpc(commands.Confirm.Select(), commands.Confirm.SelectOk, ch)
-        await self.rpc(
-            commands.Queue.Declare(queue=QUEUE, durable=True), commands.Queue.DeclareOk, ch
-        )
-
-    async def purge(self) -> int:
-        ok = await self.rpc(commands.Queue.Purge(queue=QUEUE), commands.Queue.PurgeOk, self.CHANNEL)
-        return int(ok.message_count)
-
-    async def close(self) -> None:
-        with contextlib.suppress(BenchError, TimeoutError):
-            await self.rpc(commands.Connection.Close(200, "bye", 0, 0), commands.Connection.CloseOk)
-        if self.transport is not None:
-            self.transport.close()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._lost), 5)
-
-    # publish phase ------------------------------------------------------------
-
-    async def publish(self, target: str, messages: int, inflight: int, size: int) -> RunResult:
-        """Publish ``messages`` keeping ``inflight`` unconfirmed; time first
-        publish to last confirm."""
-        self._message = encode_message(self.CHANNEL, size, self.frame_max)
-        self._total = messages
-        self._next_tag, self._low, self._confirmed = 1, 1, 0
-        self._acked = bytearray(messages + 2)
-        self._sent_at = [0.0] * (messages + 1)
-        self.latencies = []
-        self._done = asyncio.get_running_loop().create_future()
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        self._send(min(inflight, messages))
-        t1 = await self._done
-        cpu_us = (time.process_time() - cpu0) / messages * 1e6
-        return RunResult(target, messages, t1 - t0, self.latencies, cpu_us)
-
-    def _send(self, count: int) -> None:
-        count = min(count, self._total - self._next_tag + 1)
-        if count <= 0:
-            return
-        assert self.transport is not None
-        now = time.perf_counter()
-        first = self._next_tag
-        self._next_tag += count
-        sent_at = self._sent_at
-        for tag in range(first, first + count):
-            sent_at[tag] = now
-        self.transport.write(self._message * count)
-
-    def _on_ack(self, tag: int, multiple: bool) -> int:
-        """Record one broker ack; return how many tags it newly confirmed."""
-        if not 1 <= tag < self._next_tag:
-            raise BenchError(f"ack for delivery tag {tag}, never published")
-        now = time.perf_counter()
-        acked, sent_at, latencies = self._acked, self._sent_at, self.latencies
-        newly = 0
-        if multiple:
-            for t in range(self._low, tag + 1):
-                if not acked[t]:
-                    acked[t] = 1
-                    latencies.append(now - sent_at[t])
-                    newly += 1
-            if not newly:
-                raise BenchError(f"multiple ack up to {tag} confirms nothing new")
-        else:
-            if acked[tag]:
-                raise BenchError(f"delivery tag {tag} confirmed twice")
-            acked[tag] = 1
-            latencies.append(now - sent_at[tag])
-            newly = 1
-        low = self._low
-        while acked[low]:
-            low += 1
-        self._low = low
-        self._confirmed += newly
-        if self._confirmed == self._total and self._done is not None and not self._done.done():
-            self._done.set_result(now)
-        return newly
-
-
-def encode_message(channel: int, size: int, frame_max: int) -> bytes:
-    """basic.publish + content header (delivery-mode 2) + body frames."""
-    properties = commands.Basic.Properties(delivery_mode=2, content_type="application/octet-stream")
-    payload = os.urandom(size)
-    step = frame_max - 8
-    return b"".join(
-        [
-            frame.marshal(commands.Basic.Publish(exchange="", routing_key=QUEUE), channel),
-            frame.marshal(header.ContentHeader(0, size, properties), channel),
-            *(
-                frame.marshal(body.ContentBody(payload[i : i + step]), channel)
-                for i in range(0, size, step)
-            ),
-        ]
-    )
-
 
 # ---------------------------------------------------------------- listener process
 
@@ -511,22 +247,11 @@ class Options:
     broker_pid: int | None = None
 
 
-def process_cpu(pid: int | None) -> float | None:
-    """User + system CPU seconds of ``pid`` so far (Linux /proc), or None."""
-    if pid is None:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def one_run(
     target: str, port: int, opts: Options, messages: int, listener: ListenerProcess | None
 ) -> RunResult:
     before = listener.ask("stats") if listener is not None else None
-    pub = await LeanPublisher.connect(port, VHOSTS[target])
+    pub = await LeanPublisher.connect(port, VHOSTS[target], QUEUE)
     try:
         await pub.purge()
         if listener is not None and opts.profile is not None:
@@ -630,59 +355,6 @@ def print_profiles(paths: list[Path], top: int = 25) -> None:
     for path in paths:
         print(f"\n=== listener cProfile ({path}) — top {top} by own time ===")
         pstats.Stats(str(path)).sort_stats("tottime").print_stats(top)
-
-
-_LINE = re.compile(r":\d+\)$")
-
-
-def summarise_py_spy(raw: Path, top: int = 25) -> None:
-    """Own and inclusive time per function from py-spy's collapsed stacks."""
-    own: Counter[str] = Counter()
-    inclusive: Counter[str] = Counter()
-    total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
-        n = int(count)
-        total += n
-        frames = [_LINE.sub(")", f) for f in stack.split(";")]
-        own[frames[-1]] += n
-        for f in set(frames):
-            inclusive[f] += n
-    if not total:
-        print("py-spy recorded no samples")
-        return
-    print(f"\n=== listener py-spy ({raw}), {total} samples — own time ===")
-    for name, n in own.most_common(top):
-        print(f"{100 * n / total:6.1f}%  {name}")
-    print("=== inclusive time (frames in every sample left out) ===")
-    for name, n in [(k, v) for k, v in inclusive.most_common() if v < total][:top]:
-        print(f"{100 * n / total:6.1f}%  {name}")
-
-
-def start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
-    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(exe).exists():
-        print("py-spy not found (pip install py-spy); profiling skipped", file=sys.stderr)
-        return None
-    return subprocess.Popen(
-        [
-            exe,
-            "record",
-            "--pid",
-            str(pid),
-            "--rate",
-            "200",
-            "--format",
-            "raw",
-            "--output",
-            str(out),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
 
 
 def prepare_broker(rabbit: RabbitNode) -> dict[str, Any]:

@@ -507,7 +507,8 @@ class Session:
             )
         return None
 
-    def _c_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _close_started(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        """Either side sent connection.close: relay it, stop releasing confirms."""
         self.closing = True
         return None
 
@@ -720,10 +721,6 @@ class Session:
         # to connections opened after a change): from here on, frames are only
         # checked, and broker bytes are relayed without parsing.
         self.passthrough = not self.replicated
-        return None
-
-    def _b_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        self.closing = True
         return None
 
     def _b_close_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -987,7 +984,7 @@ def _declare_queue(a: tuple[VpnView, Any, Session], m: commands.Queue.Declare) -
 _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
     amqp.CONNECTION_TUNE_OK: Session._c_tune_ok,
     amqp.CONNECTION_OPEN: Session._c_open,
-    amqp.CONNECTION_CLOSE: Session._c_close,
+    amqp.CONNECTION_CLOSE: Session._close_started,
     amqp.CONNECTION_CLOSE_OK: Session._c_close_ok,
     amqp.CHANNEL_OPEN: Session._c_channel_open,
     amqp.CHANNEL_CLOSE: Session._c_channel_close,
@@ -1016,7 +1013,7 @@ _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
 
 _BROKER_METHODS: dict[tuple[int, int], _Handler] = {
     amqp.CONNECTION_OPEN_OK: Session._b_open_ok,
-    amqp.CONNECTION_CLOSE: Session._b_close,
+    amqp.CONNECTION_CLOSE: Session._close_started,
     amqp.CONNECTION_CLOSE_OK: Session._b_close_ok,
     amqp.CHANNEL_CLOSE: Session._b_channel_close,
     amqp.BASIC_DELIVER: Session._b_deliver,

@@ -13,6 +13,7 @@ limit. Foreign errors (``OSError`` from connect) are translated here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl
@@ -253,6 +254,12 @@ class _ClientSide(asyncio.Protocol):
     def resume_client(self) -> None:
         self._resume("broker")
 
+    def shutdown(self) -> None:
+        """Close both sides with AMQP; :meth:`close` follows on the close-oks
+        (or the close timer)."""
+        if not self._closed:
+            self.apply(self.session.shutdown("vpnrepl listener shutting down"))
+
     def broker_lost(self, exc: Exception | None) -> None:
         """The broker closed the TCP connection: so does the client's."""
         self.session.broker_done = True
@@ -274,6 +281,8 @@ class _ClientSide(asyncio.Protocol):
         if self.broker is not None and self.broker.transport is not None:
             self.broker.transport.close()
         self.listener.connections.discard(self)
+        if not self.listener.connections and self.listener._idle is not None:
+            self.listener._idle.set()
 
 
 class Listener:
@@ -294,6 +303,7 @@ class Listener:
         self.broker_ssl = broker_ssl or (ssl.create_default_context() if broker.tls else None)
         self.connections: set[_ClientSide] = set()
         self.stats = ListenerStats()
+        self._idle: asyncio.Event | None = None  # set when the last one closed
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -310,9 +320,18 @@ class Listener:
         assert self._server is not None  # noqa: S101 - after start()
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def close(self) -> None:
+    async def close(self, grace: float = 3.0) -> None:
+        """Stop accepting, close every client connection with AMQP (320), and
+        drop what has not finished closing after ``grace`` seconds."""
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
+        self._idle = asyncio.Event()
+        for conn in list(self.connections):
+            conn.shutdown()
+        if self.connections:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), grace)
         for conn in list(self.connections):
             conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()

@@ -269,6 +269,15 @@ class Session:
             out.to_client.append(amqp.marshal_method(commands.Tx.CommitOk(), channel))
         return out
 
+    def shutdown(self, reason: str) -> Output:
+        """The listener is stopping: close both sides with AMQP, as RabbitMQ
+        itself does on shutdown (320), so nothing is dropped mid-frame."""
+        self._out = out = Output()
+        if not self.client_done and not self._closed_by_us:
+            self._fail(amqp.ConnectionForced(reason))
+            self.fault_code = None  # not a protocol fault of the client
+        return out
+
     def connection_lost(self) -> None:
         """Either side went away: exclusive queues of this connection are gone."""
         if self.vpn is not None:

@@ -211,3 +211,17 @@ def test_metrics_count_connections_events_and_protocol_closes(
     assert 'vpnrepl_protocol_closes_total{reply_code="501"} 1' in text
     assert "vpnrepl_client_connections_total 2" in text
     metrics.shutdown()
+
+
+def test_stopping_the_listener_closes_clients_with_320_not_a_dropped_socket(
+    site_a: LocalSite,
+):
+    lt = ListenerThread(site_a.rabbit.amqp_port)
+    conn = pika.BlockingConnection(pika.URLParameters(lt.url("/")))
+    conn.channel().queue_declare("still.open")
+    lt.stop()
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as info:
+        conn.process_data_events(1)
+        conn.channel()
+    assert info.value.reply_code == 320
+    assert "shutting down" in info.value.reply_text

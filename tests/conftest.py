@@ -4,4 +4,5 @@ pytest_plugins = [
     "tests.fix_endpoints",
     "tests.fix_listener",
     "tests.fix_node",
+    "tests.fix_tls",
 ]

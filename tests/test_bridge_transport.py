@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from plugin._localsites import LocalSite
 from plugin._store import connect, disable_vpn, enable_vpn, status
 from plugin._vpn import Role, VpnSettings
 from sql import migrate
+from tests.fix_tls import Pki
 
 VPN = "orders"
 QUEUES = ("orders.q1", "orders.q2")
@@ -614,40 +614,6 @@ def test_config_sync_creates_the_vhost_its_queues_and_the_standby_vpn(
 
 
 # ---------------------------------------------------------------- TLS
-
-
-@dataclass(frozen=True)
-class Pki:
-    dir: Path
-
-    def tls(self, name: str, ca: str | None = "ca") -> TlsConfig:
-        ca_file = self.dir / f"{ca}.crt" if ca else None
-        return TlsConfig(self.dir / f"{name}.crt", self.dir / f"{name}.key", ca_file)
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    """A throwaway CA signing two site certificates, and a rogue CA signing one."""
-    d = tmp_path_factory.mktemp("pki")
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    for ca in ("ca", "rogue-ca"):
-        _openssl("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.crt",
-                 "-days", "2", "-subj", f"/CN={ca}", cwd=d)  # fmt: skip
-    (d / "site.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
-        "extendedKeyUsage=serverAuth,clientAuth\n"
-    )
-    for name, ca in (("a", "ca"), ("b", "ca"), ("rogue", "rogue-ca")):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN=site-{name}", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-                 "-CAcreateserial", "-out", f"{name}.crt", "-days", "2",
-                 "-extfile", "site.ext", cwd=d)  # fmt: skip
-    return Pki(d)
 
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["server-only TLS", "mutual TLS"])

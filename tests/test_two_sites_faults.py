@@ -13,12 +13,10 @@ be checked against either site's ``live_message`` rows. Routing key
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pika
@@ -30,6 +28,7 @@ from pika.spec import Basic
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
+from tests.fix_tls import Pki
 
 VPN = "orders"
 SCOPE = r"orders\..*"
@@ -671,40 +670,6 @@ def test_sync_mode_does_not_degrade_while_the_standby_keeps_up(
 
 
 # ---------------------------------------------------------------- 6. TLS
-
-
-@dataclass(frozen=True)
-class Pki:
-    dir: Path
-
-    def section(self, name: str, ca: str | None) -> str:
-        text = f'\n[tls]\ncert = "{self.dir / name}.crt"\nkey = "{self.dir / name}.key"\n'
-        return text + (f'ca = "{self.dir / ca}.crt"\n' if ca else "")
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)  # noqa: S603, S607
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    """A throwaway CA signing both sites' certificates, and a rogue CA signing one."""
-    d = tmp_path_factory.mktemp("pki")
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    for ca in ("ca", "rogue-ca"):
-        _openssl("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.crt",
-                 "-days", "2", "-subj", f"/CN={ca}", cwd=d)  # fmt: skip
-    (d / "site.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
-        "extendedKeyUsage=serverAuth,clientAuth\n"
-    )
-    for name, ca in (("a", "ca"), ("b", "ca"), ("rogue", "rogue-ca")):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN=site-{name}", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-                 "-CAcreateserial", "-out", f"{name}.crt", "-days", "2",
-                 "-extfile", "site.ext", cwd=d)  # fmt: skip
-    return Pki(d)
 
 
 def _with_tls(node: NodeProcess, tls: str) -> None:

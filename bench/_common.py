@@ -17,6 +17,7 @@ with :class:`BenchError`.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -618,3 +619,12 @@ def start_py_spy(
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+
+
+def add_publisher_options(p: argparse.ArgumentParser, messages: int) -> None:
+    """The confirm-window publisher's options, shared by every benchmark."""
+    p.add_argument("--messages", type=int, default=messages, help=f"per run (default {messages})")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    p.add_argument("--inflight", type=int, default=500, help="unconfirmed publishes (default 500)")
+    p.add_argument("--size", type=int, default=1024, help="body bytes (default 1024)")
+    p.add_argument("--warmup", type=int, default=2000, help="messages per target before round 1")

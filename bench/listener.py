@@ -60,6 +60,7 @@ from _common import (
     BenchError,
     LeanPublisher,
     RunResult,
+    add_publisher_options,
     process_cpu,
     start_py_spy,
     summarise_py_spy,
@@ -416,11 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_args(argv: list[str] | None) -> Options:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--messages", type=int, default=20000, help="per run (default 20000)")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
-    p.add_argument("--inflight", type=int, default=500, help="unconfirmed publishes (default 500)")
-    p.add_argument("--size", type=int, default=1024, help="body bytes (default 1024)")
-    p.add_argument("--warmup", type=int, default=2000, help="messages per target before round 1")
+    add_publisher_options(p, messages=20000)
     p.add_argument(
         "--targets",
         default=",".join(TARGETS),

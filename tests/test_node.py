@@ -27,6 +27,11 @@ def _setup_vhost(site: LocalSite) -> None:
     conn.close()
 
 
+def _enable_orders(vpnrepl: Vpnrepl, *options: str) -> None:
+    result = vpnrepl("vpn", "enable", "orders", *options)
+    assert result.returncode == 0, result.stderr
+
+
 def _client(site: LocalSite) -> pika.BlockingConnection:
     return pika.BlockingConnection(
         pika.URLParameters(f"amqp://guest:guest@127.0.0.1:{site.amqp_port}/orders")
@@ -37,12 +42,7 @@ def test_confirmed_publishes_are_in_the_ledger_and_consumption_is_mirrored(
     site_a: LocalSite, vpnrepl_a: Vpnrepl, node_a: NodeProcess
 ) -> None:
     _setup_vhost(site_a)
-    assert (
-        vpnrepl_a(
-            "vpn", "enable", "orders", "--role", "active", "--queues", r"orders\..*"
-        ).returncode
-        == 0
-    )
+    _enable_orders(vpnrepl_a, "--role", "active", "--queues", r"orders\..*")
     node_a.start()
     conn = _client(site_a)
     ch = conn.channel()
@@ -79,21 +79,16 @@ def test_sync_mode_without_a_standby_degrades_after_the_timeout(
     site_a: LocalSite, vpnrepl_a: Vpnrepl, node_a: NodeProcess
 ) -> None:
     _setup_vhost(site_a)
-    assert (
-        vpnrepl_a(
-            "vpn",
-            "enable",
-            "orders",
-            "--role",
-            "active",
-            "--mode",
-            "sync",
-            "--sync-timeout-ms",
-            "300",
-            "--on-sync-timeout",
-            "degrade",
-        ).returncode
-        == 0
+    _enable_orders(
+        vpnrepl_a,
+        "--role",
+        "active",
+        "--mode",
+        "sync",
+        "--sync-timeout-ms",
+        "300",
+        "--on-sync-timeout",
+        "degrade",
     )
     node_a.start()
     conn = _client(site_a)
@@ -112,23 +107,18 @@ def test_sync_mode_reject_nacks_without_a_standby(
     site_a: LocalSite, vpnrepl_a: Vpnrepl, node_a: NodeProcess
 ) -> None:
     _setup_vhost(site_a)
-    assert (
-        vpnrepl_a(
-            "vpn",
-            "enable",
-            "orders",
-            "--role",
-            "active",
-            "--mode",
-            "sync",
-            "--sync-timeout-ms",
-            "200",
-            "--on-sync-timeout",
-            "reject",
-            "--queues",
-            r"orders\..*",
-        ).returncode
-        == 0
+    _enable_orders(
+        vpnrepl_a,
+        "--role",
+        "active",
+        "--mode",
+        "sync",
+        "--sync-timeout-ms",
+        "200",
+        "--on-sync-timeout",
+        "reject",
+        "--queues",
+        r"orders\..*",
     )
     node_a.start()
     conn = _client(site_a)

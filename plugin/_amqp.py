@@ -20,7 +20,6 @@ import decimal
 import functools
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from pamqp import base, commands, frame
@@ -45,6 +44,8 @@ _METHOD_ID = struct.Struct(">HH")
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 _U16 = struct.Struct(">H")
+#: class id, weight, body size, property flags
+_CONTENT_HEAD = struct.Struct(">HHQH")
 
 # (class id, method id) of the methods the session looks at.
 CONNECTION_TUNE_OK = (10, 31)
@@ -183,6 +184,7 @@ class FrameSplitter:
         are still good and are relayed)."""
         buf = self._tail + data if self._tail else data
         frames: list[Frame] = []
+        new_frame = tuple.__new__  # Frame's own __new__ is a Python function
         pos, n = 0, len(buf)
         limit = self.frame_max
         fault: AMQPError | None = None
@@ -203,7 +205,7 @@ class FrameSplitter:
             if buf[end - 1] != FRAME_END:
                 fault = FrameError(f"frame-end octet is {buf[end - 1]:#04x}, expected 0xce")
                 break
-            frames.append(Frame(ftype, channel, pos, end))
+            frames.append(new_frame(Frame, (ftype, channel, pos, end)))
             pos = end
         self._tail = b"" if fault else buf[pos:]
         return buf, frames, fault
@@ -253,10 +255,14 @@ def _shortstr(buf: bytes, pos: int) -> tuple[str, int]:
 def decode_publish(buf: bytes, f: Frame) -> tuple[str, str, bool]:
     """basic.publish → (exchange, routing key, mandatory)."""
     try:
-        pos = f.payload_start + 4 + 2  # ids, reserved-1
-        exchange, pos = _shortstr(buf, pos)
-        key, pos = _shortstr(buf, pos)
-        if pos >= f.payload_end:
+        pos = f.start + 13  # frame head, ids, reserved-1
+        n = buf[pos]
+        exchange = buf[pos + 1 : pos + 1 + n].decode()
+        pos += 1 + n
+        n = buf[pos]
+        key = buf[pos + 1 : pos + 1 + n].decode()
+        pos += 1 + n
+        if pos >= f.end - 1:
             raise IndexError
         return exchange, key, bool(buf[pos] & 1)
     except (IndexError, UnicodeDecodeError) as e:
@@ -318,9 +324,9 @@ _FLAG_CONTENT_TYPE, _FLAG_CONTENT_ENCODING = 0x8000, 0x4000
 _FLAG_HEADERS, _FLAG_DELIVERY_MODE = 0x2000, 0x1000
 
 
-@dataclass(frozen=True, slots=True)
-class PropertyLayout:
-    """Where the headers table and delivery mode sit in a content header."""
+class PropertyLayout(NamedTuple):
+    """Where the headers table and delivery mode sit in a content header
+    (a NamedTuple: one is made per publish)."""
 
     flags: int
     headers_at: int  # offset of the table (its length) or of where it would go
@@ -352,6 +358,13 @@ def _skip_later_properties(payload: bytes, flags: int, pos: int) -> int:
     return pos
 
 
+def _check_flags(flags: int) -> None:
+    if flags & 1:
+        raise SyntaxError_("content header property flags continue past one word")
+    if flags & 0x2:
+        raise SyntaxError_("content header sets an undefined property flag")
+
+
 def property_layout(payload: bytes) -> PropertyLayout:
     """Check a content header payload (without the frame head) the way the
     broker will, and say where its headers table and delivery mode are.
@@ -361,17 +374,17 @@ def property_layout(payload: bytes) -> PropertyLayout:
     property are tolerated, as RabbitMQ tolerates them.
     """
     try:
-        class_id, weight = struct.unpack_from(">HH", payload, 0)
+        class_id, weight, _, flags = _CONTENT_HEAD.unpack_from(payload, 0)
         if class_id != 60:
             raise UnexpectedFrame(f"content header for class {class_id}, expected 60 (basic)")
         if weight != 0:
             raise SyntaxError_(f"content header weight {weight}, expected 0")
-        flags = _U16.unpack_from(payload, 12)[0]
+        if flags == _FLAG_DELIVERY_MODE:  # the common case: nothing but the mode
+            if len(payload) < 15:
+                raise IndexError
+            return PropertyLayout(flags, 14, 14, payload[14])
+        _check_flags(flags)
         pos = 14
-        if flags & 1:
-            raise SyntaxError_("content header property flags continue past one word")
-        if flags & 0x2:
-            raise SyntaxError_("content header sets an undefined property flag")
         if flags & _FLAG_CONTENT_TYPE:
             pos += 1 + payload[pos]
         if flags & _FLAG_CONTENT_ENCODING:

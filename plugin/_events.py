@@ -12,6 +12,7 @@ import abc
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 __all__ = [
     "Consumed",
@@ -79,9 +80,12 @@ class IdSource:
         return rid
 
 
-@dataclass(frozen=True, slots=True)
-class Published:
+class Published(NamedTuple):
     """A persistent publish routed to in-scope queues of a replicated VPN.
+
+    Events are NamedTuples rather than frozen dataclasses: one is made per
+    replicated message, and a tuple is built several times faster; they are
+    just as immutable.
 
     ``properties`` is the content header's property bytes (flags and values)
     exactly as the broker received them, replication header included, so the
@@ -97,8 +101,7 @@ class Published:
     queues: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Consumed:
+class Consumed(NamedTuple):
     """A replicated message left ``queue`` for good (ack, nack/reject without
     requeue, or delivery to a no-ack consumer)."""
 

@@ -32,6 +32,7 @@ Invariants, and why the code keeps them:
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -148,6 +149,16 @@ class _Channel:
 
 
 _Handler = Callable[["Session", int, bytes, Frame], bytes | None]
+
+
+class _Declined(enum.Enum):
+    """:meth:`Session._publish_whole` leaves the frames to the slow path."""
+
+    DECLINED = 0
+
+
+#: class and method id of basic.publish as they appear in a method frame
+_PUBLISH_IDS = bytes((0, 60, 0, 40))
 
 
 class Session:
@@ -306,7 +317,15 @@ class Session:
 
     def _from_client(self, buf: bytes, frames: list[Frame]) -> None:
         check = self._check_frame if self.passthrough else self._client_frame
-        self._relay(buf, frames, self._out.to_broker, check, self._closing_from_client, self._fail)
+        self._relay(
+            buf,
+            frames,
+            self._out.to_broker,
+            check,
+            self._closing_from_client,
+            self._fail,
+            fused=self._replicating,
+        )
 
     def _relay(
         self,
@@ -316,23 +335,41 @@ class Session:
         handle: Callable[[bytes, Frame], bytes | None],
         closing: Callable[[bytes, Frame], None],
         fail: Callable[[AMQPError], None],
+        fused: bool = False,
     ) -> None:
         """Relay ``frames`` of ``buf`` into ``out``: untouched runs as slices of
         the original bytes, a frame ``handle`` replaced by what it returned
         (b"" drops it). Frames before a fault are still relayed; after we have
-        closed the connection, frames only go to ``closing``."""
+        closed the connection, frames only go to ``closing``.
+
+        With ``fused`` (client frames of a replicated connection), a
+        ``basic.publish`` whose header and single body frame follow in the same
+        read is handled in one step by :meth:`_publish_whole`; it declines
+        anything unusual, and those frames then go one by one through
+        ``handle``, which reports faults at the exact frame.
+        """
         run = 0  # start of the untouched run of frames to relay
-        for f in frames:
+        i, n = 0, len(frames)
+        while i < n:
+            f = frames[i]
+            i += 1
             if self._closed_by_us:
                 closing(buf, f)
                 continue
-            try:
-                replacement = handle(buf, f)
-            except AMQPError as e:
-                if f.start > run:
-                    out.append(buf[run : f.start])
-                fail(e)
-                continue
+            replacement: bytes | None | _Declined = _Declined.DECLINED
+            if fused and i + 1 < n and buf[f.start + 7 : f.start + 11] == _PUBLISH_IDS:
+                replacement = self._publish_whole(buf, f, frames[i], frames[i + 1])
+                if replacement is not _Declined.DECLINED:
+                    f = frames[i]  # the header frame is the one replaced
+                    i += 2
+            if replacement is _Declined.DECLINED:
+                try:
+                    replacement = handle(buf, f)
+                except AMQPError as e:
+                    if f.start > run:
+                        out.append(buf[run : f.start])
+                    fail(e)
+                    continue
             if replacement is None:
                 continue
             if f.start > run:
@@ -341,11 +378,7 @@ class Session:
                 out.append(replacement)
             run = f.end
         if frames and not self._closed_by_us:
-            end = frames[-1].end
-            if run == 0 and end == len(buf):
-                out.append(buf)
-            elif end > run:
-                out.append(buf[run:end])
+            _relay_rest(buf, run, frames[-1].end, out)
 
     def _check_frame(self, buf: bytes, f: Frame) -> None:
         """Frame checks only, for a connection on an unreplicated vhost.
@@ -431,22 +464,102 @@ class Session:
     def _intercept(self, p: _Publish, payload: bytes, channel: int) -> bytes | None:
         """Decide whether a publish is replicated; splice its id if so."""
         layout = amqp.property_layout(payload)
-        if layout.delivery_mode != 2:
-            return None
-        vpn = self.vpn
-        assert vpn is not None  # noqa: S101 - only called when replicated
-        headers = amqp.decode_headers(payload, layout) if layout.flags & 0x2000 else None
-        routed = vpn.topology.route(p.exchange, p.routing_key, headers)
-        if not routed:
-            return None
-        queues = vpn.scope.in_scope(p.exchange, p.routing_key, routed)
+        queues = self._replicated_queues(p.exchange, p.routing_key, payload, layout)
         if not queues:
             return None
         p.repl_id = self._ids.next()
-        p.queues = tuple(sorted(queues))
+        p.queues = queues
         new_payload = amqp.splice_header(payload, layout, REPLICATION_HEADER, p.repl_id.value.hex())
         p.properties = new_payload[12:]
         return amqp.frame_bytes(amqp.FRAME_HEADER, channel, new_payload)
+
+    def _replicated_queues(
+        self, exchange: str, routing_key: str, payload: bytes, layout: amqp.PropertyLayout
+    ) -> tuple[str, ...]:
+        """The in-scope queues a publish reaches if it is persistent, sorted
+        (empty: the publish is not replicated)."""
+        if layout.delivery_mode != 2:
+            return ()
+        vpn = self.vpn
+        assert vpn is not None  # noqa: S101 - only called when replicated
+        headers = amqp.decode_headers(payload, layout) if layout.flags & 0x2000 else None
+        routed = vpn.topology.route(exchange, routing_key, headers)
+        if not routed:
+            return ()
+        queues = vpn.scope.in_scope(exchange, routing_key, routed)
+        if len(queues) == 1:
+            return tuple(queues)
+        return tuple(sorted(queues))
+
+    def _publish_whole(self, buf: bytes, f: Frame, h: Frame, b: Frame) -> bytes | None | _Declined:
+        """A whole publish at once: method ``f``, header ``h``, body ``b``.
+
+        Returns the replacement of the header frame (None: relay all three
+        as they are), or ``DECLINED`` — leaving every state untouched — when
+        the frames are not one well-formed publish with a single body frame
+        on an open channel; the frame-by-frame path then takes them and
+        reports any fault exactly where it is. Everything that can fail is
+        checked before anything changes.
+        """
+        channel = f.channel
+        ch = self._channels.get(channel)
+        if (
+            f.type != amqp.FRAME_METHOD
+            or ch is None
+            or ch.closing
+            or ch.publish is not None
+            or h.type != amqp.FRAME_HEADER
+            or b.type != amqp.FRAME_BODY
+            or h.channel != channel
+            or b.channel != channel
+        ):
+            return _Declined.DECLINED
+        try:
+            exchange, routing_key, _ = amqp.decode_publish(buf, f)
+            if amqp.content_body_size(buf, h) != b.end - b.start - 8:
+                return _Declined.DECLINED
+            payload = buf[h.start + 7 : h.end - 1]
+            layout = amqp.property_layout(payload)
+            queues = self._replicated_queues(exchange, routing_key, payload, layout)
+            if queues:
+                repl_id = self._ids.next()
+                new_payload = amqp.splice_header(
+                    payload, layout, REPLICATION_HEADER, repl_id.value.hex()
+                )
+        except AMQPError:
+            return _Declined.DECLINED
+        seq = None
+        if ch.confirm:
+            seq = ch.next_seq
+            ch.next_seq += 1
+            ch.pending[seq] = _Confirm()
+            ch.order.append(seq)
+        if not queues:
+            return None
+        assert self.vpn is not None  # noqa: S101 - queues are only found when replicated
+        event = Published(
+            self.vpn.name,
+            repl_id,
+            exchange,
+            routing_key,
+            new_payload[12:],
+            buf[b.start + 7 : b.end - 1],
+            queues,
+        )
+        self._record_published(ch, channel, seq, event)
+        return amqp.frame_bytes(amqp.FRAME_HEADER, channel, new_payload)
+
+    def _record_published(
+        self, ch: _Channel, channel: int, seq: int | None, event: Published
+    ) -> None:
+        if ch.tx:
+            ch.tx_events.append(event)
+        elif seq is not None:
+            entry = ch.pending[seq]
+            entry.replicated, entry.event = True, event
+            self._out.events.append((event, (channel, seq)))
+        else:
+            self._out.events.append((event, None))
 
     def _client_body(self, ch: _Channel | None, buf: bytes, f: Frame) -> bytes | None:
         p = ch.publish if ch is not None else None
@@ -479,15 +592,7 @@ class Session:
             body=b"".join(p.chunks),
             queues=p.queues,
         )
-        if ch.tx:
-            ch.tx_events.append(event)
-            return
-        if p.seq is not None:
-            entry = ch.pending[p.seq]
-            entry.replicated, entry.event = True, event
-            self._out.events.append((event, (channel, p.seq)))
-        else:
-            self._out.events.append((event, None))
+        self._record_published(ch, channel, p.seq, event)
 
     def _channel(self, channel: int) -> _Channel:
         ch = self._channels.get(channel)
@@ -933,6 +1038,14 @@ class Session:
 
 
 _CLOSE_OK_FRAME = amqp.frame_bytes(amqp.FRAME_METHOD, 0, b"\x00\x0a\x00\x33")
+
+
+def _relay_rest(buf: bytes, run: int, end: int, out: list[bytes]) -> None:
+    """Relay ``buf[run:end]``, the untouched frames after the last handled one."""
+    if run == 0 and end == len(buf):
+        out.append(buf)
+    elif end > run:
+        out.append(buf[run:end])
 
 
 def _confirm_frame(channel: int, tag: int, ok: bool, multiple: bool) -> bytes:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
@@ -416,3 +418,71 @@ def test_close_ok_is_found_after_a_framing_fault_lost_the_frame_boundaries() -> 
     assert not s.client_done
     s.client_data(m(C.Connection.CloseOk())[5:])
     assert s.client_done
+
+
+# -- the fused publish path gives the same result as the frame-by-frame one --
+
+_PIECES = [
+    publish(1, b"body"),  # replicated
+    publish(1, b"body", queue="other"),  # out of scope
+    publish(1, b"body", mode=1),  # transient
+    publish(1, b"", app_id="empty"),  # no body frame
+    publish(1, b"with headers", headers={"k": "v", "x-vpnrepl-id": "old"}),
+    m(C.Basic.Publish(exchange="", routing_key="q"), 1)  # body in two frames
+    + frame.marshal(
+        header.ContentHeader(body_size=4, properties=C.Basic.Properties(delivery_mode=2)), 1
+    )
+    + frame.marshal(ContentBody(b"ab"), 1)
+    + frame.marshal(ContentBody(b"cd"), 1),
+    publish(2, b"channel two"),  # channel 2 is never opened: RabbitMQ's 504 is its own
+    m(C.Basic.Publish(exchange="", routing_key="q"), 1)  # body longer than declared
+    + frame.marshal(
+        header.ContentHeader(body_size=2, properties=C.Basic.Properties(delivery_mode=2)), 1
+    )
+    + frame.marshal(ContentBody(b"too long"), 1),
+    struct.pack(">BHI", 1, 1, 5) + b"\x00\x3c\x00\x28\x00" + b"\xce",  # truncated publish
+    m(C.Basic.Publish(exchange="", routing_key="q"), 1)  # header for another class
+    + struct.pack(">BHI", 2, 1, 14)
+    + struct.pack(">HHQH", 50, 0, 0, 0)
+    + b"\xce",
+    m(C.Basic.Ack(delivery_tag=1), 1),
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(range(len(_PIECES))), min_size=1, max_size=12))
+def test_whole_reads_and_frame_by_frame_reads_agree(picks: list[int]) -> None:
+    """The fused path (publish, header and body in one read) must be
+    indistinguishable from the frame-by-frame path it shortcuts: same bytes
+    upstream, same replies, same events, same confirms."""
+    data = b"".join(_PIECES[i] for i in picks)
+    results = []
+    for whole in (True, False):
+        s = make_session()
+        open_session(s)
+        s.client_data(m(C.Confirm.Select(), 1))
+        s.broker_data(m(C.Confirm.SelectOk(), 1))
+        outs = [s.client_data(data)] if whole else [s.client_data(c) for c in _frames_of(data)]
+        sent = b"".join(b"".join(o.to_broker) for o in outs)
+        replies = b"".join(b"".join(o.to_client) for o in outs)
+        events = [e for o in outs for e in o.events]
+        confirms = s.broker_data(amqp.encode_ack(1, 10_000, True))
+        done = s.replicated_done([(1, key[1], True) for _, key in events if key])
+        results.append((sent, replies, events, confirms.to_client, done.to_client))
+    assert results[0] == results[1]
+
+
+def _frames_of(data: bytes) -> list[bytes]:
+    """``data`` cut at frame boundaries while they can be told (a broken
+    frame length ends the cutting: the rest goes as one piece)."""
+    out, pos = [], 0
+    while len(data) - pos >= 7:
+        size = struct.unpack_from(">I", data, pos + 3)[0]
+        end = pos + 8 + size
+        if end > len(data):
+            break
+        out.append(data[pos:end])
+        pos = end
+    if pos < len(data):
+        out.append(data[pos:])
+    return out

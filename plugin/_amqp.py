@@ -332,6 +332,7 @@ class PropertyLayout(NamedTuple):
     headers_at: int  # offset of the table (its length) or of where it would go
     headers_end: int  # == headers_at when there is no table
     delivery_mode: int | None
+    body_size: int  # from the content header
 
 
 # property flag -> size of its value: >0 fixed, -1 shortstr, -4 u32-prefixed table
@@ -374,7 +375,7 @@ def property_layout(payload: bytes) -> PropertyLayout:
     property are tolerated, as RabbitMQ tolerates them.
     """
     try:
-        class_id, weight, _, flags = _CONTENT_HEAD.unpack_from(payload, 0)
+        class_id, weight, body_size, flags = _CONTENT_HEAD.unpack_from(payload, 0)
         if class_id != 60:
             raise UnexpectedFrame(f"content header for class {class_id}, expected 60 (basic)")
         if weight != 0:
@@ -382,7 +383,7 @@ def property_layout(payload: bytes) -> PropertyLayout:
         if flags == _FLAG_DELIVERY_MODE:  # the common case: nothing but the mode
             if len(payload) < 15:
                 raise IndexError
-            return PropertyLayout(flags, 14, 14, payload[14])
+            return PropertyLayout(flags, 14, 14, payload[14], body_size)
         _check_flags(flags)
         pos = 14
         if flags & _FLAG_CONTENT_TYPE:
@@ -400,7 +401,7 @@ def property_layout(payload: bytes) -> PropertyLayout:
         pos = _skip_later_properties(payload, flags, pos)
         if pos > len(payload):  # trailing bytes: RabbitMQ ignores them too
             raise SyntaxError_(f"content header properties overrun the frame ({pos} bytes)")
-        return PropertyLayout(flags, headers_at, headers_end, delivery_mode)
+        return PropertyLayout(flags, headers_at, headers_end, delivery_mode, body_size)
     except (IndexError, struct.error) as e:
         raise SyntaxError_("malformed content header properties") from e
 

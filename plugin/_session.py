@@ -159,6 +159,10 @@ class _Declined(enum.Enum):
 
 #: class and method id of basic.publish as they appear in a method frame
 _PUBLISH_IDS = bytes((0, 60, 0, 40))
+#: the layout of a persistent publish without headers (for routing only)
+_PERSISTENT = amqp.PropertyLayout(0x1000, 14, 14, 2, 0)
+#: distinct (exchange, routing key) pairs remembered per connection
+_ROUTES_LIMIT = 1024
 
 
 class Session:
@@ -196,6 +200,9 @@ class Session:
         #: the client's stream lost its framing (we closed for a frame fault)
         self._desynced = False
         self._scan_tail = b""
+        #: _route_whole's memo, valid for one topology generation
+        self._routes: dict[bytes, tuple[str, str, tuple[str, ...]]] = {}
+        self._routes_generation = -1
 
     # ------------------------------------------------------------ feeding
 
@@ -515,12 +522,15 @@ class Session:
         ):
             return _Declined.DECLINED
         try:
-            exchange, routing_key, _ = amqp.decode_publish(buf, f)
-            if amqp.content_body_size(buf, h) != b.end - b.start - 8:
-                return _Declined.DECLINED
             payload = buf[h.start + 7 : h.end - 1]
             layout = amqp.property_layout(payload)
-            queues = self._replicated_queues(exchange, routing_key, payload, layout)
+            if layout.body_size != b.end - b.start - 8:
+                return _Declined.DECLINED
+            exchange, routing_key, queues = self._route_whole(buf, f)
+            if layout.delivery_mode != 2:
+                queues = ()
+            elif layout.flags & 0x2000:  # headers may change the route (CC, BCC, x-match)
+                queues = self._replicated_queues(exchange, routing_key, payload, layout)
             if queues:
                 repl_id = self._ids.next()
                 new_payload = amqp.splice_header(
@@ -548,6 +558,35 @@ class Session:
         )
         self._record_published(ch, channel, seq, event)
         return amqp.frame_bytes(amqp.FRAME_HEADER, channel, new_payload)
+
+    def _route_whole(self, buf: bytes, f: Frame) -> tuple[str, str, tuple[str, ...]]:
+        """Exchange, routing key and in-scope queues (for a persistent publish
+        without headers) of the basic.publish ``f``, memoised by the raw bytes
+        of its exchange and routing key while the topology is unchanged."""
+        start = f.start + 13  # frame head, ids, reserved-1
+        try:
+            end = start + 1 + buf[start]
+            end += 1 + buf[end]
+        except IndexError as e:
+            raise amqp.SyntaxError_("malformed basic.publish", amqp.BASIC_PUBLISH) from e
+        raw = buf[start:end]
+        vpn = self.vpn
+        assert vpn is not None  # noqa: S101 - only called when replicated
+        generation = vpn.topology.generation
+        if generation != self._routes_generation:
+            self._routes.clear()
+            self._routes_generation = generation
+        hit = self._routes.get(raw)
+        if hit is None:
+            exchange, routing_key, _ = amqp.decode_publish(buf, f)
+            queues = self._replicated_queues(exchange, routing_key, b"", _PERSISTENT)
+            hit = (exchange, routing_key, queues)
+            if len(self._routes) >= _ROUTES_LIMIT:
+                self._routes.clear()
+            self._routes[raw] = hit
+        elif end >= f.end - 1:  # the mandatory/immediate octet is missing
+            raise amqp.SyntaxError_("malformed basic.publish", amqp.BASIC_PUBLISH)
+        return hit
 
     def _record_published(
         self, ch: _Channel, channel: int, seq: int | None, event: Published

@@ -486,3 +486,17 @@ def _frames_of(data: bytes) -> list[bytes]:
     if pos < len(data):
         out.append(data[pos:])
     return out
+
+
+def test_a_binding_made_after_a_publish_applies_to_the_next_one(confirming: Session) -> None:
+    """The fused path memoises routes per connection; a topology change must
+    still apply to the very next publish with the same exchange and key."""
+    topology = confirming.vpn.topology
+    topology.declare_exchange("x", "direct")
+    data = m(C.Basic.Publish(exchange="x", routing_key="k"), 1) + content(1, b"b", delivery_mode=2)
+    assert confirming.client_data(data).events == []  # x routes nowhere yet
+    topology.bind_queue("q", "x", "k")
+    [(event, _)] = confirming.client_data(data).events
+    assert event.queues == ("q",)
+    topology.unbind_queue("q", "x", "k")
+    assert confirming.client_data(data).events == []

@@ -48,7 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -67,7 +67,7 @@ from _common import (
 )
 
 from plugin._directory import VpnDirectory, VpnView
-from plugin._events import Event, IdSource, LocalTransaction, Published, ReplicationSink
+from plugin._events import ConfirmKey, Event, IdSource, LocalTransaction, Published, ReplicationSink
 from plugin._listener import BrokerAddress, Listener
 from plugin._localsites import LocalSites, RabbitNode
 from plugin._topology import ReplicationScope, Topology
@@ -101,6 +101,19 @@ class DiscardingSink(ReplicationSink):
             self.consumed += 1
         if on_durable is not None:
             on_durable(True)
+
+    def append_many(
+        self,
+        events: Sequence[tuple[Event, ConfirmKey | None]],
+        on_durable: Callable[[ConfirmKey, bool], None],
+    ) -> None:
+        for event, key in events:
+            if type(event) is Published:
+                self.published += 1
+            else:
+                self.consumed += 1
+            if key is not None:
+                on_durable(key, True)
 
     async def prepare(self, txn: LocalTransaction) -> None:
         return None

@@ -9,12 +9,14 @@ is the in-process implementation used by tests and the listener benchmark.
 from __future__ import annotations
 
 import abc
+import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 __all__ = [
+    "ConfirmKey",
     "Consumed",
     "Event",
     "IdSource",
@@ -112,6 +114,9 @@ class Consumed(NamedTuple):
 
 Event = Published | Consumed
 
+#: (channel, publish sequence number): which client confirm an event releases
+ConfirmKey = tuple[int, int]
+
 
 @dataclass(frozen=True, slots=True)
 class LocalTransaction:
@@ -143,6 +148,22 @@ class ReplicationSink(abc.ABC):
         mode requires; ``ok=False`` means the client's confirm must be a nack.
         It may be called before ``append`` returns.
         """
+
+    def append_many(
+        self,
+        events: Sequence[tuple[Event, ConfirmKey | None]],
+        on_durable: Callable[[ConfirmKey, bool], None],
+    ) -> None:
+        """Take several events in order, as :meth:`append` would one by one:
+        ``on_durable(key, ok)`` once for each event that has a key.
+
+        The listener hands over everything one read of a client produced at
+        once; a sink that can take a batch cheaper than event by event
+        overrides this (one callback for the batch instead of a closure per
+        event).
+        """
+        for event, key in events:
+            self.append(event, None if key is None else functools.partial(on_durable, key))
 
     @abc.abstractmethod
     async def prepare(self, txn: LocalTransaction) -> None:
@@ -180,6 +201,16 @@ class MemorySink(ReplicationSink):
         self.events.append(event)
         if on_durable is not None:
             on_durable(True)
+
+    def append_many(
+        self,
+        events: Sequence[tuple[Event, ConfirmKey | None]],
+        on_durable: Callable[[ConfirmKey, bool], None],
+    ) -> None:
+        for event, key in events:
+            self.events.append(event)
+            if key is not None:
+                on_durable(key, True)
 
     async def prepare(self, txn: LocalTransaction) -> None:
         self.prepared.append(txn)

@@ -17,13 +17,21 @@ import contextlib
 import logging
 import socket
 import ssl
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
 
 from ._directory import VpnDirectory
-from ._events import IdSource, LocalTransaction, Published, ReplicationSink, TransactionRefused
+from ._events import (
+    ConfirmKey,
+    Event,
+    IdSource,
+    LocalTransaction,
+    Published,
+    ReplicationSink,
+    TransactionRefused,
+)
 from ._metrics import ListenerStats
 from ._session import BrokerUnavailable, Output, Session
 
@@ -96,7 +104,7 @@ class _ClientSide(asyncio.Protocol):
         self._closed = False
         self._close_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._durable: list[tuple[int, int, bool]] = []
+        self._durable: list[tuple[ConfirmKey, bool]] = []
 
     # client transport callbacks ------------------------------------------
 
@@ -182,12 +190,8 @@ class _ClientSide(asyncio.Protocol):
             self._write_client(out.to_client)
         sink = self.listener.sink
         if out.events:
-            counts = self.listener.stats.events
-            for event, key in out.events:
-                counts[
-                    (event.vpn, "published" if isinstance(event, Published) else "consumed")
-                ] += 1
-                sink.append(event, self._confirm_callback(key) if key is not None else None)
+            self._count(out.events)
+            sink.append_many(out.events, self._durable_notice)
         for txn in out.prepare:
             self._spawn(self._prepare(txn))
         for txn in out.commit:
@@ -199,15 +203,21 @@ class _ClientSide(asyncio.Protocol):
         if self.session.client_done and (self.session.broker_done or out.drop_broker):
             self.close()
 
-    def _confirm_callback(self, key: tuple[int, int]) -> Callable[[bool], None]:
-        channel, seq = key
+    def _count(self, events: list[tuple[Event, ConfirmKey | None]]) -> None:
+        published = sum(1 for event, _ in events if type(event) is Published)
+        counts = self.listener.stats.events
+        vpn = events[0][0].vpn  # a connection's events are all of its vhost's VPN
+        if published:
+            counts[(vpn, "published")] += published
+        if published < len(events):
+            counts[(vpn, "consumed")] += len(events) - published
 
-        def done(ok: bool) -> None:
-            if not self._durable:
-                asyncio.get_running_loop().call_soon(self._flush_durable)
-            self._durable.append((channel, seq, ok))
-
-        return done
+    def _durable_notice(self, key: ConfirmKey, ok: bool) -> None:
+        """The sink's verdict on one replicated publish; collected for one
+        release pass per loop turn (:meth:`_flush_durable`)."""
+        if not self._durable:
+            asyncio.get_running_loop().call_soon(self._flush_durable)
+        self._durable.append((key, ok))
 
     def _flush_durable(self) -> None:
         """Release held confirms for every durable notice of this loop turn

@@ -46,6 +46,7 @@ from ._amqp import AMQPError, Frame, FrameSplitter
 from ._directory import VpnDirectory, VpnView
 from ._events import (
     REPLICATION_HEADER,
+    ConfirmKey,
     Consumed,
     Event,
     IdSource,
@@ -69,7 +70,7 @@ class Output:
     to_broker: list[bytes] = field(default_factory=list)
     to_client: list[bytes] = field(default_factory=list)
     #: (event, confirm key or None): hand to ``ReplicationSink.append``.
-    events: list[tuple[Event, tuple[int, int] | None]] = field(default_factory=list)
+    events: list[tuple[Event, ConfirmKey | None]] = field(default_factory=list)
     #: transactions to prepare (sink.prepare, then ``transaction_prepared``).
     prepare: list[LocalTransaction] = field(default_factory=list)
     #: transactions to commit (sink.commit, then ``transaction_committed``).
@@ -246,13 +247,13 @@ class Session:
             self._broker_fault(fault)
         return out
 
-    def replicated_done(self, done: list[tuple[int, int, bool]]) -> Output:
-        """The sink's verdicts ``(channel, seq, ok)`` on replicated publishes."""
+    def replicated_done(self, done: list[tuple[ConfirmKey, bool]]) -> Output:
+        """The sink's verdicts ``((channel, seq), ok)`` on replicated publishes."""
         self._out = out = Output()
         if self.closing:
             return out
         touched: dict[int, list[int]] = {}
-        for channel, seq, ok in done:
+        for (channel, seq), ok in done:
             ch = self._channels.get(channel)
             entry = ch.pending.get(seq) if ch is not None else None
             if entry is None:

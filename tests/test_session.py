@@ -12,7 +12,7 @@ from pamqp.body import ContentBody
 
 from plugin import _amqp as amqp
 from plugin._directory import VpnDirectory, VpnView
-from plugin._events import Consumed, IdSource, Published
+from plugin._events import Consumed, IdSource, MemorySink, Published, ReplicationSink
 from plugin._session import Session
 from plugin._topology import ReplicationScope, Topology
 from plugin._vpn import Role
@@ -134,11 +134,11 @@ def test_confirms_wait_for_the_broker_and_the_sink(confirming: Session) -> None:
     # broker confirms all three at once: all still held for replication
     assert acks(s.broker_data(m(C.Basic.Ack(delivery_tag=3, multiple=True), 1))) == []
     # seq 2 durable first: released alone, seq 1 still held
-    assert acks(s.replicated_done([(1, 2, True)])) == [("Ack", 2, False)]
-    assert acks(s.replicated_done([(1, 1, True)])) == [("Ack", 1, False)]
-    assert acks(s.replicated_done([(1, 3, True)])) == [("Ack", 3, False)]
+    assert acks(s.replicated_done([((1, 2), True)])) == [("Ack", 2, False)]
+    assert acks(s.replicated_done([((1, 1), True)])) == [("Ack", 1, False)]
+    assert acks(s.replicated_done([((1, 3), True)])) == [("Ack", 3, False)]
     # nothing is ever released twice
-    assert acks(s.replicated_done([(1, 3, True)])) == []
+    assert acks(s.replicated_done([((1, 3), True)])) == []
 
 
 def test_a_ready_prefix_is_released_as_one_multiple_ack(confirming: Session) -> None:
@@ -146,7 +146,7 @@ def test_a_ready_prefix_is_released_as_one_multiple_ack(confirming: Session) -> 
     for i in range(4):
         s.client_data(publish(1, b"m%d" % i))
     for seq in (1, 2, 3, 4):
-        assert acks(s.replicated_done([(1, seq, True)])) == []  # broker not yet
+        assert acks(s.replicated_done([((1, seq), True)])) == []  # broker not yet
     assert acks(s.broker_data(m(C.Basic.Ack(delivery_tag=4, multiple=True), 1))) == [
         ("Ack", 4, True)
     ]
@@ -160,7 +160,7 @@ def test_unreplicated_confirms_pass_a_held_one_individually(confirming: Session)
     out = s.broker_data(m(C.Basic.Ack(delivery_tag=3, multiple=True), 1))
     # multiple=true must not span the held tag 1
     assert acks(out) == [("Ack", 2, False), ("Ack", 3, False)]
-    assert acks(s.replicated_done([(1, 1, True)])) == [("Ack", 1, False)]
+    assert acks(s.replicated_done([((1, 1), True)])) == [("Ack", 1, False)]
 
 
 def test_sink_failure_and_broker_nack_become_nacks(confirming: Session) -> None:
@@ -168,8 +168,8 @@ def test_sink_failure_and_broker_nack_become_nacks(confirming: Session) -> None:
     s.client_data(publish(1, b"a"))
     s.client_data(publish(1, b"b"))
     s.broker_data(m(C.Basic.Ack(delivery_tag=1), 1))
-    assert acks(s.replicated_done([(1, 1, False)])) == [("Nack", 1, False)]
-    s.replicated_done([(1, 2, True)])
+    assert acks(s.replicated_done([((1, 1), False)])) == [("Nack", 1, False)]
+    s.replicated_done([((1, 2), True)])
     assert acks(s.broker_data(m(C.Basic.Nack(delivery_tag=2), 1))) == [("Nack", 2, False)]
 
 
@@ -350,7 +350,7 @@ def test_many_durable_notices_release_in_one_pass(confirming: Session) -> None:
     for _ in range(500):
         s.client_data(publish(1, b"m"))
     s.broker_data(m(C.Basic.Ack(delivery_tag=500, multiple=True), 1))
-    out = s.replicated_done([(1, seq, True) for seq in range(500, 0, -1)])
+    out = s.replicated_done([((1, seq), True) for seq in range(500, 0, -1)])
     # released in one pass: one multiple ack for the whole window, nothing twice
     assert acks(out) == [("Ack", 500, True)]
 
@@ -383,7 +383,7 @@ def test_body_longer_than_declared_is_refused_on_unreplicated_vhosts_too() -> No
 def test_a_broker_nack_takes_a_replicated_publish_back(confirming: Session) -> None:
     s = confirming
     [(published, _)] = s.client_data(publish(1, b"refused")).events
-    s.replicated_done([(1, 1, True)])
+    s.replicated_done([((1, 1), True)])
     out = s.broker_data(m(C.Basic.Nack(delivery_tag=1), 1))
     assert acks(out) == [("Nack", 1, False)]
     [(taken_back, key)] = out.events
@@ -467,7 +467,7 @@ def test_whole_reads_and_frame_by_frame_reads_agree(picks: list[int]) -> None:
         replies = b"".join(b"".join(o.to_client) for o in outs)
         events = [e for o in outs for e in o.events]
         confirms = s.broker_data(amqp.encode_ack(1, 10_000, True))
-        done = s.replicated_done([(1, key[1], True) for _, key in events if key])
+        done = s.replicated_done([(key, True) for _, key in events if key])
         results.append((sent, replies, events, confirms.to_client, done.to_client))
     assert results[0] == results[1]
 
@@ -500,3 +500,27 @@ def test_a_binding_made_after_a_publish_applies_to_the_next_one(confirming: Sess
     assert event.queues == ("q",)
     topology.unbind_queue("q", "x", "k")
     assert confirming.client_data(data).events == []
+
+
+def test_a_sink_without_append_many_gets_the_events_one_by_one_in_order() -> None:
+    """ReplicationSink.append_many's default: append per event, each keyed
+    event's verdict reported with its key (the bridge's sink relies on it)."""
+
+    class OneByOne(MemorySink):
+        append_many = ReplicationSink.append_many  # the default, not MemorySink's
+
+        def append(self, event, on_durable) -> None:
+            super().append(event, None)
+            if on_durable is not None:
+                on_durable(event.routing_key != "bad")
+
+    rid = IdSource(1)
+    events = [
+        (Published("v", rid.next(), "", "q", b"", b"1", ("q",)), (1, 1)),
+        (Consumed("v", rid.next(), "q"), None),
+        (Published("v", rid.next(), "", "bad", b"", b"2", ("q",)), (1, 2)),
+    ]
+    sink, verdicts = OneByOne(), []
+    sink.append_many(events, lambda key, ok: verdicts.append((key, ok)))
+    assert sink.events == [e for e, _ in events]
+    assert verdicts == [((1, 1), True), ((1, 2), False)]

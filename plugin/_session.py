@@ -32,12 +32,14 @@ Invariants, and why the code keeps them:
 
 from __future__ import annotations
 
+import binascii
 import enum
 import logging
+import struct
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pamqp import base, commands
 
@@ -164,6 +166,23 @@ _PUBLISH_IDS = bytes((0, 60, 0, 40))
 _PERSISTENT = amqp.PropertyLayout(0x1000, 14, 14, 2, 0)
 #: distinct (exchange, routing key) pairs remembered per connection
 _ROUTES_LIMIT = 1024
+#: distinct content-header property byte strings remembered per connection
+_TEMPLATES_LIMIT = 256
+#: class 60 (basic), weight 0: the first four bytes of a valid content header
+_BASIC_NO_WEIGHT = bytes((0, 60, 0, 0))
+#: stands for the id while a header template is made (32 hex digits, like an id)
+_ID_PLACEHOLDER = "#" * 32
+_BODY_SIZE = struct.Struct(">Q")
+_HEADER_FRAME_HEAD = struct.Struct(">BHI")
+
+
+class _HeaderTemplate(NamedTuple):
+    """A checked content header's layout and its property bytes with our id
+    header spliced in: ``before_id + id_hex + after_id``."""
+
+    layout: amqp.PropertyLayout
+    before_id: bytes
+    after_id: bytes
 
 
 class Session:
@@ -204,6 +223,8 @@ class Session:
         #: _route_whole's memo, valid for one topology generation
         self._routes: dict[bytes, tuple[str, str, tuple[str, ...]]] = {}
         self._routes_generation = -1
+        #: _header_template's memo
+        self._templates: dict[bytes, _HeaderTemplate] = {}
 
     # ------------------------------------------------------------ feeding
 
@@ -524,19 +545,14 @@ class Session:
             return _Declined.DECLINED
         try:
             payload = buf[h.start + 7 : h.end - 1]
-            layout = amqp.property_layout(payload)
-            if layout.body_size != b.end - b.start - 8:
+            template = self._header_template(payload)
+            if _BODY_SIZE.unpack_from(payload, 4)[0] != b.end - b.start - 8:
                 return _Declined.DECLINED
             exchange, routing_key, queues = self._route_whole(buf, f)
-            if layout.delivery_mode != 2:
+            if template.layout.delivery_mode != 2:
                 queues = ()
-            elif layout.flags & 0x2000:  # headers may change the route (CC, BCC, x-match)
-                queues = self._replicated_queues(exchange, routing_key, payload, layout)
-            if queues:
-                repl_id = self._ids.next()
-                new_payload = amqp.splice_header(
-                    payload, layout, REPLICATION_HEADER, repl_id.value.hex()
-                )
+            elif template.layout.flags & 0x2000:  # headers may change the route (CC, BCC, x-match)
+                queues = self._replicated_queues(exchange, routing_key, payload, template.layout)
         except AMQPError:
             return _Declined.DECLINED
         seq = None
@@ -548,17 +564,45 @@ class Session:
         if not queues:
             return None
         assert self.vpn is not None  # noqa: S101 - queues are only found when replicated
+        repl_id = self._ids.next()
+        properties = template.before_id + binascii.hexlify(repl_id.value) + template.after_id
         event = Published(
             self.vpn.name,
             repl_id,
             exchange,
             routing_key,
-            new_payload[12:],
+            properties,
             buf[b.start + 7 : b.end - 1],
             queues,
         )
         self._record_published(ch, channel, seq, event)
-        return amqp.frame_bytes(amqp.FRAME_HEADER, channel, new_payload)
+        return b"".join(
+            (
+                _HEADER_FRAME_HEAD.pack(amqp.FRAME_HEADER, channel, 12 + len(properties)),
+                payload[:12],
+                properties,
+                b"\xce",
+            )
+        )
+
+    def _header_template(self, payload: bytes) -> _HeaderTemplate:
+        """The checked layout of a content header, and its properties with
+        our id spliced in, split around the id: memoised by the property
+        bytes (a publisher sends the same properties again and again)."""
+        if payload[:4] == _BASIC_NO_WEIGHT:
+            hit = self._templates.get(payload[12:])
+            if hit is not None:
+                return hit
+        layout = amqp.property_layout(payload)
+        spliced = amqp.splice_header(payload, layout, REPLICATION_HEADER, _ID_PLACEHOLDER)
+        # our entry ends the headers table; what follows the table is unchanged
+        end = len(spliced) - (len(payload) - layout.headers_end)
+        at = end - len(_ID_PLACEHOLDER)
+        template = _HeaderTemplate(layout, spliced[12:at], spliced[end:])
+        if len(self._templates) >= _TEMPLATES_LIMIT:
+            self._templates.clear()
+        self._templates[payload[12:]] = template
+        return template
 
     def _route_whole(self, buf: bytes, f: Frame) -> tuple[str, str, tuple[str, ...]]:
         """Exchange, routing key and in-scope queues (for a persistent publish

@@ -428,6 +428,8 @@ _PIECES = [
     publish(1, b"body", mode=1),  # transient
     publish(1, b"", app_id="empty"),  # no body frame
     publish(1, b"with headers", headers={"k": "v", "x-vpnrepl-id": "old"}),
+    publish(1, b"id-like", message_id="#" * 32, headers={"a": 1}, priority=3),
+    publish(1, b"typed", content_type="text/plain", correlation_id="c-1"),
     m(C.Basic.Publish(exchange="", routing_key="q"), 1)  # body in two frames
     + frame.marshal(
         header.ContentHeader(body_size=4, properties=C.Basic.Properties(delivery_mode=2)), 1

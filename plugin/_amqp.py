@@ -80,6 +80,9 @@ TX_SELECT, TX_SELECT_OK = (90, 10), (90, 11)
 TX_COMMIT, TX_COMMIT_OK = (90, 20), (90, 21)
 TX_ROLLBACK, TX_ROLLBACK_OK = (90, 30), (90, 31)
 
+#: channel-level reply code of a refused transaction (as RabbitMQ uses for tx errors)
+PRECONDITION_FAILED = 406
+
 # Methods that carry content (a header and body frames follow).
 CONTENT_METHODS = {BASIC_PUBLISH, BASIC_RETURN, BASIC_DELIVER, BASIC_GET_OK}
 _KNOWN_METHODS = {(index >> 16, index & 0xFFFF) for index in commands.INDEX_MAPPING}

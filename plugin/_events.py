@@ -72,6 +72,7 @@ class IdSource:
     """Hands out replication ids for one process incarnation."""
 
     def __init__(self, incarnation: int) -> None:
+        self.incarnation = incarnation
         self._prefix = incarnation.to_bytes(8, "big")
         self._counter = itertools.count(1)
 
@@ -127,10 +128,13 @@ class LocalTransaction:
     channel: int
     sequence: int
     events: tuple[Event, ...]
+    #: the listener process's incarnation: with it the id is unique for ever
+    incarnation: int = 0
 
     @property
     def txid(self) -> str:
-        return f"{self.connection}.{self.channel}.{self.sequence}"
+        """``incarnation.connection.channel.sequence``: unique across restarts."""
+        return f"{self.incarnation}.{self.connection}.{self.channel}.{self.sequence}"
 
 
 class TransactionRefused(Exception):
@@ -176,6 +180,11 @@ class ReplicationSink(abc.ABC):
     @abc.abstractmethod
     async def abort(self, txn: LocalTransaction) -> None:
         """Forget a prepared ``txn`` whose broker commit did not happen."""
+
+    async def resolve(self, txn: LocalTransaction) -> None:
+        """``txn``'s tx.commit reached the broker but its commit-ok was never
+        seen (the connection broke): settle it by its commit marker."""
+        return None
 
     def full(self) -> bool:
         """True while the sink holds as many not-yet-durable events as it may;

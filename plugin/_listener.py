@@ -196,6 +196,7 @@ class _ClientSide(asyncio.Protocol):
             self._spawn(self._prepare(txn))
         for txn in out.commit:
             self._spawn(self._commit(txn))
+        self._settle(out)
         if out.drop_broker and self.broker is not None and self.broker.transport is not None:
             self.broker.transport.close()
         if self.session.closing and not self._close_timer and not self._closed:
@@ -226,6 +227,15 @@ class _ClientSide(asyncio.Protocol):
         if not self._closed:
             self.apply(self.session.replicated_done(done))
 
+    def _settle(self, out: Output) -> None:
+        """Transactions that will never reach the broker, or whose broker
+        outcome was not seen, go back to the sink to be aborted or resolved."""
+        sink = self.listener.sink
+        for txn in out.abort:
+            self._spawn(sink.abort(txn))
+        for txn in out.unresolved:
+            self._spawn(sink.resolve(txn))
+
     async def _prepare(self, txn: LocalTransaction) -> None:
         refused: str | None = None
         try:
@@ -234,6 +244,8 @@ class _ClientSide(asyncio.Protocol):
             refused = str(e)
         if not self._closed:
             self.apply(self.session.transaction_prepared(txn.channel, refused))
+        elif refused is None:  # the client left while we prepared
+            await self.listener.sink.abort(txn)
 
     async def _commit(self, txn: LocalTransaction) -> None:
         await self.listener.sink.commit(txn)
@@ -281,7 +293,7 @@ class _ClientSide(asyncio.Protocol):
         self._closed = True
         if self._close_timer is not None:
             self._close_timer.cancel()
-        self.session.connection_lost()
+        self._settle(self.session.connection_lost())
         stats = self.listener.stats
         stats.connections_open -= 1
         if self.session.fault_code is not None:

@@ -41,7 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pamqp import base, commands
+from pamqp import base, commands, frame, header
+from pamqp.body import ContentBody
 
 from . import _amqp as amqp
 from ._amqp import AMQPError, Frame, FrameSplitter
@@ -57,7 +58,7 @@ from ._events import (
     ReplicationId,
 )
 
-__all__ = ["BrokerUnavailable", "Output", "Session"]
+__all__ = ["MARKER_QUEUE", "BrokerUnavailable", "Output", "Session", "commit_marker"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,11 @@ class Output:
     prepare: list[LocalTransaction] = field(default_factory=list)
     #: transactions to commit (sink.commit, then ``transaction_committed``).
     commit: list[LocalTransaction] = field(default_factory=list)
+    #: prepared transactions whose broker commit will never be sent (sink.abort).
+    abort: list[LocalTransaction] = field(default_factory=list)
+    #: transactions whose tx.commit went to the broker but whose commit-ok
+    #: will never be seen: the outcome is the marker's (sink.resolve).
+    unresolved: list[LocalTransaction] = field(default_factory=list)
     #: the upstream connection is to be dropped without an AMQP close.
     drop_broker: bool = False
 
@@ -130,6 +136,8 @@ class _Incoming:
 @dataclass(slots=True)
 class _Channel:
     closing: bool = False  # channel.close sent by either side, close-ok pending
+    #: we closed the channel on both sides: close-oks still due (client, broker)
+    closed_by_us: int = 0
     publish: _Publish | None = None
     incoming: _Incoming | None = None
     confirm: bool = False
@@ -287,18 +295,32 @@ class Session:
         return out
 
     def transaction_prepared(self, channel: int, refused: str | None = None) -> Output:
-        """The sink prepared (``refused`` None) or refused the held commit."""
+        """The sink prepared (``refused`` None) or refused the held commit.
+
+        Prepared: the held ``tx.commit`` goes to the broker behind the commit
+        marker, a persistent publish of the transaction id to the VPN's
+        marker queue inside the same broker transaction (a transactional
+        channel has no confirm numbering, so the client's numbering is
+        undisturbed), which is how recovery learns whether the broker
+        committed. Refused: the channel is closed on both sides with 406 and
+        the reason; the broker rolls the transaction back, nothing is applied.
+        """
         self._out = out = Output()
         ch = self._channels.get(channel)
-        if ch is None or ch.tx_prepared is None or self.closing:
+        if ch is None or ch.tx_prepared is None:
             return out
-        if refused is None:
-            ch.tx_committing, ch.tx_prepared = ch.tx_prepared, None
-            out.to_broker.append(ch.held_commit)
-        else:
-            ch.tx_prepared = None
-            self._fail(amqp.NotAllowed(f"transaction not committed: {refused}", amqp.TX_COMMIT))
-        ch.held_commit = b""
+        txn, ch.tx_prepared = ch.tx_prepared, None
+        held, ch.held_commit = ch.held_commit, b""
+        if refused is not None:
+            self._close_channel(
+                channel, ch, amqp.PRECONDITION_FAILED, f"transaction not committed: {refused}"
+            )
+            return out
+        if ch.closing or self.closing:
+            out.abort.append(txn)  # the client is gone: the broker rolls back
+            return out
+        ch.tx_committing = txn
+        out.to_broker.append(commit_marker(channel, txn.txid) + held)
         return out
 
     def transaction_committed(self, channel: int) -> Output:
@@ -318,13 +340,74 @@ class Session:
             self.fault_code = None  # not a protocol fault of the client
         return out
 
-    def connection_lost(self) -> None:
-        """Either side went away: exclusive queues of this connection are gone."""
+    def connection_lost(self) -> Output:
+        """Either side went away: exclusive queues of this connection are
+        gone; a transaction whose tx.commit reached the broker without its
+        commit-ok coming back is left to the marker (``unresolved``), one
+        still being prepared is aborted."""
+        self._out = out = Output()
         if self.vpn is not None:
             for queue in self._exclusive_queues:
                 self.vpn.topology.delete_queue(queue)
         self._exclusive_queues.clear()
+        for ch in self._channels.values():
+            self._channel_gone(ch)
         self._channels.clear()
+        return out
+
+    def _channel_gone(self, ch: _Channel) -> None:
+        if ch.tx_committing is not None:
+            self._out.unresolved.append(ch.tx_committing)
+            ch.tx_committing = None
+        if ch.tx_prepared is not None:
+            self._out.abort.append(ch.tx_prepared)
+            ch.tx_prepared = None
+
+    def _close_channel(self, channel: int, ch: _Channel, code: int, text: str) -> None:
+        """Close ``channel`` on both sides (a channel exception of ours); both
+        close-oks are swallowed when they come."""
+        log.warning(
+            "connection %d: closing channel %d: %d %s", self.connection_id, channel, code, text
+        )
+        self._out.to_client.append(
+            amqp.marshal_method(
+                commands.Channel.Close(reply_code=code, reply_text=text, class_id=90, method_id=20),
+                channel,
+            )
+        )
+        self._out.to_broker.append(
+            amqp.marshal_method(
+                commands.Channel.Close(
+                    reply_code=200, reply_text="channel closed by vpnrepl", class_id=0, method_id=0
+                ),
+                channel,
+            )
+        )
+        ch.closing = True
+        ch.closed_by_us = 2
+        self._channel_gone(ch)
+
+    def _closing_frame(
+        self, channel: int, ch: _Channel, buf: bytes, f: Frame, client: bool
+    ) -> bytes | None:
+        """A frame on a closing channel: only the close handshake matters."""
+        ids = amqp.method_id(buf, f) if f.type == amqp.FRAME_METHOD else None
+        if ids == amqp.TX_COMMIT_OK and not client and ch.tx_committing is not None:
+            # the broker committed before the close: the transaction stands
+            self._out.commit.append(ch.tx_committing)
+            ch.tx_committing = None
+        if not ch.closed_by_us:
+            if ids == amqp.CHANNEL_CLOSE_OK:
+                self._channel_gone(ch)
+                del self._channels[channel]
+            return None
+        if ids == amqp.CHANNEL_CLOSE and client:  # the client closed too: answer it
+            self._out.to_client.append(amqp.marshal_method(commands.Channel.CloseOk(), channel))
+        elif ids == amqp.CHANNEL_CLOSE_OK:
+            ch.closed_by_us -= 1
+            if not ch.closed_by_us:
+                del self._channels[channel]
+        return b""  # nothing of ours reaches the other side any more
 
     # ------------------------------------------------------------ client side
 
@@ -457,11 +540,8 @@ class Session:
         """Handle one client frame: None relays it, bytes replace it (b"" drops)."""
         ch = self._channels.get(f.channel)
         if ch is not None and ch.closing:
-            # The broker discards what a closing channel still carries; only
-            # the close handshake matters.
-            if f.type == amqp.FRAME_METHOD and amqp.method_id(buf, f) == amqp.CHANNEL_CLOSE_OK:
-                del self._channels[f.channel]
-            return None
+            # The broker discards what a closing channel still carries.
+            return self._closing_frame(f.channel, ch, buf, f, client=True)
         if f.type == amqp.FRAME_METHOD:
             if ch is not None and ch.publish is not None:
                 raise amqp.UnexpectedFrame(
@@ -804,6 +884,7 @@ class Session:
             channel=channel,
             sequence=ch.tx_sequence,
             events=tuple(ch.tx_events),
+            incarnation=self._ids.incarnation,
         )
         ch.tx_events.clear()
         ch.tx_acked.clear()
@@ -882,9 +963,7 @@ class Session:
     def _broker_frame(self, buf: bytes, f: Frame) -> bytes | None:
         ch = self._channels.get(f.channel)
         if ch is not None and ch.closing:
-            if f.type == amqp.FRAME_METHOD and amqp.method_id(buf, f) == amqp.CHANNEL_CLOSE_OK:
-                del self._channels[f.channel]
-            return None
+            return self._closing_frame(f.channel, ch, buf, f, client=False)
         if f.type == amqp.FRAME_METHOD:
             ids = amqp.method_id(buf, f)
             handler = _BROKER_METHODS.get(ids)
@@ -1122,6 +1201,31 @@ class Session:
 
 
 _CLOSE_OK_FRAME = amqp.frame_bytes(amqp.FRAME_METHOD, 0, b"\x00\x0a\x00\x33")
+
+
+#: the queue, in every replicated vhost, that holds commit markers
+MARKER_QUEUE = "vpnrepl.txn-markers"
+
+
+def commit_marker(channel: int, txid: str) -> bytes:
+    """A persistent publish of ``txid`` to :data:`MARKER_QUEUE`: method,
+    content header and body frames."""
+    body = txid.encode()
+    return b"".join(
+        (
+            amqp.marshal_method(
+                commands.Basic.Publish(exchange="", routing_key=MARKER_QUEUE), channel
+            ),
+            frame.marshal(
+                header.ContentHeader(
+                    body_size=len(body),
+                    properties=commands.Basic.Properties(delivery_mode=2),
+                ),
+                channel,
+            ),
+            frame.marshal(ContentBody(body), channel),
+        )
+    )
 
 
 def _relay_rest(buf: bytes, run: int, end: int, out: list[bytes]) -> None:

@@ -13,7 +13,7 @@ from pamqp.body import ContentBody
 from plugin import _amqp as amqp
 from plugin._directory import VpnDirectory, VpnView
 from plugin._events import Consumed, IdSource, MemorySink, Published, ReplicationSink
-from plugin._session import Session
+from plugin._session import MARKER_QUEUE, Session
 from plugin._topology import ReplicationScope, Topology
 from plugin._vpn import Role
 
@@ -309,23 +309,95 @@ def test_transactions_hold_commit_until_prepared_and_commit_ok_until_committed()
     txn = out.prepare[0]
     assert [e.body for e in txn.events] == [b"a", b"b"]
     out = s.transaction_prepared(1)
-    assert decode_all(out.to_broker)[0][1].name == "Tx.Commit"
+    sent = decode_all(out.to_broker)
+    # the commit marker goes inside the broker transaction, then the commit
+    names = [v.name for _, v in sent]
+    assert names == ["Basic.Publish", "ContentHeader", "ContentBody", "Tx.Commit"]
+    assert sent[0][1].routing_key == MARKER_QUEUE and sent[0][1].exchange == ""
+    assert sent[1][1].properties.delivery_mode == 2
+    assert sent[2][1].value == txn.txid.encode()
+    assert all(channel == 1 for channel, _ in sent)
     out = s.broker_data(m(C.Tx.CommitOk(), 1))
     assert out.to_client == [] and out.commit == [txn]
     out = s.transaction_committed(1)
     assert decode_all(out.to_client)[0][1].name == "Tx.CommitOk"
 
 
-def test_refused_prepare_closes_the_connection_and_sends_nothing_upstream() -> None:
+def test_refused_prepare_closes_the_channel_on_both_sides_with_406() -> None:
     s = make_session()
     open_session(s)
     s.client_data(m(C.Tx.Select(), 1))
     s.client_data(publish(1, b"a"))
     s.client_data(m(C.Tx.Commit(), 1))
-    out = s.transaction_prepared(1, refused="standby did not prepare in time")
-    assert not any(isinstance(v, C.Tx.Commit) for _, v in decode_all(out.to_broker))
-    [(_, close)] = decode_all(out.to_client)
-    assert "standby did not prepare in time" in close.reply_text
+    out = s.transaction_prepared(1, refused="the standby did not prepare in time")
+    upstream = decode_all(out.to_broker)
+    assert not any(isinstance(v, C.Tx.Commit | C.Basic.Publish) for _, v in upstream)
+    [(ch_up, broker_close)] = upstream  # the broker rolls the transaction back
+    assert ch_up == 1 and isinstance(broker_close, C.Channel.Close)
+    [(ch_down, close)] = decode_all(out.to_client)
+    assert ch_down == 1
+    assert isinstance(close, C.Channel.Close) and close.reply_code == 406
+    assert "the standby did not prepare in time" in close.reply_text
+    # both close-oks are ours to swallow; the connection stays open
+    assert s.client_data(m(C.Channel.CloseOk(), 1)).to_broker == []
+    assert s.broker_data(m(C.Channel.CloseOk(), 1)).to_client == []
+    assert not s.closing
+    out = s.client_data(m(C.Channel.Open(), 1))  # the client may reopen the channel
+    assert decode_all(out.to_broker)[0][1].name == "Channel.Open"
+
+
+def test_a_client_closing_while_we_close_gets_its_close_ok() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Tx.Select(), 1))
+    s.client_data(publish(1, b"a") + m(C.Tx.Commit(), 1))
+    s.transaction_prepared(1, refused="no")
+    out = s.client_data(
+        m(C.Channel.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0), 1)
+    )
+    assert out.to_broker == []
+    assert [v.name for _, v in decode_all(out.to_client)] == ["Channel.CloseOk"]
+
+
+def test_a_client_gone_before_the_broker_commit_aborts_and_one_gone_after_is_resolved() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Tx.Select(), 1))
+    s.client_data(publish(1, b"a") + m(C.Tx.Commit(), 1))
+    s.client_data(m(C.Channel.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0), 1))
+    out = s.transaction_prepared(1)  # prepared after the client closed the channel
+    assert out.to_broker == [] and [t.channel for t in out.abort] == [1]
+
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Tx.Select(), 1))
+    s.client_data(publish(1, b"a") + m(C.Tx.Commit(), 1))
+    s.transaction_prepared(1)  # marker and tx.commit are on their way
+    out = s.connection_lost()
+    assert [t.channel for t in out.unresolved] == [1] and out.abort == []
+
+
+def test_a_commit_ok_after_the_client_closed_the_channel_still_commits() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Tx.Select(), 1))
+    s.client_data(publish(1, b"a") + m(C.Tx.Commit(), 1))
+    s.transaction_prepared(1)
+    s.client_data(m(C.Channel.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0), 1))
+    out = s.broker_data(m(C.Tx.CommitOk(), 1) + m(C.Channel.CloseOk(), 1))
+    assert len(out.commit) == 1 and out.unresolved == []
+
+
+def test_transaction_ids_carry_the_incarnation() -> None:
+    topology = Topology("orders")
+    topology.declare_queue("q", {})
+    directory = VpnDirectory()
+    directory.put(VpnView("orders", Role.ACTIVE, ReplicationScope((r"q",)), topology))
+    s = Session(directory, IdSource(77))
+    open_session(s)
+    s.client_data(m(C.Tx.Select(), 1))
+    [txn] = s.client_data(publish(1, b"a") + m(C.Tx.Commit(), 1)).prepare
+    assert txn.txid.startswith("77.")
 
 
 def test_topology_changes_apply_on_ok_only() -> None:

@@ -1,0 +1,87 @@
+"""The coordinator's step table (sans-IO) and the failpoint switch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from txn._failpoints import FAILPOINTS
+from txn._machine import Action, Input, Phase, TxnMachine, TxnProtocolError
+
+
+def test_sync_commit_waits_for_both_votes_then_runs_to_done() -> None:
+    m = TxnMachine("t", needs_standby=True, reject=True)
+    assert m.feed(Input.LOCAL_PREPARED) == []  # the standby has not voted
+    assert m.feed(Input.REMOTE_PREPARED) == [Action.SEND_BROKER_COMMIT]
+    assert m.feed(Input.BROKER_COMMIT_SENT) == []
+    assert m.feed(Input.BROKER_COMMITTED) == [Action.RECORD_DECISION]
+    assert m.feed(Input.BROKER_COMMITTED) == []  # commit-ok after a delivery proved it
+    assert m.feed(Input.DECISION_DURABLE) == [Action.RELEASE_COMMIT_OK]
+    assert m.phase is Phase.DONE and not m.degraded
+
+
+def test_votes_in_either_order() -> None:
+    m = TxnMachine("t", needs_standby=True, reject=False)
+    assert m.feed(Input.REMOTE_PREPARED) == []
+    assert m.feed(Input.LOCAL_PREPARED) == [Action.SEND_BROKER_COMMIT]
+
+
+def test_a_late_standby_under_reject_refuses_and_forgets() -> None:
+    m = TxnMachine("t", needs_standby=True, reject=True)
+    m.feed(Input.LOCAL_PREPARED)
+    assert m.feed(Input.REMOTE_TIMEOUT) == [Action.FORGET, Action.REFUSE]
+    assert m.phase is Phase.ABORTED and "did not prepare in time" in m.refusal
+    with pytest.raises(TxnProtocolError):
+        m.feed(Input.BROKER_COMMIT_SENT)  # nothing may reach the broker now
+
+
+def test_a_late_standby_under_degrade_goes_on_degraded() -> None:
+    m = TxnMachine("t", needs_standby=True, reject=False)
+    m.feed(Input.LOCAL_PREPARED)
+    assert m.feed(Input.REMOTE_TIMEOUT) == [Action.SEND_BROKER_COMMIT]
+    assert m.degraded
+
+
+def test_async_vpn_needs_only_the_local_prepare() -> None:
+    m = TxnMachine("t", needs_standby=False, reject=True)
+    assert m.feed(Input.LOCAL_PREPARED) == [Action.SEND_BROKER_COMMIT]
+
+
+@pytest.mark.parametrize(
+    ("steps", "bad"),
+    [
+        ([], Input.BROKER_COMMITTED),  # no broker commit before prepare
+        ([Input.LOCAL_PREPARED], Input.DECISION_DURABLE),
+        ([Input.LOCAL_PREPARED, Input.BROKER_COMMIT_SENT], Input.ABORT),  # too late to abort
+    ],
+)
+def test_inputs_out_of_order_are_errors(steps: list[Input], bad: Input) -> None:
+    m = TxnMachine("t", needs_standby=False, reject=True)
+    for step in steps:
+        m.feed(step)
+    with pytest.raises(TxnProtocolError):
+        m.feed(bad)
+
+
+def test_abort_before_the_broker_commit_forgets() -> None:
+    m = TxnMachine("t", needs_standby=True, reject=True)
+    m.feed(Input.LOCAL_PREPARED)
+    assert m.feed(Input.ABORT) == [Action.FORGET]
+    assert m.phase is Phase.ABORTED
+
+
+def test_an_unknown_failpoint_name_stops_the_process_at_import() -> None:
+    env = {**os.environ, "VPNREPL_FAILPOINT": "coordinator.after-lunch"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import txn._failpoints"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "is not a failpoint" in done.stderr and "coordinator.after-prepare" in done.stderr
+    assert "coordinator.after-prepare" in FAILPOINTS

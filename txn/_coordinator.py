@@ -1,0 +1,448 @@
+"""Local transactions as an internal two-phase commit over both sites.
+
+A client's ``tx.commit`` on a channel that published or acked replicated
+messages runs this protocol (the steps are :mod:`txn._machine`'s table):
+
+1. **Prepare.** The transaction's events are written as a ``prepared``
+   ``txn_log`` row on the active site (coordinator) and — for a sync-mode
+   VPN — sent to the standby, which writes its own ``prepared`` row
+   (participant) and votes. Both writes run at once. The VPN's
+   ``on-sync-timeout`` applies when the standby does not vote in time:
+   ``reject`` refuses the commit (the client's channel is closed with 406;
+   the broker rolls back; both rows are marked aborted: nothing is applied
+   anywhere), ``degrade`` goes on without it (the row is marked degraded and
+   the standby gets the transaction asynchronously, with the ledger).
+2. **Broker commit.** The listener sends the held ``tx.commit`` behind a
+   commit marker: a persistent publish of the transaction id to the VPN's
+   ``vpnrepl.txn-markers`` queue in the same broker transaction. The broker
+   is the last resource: it cannot prepare, but its outcome stays
+   discoverable — the marker exists exactly when the broker committed.
+3. **Decision.** On ``tx.commit-ok`` the transaction's events are appended
+   to the active's ledger as one group (one database transaction: all or
+   none). That group *is* the commit record; the row moves to ``committed``
+   once it is durable. A delivery of a message the transaction published
+   also proves the broker committed, and the decision is recorded at once
+   then, so the ledger never holds an ack before the publish it acks.
+4. **Standby commit and reply.** The standby applies the group like any
+   ledger entries (messages inserted, acked ones removed, applied index in
+   the same database transaction) and acknowledges; for a sync-mode VPN the
+   client's ``tx.commit-ok`` waits for that acknowledgement, so it is sent
+   only when prepare and commit are durable on both sites. The participant
+   row is marked committed and the coordinator's ended; the marker is
+   removed.
+
+**Recovery** (either node, at start, before clients are accepted): every
+coordinator row still ``prepared`` is resolved — its group in the ledger
+after ``ledger_floor`` means the decision was made (mark committed); else
+its marker in the broker means the broker committed (record the decision
+now); else the broker did not commit (abort on both sites). A standby
+resolves its own prepared rows by asking the active when the bridge
+connects (``TxnQuery``): committed or ended → committed, aborted or unknown →
+aborted (presumed abort: the coordinator writes its row before asking the
+standby to prepare, so no row means no commit).
+
+**Why a client's confirmed transaction is never lost or half-applied:** the
+client gets ``tx.commit-ok`` only after the group is durable in the active's
+ledger (and, sync mode, applied by the standby). The ledger group is one
+database transaction, the standby applies with its applied index in the
+same transaction, and a lagging or restarted standby replays the ledger, so
+both sites end with all of the group or none of it. A crash before the
+decision leaves a prepared row whose outcome the marker decides, with the
+broker's own transaction as the source of truth; the client never got
+``tx.commit-ok`` in that case, and both sites follow the broker.
+
+**Residual risk, left to reconciliation:** RabbitMQ does not promise that a
+transaction spanning several queues is all-or-nothing when the *broker*
+crashes in the middle of its commit (the marker may survive while a message
+in another queue does not, or the reverse). A standby promoted while the
+active site is lost resolves its in-doubt rows by presumed abort, although
+the lost broker may have committed them (the clients never got
+``tx.commit-ok``). A transaction's broker commit racing the node's crash
+is resolved by the marker read at the next start, which assumes the broker
+has finished with the dead connection by then (it has, within milliseconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import psycopg
+from opentelemetry import trace
+
+from bridge._ledger import LedgerError
+from plugin._events import Consumed, Event, LocalTransaction, Published, TransactionRefused
+from plugin._vpn import Mode, SyncTimeoutPolicy, VpnSettings
+
+from ._failpoints import failpoint
+from ._log import COORDINATOR, TxnLog, TxnRow
+from ._machine import Action, Input, Phase, TxnMachine
+from ._markers import MarkerError, MarkerStore
+
+__all__ = ["Coordinator", "GroupLedger", "StandbyLink"]
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("vpnrepl.txn")
+
+#: how long after a broken connection a transaction is settled by its marker
+RESOLVE_DELAY = 1.0
+#: markers of ended transactions are removed in sweeps this often
+SWEEP_SECONDS = 5.0
+
+
+class GroupLedger(Protocol):
+    """What the coordinator needs of the ledger writer."""
+
+    def append_group(
+        self, events: Sequence[Event], on_durable: Callable[[bool], None] | None
+    ) -> int:
+        """Append ``events`` as one all-or-nothing group; returns the last index."""
+
+    def durable_index(self, vpn: str) -> int: ...
+
+
+class StandbyLink(Protocol):
+    """The active's side of the bridge, as the coordinator uses it."""
+
+    async def prepare(self, vpn: str, txid: str, events: Sequence[Event], within: float) -> bool:
+        """True once the standby's participant voted yes within ``within`` seconds."""
+
+    def outcome(self, vpn: str, txid: str, commit: bool) -> None:
+        """Tell the standby how ``txid`` ended (best effort: it asks again)."""
+
+
+class SyncWait(Protocol):
+    """Waits for the standby to acknowledge a ledger index (the sync gate)."""
+
+    def wait_standby(self, vpn: str, index: int, resolve: Callable[[bool], None]) -> bool:
+        """Call ``resolve(acked)`` once the standby acknowledged ``index`` or the
+        sync timeout passed; False when the VPN has no sync gate."""
+
+
+@dataclass
+class _Live:
+    txn: LocalTransaction
+    machine: TxnMachine
+    done: asyncio.Future[bool]
+    published: tuple[bytes, ...] = ()
+    last_index: int = 0
+    spans: list[trace.Span] = field(default_factory=list)
+
+
+class Coordinator:
+    """Drives :class:`~txn._machine.TxnMachine` with the database, the
+    ledger, the bridge and the broker's markers (see the module docstring)."""
+
+    def __init__(
+        self,
+        txn_log: TxnLog,
+        markers: MarkerStore,
+        ledger: GroupLedger,
+        sync: SyncWait,
+        link: StandbyLink | None = None,
+    ) -> None:
+        self.log = txn_log
+        self.markers = markers
+        self.ledger = ledger
+        self.sync = sync
+        self.link = link
+        self.settings: dict[str, VpnSettings] = {}
+        self._live: dict[str, _Live] = {}
+        #: replication id of a message a committing transaction published -> txid
+        self._committing_ids: dict[bytes, str] = {}
+        self._ended: dict[str, set[str]] = {}  # vpn -> txids whose markers can go
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def configure(self, settings: VpnSettings) -> None:
+        self.settings[settings.name] = settings
+
+    def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="txn-marker-sweep")
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    # -- the listener's side (through the Replicator sink) -------------------
+
+    async def prepare(self, txn: LocalTransaction) -> None:
+        settings = self.settings.get(txn.vpn)
+        if settings is None:
+            raise TransactionRefused(f"VPN {txn.vpn!r} is not replicated as active here")
+        machine = TxnMachine(
+            txn.txid,
+            needs_standby=settings.mode is Mode.SYNC and self.link is not None,
+            reject=settings.on_sync_timeout is SyncTimeoutPolicy.REJECT,
+        )
+        live = _Live(txn, machine, asyncio.get_running_loop().create_future())
+        self._live[txn.txid] = live
+        try:
+            with tracer.start_as_current_span("txn.prepare", attributes=_attrs(txn)):
+                await self._prepare(live, settings)
+        except BaseException:
+            self._live.pop(txn.txid, None)
+            raise
+
+    async def _prepare(self, live: _Live, settings: VpnSettings) -> None:
+        txn, machine = live.txn, live.machine
+        try:
+            await self.markers.declare(txn.vpn)
+        except MarkerError as e:
+            raise TransactionRefused(f"the commit marker queue is not available: {e}") from e
+        floor = self.ledger.durable_index(txn.vpn)
+        local = self.log.prepare(txn.txid, txn.vpn, COORDINATOR, txn.events, ledger_floor=floor)
+        remote: asyncio.Task[bool] | None = None
+        if machine.needs_standby and self.link is not None:
+            remote = asyncio.create_task(
+                self.link.prepare(
+                    txn.vpn, txn.txid, txn.events, within=settings.sync_timeout_ms / 1000
+                )
+            )
+        try:
+            await local
+        except BaseException:
+            if remote is not None:
+                remote.cancel()
+            raise
+        actions = machine.feed(Input.LOCAL_PREPARED)
+        failpoint("coordinator.after-local-prepare")
+        if remote is not None:
+            voted = await remote
+            actions = machine.feed(Input.REMOTE_PREPARED if voted else Input.REMOTE_TIMEOUT)
+        if Action.REFUSE in actions:
+            await self._forget(txn)
+            raise TransactionRefused(
+                f"{machine.refusal} ({settings.sync_timeout_ms} ms); nothing was applied"
+            )
+        if machine.degraded:
+            log.warning(
+                "VPN %s: transaction %s committed without the standby's prepare (degraded)",
+                txn.vpn,
+                txn.txid,
+            )
+            await self.log.move(txn.txid, "prepared", leaving=("prepared",), degraded=True)
+        assert Action.SEND_BROKER_COMMIT in actions  # noqa: S101 - both votes are in
+        failpoint("coordinator.after-prepare")
+        machine.feed(Input.BROKER_COMMIT_SENT)
+        live.published = tuple(e.repl_id.value for e in txn.events if isinstance(e, Published))
+        for rid in live.published:
+            self._committing_ids[rid] = txn.txid
+
+    def before_consumed(self, event: Consumed) -> None:
+        """A delivery of ``event``'s message was acked: if a committing
+        transaction published it, the broker has committed that transaction;
+        record the decision first, so the ledger holds the publish before
+        the ack."""
+        txid = self._committing_ids.get(event.repl_id.value)
+        if txid is not None:
+            live = self._live.get(txid)
+            if live is not None:
+                self._decide(live)
+
+    async def commit(self, txn: LocalTransaction) -> None:
+        """The broker committed (tx.commit-ok): decide, then wait until the
+        client may be told."""
+        live = self._live.get(txn.txid)
+        if live is None:
+            raise TransactionRefused(f"transaction {txn.txid} is not in flight")
+        failpoint("coordinator.after-broker-commit")
+        with tracer.start_as_current_span("txn.commit", attributes=_attrs(txn)):
+            self._decide(live)
+            ok = await live.done
+        self._live.pop(txn.txid, None)
+        if not ok:
+            raise TransactionRefused("the commit decision could not be recorded")
+        failpoint("coordinator.after-decision")
+
+    def _decide(self, live: _Live) -> None:
+        actions = live.machine.feed(Input.BROKER_COMMITTED)
+        if Action.RECORD_DECISION not in actions:
+            return  # decided already (a delivery came first)
+        for rid in live.published:
+            self._committing_ids.pop(rid, None)
+        txn = live.txn
+        try:
+            live.last_index = self.ledger.append_group(
+                txn.events, lambda ok: self._decision_durable(live, ok)
+            )
+        except LedgerError as e:
+            log.error("VPN %s: transaction %s: decision not recorded: %s", txn.vpn, txn.txid, e)
+            if not live.done.done():
+                live.done.set_result(False)
+
+    def _decision_durable(self, live: _Live, ok: bool) -> None:
+        txn = live.txn
+        if not ok:
+            if not live.done.done():
+                live.done.set_result(False)
+            return
+        self._spawn(
+            self.log.move(txn.txid, "committed", leaving=("prepared",), ledger_last=live.last_index)
+        )
+        if live.machine.degraded or not self.sync.wait_standby(
+            txn.vpn, live.last_index, lambda acked: self._standby_applied(live, acked)
+        ):
+            self._standby_applied(live, True)
+
+    def _standby_applied(self, live: _Live, acked: bool) -> None:
+        txn = live.txn
+        if not acked and not live.machine.degraded:
+            live.machine.degraded = True  # the broker committed: go on without it
+            log.warning(
+                "VPN %s: transaction %s committed; the standby did not apply it in time",
+                txn.vpn,
+                txn.txid,
+            )
+            self._spawn(
+                self.log.move(
+                    txn.txid, "committed", leaving=("prepared", "committed"), degraded=True
+                )
+            )
+        for action in live.machine.feed(Input.DECISION_DURABLE):
+            if action is Action.RELEASE_COMMIT_OK and not live.done.done():
+                live.done.set_result(True)
+        if acked and not live.machine.degraded:
+            self._end(txn.vpn, txn.txid, commit=True)
+        # a degraded one ends when the standby has acknowledged its group
+
+    async def abort(self, txn: LocalTransaction) -> None:
+        """The broker commit will not happen (the client left, or rolled back)."""
+        live = self._live.pop(txn.txid, None)
+        if live is not None and live.machine.phase in (Phase.PREPARING, Phase.PREPARED):
+            live.machine.feed(Input.ABORT)
+        await self._forget(txn)
+
+    async def resolve(self, txn: LocalTransaction) -> None:
+        """tx.commit went out, its commit-ok never came back: ask the marker."""
+        await asyncio.sleep(RESOLVE_DELAY)  # let the broker finish with the connection
+        live = self._live.get(txn.txid)
+        if live is None or live.machine.phase is not Phase.COMMITTING:
+            return  # decided meanwhile (a delivery proved the commit)
+        try:
+            committed = txn.txid in await self.markers.present(txn.vpn)
+        except MarkerError as e:
+            log.error(
+                "VPN %s: transaction %s stays in doubt until restart: %s", txn.vpn, txn.txid, e
+            )
+            return
+        if committed:
+            self._decide(live)
+            await live.done
+            self._live.pop(txn.txid, None)
+        else:
+            self._live.pop(txn.txid, None)
+            for rid in live.published:
+                self._committing_ids.pop(rid, None)
+            await self._forget(txn)
+
+    async def _forget(self, txn: LocalTransaction) -> None:
+        await self.log.move(txn.txid, "aborted", leaving=("prepared",))
+        if self.link is not None:
+            self.link.outcome(txn.vpn, txn.txid, commit=False)
+
+    def _end(self, vpn: str, txid: str, commit: bool) -> None:
+        self._spawn(self.log.move(txid, "ended", leaving=("committed",)))
+        if self.link is not None:
+            self.link.outcome(vpn, txid, commit=commit)
+        self._ended.setdefault(vpn, set()).add(txid)
+
+    # -- recovery and housekeeping -------------------------------------------
+
+    async def recover(self) -> dict[str, str]:
+        """Resolve every coordinator row left prepared by a crash; returns
+        ``{txid: outcome}`` (``committed``/``aborted``) for the log."""
+        outcomes: dict[str, str] = {}
+        rows = [r for r in await self.log.open_rows(COORDINATOR) if r.state == "prepared"]
+        markers: dict[str, set[str]] = {}
+        for row in rows:
+            if row.vpn not in markers:
+                markers[row.vpn] = await self.markers.present(row.vpn)
+            outcomes[row.txid] = await self._recover_one(row, markers[row.vpn])
+        if outcomes:
+            log.info(
+                "recovered %d in-doubt transaction(s): %s",
+                len(outcomes),
+                ", ".join(f"{t} {o}" for t, o in outcomes.items()),
+            )
+        for vpn, present in markers.items():
+            done = {t for t in present if outcomes.get(t) != "prepared"}
+            await self.markers.remove(vpn, done)
+        return outcomes
+
+    async def _recover_one(self, row: TxnRow, markers: set[str]) -> str:
+        with tracer.start_as_current_span("txn.recover", attributes={"txid": row.txid}):
+            if await self.log.in_ledger(row):
+                await self.log.move(row.txid, "committed", leaving=("prepared",))
+                return "committed"
+            if row.txid in markers:
+                loop = asyncio.get_running_loop()
+                durable: asyncio.Future[bool] = loop.create_future()
+                last = self.ledger.append_group(row.events, _settle(durable))
+                if not await durable:
+                    return "prepared"  # the ledger is down: stays in doubt, retried next start
+                await self.log.move(row.txid, "committed", leaving=("prepared",), ledger_last=last)
+                return "committed"
+            await self.log.move(row.txid, "aborted", leaving=("prepared",))
+            if self.link is not None:
+                self.link.outcome(row.vpn, row.txid, commit=False)
+            return "aborted"
+
+    async def outcomes_for(self, txids: Sequence[str]) -> dict[str, bool | None]:
+        """For a standby's query: True committed, False aborted (or unknown:
+        presumed abort), None still in flight here."""
+        states = await self.log.states(txids)
+        out: dict[str, bool | None] = {}
+        for txid in txids:
+            state = states.get(txid)
+            if state in ("committed", "ended"):
+                out[txid] = True
+            elif state == "prepared":
+                out[txid] = None
+            else:
+                out[txid] = False
+        return out
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_SECONDS)
+            with contextlib.suppress(psycopg.Error):
+                await self.log.end_acknowledged()
+            for vpn in list(self._ended):
+                txids = self._ended.pop(vpn)
+                try:
+                    await self.markers.remove(vpn, txids)
+                except MarkerError as e:
+                    log.warning("commit markers not removed yet: %s", e)
+                    self._ended.setdefault(vpn, set()).update(txids)
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _settle(future: asyncio.Future[bool]) -> Callable[[bool], None]:
+    def settle(ok: bool) -> None:
+        if not future.done():
+            future.set_result(ok)
+
+    return settle
+
+
+def _attrs(txn: LocalTransaction) -> dict[str, str | int]:
+    return {"vpn": txn.vpn, "txid": txn.txid, "events": len(txn.events)}

@@ -1,0 +1,178 @@
+"""``txn_log``: the persistent half of the coordinator and the participant.
+
+One row per transaction and side (``coordinator`` on the active site,
+``participant`` on the standby), in that site's own database. States move
+``prepared`` → ``committed`` → ``ended``, or ``prepared`` → ``aborted``; a
+row is never moved back (every update names the states it may leave), so a
+late or repeated message cannot undo an outcome.
+
+A prepared row holds the transaction's events (each event's ledger encoding,
+u32-length-prefixed): the participant's vote is worth something only if what
+it voted on is durable. Parameterised SQL only.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import AsyncConnection
+from psycopg.rows import tuple_row
+from psycopg_pool import AsyncConnectionPool
+
+from bridge._entry import decode_event, encode_event
+from plugin._events import Event
+
+__all__ = ["TxnLog", "TxnRow", "decode_events", "encode_events"]
+
+_U32 = struct.Struct(">I")
+
+COORDINATOR, PARTICIPANT = "coordinator", "participant"
+
+
+def encode_events(events: Iterable[Event]) -> bytes:
+    parts = []
+    for event in events:
+        data = encode_event(event)
+        parts.append(_U32.pack(len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def decode_events(data: bytes, vpn: str) -> tuple[Event, ...]:
+    out, pos = [], 0
+    while pos < len(data):
+        (n,) = _U32.unpack_from(data, pos)
+        out.append(decode_event(data[pos + 4 : pos + 4 + n], vpn))
+        pos += 4 + n
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class TxnRow:
+    txid: str
+    vpn: str
+    side: str
+    state: str
+    degraded: bool
+    ledger_floor: int
+    events: tuple[Event, ...]
+
+
+_SELECT = """
+SELECT txid, vpn, side, state, degraded, ledger_floor, events FROM txn_log
+"""
+
+
+class TxnLog:
+    """``txn_log`` of one site, through a small psycopg pool of its own (so
+    a prepare never queues behind the ledger writer's batches)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.pool: AsyncConnectionPool[AsyncConnection[Any]] = AsyncConnectionPool(
+            dsn, min_size=1, max_size=4, open=False, kwargs={"autocommit": True}
+        )
+
+    async def open(self) -> None:
+        await self.pool.open(wait=True, timeout=30)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def prepare(
+        self,
+        txid: str,
+        vpn: str,
+        side: str,
+        events: Sequence[Event],
+        *,
+        ledger_floor: int = 0,
+    ) -> bool:
+        """Persist a prepared row; False if ``txid`` already has a row (a
+        repeated prepare: the first one stands)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "INSERT INTO txn_log (txid, vpn, side, state, events, ledger_floor)"
+                " VALUES (%s, %s, %s, 'prepared', %s, %s) ON CONFLICT (txid) DO NOTHING",
+                (txid, vpn, side, encode_events(events), ledger_floor),
+            )
+            return cur.rowcount == 1
+
+    async def move(
+        self,
+        txid: str,
+        to: str,
+        *,
+        leaving: Sequence[str],
+        degraded: bool | None = None,
+        ledger_last: int | None = None,
+    ) -> bool:
+        """Move ``txid`` to state ``to`` if it is in one of ``leaving``;
+        True if it moved."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE txn_log SET state = %s, degraded = COALESCE(%s, degraded),"
+                " ledger_last = COALESCE(%s, ledger_last), updated_at = now()"
+                " WHERE txid = %s AND state = ANY(%s)",
+                (to, degraded, ledger_last, txid, list(leaving)),
+            )
+            return cur.rowcount == 1
+
+    async def end_acknowledged(self) -> int:
+        """End committed coordinator rows whose group the standby has
+        acknowledged (degraded ones, and any a restart left committed)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE txn_log t SET state = 'ended', updated_at = now() FROM vpn_state s"
+                " WHERE t.vpn = s.vpn AND t.side = 'coordinator' AND t.state = 'committed'"
+                " AND t.ledger_last > 0 AND t.ledger_last <= s.applied_index"
+            )
+            return cur.rowcount
+
+    async def open_rows(self, side: str) -> list[TxnRow]:
+        """Rows of ``side`` still prepared or committed (not ended/aborted)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            await cur.execute(
+                _SELECT
+                + " WHERE side = %s AND state IN ('prepared', 'committed') ORDER BY created_at",
+                (side,),
+            )
+            return [_row(r) for r in await cur.fetchall()]
+
+    async def states(self, txids: Sequence[str]) -> dict[str, str]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            await cur.execute(
+                "SELECT txid, state FROM txn_log WHERE txid = ANY(%s)", (list(txids),)
+            )
+            return {str(t): str(s) for t, s in await cur.fetchall()}
+
+    async def in_ledger(self, row: TxnRow) -> bool:
+        """Whether the coordinator's decision (the transaction's events as a
+        ledger group after ``ledger_floor``) is in the ledger: its first event
+        is unique (a fresh id, or the one consumption of a message)."""
+        if not row.events:
+            return False
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT 1 FROM ledger WHERE vpn = %s AND idx > %s AND event = %s LIMIT 1",
+                (row.vpn, row.ledger_floor, encode_event(row.events[0])),
+            )
+            return await cur.fetchone() is not None
+
+
+def _row(r: tuple[object, ...]) -> TxnRow:
+    txid, vpn, side, state, degraded, floor, events = r
+    assert isinstance(events, bytes | memoryview)  # noqa: S101 - bytea column
+    return TxnRow(
+        str(txid),
+        str(vpn),
+        str(side),
+        str(state),
+        bool(degraded),
+        int(floor),  # type: ignore[call-overload]
+        decode_events(bytes(events), str(vpn)),
+    )

@@ -40,7 +40,9 @@ the same one:
   (``--messages 30000``) the consumer itself is held to about that rate.
 
 After every run the script waits until the standby has applied everything
-(it reads A's ``vpn_state.ledger_index`` and B's ``applied_index``) and
+(it reads A's ``vpn_state.ledger_index`` and B's ``applied_index``), and A
+its own live state (``vpn_live_state.live_index``: A applies it after the
+ledger commit that releases confirms), and
 checks the ledger grew by exactly one event per replicated publish or ack
 (none for direct runs), so no run starts with the previous one's replication
 work in the background; how long after the run's end A's ledger held every
@@ -102,7 +104,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -116,12 +117,14 @@ from _common import (
     ConsumeResult,
     LeanConsumer,
     LeanPublisher,
+    NodeProcess,
     RunResult,
     add_publisher_options,
     process_cpu,
     start_py_spy,
     summarise_py_spy,
     tree_cpu,
+    vpnrepl,
 )
 
 from plugin._localsites import LocalSite, LocalSites
@@ -152,89 +155,6 @@ PROBE_CHUNKS = 5
 
 
 # ---------------------------------------------------------------- processes
-
-
-def vpnrepl_exe() -> str:
-    exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))
-    if not Path(exe).exists():
-        raise BenchError("the vpnrepl console script is not installed in this environment")
-    return exe
-
-
-def vpnrepl(config: Path, *args: str) -> str:
-    out = subprocess.run(
-        [vpnrepl_exe(), "--config", str(config), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    if out.returncode != 0:
-        raise BenchError(f"vpnrepl {' '.join(args)}: {out.stderr.strip() or out.returncode}")
-    return out.stdout.strip()
-
-
-class NodeProcess:
-    """One ``vpnrepl node``, in its own session (Ctrl-C is ours to pass on)."""
-
-    def __init__(self, name: str, site: LocalSite, config: Path, log: Path) -> None:
-        self.name = name
-        self.site = site
-        self.config = config
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def start(self, timeout: float = 60.0) -> None:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [vpnrepl_exe(), "--config", str(self.config), "node"],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise BenchError(f"node {self.name} exited {self.proc.returncode}:\n{self.tail()}")
-            with contextlib.suppress(OSError):
-                if self.get("/health") == "ok\n":
-                    return
-            if time.monotonic() > deadline:
-                raise BenchError(f"node {self.name} not healthy in {timeout:.0f} s:\n{self.tail()}")
-            time.sleep(0.1)
-
-    def get(self, path: str) -> str:
-        url = f"http://127.0.0.1:{self.site.admin_port}{path}"
-        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback
-            return str(resp.read().decode())
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_text(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
 
 
 def _beam_pid(site: LocalSite) -> int | None:
@@ -318,6 +238,14 @@ class Deployment:
         ).fetchone()
         return int(row[0]) if row else 0
 
+    def live_index(self, vpn: str) -> int:
+        """How far A's live state (applied after the ledger commit) reached."""
+        assert self.db_a is not None
+        row = self.db_a.execute(
+            "SELECT live_index FROM vpn_live_state WHERE vpn = %s", (vpn,)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
     def applied_index(self, vpn: str) -> int:
         assert self.db_b is not None
         row = self.db_b.execute(
@@ -328,7 +256,8 @@ class Deployment:
     def wait_applied(self, vpn: str, expected: int, timeout: float = 180.0) -> tuple[float, float]:
         """Wait until A's ledger and B's applied index of ``vpn`` reach
         ``expected``; returns the seconds until the ledger did and until the
-        standby did. Fails if either goes past it (events the benchmark did
+        standby did (and A's own live state, so no apply work is left for the
+        next run). Fails if either goes past it (events the benchmark did
         not cause) or time runs out."""
         t0 = time.perf_counter()
         deadline = t0 + timeout
@@ -343,7 +272,8 @@ class Deployment:
             if ledger == expected and ledger_done is None:
                 ledger_done = now - t0
             if applied == expected and ledger_done is not None:
-                return ledger_done, now - t0
+                if self.live_index(vpn) == expected:
+                    return ledger_done, now - t0
             if now > deadline:
                 raise BenchError(
                     f"VPN {vpn}: standby not caught up in {timeout:.0f} s "

@@ -7,9 +7,12 @@ when the entry was appended.
 
 The event encoding is shared by the ledger table (``ledger.event``) and the
 bridge wire, so an entry is encoded once on the active and stored, shipped and
-applied from the same bytes. It is length-prefixed and versionless on purpose:
-the bridge handshake carries the protocol version, and a schema migration
-rewrites stored entries if the encoding ever changes.
+applied from the same bytes: :attr:`LedgerEntry.data` carries them (the
+ledger writer sets it at append, a replay or a received frame keeps the bytes
+it decoded), and the bridge ships them without encoding again. It is
+length-prefixed and versionless on purpose: the bridge handshake carries the
+protocol version, and a schema migration rewrites stored entries if the
+encoding ever changes.
 
     PUBLISHED: b"P" id(16) exchange(str16) routing_key(str16) nqueues(u16)
                queue(str16)* properties(bytes32) body(bytes32)
@@ -20,7 +23,7 @@ rewrites stored entries if the encoding ever changes.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plugin._events import Consumed, Event, Published, ReplicationId
 
@@ -28,6 +31,7 @@ __all__ = ["EventDecodeError", "LedgerEntry", "decode_event", "encode_event"]
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
+_HEAD = struct.Struct(">c16sH")  # kind, id, length of the first string
 KIND_PUBLISHED = b"P"
 KIND_CONSUMED = b"C"
 
@@ -38,12 +42,14 @@ class EventDecodeError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class LedgerEntry:
-    """One event of ``vpn`` at ``(epoch, index)``."""
+    """One event of ``vpn`` at ``(epoch, index)``; ``data`` is its encoding
+    when the creator has it at hand (empty: encode on demand)."""
 
     vpn: str
     epoch: int
     index: int
     event: Event
+    data: bytes = field(default=b"", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.index < 1 or self.epoch < 1:
@@ -52,6 +58,11 @@ class LedgerEntry:
     @property
     def kind(self) -> str:
         return "published" if isinstance(self.event, Published) else "consumed"
+
+    @property
+    def encoded(self) -> bytes:
+        """The event's bytes as stored in the ledger and shipped on the bridge."""
+        return self.data or encode_event(self.event)
 
 
 def _str16(text: str) -> bytes:
@@ -62,19 +73,17 @@ def _str16(text: str) -> bytes:
 
 
 def encode_event(event: Event) -> bytes:
+    # Hot (once per replicated event): a flat list, no generator per call.
     if isinstance(event, Published):
-        parts = [
-            KIND_PUBLISHED,
-            event.repl_id.value,
-            _str16(event.exchange),
-            _str16(event.routing_key),
-            _U16.pack(len(event.queues)),
-            *(_str16(q) for q in event.queues),
-            _U32.pack(len(event.properties)),
-            event.properties,
-            _U32.pack(len(event.body)),
-            event.body,
-        ]
+        parts = [KIND_PUBLISHED, event.repl_id.value, _str16(event.exchange)]
+        parts.append(_str16(event.routing_key))
+        parts.append(_U16.pack(len(event.queues)))
+        for queue in event.queues:
+            parts.append(_str16(queue))
+        parts.append(_U32.pack(len(event.properties)))
+        parts.append(event.properties)
+        parts.append(_U32.pack(len(event.body)))
+        parts.append(event.body)
         return b"".join(parts)
     return KIND_CONSUMED + event.repl_id.value + _str16(event.queue)
 
@@ -107,7 +116,50 @@ class _Reader:
 
 def decode_event(data: bytes, vpn: str) -> Event:
     """Decode an event of ``vpn`` (the VPN is not repeated in every event)."""
-    r = _Reader(bytes(data))
+    data = bytes(data)
+    try:
+        return _decode_fast(data, vpn)
+    except (struct.error, IndexError, ValueError):
+        pass  # malformed: the careful reader below says where
+    return _decode_checked(data, vpn)
+
+
+def _decode_fast(data: bytes, vpn: str) -> Event:
+    """The common shapes in few steps; raises on anything it does not expect
+    (``UnicodeDecodeError`` is a ``ValueError``), leaving the message to
+    :func:`_decode_checked`."""
+    kind, rid, n = _HEAD.unpack_from(data)
+    pos = 19 + n
+    first = data[19:pos].decode()
+    if kind == KIND_CONSUMED:
+        if pos != len(data):
+            raise ValueError("trailing bytes")
+        return Consumed(vpn, ReplicationId(rid), first)
+    if kind != KIND_PUBLISHED:
+        raise ValueError("unknown kind")
+    n = _U16.unpack_from(data, pos)[0]
+    routing_key = data[pos + 2 : pos + 2 + n].decode()
+    pos += 2 + n
+    queues: list[str] = []
+    for _ in range(_U16.unpack_from(data, pos)[0]):
+        n = _U16.unpack_from(data, pos + 2)[0]
+        queues.append(data[pos + 4 : pos + 4 + n].decode())
+        pos += 2 + n
+    pos += 2
+    n = _U32.unpack_from(data, pos)[0]
+    properties = data[pos + 4 : pos + 4 + n]
+    pos += 4 + n
+    n = _U32.unpack_from(data, pos)[0]
+    body = data[pos + 4 : pos + 4 + n]
+    # Offsets only grow by declared lengths: ending exactly at the end means
+    # no slice above was cut short.
+    if pos + 4 + n != len(data):
+        raise ValueError("truncated or trailing bytes")
+    return Published(vpn, ReplicationId(rid), first, routing_key, properties, body, tuple(queues))
+
+
+def _decode_checked(data: bytes, vpn: str) -> Event:
+    r = _Reader(data)
     kind = r.take(1)
     repl_id = ReplicationId(r.take(16))
     event: Event

@@ -72,7 +72,7 @@ from typing import ClassVar, Final, Self, TypeVar
 from plugin import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnSettings
 from plugin._events import ReplicationId
 
-from ._entry import EventDecodeError, LedgerEntry, decode_event, encode_event
+from ._entry import EventDecodeError, LedgerEntry, decode_event
 from ._errors import (
     ERROR_CODES,
     BadChecksum,
@@ -114,6 +114,10 @@ __all__ = [
     "SyncAccepted",
     "SyncFinished",
     "SyncRequest",
+    "TxnOutcome",
+    "TxnPrepare",
+    "TxnQuery",
+    "TxnVote",
     "VpnResource",
     "VpnState",
     "decode_frame",
@@ -131,6 +135,7 @@ _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
+_ENTRY_HEAD = struct.Struct(">QI")  # an Events entry: epoch, event length
 _MAX_U16 = 2**16 - 1
 _MAX_U32 = 2**32 - 1
 _MAX_U64 = 2**64 - 1
@@ -596,17 +601,21 @@ class Events(_Frame):
 
     def payload(self) -> bytes:
         head = _str16(self.vpn) + _U64.pack(self.epoch) + _U64.pack(self.entries[0].index)
-        body = b"".join(_U64.pack(e.epoch) + _bytes32(encode_event(e.event)) for e in self.entries)
-        return head + _U32.pack(len(self.entries)) + body
+        parts = [head, _U32.pack(len(self.entries))]
+        for e in self.entries:  # the ledger's bytes, as stored: not encoded again
+            data = e.encoded
+            parts.append(_ENTRY_HEAD.pack(e.epoch, len(data)))
+            parts.append(data)
+        return b"".join(parts)
 
     @classmethod
     def read(cls, r: _Reader) -> Self:
         vpn, epoch, first = r.text("vpn"), r.u64("epoch"), r.u64("first_index")
-        entries = tuple(
-            LedgerEntry(vpn, r.u64("entry epoch"), first + n, decode_event(r.blob("event"), vpn))
-            for n in range(r.u32("entry count"))
-        )
-        return cls(vpn, epoch, entries)
+        entries = []
+        for n in range(r.u32("entry count")):
+            entry_epoch, data = r.u64("entry epoch"), r.blob("event")
+            entries.append(LedgerEntry(vpn, entry_epoch, first + n, decode_event(data, vpn), data))
+        return cls(vpn, epoch, tuple(entries))
 
 
 @dataclass(frozen=True, slots=True)
@@ -691,6 +700,108 @@ class Error(_Frame):
         return cls(r.u16("code"), r.text("vpn"), r.text("text"))
 
 
+@dataclass(frozen=True, slots=True)
+class TxnPrepare(_Frame):
+    """Active to standby: persist transaction ``txid`` as prepared (its
+    events in the ledger encoding, each ``u32``-length-prefixed) and vote."""
+
+    TYPE: ClassVar[int] = 12
+    vpn: str
+    epoch: int
+    txid: str
+    events: bytes
+
+    def __post_init__(self) -> None:
+        _check_text("vpn", self.vpn)
+        _check_int("epoch", self.epoch, 1)
+        _check_text("txid", self.txid)
+        _check_blob("events", self.events)
+
+    def payload(self) -> bytes:
+        head = _str16(self.vpn) + _U64.pack(self.epoch) + _str16(self.txid)
+        return head + _bytes32(self.events)
+
+    @classmethod
+    def read(cls, r: _Reader) -> Self:
+        return cls(r.text("vpn"), r.u64("epoch"), r.text("txid"), r.blob("events"))
+
+
+@dataclass(frozen=True, slots=True)
+class TxnVote(_Frame):
+    """Standby to active: ``txid`` is durably prepared (``ok``) or not."""
+
+    TYPE: ClassVar[int] = 13
+    vpn: str
+    epoch: int
+    txid: str
+    ok: bool
+
+    def __post_init__(self) -> None:
+        _check_text("vpn", self.vpn)
+        _check_int("epoch", self.epoch, 1)
+        _check_text("txid", self.txid)
+
+    def payload(self) -> bytes:
+        head = _str16(self.vpn) + _U64.pack(self.epoch) + _str16(self.txid)
+        return head + _U8.pack(int(self.ok))
+
+    @classmethod
+    def read(cls, r: _Reader) -> Self:
+        return cls(r.text("vpn"), r.u64("epoch"), r.text("txid"), r.flag("ok"))
+
+
+@dataclass(frozen=True, slots=True)
+class TxnOutcome(_Frame):
+    """Active to standby: how ``txid`` ended. A commit's effects reach the
+    standby with the ledger; this settles the participant's row."""
+
+    TYPE: ClassVar[int] = 14
+    vpn: str
+    epoch: int
+    txid: str
+    commit: bool
+
+    def __post_init__(self) -> None:
+        _check_text("vpn", self.vpn)
+        _check_int("epoch", self.epoch, 1)
+        _check_text("txid", self.txid)
+
+    def payload(self) -> bytes:
+        head = _str16(self.vpn) + _U64.pack(self.epoch) + _str16(self.txid)
+        return head + _U8.pack(int(self.commit))
+
+    @classmethod
+    def read(cls, r: _Reader) -> Self:
+        return cls(r.text("vpn"), r.u64("epoch"), r.text("txid"), r.flag("commit"))
+
+
+@dataclass(frozen=True, slots=True)
+class TxnQuery(_Frame):
+    """Standby to active: how did these prepared transactions end? Answered
+    with one ``TxnOutcome`` each, once the active knows."""
+
+    TYPE: ClassVar[int] = 15
+    vpn: str
+    epoch: int
+    txids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _check_text("vpn", self.vpn)
+        _check_int("epoch", self.epoch, 1)
+        _check_int("txid count", len(self.txids), 1, _MAX_U16)
+        for txid in self.txids:
+            _check_text("txid", txid)
+
+    def payload(self) -> bytes:
+        return _str16(self.vpn) + _U64.pack(self.epoch) + _strs16(self.txids)
+
+    @classmethod
+    def read(cls, r: _Reader) -> Self:
+        return cls(r.text("vpn"), r.u64("epoch"), r.texts("txids"))
+
+
+TxnFrame = TxnPrepare | TxnVote | TxnOutcome | TxnQuery
+
 Frame = (
     Hello
     | GetAllResources
@@ -703,6 +814,10 @@ Frame = (
     | Ack
     | Heartbeat
     | Error
+    | TxnPrepare
+    | TxnVote
+    | TxnOutcome
+    | TxnQuery
 )
 
 FRAME_TYPES: dict[int, type[Frame]] = {
@@ -719,9 +834,23 @@ FRAME_TYPES: dict[int, type[Frame]] = {
         Ack,
         Heartbeat,
         Error,
+        TxnPrepare,
+        TxnVote,
+        TxnOutcome,
+        TxnQuery,
     )
 }
-_VPN_FRAMES = (SyncRequest, SyncAccepted, Checkpoint, SyncFinished, Events, Ack, Error)
+_TXN_FRAMES = (TxnPrepare, TxnVote, TxnOutcome, TxnQuery)
+_VPN_FRAMES = (
+    SyncRequest,
+    SyncAccepted,
+    Checkpoint,
+    SyncFinished,
+    Events,
+    Ack,
+    Error,
+    *_TXN_FRAMES,
+)
 
 
 def _decode_at(data: bytes | bytearray, pos: int, max_frame_size: int) -> tuple[Frame, int] | None:
@@ -916,6 +1045,16 @@ TRANSITIONS: Final[Mapping[tuple[Role, type[Frame], State], State | _Drop]] = Ma
         (_A, Events, _V.RESYNC_REQUESTED): DROP,
         # or the end of the old replay; all dropped until SyncAccepted.
         (_A, SyncFinished, _V.RESYNC_REQUESTED): DROP,
+        # --- transactions (txn/_coordinator.py): independent of the event
+        # stream, so legal in every state of a listed VPN and changing none.
+        # The active asks the standby to prepare,
+        **{(_A, TxnPrepare, state): state for state in VpnState},
+        # the standby votes,
+        **{(_S, TxnVote, state): state for state in VpnState},
+        # the active tells how a transaction ended,
+        **{(_A, TxnOutcome, state): state for state in VpnState},
+        # and the standby asks about its prepared ones after a reconnect.
+        **{(_S, TxnQuery, state): state for state in VpnState},
     }
 )
 
@@ -955,7 +1094,7 @@ class _Stream:
     install: _Install = _Install.DONE
 
 
-_VpnFrame = SyncRequest | SyncAccepted | Checkpoint | SyncFinished | Events | Ack | Error
+_VpnFrame = SyncRequest | SyncAccepted | Checkpoint | SyncFinished | Events | Ack | Error | TxnFrame
 
 
 class BridgeConnection:
@@ -1164,7 +1303,7 @@ class BridgeConnection:
 
     def _check_epoch(
         self,
-        frame: SyncRequest | SyncAccepted | Checkpoint | SyncFinished | Events | Ack,
+        frame: SyncRequest | SyncAccepted | Checkpoint | SyncFinished | Events | Ack | TxnFrame,
         new: VpnState,
         *,
         sending: bool,
@@ -1201,6 +1340,8 @@ class BridgeConnection:
             return self._finish(frame, stream, sending=sending), frame
         if isinstance(frame, Ack):
             return self._ack(frame, stream, sending=sending), frame
+        if isinstance(frame, _TXN_FRAMES):
+            return stream, frame
         return replace(stream, request=None), frame  # a VPN-level Error
 
     def _accept(self, frame: SyncAccepted, stream: _Stream, *, sending: bool) -> _Stream:

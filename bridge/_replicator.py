@@ -19,13 +19,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from plugin._events import Event, LocalTransaction, ReplicationSink, TransactionRefused
+from plugin._events import (
+    ConfirmKey,
+    Consumed,
+    Event,
+    LocalTransaction,
+    ReplicationSink,
+    TransactionRefused,
+)
 from plugin._vpn import Mode, VpnSettings
 
-from ._ledger import LedgerError, LedgerWriter
+from ._ledger import LedgerError, LedgerWriter, UnstorableEvent
 from ._syncgate import SyncGate
+
+if TYPE_CHECKING:
+    from txn._coordinator import Coordinator
 
 __all__ = ["Replicator"]
 
@@ -42,9 +53,14 @@ class Replicator(ReplicationSink):
         self.gates: dict[str, SyncGate] = {}
         self.fenced: set[str] = set()
         self._task: asyncio.Task[None] | None = None
+        #: runs local transactions as two-phase commits (txn/_coordinator.py);
+        #: without one, a transaction's events are ledgered at its commit
+        self.coordinator: Coordinator | None = None
 
     def configure(self, settings: VpnSettings, acked_index: int) -> None:
         """Apply a VPN's (possibly changed) mode, timeout and policy."""
+        if self.coordinator is not None:
+            self.coordinator.configure(settings)
         gate = self.gates.get(settings.name)
         if settings.mode is Mode.ASYNC:
             self.gates.pop(settings.name, None)
@@ -59,6 +75,16 @@ class Replicator(ReplicationSink):
         gate = self.gates.get(vpn)
         if gate is not None:
             gate.acked(index)
+
+    def wait_standby(self, vpn: str, index: int, resolve: Callable[[bool], None]) -> bool:
+        """Resolve once the standby acknowledged ``index`` (or the sync
+        timeout passed: ``resolve(False)``); False if ``vpn`` is not in sync
+        mode (nothing to wait for)."""
+        gate = self.gates.get(vpn)
+        if gate is None:
+            return False
+        gate.wait(index, asyncio.get_running_loop().time(), resolve)
+        return True
 
     def sync_eligible(self, vpn: str) -> bool:
         gate = self.gates.get(vpn)
@@ -84,6 +110,8 @@ class Replicator(ReplicationSink):
     # -- ReplicationSink ------------------------------------------------------
 
     def append(self, event: Event, on_durable: Callable[[bool], None] | None) -> None:
+        if self.coordinator is not None and isinstance(event, Consumed):
+            self.coordinator.before_consumed(event)  # a committing publish goes first
         if event.vpn in self.fenced:
             if on_durable is not None:
                 on_durable(False)
@@ -103,6 +131,59 @@ class Replicator(ReplicationSink):
 
         index = self._append(event, ledger_durable)
 
+    def append_many(
+        self,
+        events: Sequence[tuple[Event, ConfirmKey | None]],
+        on_durable: Callable[[ConfirmKey, bool], None],
+    ) -> None:
+        """One read's events of one VPN as one ledger group with one callback
+        (and, in sync mode, one waiter at its last index): the listener's
+        confirms of the group are released together, as each would be."""
+        vpn = events[0][0].vpn if events else ""
+        if not events or any(event.vpn != vpn for event, _ in events):
+            super().append_many(events, on_durable)
+            return
+        keys = [key for _, key in events if key is not None]
+
+        def settle(ok: bool) -> None:
+            for key in keys:
+                on_durable(key, ok)
+
+        if self.coordinator is not None:  # as append() does, event by event
+            for event, _ in events:
+                if isinstance(event, Consumed):
+                    self.coordinator.before_consumed(event)
+        if vpn in self.fenced:
+            settle(False)
+            return
+        gate = self.gates.get(vpn)
+        callback: Callable[[bool], None] | None = settle if keys else None
+        last: list[int] = []  # the group's last index, once appended
+        if callback is not None and gate is not None:
+            callback = self._then_standby(gate, last, settle)
+        try:
+            last.append(self.writer.append_many([event for event, _ in events], callback).index)
+        except UnstorableEvent:
+            super().append_many(events, on_durable)  # one by one: only the bad one is refused
+        except LedgerError as e:
+            log.error("VPN %s: %d events not replicated: %s", vpn, len(events), e)
+            settle(False)
+
+    @staticmethod
+    def _then_standby(
+        gate: SyncGate, last: list[int], settle: Callable[[bool], None]
+    ) -> Callable[[bool], None]:
+        """A ledger callback that hands a durable group to the sync gate."""
+        loop = asyncio.get_running_loop()
+
+        def ledger_durable(ok: bool) -> None:
+            if not ok:
+                settle(False)
+            else:
+                gate.wait(last[0], loop.time(), settle)
+
+        return ledger_durable
+
     def _append(self, event: Event, on_durable: Callable[[bool], None] | None) -> int:
         try:
             return self.writer.append(event, on_durable).index
@@ -121,9 +202,15 @@ class Replicator(ReplicationSink):
     async def prepare(self, txn: LocalTransaction) -> None:
         if txn.vpn in self.fenced:
             raise TransactionRefused(f"VPN {txn.vpn!r} is fenced: a standby was promoted")
+        if self.coordinator is not None:
+            await self.coordinator.prepare(txn)
 
     async def commit(self, txn: LocalTransaction) -> None:
-        """Ledger the transaction's events and wait as a confirm would."""
+        """Record the commit (two-phase with a coordinator; else ledger the
+        transaction's events and wait as a confirm would)."""
+        if self.coordinator is not None:
+            await self.coordinator.commit(txn)
+            return
         loop = asyncio.get_running_loop()
         outcomes: list[asyncio.Future[bool]] = []
         for event in txn.events:
@@ -139,7 +226,12 @@ class Replicator(ReplicationSink):
             )
 
     async def abort(self, txn: LocalTransaction) -> None:
-        return None
+        if self.coordinator is not None:
+            await self.coordinator.abort(txn)
+
+    async def resolve(self, txn: LocalTransaction) -> None:
+        if self.coordinator is not None:
+            await self.coordinator.resolve(txn)
 
 
 def _settle(future: asyncio.Future[bool]) -> Callable[[bool], None]:

@@ -26,10 +26,12 @@ standby, whatever the link does. Why:
 * A standby whose applied entry is not in the retained ledger with the same
   epoch (behind the pruned ledger, or a diverged history) gets a checkpoint:
   the active's ``live_message`` rows read in one ``REPEATABLE READ``
-  snapshot together with the ``ledger_index`` they reflect (the ledger writer
-  updates both in one transaction). Pruning keeps the acknowledged entry
-  itself, so a standby that reconnects after a quiet period can still prove
-  it follows the ledger and does not need a checkpoint.
+  snapshot together with the ``vpn_live_state.live_index`` they reflect (the
+  ledger writer updates both in one transaction), then the replay of the
+  ledger from there; the ledger is never pruned past ``live_index``.
+  Pruning keeps the acknowledged entry itself, so a standby that reconnects
+  after a quiet period can still prove it follows the ledger and does not
+  need a checkpoint.
 * Fencing is the protocol's: a standby that knows a higher epoch makes the
   active raise :class:`~bridge.Fenced`; the active then refuses the VPN's
   publishes (``Replicator.fenced``) and records ``vpn_state.fenced``.
@@ -58,7 +60,7 @@ import urllib.request
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import quote, unquote, urlsplit
 
 import psycopg
@@ -71,6 +73,7 @@ from plugin._errors import ConfigError, PluginError
 from plugin._events import Published, ReplicationId
 from plugin._refresher import ManagementAPI, ManagementUnavailable
 from plugin._vpn import Role, VpnSettings
+from txn._failpoints import failpoint
 
 from ._entry import LedgerEntry
 from ._errors import (
@@ -103,11 +106,19 @@ from ._protocol import (
     SyncAccepted,
     SyncFinished,
     SyncRequest,
+    TxnOutcome,
+    TxnPrepare,
+    TxnQuery,
+    TxnVote,
     VpnResource,
 )
 from ._replicator import Replicator
 from ._standby import NotStandby, StandbyApplier, StandbyError
 from ._tls import describe_tls_error, make_client_context, make_server_context
+
+if TYPE_CHECKING:
+    from txn._coordinator import Coordinator
+    from txn._participant import Participant
 
 __all__ = [
     "CONNECTED",
@@ -599,6 +610,10 @@ class BridgeServer:
         self._shown: dict[str, str] = {}
         self._definitions_failures: dict[str, str] = {}
         self._unsubscribe: Callable[[], None] | None = None
+        #: answers standbys' questions about transactions (set by the node)
+        self.coordinator: Coordinator | None = None
+        self._votes: dict[str, asyncio.Future[bool]] = {}
+        self._txn_tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_config(
@@ -771,7 +786,10 @@ class BridgeServer:
                     self._state_changed(vpn)
                 await peer.link.close()
         except asyncio.CancelledError:
-            raise
+            # Only close() cancels a handler. Returning (not re-raising) keeps
+            # asyncio's stream callback from logging the cancellation as an
+            # error when the node stops with a standby connected.
+            return
         except Exception:
             log.exception("bridge: serving %s failed", address)
         finally:
@@ -842,10 +860,8 @@ class BridgeServer:
                 await self._send_resources(peer)
             elif isinstance(item, SyncRequest):
                 self._start_stream(peer, item)
-            elif isinstance(item, Ack):
-                self.replicator.standby_acked(item.vpn, item.index)
-                if self._states is not None:
-                    self._states.acked(item.vpn, item.index, item.epoch)
+            elif isinstance(item, Ack | TxnVote | TxnQuery):
+                self._standby_said(peer, item)
             elif isinstance(item, Error):
                 if item.closes_connection:
                     log.warning(
@@ -853,6 +869,67 @@ class BridgeServer:
                     )
                     return
                 self._abandoned(peer, item)
+
+    # -- transactions: the coordinator's StandbyLink --------------------------
+
+    def _standby_of(self, vpn: str) -> _StandbyPeer | None:
+        for peer in self._peers:
+            if vpn in peer.epochs and peer.failure is None:
+                return peer
+        return None
+
+    async def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> bool:
+        """Ask the standby to prepare ``txid``; True once it voted yes within
+        ``within`` seconds. A standby that is not connected cannot prepare:
+        False at once (the VPN's on-sync-timeout policy then applies)."""
+        peer = self._standby_of(vpn)
+        if peer is None:
+            return False
+        vote: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._votes[txid] = vote
+        try:
+            if not peer.link.try_send(TxnPrepare(vpn, peer.epochs[vpn], txid, events)):
+                return False
+            async with asyncio.timeout(within):
+                return await vote
+        except TimeoutError:
+            return False
+        finally:
+            self._votes.pop(txid, None)
+
+    def outcome(self, vpn: str, txid: str, commit: bool) -> None:
+        """Tell the standby how ``txid`` ended (if one is connected: else it
+        asks when it reconnects)."""
+        peer = self._standby_of(vpn)
+        if peer is not None:
+            peer.link.try_send(TxnOutcome(vpn, peer.epochs[vpn], txid, commit))
+
+    def _standby_said(self, peer: _StandbyPeer, frame: Ack | TxnVote | TxnQuery) -> None:
+        """An acknowledgement, a transaction vote or a question about
+        transactions from the standby."""
+        if isinstance(frame, Ack):
+            self.replicator.standby_acked(frame.vpn, frame.index)
+            if self._states is not None:
+                self._states.acked(frame.vpn, frame.index, frame.epoch)
+        elif isinstance(frame, TxnVote):
+            vote = self._votes.get(frame.txid)
+            if vote is not None and not vote.done():
+                vote.set_result(frame.ok)
+        else:
+            task = asyncio.create_task(self._answer(peer, frame))
+            self._txn_tasks.add(task)
+            task.add_done_callback(self._txn_tasks.discard)
+
+    async def _answer(self, peer: _StandbyPeer, query: TxnQuery) -> None:
+        if self.coordinator is None:
+            return
+        outcomes = await self.coordinator.outcomes_for(query.txids)
+        epoch = peer.epochs.get(query.vpn)
+        if epoch is None:
+            return
+        for txid, commit in outcomes.items():
+            if commit is not None:  # in flight here: its outcome follows when decided
+                peer.link.try_send(TxnOutcome(query.vpn, epoch, txid, commit))
 
     def _vpn_fault(self, peer: _StandbyPeer, fault: RemoteProtocolError) -> None:
         if isinstance(fault, StaleEpoch):
@@ -1025,10 +1102,12 @@ class BridgeServer:
         vpn, count = out.vpn, 0
         async with self._pool.connection() as conn, conn.transaction():
             await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            cur = await conn.execute("SELECT ledger_index FROM vpn_state WHERE vpn = %s", (vpn,))
+            # The index live_message reflects (the ledger may be further on:
+            # the replay after the checkpoint covers the difference).
+            cur = await conn.execute("SELECT live_index FROM vpn_live_state WHERE vpn = %s", (vpn,))
             found = await cur.fetchone()
             if found is None:
-                raise LedgerError("no vpn_state row", vpn)
+                raise LedgerError("no vpn_live_state row", vpn)
             at = int(found[0])
             link.send(SyncAccepted(vpn, out.epoch, at + 1))
             ready: list[CheckpointRow] | None = None
@@ -1199,6 +1278,9 @@ class BridgeClient:
         self._config_sync_failures: dict[str, str] = {}  # VPN -> why (logged once)
         #: Established sessions so far (tests and status).
         self.sessions = 0
+        #: the standby's side of local transactions (set by the node)
+        self.participant: Participant | None = None
+        self._txn_tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_config(cls, cfg: SiteConfig, **kwargs: Any) -> BridgeClient:
@@ -1420,10 +1502,46 @@ class BridgeClient:
                 inbound = session.streams.get(item.vpn)
                 if inbound is not None:
                     await inbound.queue.put(item)
+            elif isinstance(item, TxnPrepare | TxnOutcome):
+                self._spawn_txn(self._txn(session, item))
             elif isinstance(item, Error):
                 if item.closes_connection:
                     raise item.exception()
                 self._refused(session, item)
+
+    def _spawn_txn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._txn_tasks.add(task)
+        task.add_done_callback(self._txn_tasks.discard)
+
+    async def _txn(self, session: _Session, frame: TxnPrepare | TxnOutcome) -> None:
+        """The participant's part of a local transaction (txn/_participant.py)."""
+        if self.participant is None:
+            return
+        if isinstance(frame, TxnOutcome):
+            await self.participant.outcome(frame.vpn, frame.txid, frame.commit)
+            return
+        ok = await self.participant.prepare(frame.vpn, frame.txid, frame.events)
+        epoch = session.link.conn.known_epoch(frame.vpn)
+        session.link.try_send(TxnVote(frame.vpn, epoch, frame.txid, ok))
+
+    async def _ask_in_doubt(self, session: _Session, vpn: str) -> None:
+        """After a (re)sync: ask the active how our prepared transactions ended."""
+        if self.participant is None:
+            return
+        try:
+            txids = await self.participant.in_doubt(vpn)
+        except psycopg.Error as e:
+            log.warning("bridge: VPN %s: in-doubt transactions not read: %s", vpn, e)
+            return
+        if txids:
+            log.info(
+                "bridge: VPN %s: asking the active about %d prepared transaction(s)",
+                vpn,
+                len(txids),
+            )
+            epoch = session.link.conn.known_epoch(vpn)
+            session.link.try_send(TxnQuery(vpn, epoch, tuple(txids[:1000])))
 
     async def _vpn_fault(self, session: _Session, fault: RemoteProtocolError) -> None:
         inbound = session.streams.get(fault.vpn)
@@ -1515,6 +1633,7 @@ class BridgeClient:
             return await self._apply(session, inbound, item)
         elif inbound.streaming:  # SyncFinished of a stream not refused meanwhile
             self._set_state(inbound.vpn, CONNECTED)
+            self._spawn_txn(self._ask_in_doubt(session, inbound.vpn))
         return None
 
     async def _relisted(self, session: _Session, inbound: _Inbound, resource: VpnResource) -> None:
@@ -1653,6 +1772,7 @@ class BridgeClient:
         except (StaleEpoch, NotStandby, UnknownVpn) as e:
             self._abandon(session, inbound, e)
             return held
+        failpoint("participant.after-apply")
         self._ack(session, inbound, applied)
         return held
 

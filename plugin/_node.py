@@ -19,12 +19,22 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_random_exponential,
+)
 
 from bridge._errors import BridgeError
 from bridge._ledger import LedgerError, LedgerWriter
 from bridge._replicator import Replicator
 from bridge._tls import TlsSetupError
 from bridge._transport import BridgeClient, BridgeServer
+from txn._coordinator import Coordinator
+from txn._log import TxnLog
+from txn._markers import MarkerError, MarkerStore
+from txn._participant import Participant
 
 from ._admin import AdminServer
 from ._config import SiteConfig, redact_url
@@ -42,6 +52,8 @@ __all__ = ["run_node"]
 log = logging.getLogger("vpnrepl.node")
 
 REFRESH_SECONDS = 30.0
+#: how long start-up waits for the broker to answer for commit markers
+RECOVERY_SECONDS = 60.0
 ELIGIBILITY_SECONDS = 0.5
 
 _SETTINGS = """
@@ -81,6 +93,12 @@ class Node:
         self.metrics = Metrics()
         self.writer = LedgerWriter(cfg.store_dsn)
         self.replicator = Replicator(self.writer)
+        self.txn_log = TxnLog(cfg.store_dsn)
+        self.coordinator = Coordinator(
+            self.txn_log, MarkerStore(cfg.amqp_url), self.writer, self.replicator
+        )
+        self.replicator.coordinator = self.coordinator
+        self.participant = Participant(self.txn_log)
         self.listener: Listener | None = None
         self.admin: AdminServer | None = None
         self.bridge_server: BridgeServer | None = None
@@ -137,6 +155,7 @@ class Node:
         except LedgerError as e:
             raise PluginError(str(e)) from e
         self.replicator.start()
+        await self.txn_log.open()
         try:
             self.bridge_server = BridgeServer.from_config(
                 cfg, self.writer, self.replicator, retain_seconds=cfg.ledger_retain_seconds
@@ -145,10 +164,16 @@ class Node:
                 self.bridge_client = BridgeClient.from_config(cfg)
         except TlsSetupError as e:
             raise ConfigError(cfg.path, "tls", str(e)) from e
+        self.bridge_server.coordinator = self.coordinator
+        self.coordinator.link = self.bridge_server
+        if self.bridge_client is not None:
+            self.bridge_client.participant = self.participant
         refresher = DirectoryRefresher(
             self.directory, self.api, self._load_settings, REFRESH_SECONDS
         )
         await refresher.refresh()
+        await self._recover_transactions()
+        self.coordinator.start()
         self.listener = Listener(
             BrokerAddress.from_url(cfg.amqp_url),
             self.directory,
@@ -176,6 +201,21 @@ class Node:
             cfg.listen_admin,
             ", ".join(f"{v.name} ({v.role})" for v in vpns) or "none",
         )
+
+    async def _recover_transactions(self) -> None:
+        """Resolve what a crash left in doubt before any client is let in
+        (txn/_coordinator.py); the broker must answer for its markers."""
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(MarkerError),
+                wait=wait_random_exponential(multiplier=0.5, max=5),
+                stop=stop_after_delay(RECOVERY_SECONDS),
+                reraise=True,
+            ):
+                with attempt:
+                    await self.coordinator.recover()
+        except MarkerError as e:
+            raise PluginError(f"in-doubt transactions not recovered: {e}") from e
 
     async def _record_eligibility(self) -> None:
         """Write sync eligibility changes to ``vpn_state``, so ``vpnrepl
@@ -219,8 +259,10 @@ class Node:
                 await task
         if self.bridge_server is not None:
             await self.bridge_server.close()
+        await self.coordinator.close()
         await self.replicator.close()
         await self.writer.close()
+        await self.txn_log.close()
         if self.admin is not None:
             await self.admin.close()
         self.metrics.shutdown()

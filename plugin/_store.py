@@ -98,9 +98,9 @@ SELECT c.name, c.role, c.epoch, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
        s.unknown_acks,
        COALESCE(EXTRACT(EPOCH FROM (now() - s.applied_at)), 0)::float8 AS since_applied,
        (SELECT count(*) FROM txn_log t
-         WHERE t.vpn = c.name AND t.state IN ('prepared', 'committed')) AS in_doubt,
+         WHERE t.vpn = c.name AND t.state = 'prepared') AS in_doubt,
        (SELECT count(*) FROM txn_log t WHERE t.vpn = c.name AND t.degraded
-         AND t.state <> 'ended') AS degraded_txns
+         AND t.state = 'committed') AS degraded_txns
 FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
 WHERE c.enabled
 ORDER BY c.name

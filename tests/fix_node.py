@@ -24,14 +24,20 @@ class NodeProcess:
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 30.0, failpoint: str | None = None) -> None:
+        """Start the node and wait until it is healthy; ``failpoint`` arms a
+        crash at that step (``txn/_failpoints.py``)."""
         exe = Vpnrepl(self.config)("--help", config=False).args[0]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("VPNREPL_FAILPOINT", None)
+        if failpoint is not None:
+            env["VPNREPL_FAILPOINT"] = failpoint
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [exe, "--config", str(self.config), "node"],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=env,
             )
         deadline = time.monotonic() + timeout
         while True:
@@ -55,13 +61,23 @@ class NodeProcess:
         return json.loads(self.get("/status"))
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+        """The node's output so far ("" if it was never started)."""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def stop(self) -> int:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=30)
+
+    def wait_killed(self, timeout: float = 60.0) -> None:
+        """Wait for the process to die of SIGKILL (an armed failpoint)."""
+        assert self.proc is not None
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"node still alive after {timeout:g} s") from None
+        assert code == -signal.SIGKILL, f"node exited {code}, not by its failpoint"
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -49,6 +49,10 @@ from bridge import (
     SyncAccepted,
     SyncFinished,
     SyncRequest,
+    TxnOutcome,
+    TxnPrepare,
+    TxnQuery,
+    TxnVote,
     UnexpectedFrame,
     UnknownVpn,
     VersionMismatch,
@@ -128,6 +132,10 @@ SAMPLES: list[Frame] = [
     Heartbeat(),
     Error(codes.STALE_EPOCH, VPN, "epoch 2 is stale"),
     Error(codes.BAD_FRAME, "", ""),
+    TxnPrepare(VPN, 3, "7.1.1.1", b"\x00\x00\x00\x01P"),
+    TxnVote(VPN, 3, "7.1.1.1", True),
+    TxnOutcome(VPN, 3, "7.1.1.1", False),
+    TxnQuery(VPN, 3, ("7.1.1.1", "7.2.1.5")),
 ]
 
 
@@ -1121,3 +1129,30 @@ def test_the_protocol_modules_do_no_io() -> None:
             elif isinstance(node, ast.ImportFrom) and node.module:
                 imported.add(node.module.split(".")[0])
         assert not imported & forbidden, name
+
+
+def test_transaction_frames_go_in_any_stream_state_and_change_none() -> None:
+    pair = Pair()
+    pair.handshake()  # listed, no stream yet
+    pair.a(TxnPrepare(VPN, 3, "t1", b""))
+    assert pair.at_standby() == [TxnPrepare(VPN, 3, "t1", b"")]
+    pair.s(TxnVote(VPN, 3, "t1", True), TxnQuery(VPN, 3, ("t0",)))
+    assert [type(f) for f in pair.at_active()] == [TxnVote, TxnQuery]
+    pair.sync(from_index=1)
+    pair.a(TxnOutcome(VPN, 3, "t1", True), batch(1, 2))
+    assert [type(f) for f in pair.at_standby()] == [TxnOutcome, Events]
+    assert pair.states() == (VpnState.LIVE, VpnState.LIVE)
+
+
+def test_transaction_frames_keep_their_direction_and_epoch() -> None:
+    pair = Pair(standby_epochs={VPN: 5})
+    pair.handshake()
+    with pytest.raises(LocalProtocolError):
+        pair.standby.send(TxnPrepare(VPN, 5, "t1", b""))  # only the active prepares
+    with pytest.raises(LocalProtocolError):
+        pair.active.send(TxnVote(VPN, 3, "t1", True))  # only the standby votes
+    with pytest.raises(LocalProtocolError):
+        pair.active.send(TxnPrepare("billing", 3, "t1", b""))  # not listed
+    pair.a(TxnPrepare(VPN, 3, "t1", b""))  # epoch 3, but the standby knows 5
+    with pytest.raises(StaleEpoch):
+        pair.at_standby()

@@ -147,7 +147,23 @@ def run(scenario: Callable[[], Awaitable[None]], timeout: float = 90.0) -> None:
     asyncio.run(main())
 
 
+def live_caught_up(dsn: str, vpn: str = VPN, within: float = 10.0) -> None:
+    """Wait until the active's live state reflects its whole ledger (it is
+    applied after the ledger commit, in a transaction of its own)."""
+    deadline = time.monotonic() + within
+    while not scalar(
+        dsn,
+        "SELECT s.ledger_index = l.live_index FROM vpn_state s"
+        " JOIN vpn_live_state l USING (vpn) WHERE s.vpn = %s",
+        vpn,
+    ):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the live state of {vpn} did not catch up with the ledger")
+        time.sleep(0.01)
+
+
 def same_state(a_dsn: str, b_dsn: str, vpn: str = VPN) -> None:
+    live_caught_up(a_dsn, vpn)
     ours, theirs = live(a_dsn, vpn), live(b_dsn, vpn)
     assert theirs == ours
     assert applied(b_dsn, vpn) == scalar(
@@ -494,7 +510,7 @@ def test_a_standby_that_cannot_follow_the_ledger_gets_a_checkpoint(
 
     async def scenario() -> None:
         async with active(site_a) as a:
-            await feed(a.writer, events(1, 300))
+            await a.writer.wait_live(VPN, (await feed(a.writer, events(1, 300))).index)
             if case == "behind the pruned ledger":
                 assert await a.writer.prune(VPN, 250, 0) == 250
                 assert await a.writer.oldest_retained(VPN) == 251

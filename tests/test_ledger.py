@@ -297,13 +297,13 @@ def test_a_commit_whose_reply_was_lost_is_not_written_twice(site_a: LocalSite) -
 
 
 async def _commit_in(blocker: psycopg.AsyncConnection[Any], entries: list[LedgerEntry]) -> None:
-    """Commit ``entries`` as the writer would have, in the blocker's transaction."""
+    """Commit ``entries`` to the ledger as the writer would have, in the
+    blocker's transaction (the live state is applied in a later one)."""
     for e in entries:
         await blocker.execute(
             "INSERT INTO ledger (vpn, idx, epoch, kind, event) VALUES (%s, %s, %s, %s, %s)",
             (e.vpn, e.index, e.epoch, e.kind, encode_event(e.event)),
         )
-    await apply_entries_async(blocker, entries[0].vpn, entries)
     await blocker.execute(
         "UPDATE vpn_state SET ledger_index = %s WHERE vpn = %s", (entries[-1].index, entries[0].vpn)
     )
@@ -331,6 +331,134 @@ def test_a_second_writer_stops_the_first_and_nothing_is_confirmed(site_a: LocalS
 
     run(scenario)
     assert [ev for _, _, ev in stored(dsn, "v")] == [pub("v", 101, "q"), pub("v", 102, "q")]
+
+
+def test_append_many_takes_a_group_with_one_callback_all_or_none(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+    durable = Durable()
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn, batch_size=2) as writer:  # the group spans commits
+            writer.append(pub("v", 1, "q"))
+            last = writer.append_many([pub("v", n, "q") for n in range(2, 7)], durable.cb(6))
+            assert last.index == 6
+            with pytest.raises(UnstorableEvent):  # refused before any takes an index
+                writer.append_many([pub("v", 7, "q"), pub("v", 8, "bad\x00q")])
+            with pytest.raises(ValueError):
+                writer.append_many([pub("v", 9, "q"), pub("w", 9, "q")])
+            assert writer.append(ack("v", 2, "q")).index == 7
+            await writer.wait_durable("v", 7)
+            assert durable.calls == [(6, True)]
+
+    run(scenario)
+    assert [i for i, _, _ in stored(dsn, "v")] == list(range(1, 8))
+
+
+# ------------------------------------------------------------- the live state
+
+
+async def _hold_live_state(dsn: str, vpn: str) -> psycopg.AsyncConnection[Any]:
+    """A transaction holding ``vpn``'s vpn_live_state row: the live apply
+    blocks, the ledger commit does not."""
+    blocker = await psycopg.AsyncConnection.connect(dsn)
+    await blocker.execute(
+        "INSERT INTO vpn_live_state (vpn) VALUES (%s) ON CONFLICT DO NOTHING", (vpn,)
+    )
+    await blocker.commit()
+    await blocker.execute("SELECT 1 FROM vpn_live_state WHERE vpn = %s FOR UPDATE", (vpn,))
+    return blocker
+
+
+def test_confirms_wait_for_the_ledger_commit_not_for_the_live_state(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+    durable = Durable()
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            blocker = await _hold_live_state(dsn, "v")
+            for n in range(1, 6):
+                writer.append(pub("v", n, "q"), durable.cb(n))
+            await writer.wait_durable("v", 5)
+            assert durable.calls == [(n, True) for n in range(1, 6)]
+            await asyncio.sleep(0.2)
+            assert writer.live_index("v") == 0
+            assert live_keys(dsn, "v") == set()
+            await blocker.rollback()
+            await blocker.close()
+            await writer.wait_live("v", 5)
+            assert live_keys(dsn, "v") == {("q", n) for n in range(1, 6)}
+
+    run(scenario)
+    assert scalar(dsn, "SELECT live_index FROM vpn_live_state WHERE vpn = 'v'") == 5
+
+
+def test_a_crash_between_ledger_commit_and_live_apply_is_caught_up_at_start(
+    site_a: LocalSite,
+) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active", w="active")
+    events: list[Event] = [pub("v", n, "q1", "q2") for n in range(1, 31)]
+    events += [ack("v", n, "q1") for n in range(1, 31, 2)]
+    events += [ack("v", 99, "q1")]  # an unknown ACK: counted once, not once per attempt
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn, apply_batch_size=7) as first:
+            for n in range(1, 4):  # w's live state is applied, v's is stuck
+                first.append(pub("w", n, "q"))
+            await first.wait_live("w", 3)
+            blocker = await _hold_live_state(dsn, "v")
+            for event in events:
+                last = first.append(event)
+            await first.wait_durable("v", last.index)
+            await first.close(grace=0.2)  # the applier is still blocked: cancelled
+            await blocker.rollback()
+            await blocker.close()
+        assert live_keys(dsn, "v") == set()
+        assert scalar(dsn, "SELECT live_index FROM vpn_live_state WHERE vpn = 'v'") == 0
+        async with LedgerWriter(dsn, apply_batch_size=7) as second:
+            assert second.live_index("v") == second.durable_index("v") == last.index
+            assert second.live_index("w") == 3
+            entry = second.append(ack("v", 2, "q2"))
+            await second.wait_live("v", entry.index)
+
+    run(scenario)
+    expected = {(q, n) for n in range(1, 31) for q in ("q1", "q2")}
+    expected -= {("q1", n) for n in range(1, 31, 2)} | {("q2", 2)}
+    assert live_keys(dsn, "v") == expected
+    assert scalar(dsn, "SELECT unknown_acks FROM vpn_state WHERE vpn = 'v'") == 1
+    assert scalar(dsn, "SELECT live_index FROM vpn_live_state WHERE vpn = 'v'") == len(events) + 1
+    with psycopg.connect(dsn) as conn:
+        w_rows = conn.execute("SELECT count(*) FROM live_message WHERE vpn = 'w'").fetchone()
+    assert w_rows == (3,)
+
+
+def test_a_live_apply_whose_reply_was_lost_is_not_applied_twice(site_a: LocalSite) -> None:
+    """What the next apply attempt sees when its COMMIT went through but the
+    reply was lost: live_index already covers the batch's first entries."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            blocker = await _hold_live_state(dsn, "v")
+            entries = [writer.append(pub("v", n, "q")) for n in range(1, 4)]
+            entries.append(writer.append(ack("v", 1, "q")))
+            await writer.wait_durable("v", 4)
+            await asyncio.sleep(0.1)  # the applier now waits for the row lock
+            # as if a previous attempt had applied 1..4 and committed: the
+            # ack must not be applied again (it would count an unknown ACK)
+            await apply_entries_async(blocker, "v", entries)
+            await blocker.execute("UPDATE vpn_live_state SET live_index = 4 WHERE vpn = 'v'")
+            await blocker.commit()
+            await blocker.close()
+            last = writer.append(pub("v", 5, "q"))
+            await writer.wait_live("v", last.index)
+
+    run(scenario)
+    assert live_keys(dsn, "v") == {("q", 2), ("q", 3), ("q", 5)}
+    assert scalar(dsn, "SELECT unknown_acks FROM vpn_state WHERE vpn = 'v'") == 0
 
 
 # ------------------------------------------------------------- replay and retention
@@ -362,7 +490,7 @@ def test_prune_keeps_what_the_standby_lacks_and_what_is_recent(site_a: LocalSite
         async with LedgerWriter(dsn) as writer:
             for n in range(1, 21):
                 writer.append(pub("v", n, "q"))
-            await writer.wait_durable("v", 20)
+            await writer.wait_live("v", 20)  # pruning never goes past the live state
             with psycopg.connect(dsn) as conn:  # entries 1..10 are an hour old
                 conn.execute(
                     "UPDATE ledger SET appended_at = now() - interval '1 hour' WHERE idx <= 10"
@@ -435,3 +563,29 @@ def test_entries_appended_while_the_database_is_down_become_durable_once(
     consumed = {n - 1 for n in range(1, total + 1) if not n % 4}
     assert live_keys(dsn, "v") == {("q", n) for n in published - consumed}
     assert scalar(dsn, "SELECT unknown_acks FROM vpn_state WHERE vpn = 'v'") == 0
+
+
+def test_a_group_commits_in_one_transaction_whatever_the_batch_size(site_a: LocalSite) -> None:
+    """append_group (a local transaction's decision) is all or nothing: with
+    batches of two entries, a group of five still commits in one transaction
+    (one subscriber call), and the batches around it keep their size."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+    seen: list[list[int]] = []
+    group_done = Durable()
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn, batch_size=2, max_pending=100) as writer:
+            writer.subscribe(lambda entries: seen.append([e.index for e in entries]))
+            writer.append(pub("v", 1, "q"))
+            last = writer.append_group([pub("v", n, "q") for n in range(2, 7)], group_done.cb(6))
+            assert last == 6
+            writer.append(pub("v", 7, "q"))
+            writer.append(pub("v", 8, "q"))
+            await writer.wait_durable("v", 8)
+
+    run(scenario)
+    group = set(range(2, 7))
+    assert any(group <= set(batch) for batch in seen)  # one commit holds the whole group
+    assert all(group <= set(batch) or not group & set(batch) for batch in seen)
+    assert group_done.calls == [(6, True)]

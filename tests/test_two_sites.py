@@ -35,11 +35,27 @@ def _live(site: LocalSite) -> list[tuple]:
         return db.execute(LIVE).fetchall()
 
 
+def _live_applied(site: LocalSite) -> bool:
+    """The active's live state reflects its whole ledger (it is applied after
+    the ledger commit, in a transaction of its own)."""
+    with psycopg.connect(site.pg.dsn()) as db:
+        row = db.execute(
+            "SELECT s.ledger_index = l.live_index FROM vpn_state s"
+            " JOIN vpn_live_state l USING (vpn) WHERE s.vpn = 'orders'"
+        ).fetchone()
+    return bool(row and row[0])
+
+
 def _wait_caught_up(a: NodeProcess, b: NodeProcess, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         va, vb = a.status()["vpns"], b.status()["vpns"]
-        if va and vb and va[0]["ledger_index"] == vb[0]["applied_index"] == va[0]["applied_index"]:
+        if (
+            va
+            and vb
+            and va[0]["ledger_index"] == vb[0]["applied_index"] == va[0]["applied_index"]
+            and _live_applied(a.site)
+        ):
             return
         time.sleep(0.1)
     raise AssertionError(f"standby not caught up: {a.status()} / {b.status()}")

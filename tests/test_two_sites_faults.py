@@ -163,9 +163,25 @@ def caught_up(a: NodeProcess, b: NodeProcess, timeout: float = 120.0) -> None:
         raise AssertionError(f"{e}: A {a.status()} / B {b.status()}") from None
 
 
+def live_caught_up(site: LocalSite) -> None:
+    """Wait until the active's live state reflects its whole ledger (it is
+    applied after each ledger commit, in a transaction of its own)."""
+    until(
+        lambda: scalar(
+            site,
+            "SELECT s.ledger_index = l.live_index FROM vpn_state s"
+            " JOIN vpn_live_state l USING (vpn) WHERE s.vpn = %s",
+            VPN,
+        ),
+        "the active's live state to catch up with its ledger",
+        30,
+    )
+
+
 def assert_same_state(a: NodeProcess, b: NodeProcess) -> list[tuple[Any, ...]]:
     """B's live state is A's row for row, and ``status --json`` agrees."""
     caught_up(a, b)
+    live_caught_up(a.site)
     a_rows, b_rows = live(a.site), live(b.site)
     assert len(a_rows) == len(b_rows)
     assert a_rows == b_rows  # (queue, id) for (queue, id); bodies, properties byte-identical
@@ -542,6 +558,7 @@ def test_standby_down_past_the_retention_gets_a_checkpoint(
     # ... so simulate what a retention shorter than the outage would do (as
     # with a second standby acknowledging): drop the ledger prefix B has not
     # received, straight in A's database.
+    live_caught_up(site_a)  # a checkpoint reflects the live state: keep what it lacks
     cut = vpn_status(node_a)["ledger_index"] - 100
     with psycopg.connect(site_a.pg.dsn(), autocommit=True) as db:
         pruned = db.execute("DELETE FROM ledger WHERE vpn = %s AND idx <= %s", (VPN, cut))

@@ -67,9 +67,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import psycopg
 from opentelemetry import trace
@@ -79,7 +79,7 @@ from plugin._events import Consumed, Event, LocalTransaction, Published, Transac
 from plugin._vpn import Mode, SyncTimeoutPolicy, VpnSettings
 
 from ._failpoints import failpoint
-from ._log import COORDINATOR, TxnLog, TxnRow
+from ._log import COORDINATOR, TxnLog, TxnRow, encode_events
 from ._machine import Action, Input, Phase, TxnMachine
 from ._markers import MarkerError, MarkerStore
 
@@ -108,8 +108,9 @@ class GroupLedger(Protocol):
 class StandbyLink(Protocol):
     """The active's side of the bridge, as the coordinator uses it."""
 
-    async def prepare(self, vpn: str, txid: str, events: Sequence[Event], within: float) -> bool:
-        """True once the standby's participant voted yes within ``within`` seconds."""
+    async def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> bool:
+        """True once the standby's participant voted yes within ``within``
+        seconds; ``events`` in :func:`txn._log.encode_events` form."""
 
     def outcome(self, vpn: str, txid: str, commit: bool) -> None:
         """Tell the standby how ``txid`` ended (best effort: it asks again)."""
@@ -130,7 +131,8 @@ class _Live:
     done: asyncio.Future[bool]
     published: tuple[bytes, ...] = ()
     last_index: int = 0
-    spans: list[trace.Span] = field(default_factory=list)
+    #: the row's move to ``committed`` (``ended`` must come after it)
+    recorded: asyncio.Task[None] | None = None
 
 
 class Coordinator:
@@ -210,7 +212,10 @@ class Coordinator:
         if machine.needs_standby and self.link is not None:
             remote = asyncio.create_task(
                 self.link.prepare(
-                    txn.vpn, txn.txid, txn.events, within=settings.sync_timeout_ms / 1000
+                    txn.vpn,
+                    txn.txid,
+                    encode_events(txn.events),
+                    within=settings.sync_timeout_ms / 1000,
                 )
             )
         try:
@@ -291,7 +296,7 @@ class Coordinator:
             if not live.done.done():
                 live.done.set_result(False)
             return
-        self._spawn(
+        live.recorded = self._spawn(
             self.log.move(txn.txid, "committed", leaving=("prepared",), ledger_last=live.last_index)
         )
         if live.machine.degraded or not self.sync.wait_standby(
@@ -317,7 +322,7 @@ class Coordinator:
             if action is Action.RELEASE_COMMIT_OK and not live.done.done():
                 live.done.set_result(True)
         if acked and not live.machine.degraded:
-            self._end(txn.vpn, txn.txid, commit=True)
+            self._spawn(self._end(live))
         # a degraded one ends when the standby has acknowledged its group
 
     async def abort(self, txn: LocalTransaction) -> None:
@@ -355,11 +360,15 @@ class Coordinator:
         if self.link is not None:
             self.link.outcome(txn.vpn, txn.txid, commit=False)
 
-    def _end(self, vpn: str, txid: str, commit: bool) -> None:
-        self._spawn(self.log.move(txid, "ended", leaving=("committed",)))
+    async def _end(self, live: _Live) -> None:
+        """The standby applied the commit: end both rows, let the marker go."""
+        txn = live.txn
+        if live.recorded is not None:
+            await live.recorded  # committed before ended
+        await self.log.move(txn.txid, "ended", leaving=("committed",))
         if self.link is not None:
-            self.link.outcome(vpn, txid, commit=commit)
-        self._ended.setdefault(vpn, set()).add(txid)
+            self.link.outcome(txn.vpn, txn.txid, commit=True)
+        self._ended.setdefault(txn.vpn, set()).add(txn.txid)
 
     # -- recovery and housekeeping -------------------------------------------
 
@@ -386,8 +395,10 @@ class Coordinator:
 
     async def _recover_one(self, row: TxnRow, markers: set[str]) -> str:
         with tracer.start_as_current_span("txn.recover", attributes={"txid": row.txid}):
-            if await self.log.in_ledger(row):
-                await self.log.move(row.txid, "committed", leaving=("prepared",))
+            first = await self.log.decision_index(row)
+            if first is not None:
+                last = first + len(row.events) - 1
+                await self.log.move(row.txid, "committed", leaving=("prepared",), ledger_last=last)
                 return "committed"
             if row.txid in markers:
                 loop = asyncio.get_running_loop()
@@ -430,10 +441,11 @@ class Coordinator:
                     log.warning("commit markers not removed yet: %s", e)
                     self._ended.setdefault(vpn, set()).update(txids)
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 def _settle(future: asyncio.Future[bool]) -> Callable[[bool], None]:

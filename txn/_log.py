@@ -150,18 +150,22 @@ class TxnLog:
             )
             return {str(t): str(s) for t, s in await cur.fetchall()}
 
-    async def in_ledger(self, row: TxnRow) -> bool:
-        """Whether the coordinator's decision (the transaction's events as a
-        ledger group after ``ledger_floor``) is in the ledger: its first event
-        is unique (a fresh id, or the one consumption of a message)."""
+    async def decision_index(self, row: TxnRow) -> int | None:
+        """The ledger index of the coordinator's decision — the transaction's
+        events as one group after ``ledger_floor`` — or None if it was never
+        made. The group's first event is unique (a fresh id, or the one
+        consumption of a message), so finding it finds the group; the group
+        is all or nothing (``LedgerWriter.append_group``)."""
         if not row.events:
-            return False
+            return None
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                "SELECT 1 FROM ledger WHERE vpn = %s AND idx > %s AND event = %s LIMIT 1",
+                "SELECT idx FROM ledger WHERE vpn = %s AND idx > %s AND event = %s"
+                " ORDER BY idx LIMIT 1",
                 (row.vpn, row.ledger_floor, encode_event(row.events[0])),
             )
-            return await cur.fetchone() is not None
+            found = await cur.fetchone()
+        return None if found is None else int(found[0])
 
 
 def _row(r: tuple[object, ...]) -> TxnRow:

@@ -37,9 +37,7 @@ def test_refresh_loads_enabled_vpns_with_their_topology(site_a: LocalSite) -> No
     view = directory.lookup("orders")
     assert view is not None and view.role is Role.ACTIVE
     assert view.topology.route("events", "order.created", None) == {"orders.q1"}
-    assert view.scope.in_scope("events", "order.created", frozenset({"orders.q1"})) == {
-        "orders.q1"
-    }
+    assert view.scope.in_scope("events", "order.created", frozenset({"orders.q1"})) == {"orders.q1"}
 
 
 def test_refresh_picks_up_what_bypassed_the_listener_and_drops_disabled_vpns(
@@ -87,8 +85,9 @@ def test_unreachable_management_api_keeps_the_old_view(site_a: LocalSite) -> Non
     asyncio.run(_refresher(site_a, directory, settings).refresh())
     view = directory.lookup("orders")
     broken = DirectoryRefresher(
-        directory, ManagementAPI("http://guest:guest@127.0.0.1:1/"), _refresher(
-            site_a, directory, settings).load_settings
+        directory,
+        ManagementAPI("http://guest:guest@127.0.0.1:1/"),
+        _refresher(site_a, directory, settings).load_settings,
     )
     asyncio.run(broken.refresh())
     assert directory.lookup("orders") is view

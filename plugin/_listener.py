@@ -248,7 +248,17 @@ class _ClientSide(asyncio.Protocol):
             await self.listener.sink.abort(txn)
 
     async def _commit(self, txn: LocalTransaction) -> None:
-        await self.listener.sink.commit(txn)
+        try:
+            await self.listener.sink.commit(txn)
+        except TransactionRefused as e:
+            # The broker committed but replication could not record it: the
+            # client must not hear tx.commit-ok; as with any connection lost
+            # at commit, its outcome is for the client to find out (the node
+            # records it at its next start, from the commit marker).
+            log.error("transaction %s: commit not recorded: %s", txn.txid, e)
+            if not self._closed:
+                self.apply(self.session.shutdown(f"transaction outcome unknown: {e}"))
+            return
         if not self._closed:
             self.apply(self.session.transaction_committed(txn.channel))
 

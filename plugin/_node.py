@@ -2,8 +2,10 @@
 
 Starts, in order: the site database check and a new process incarnation (the
 high half of every replication id it hands out), the ledger writer and the
-replication sink, the VPN directory (settings from the database, topology
-from the management API, refreshed every ``REFRESH_SECONDS``), the AMQP
+replication sink with the transaction coordinator, the VPN directory
+(settings from the database, topology from the management API, refreshed
+every ``REFRESH_SECONDS``), the recovery of transactions a crash left in
+doubt (txn/_coordinator.py; before any client is accepted), the AMQP
 listener on ``listen.amqp`` and the admin endpoint on ``listen.admin``. It
 stops on SIGTERM or SIGINT in reverse order: clients first, then the ledger
 after committing what it holds.

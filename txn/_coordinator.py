@@ -196,6 +196,11 @@ class Coordinator:
         try:
             with tracer.start_as_current_span("txn.prepare", attributes=_attrs(txn)):
                 await self._prepare(live, settings)
+        except psycopg.Error as e:
+            self._live.pop(txn.txid, None)
+            if self.link is not None:  # the standby may have prepared: it aborts
+                self.link.outcome(txn.vpn, txn.txid, commit=False)
+            raise TransactionRefused(f"the site database did not take the prepare: {e}") from e
         except BaseException:
             self._live.pop(txn.txid, None)
             raise

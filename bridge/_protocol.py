@@ -701,78 +701,75 @@ class Error(_Frame):
 
 
 @dataclass(frozen=True, slots=True)
-class TxnPrepare(_Frame):
+class _TxnFrame(_Frame):
+    """What every frame about one transaction starts with."""
+
+    vpn: str
+    epoch: int
+    txid: str
+
+    def __post_init__(self) -> None:
+        _check_text("vpn", self.vpn)
+        _check_int("epoch", self.epoch, 1)
+        _check_text("txid", self.txid)
+
+    def _head(self) -> bytes:
+        return _str16(self.vpn) + _U64.pack(self.epoch) + _str16(self.txid)
+
+    @staticmethod
+    def _read_head(r: _Reader) -> tuple[str, int, str]:
+        return r.text("vpn"), r.u64("epoch"), r.text("txid")
+
+
+@dataclass(frozen=True, slots=True)
+class TxnPrepare(_TxnFrame):
     """Active to standby: persist transaction ``txid`` as prepared (its
     events in the ledger encoding, each ``u32``-length-prefixed) and vote."""
 
     TYPE: ClassVar[int] = 12
-    vpn: str
-    epoch: int
-    txid: str
     events: bytes
 
     def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        _check_text("txid", self.txid)
+        _TxnFrame.__post_init__(self)
         _check_blob("events", self.events)
 
     def payload(self) -> bytes:
-        head = _str16(self.vpn) + _U64.pack(self.epoch) + _str16(self.txid)
-        return head + _bytes32(self.events)
+        return self._head() + _bytes32(self.events)
 
     @classmethod
     def read(cls, r: _Reader) -> Self:
-        return cls(r.text("vpn"), r.u64("epoch"), r.text("txid"), r.blob("events"))
+        return cls(*cls._read_head(r), r.blob("events"))
 
 
 @dataclass(frozen=True, slots=True)
-class TxnVote(_Frame):
+class TxnVote(_TxnFrame):
     """Standby to active: ``txid`` is durably prepared (``ok``) or not."""
 
     TYPE: ClassVar[int] = 13
-    vpn: str
-    epoch: int
-    txid: str
     ok: bool
 
-    def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        _check_text("txid", self.txid)
-
     def payload(self) -> bytes:
-        head = _str16(self.vpn) + _U64.pack(self.epoch) + _str16(self.txid)
-        return head + _U8.pack(int(self.ok))
+        return self._head() + _U8.pack(int(self.ok))
 
     @classmethod
     def read(cls, r: _Reader) -> Self:
-        return cls(r.text("vpn"), r.u64("epoch"), r.text("txid"), r.flag("ok"))
+        return cls(*cls._read_head(r), r.flag("ok"))
 
 
 @dataclass(frozen=True, slots=True)
-class TxnOutcome(_Frame):
+class TxnOutcome(_TxnFrame):
     """Active to standby: how ``txid`` ended. A commit's effects reach the
     standby with the ledger; this settles the participant's row."""
 
     TYPE: ClassVar[int] = 14
-    vpn: str
-    epoch: int
-    txid: str
     commit: bool
 
-    def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        _check_text("txid", self.txid)
-
     def payload(self) -> bytes:
-        head = _str16(self.vpn) + _U64.pack(self.epoch) + _str16(self.txid)
-        return head + _U8.pack(int(self.commit))
+        return self._head() + _U8.pack(int(self.commit))
 
     @classmethod
     def read(cls, r: _Reader) -> Self:
-        return cls(r.text("vpn"), r.u64("epoch"), r.text("txid"), r.flag("commit"))
+        return cls(*cls._read_head(r), r.flag("commit"))
 
 
 @dataclass(frozen=True, slots=True)

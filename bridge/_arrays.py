@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import psycopg
 from psycopg.adapt import Dumper
@@ -54,7 +54,7 @@ def _packed_dumper(cls: type[_Packed], array_oid: int) -> type[Dumper]:
         oid = array_oid
 
         def dump(self, obj: Any) -> bytes:
-            return bytes(obj)
+            return cast(bytes, obj)  # already the wire bytes: no copy
 
     PackedDumper.__name__ = f"{cls.__name__}Dumper"
     return PackedDumper

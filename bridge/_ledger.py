@@ -612,7 +612,7 @@ class LedgerWriter:
             while batch[-1].open_group:  # a group commits whole (append_group)
                 batch.append(self._pending[len(batch)])
             entries = [p.entry for p in batch]
-            waiters = sum(1 for p in batch if p.on_durable is not None)
+            waiters = len(batch) - [p.on_durable for p in batch].count(None)
             await self._retrying(self._commit_once, entries, "ledger commit")
             self._waiters = max(0, self._waiters - waiters)
             for _ in batch:

@@ -634,7 +634,13 @@ def test_sync_mode_with_the_standby_stopped(
         for n in range(3, 8):
             publish_one(site_a, n)
         assert vpn_status(node_a)["sync_eligible"] is False
-        cli_while_down = cli_status(node_a)
+        # the node records eligibility in vpn_state every 0.5 s; the
+        # publishes above may all have been confirmed within that
+        cli_while_down = until(
+            lambda: (found := cli_status(node_a))["sync_eligible"] is False and found,
+            "vpnrepl status to show the VPN sync-ineligible",
+            5,
+        )
     else:
         for n in (2, 3):
             t0 = time.monotonic()

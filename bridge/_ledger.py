@@ -868,15 +868,39 @@ class LedgerWriter:
         if row is None:
             raise LedgerConflict("the VPN has no vpn_live_state row any more", vpn)
         live = int(row[0])
-        if not first - 1 <= live:
-            raise LedgerConflict(
-                f"the live state is at index {live}, entries {first}..{last} do not follow it", vpn
+        if live < first - 1:
+            # Applies commit with synchronous_commit off: a database crash can
+            # take the newest ones with it (and their live_index). Those
+            # entries are durable in the ledger: apply them again from there.
+            missing = await self._read_entries(cur, vpn, live + 1, first - 1)
+            log.warning(
+                "VPN %r: the live state lost entries %d..%d with a database crash; "
+                "applying them again from the ledger",
+                vpn,
+                live + 1,
+                first - 1,
             )
+            await cur.execute(_SET_LIVE, (last, vpn))
+            return missing + items
         if live >= last:
             return []
         log.warning("VPN %r: entries %d..%d were applied already (reply lost)", vpn, first, live)
         await cur.execute(_SET_LIVE, (last, vpn))
         return items[live - first + 1 :]
+
+    async def _read_entries(
+        self, cur: psycopg.AsyncCursor[Any], vpn: str, first: int, last: int
+    ) -> list[LedgerEntry]:
+        """Ledger entries ``first..last`` of ``vpn``, all of them or LedgerConflict."""
+        await cur.execute(_READ, (vpn, first, last - first + 1))
+        rows = await cur.fetchall()
+        if len(rows) != last - first + 1 or int(rows[0][0]) != first:
+            raise LedgerConflict(
+                f"ledger entries {first}..{last} are missing: the live state cannot follow", vpn
+            )
+        return [
+            LedgerEntry(vpn, int(ep), int(i), decode_event(d, vpn), bytes(d)) for i, ep, d in rows
+        ]
 
     async def _catch_up_live(
         self, conn: psycopg.AsyncConnection[Any], vpn: str, live: int, ledger_index: int

@@ -589,3 +589,33 @@ def test_a_group_commits_in_one_transaction_whatever_the_batch_size(site_a: Loca
     assert any(group <= set(batch) for batch in seen)  # one commit holds the whole group
     assert all(group <= set(batch) or not group & set(batch) for batch in seen)
     assert group_done.calls == [(6, True)]
+
+
+def test_live_applies_lost_with_a_database_crash_are_applied_again_from_the_ledger(
+    site_a: LocalSite,
+) -> None:
+    """Live-state applies commit with synchronous_commit off, so a database
+    crash can lose the newest ones (rows and live_index together). The next
+    apply must find the gap and re-apply those entries from the ledger, not
+    stop the writer."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            for n in range(1, 21):
+                writer.append(pub("v", n, "q"))
+            await writer.wait_durable("v", 20)
+            await writer.wait_live("v", 20)
+            # what a crash losing the applies of entries 11..20 leaves behind
+            with psycopg.connect(dsn, autocommit=True) as db:
+                db.execute("UPDATE vpn_live_state SET live_index = 10 WHERE vpn = 'v'")
+                db.execute("DELETE FROM live_message WHERE vpn = 'v' AND publish_index > 10")
+            for n in range(21, 26):
+                writer.append(pub("v", n, "q"))
+            await writer.wait_live("v", 25)
+            assert writer.store_error is None
+
+    run(scenario)
+    assert live_keys(dsn, "v") == {("q", n) for n in range(1, 26)}
+    assert scalar(dsn, "SELECT live_index FROM vpn_live_state WHERE vpn = 'v'") == 25

@@ -742,34 +742,36 @@ class TxnPrepare(_TxnFrame):
 
 
 @dataclass(frozen=True, slots=True)
-class TxnVote(_TxnFrame):
-    """Standby to active: ``txid`` is durably prepared (``ok``) or not."""
+class _TxnFlagFrame(_TxnFrame):
+    """A transaction frame that ends in one yes/no octet, named ``FLAG``."""
 
-    TYPE: ClassVar[int] = 13
-    ok: bool
+    FLAG: ClassVar[str]
 
     def payload(self) -> bytes:
-        return self._head() + _U8.pack(int(self.ok))
+        return self._head() + _U8.pack(int(getattr(self, self.FLAG)))
 
     @classmethod
     def read(cls, r: _Reader) -> Self:
-        return cls(*cls._read_head(r), r.flag("ok"))
+        return cls(*cls._read_head(r), r.flag(cls.FLAG))  # type: ignore[call-arg]
 
 
 @dataclass(frozen=True, slots=True)
-class TxnOutcome(_TxnFrame):
+class TxnVote(_TxnFlagFrame):
+    """Standby to active: ``txid`` is durably prepared (``ok``) or not."""
+
+    TYPE: ClassVar[int] = 13
+    FLAG: ClassVar[str] = "ok"
+    ok: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TxnOutcome(_TxnFlagFrame):
     """Active to standby: how ``txid`` ended. A commit's effects reach the
     standby with the ledger; this settles the participant's row."""
 
     TYPE: ClassVar[int] = 14
+    FLAG: ClassVar[str] = "commit"
     commit: bool
-
-    def payload(self) -> bytes:
-        return self._head() + _U8.pack(int(self.commit))
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls(*cls._read_head(r), r.flag("commit"))
 
 
 @dataclass(frozen=True, slots=True)

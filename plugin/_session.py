@@ -572,15 +572,14 @@ class Session:
 
     def _intercept(self, p: _Publish, payload: bytes, channel: int) -> bytes | None:
         """Decide whether a publish is replicated; splice its id if so."""
-        layout = amqp.property_layout(payload)
-        queues = self._replicated_queues(p.exchange, p.routing_key, payload, layout)
+        template = self._header_template(payload)
+        queues = self._replicated_queues(p.exchange, p.routing_key, payload, template.layout)
         if not queues:
             return None
         p.repl_id = self._ids.next()
         p.queues = queues
-        new_payload = amqp.splice_header(payload, layout, REPLICATION_HEADER, p.repl_id.value.hex())
-        p.properties = new_payload[12:]
-        return amqp.frame_bytes(amqp.FRAME_HEADER, channel, new_payload)
+        p.properties, header = _with_id(template, payload, channel, p.repl_id)
+        return header
 
     def _replicated_queues(
         self, exchange: str, routing_key: str, payload: bytes, layout: amqp.PropertyLayout
@@ -645,7 +644,7 @@ class Session:
             return None
         assert self.vpn is not None  # noqa: S101 - queues are only found when replicated
         repl_id = self._ids.next()
-        properties = template.before_id + binascii.hexlify(repl_id.value) + template.after_id
+        properties, header = _with_id(template, payload, channel, repl_id)
         # tuple.__new__: Published's own __new__ is a Python function (hot path)
         event: Published = _new_tuple(
             Published,
@@ -660,14 +659,7 @@ class Session:
             ),
         )
         self._record_published(ch, channel, seq, event)
-        return b"".join(
-            (
-                _HEADER_FRAME_HEAD.pack(amqp.FRAME_HEADER, channel, 12 + len(properties)),
-                payload[:12],
-                properties,
-                b"\xce",
-            )
-        )
+        return header
 
     def _header_template(self, payload: bytes) -> _HeaderTemplate:
         """The checked layout of a content header, and its properties with
@@ -1208,6 +1200,24 @@ _CLOSE_OK_FRAME = amqp.frame_bytes(amqp.FRAME_METHOD, 0, b"\x00\x0a\x00\x33")
 
 
 _new_tuple = tuple.__new__
+
+
+def _with_id(
+    template: _HeaderTemplate, payload: bytes, channel: int, repl_id: ReplicationId
+) -> tuple[bytes, bytes]:
+    """The properties with ``repl_id`` in our header, and the content header
+    frame carrying them (class, weight and body size as the client sent)."""
+    properties = template.before_id + binascii.hexlify(repl_id.value) + template.after_id
+    header = b"".join(
+        (
+            _HEADER_FRAME_HEAD.pack(amqp.FRAME_HEADER, channel, 12 + len(properties)),
+            payload[:12],
+            properties,
+            b"\xce",
+        )
+    )
+    return properties, header
+
 
 #: the queue, in every replicated vhost, that holds commit markers
 MARKER_QUEUE = "vpnrepl.txn-markers"

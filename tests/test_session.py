@@ -598,3 +598,21 @@ def test_a_sink_without_append_many_gets_the_events_one_by_one_in_order() -> Non
     sink.append_many(events, lambda key, ok: verdicts.append((key, ok)))
     assert sink.events == [e for e, _ in events]
     assert verdicts == [((1, 1), True), ((1, 2), False)]
+
+
+def test_a_clients_own_id_header_is_replaced_and_its_other_properties_kept(
+    confirming: Session,
+) -> None:
+    props = {
+        "headers": {"k": "v", "x-vpnrepl-id": "old", "n": 7},
+        "message_id": "#" * 32,
+        "priority": 3,
+        "content_type": "text/plain",
+    }
+    for _ in range(2):  # the second publish takes the memoised header template
+        out = confirming.client_data(publish(1, b"x", **props))
+        [(event, _)] = out.events
+        hdr = decode_all(out.to_broker)[1][1]
+        assert hdr.properties.headers == {"k": "v", "n": 7, "x-vpnrepl-id": event.repl_id.hex}
+        assert (hdr.properties.message_id, hdr.properties.priority) == ("#" * 32, 3)
+        assert hdr.properties.content_type == "text/plain" and hdr.body_size == 1

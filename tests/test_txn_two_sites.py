@@ -154,6 +154,29 @@ def test_transactions_are_on_the_standby_when_the_client_hears_commit_ok(
     assert node_b.stop() == 0 and node_a.stop() == 0
 
 
+def test_an_async_vpn_commits_without_the_standby_and_ships_the_transaction(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+) -> None:
+    """Async mode: no standby prepare (no participant rows); the committed
+    transaction reaches the standby with the ledger stream."""
+    setup_vpn(site_a)
+    enable(vpnrepl_a)  # async is the default mode
+    start_both(node_a, node_b)
+    conn, ch = connect(site_a)
+    publish(ch, (300, 305))
+    ch.tx_commit()
+    conn.close()
+    assert_same_state(node_a, node_b)
+    assert {(300, "orders.q2"), (305, "orders.q2")} <= live_numbers(site_b)
+    until(lambda: txn_states(site_a, "coordinator") == ["ended"], "A's row to end")
+    assert txn_states(site_b, "participant") == []
+    assert node_b.stop() == 0 and node_a.stop() == 0
+
+
 @pytest.mark.parametrize("policy", ["reject", "degrade"])
 def test_a_standby_that_does_not_prepare_in_time(
     policy: str,

@@ -156,7 +156,7 @@ class Coordinator:
         self._live: dict[str, _Live] = {}
         #: replication id of a message a committing transaction published -> txid
         self._committing_ids: dict[bytes, str] = {}
-        self._ended: dict[str, set[str]] = {}  # vpn -> txids whose markers can go
+        self._decided: dict[str, set[str]] = {}  # vpn -> txids whose markers can go
         self._tasks: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -175,10 +175,6 @@ class Coordinator:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._live)
 
     # -- the listener's side (through the Replicator sink) -------------------
 
@@ -326,6 +322,10 @@ class Coordinator:
         for action in live.machine.feed(Input.DECISION_DURABLE):
             if action is Action.RELEASE_COMMIT_OK and not live.done.done():
                 live.done.set_result(True)
+        if self.link is not None:  # a participant that voted late settles too
+            self.link.outcome(txn.vpn, txn.txid, commit=True)
+        # decided and recorded: its marker is not needed any more
+        self._decided.setdefault(txn.vpn, set()).add(txn.txid)
         if acked and not live.machine.degraded:
             self._spawn(self._end(live))
         # a degraded one ends when the standby has acknowledged its group
@@ -366,14 +366,11 @@ class Coordinator:
             self.link.outcome(txn.vpn, txn.txid, commit=False)
 
     async def _end(self, live: _Live) -> None:
-        """The standby applied the commit: end both rows, let the marker go."""
+        """The standby applied the commit: end the coordinator's row."""
         txn = live.txn
         if live.recorded is not None:
             await live.recorded  # committed before ended
         await self.log.move(txn.txid, "ended", leaving=("committed",))
-        if self.link is not None:
-            self.link.outcome(txn.vpn, txn.txid, commit=True)
-        self._ended.setdefault(txn.vpn, set()).add(txn.txid)
 
     # -- recovery and housekeeping -------------------------------------------
 
@@ -438,19 +435,28 @@ class Coordinator:
             await asyncio.sleep(SWEEP_SECONDS)
             with contextlib.suppress(psycopg.Error):
                 await self.log.end_acknowledged()
-            for vpn in list(self._ended):
-                txids = self._ended.pop(vpn)
+            for vpn in list(self._decided):
+                txids = self._decided.pop(vpn)
                 try:
                     await self.markers.remove(vpn, txids)
                 except MarkerError as e:
                     log.warning("commit markers not removed yet: %s", e)
-                    self._ended.setdefault(vpn, set()).update(txids)
+                    self._decided.setdefault(vpn, set()).update(txids)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[None]:
+        """Run a bookkeeping step (a row's move) in the background; one that
+        fails is logged, and recovery at the next start settles the row."""
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
         return task
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "transaction bookkeeping failed (settled at the next start): %s", task.exception()
+            )
 
 
 def _settle(future: asyncio.Future[bool]) -> Callable[[bool], None]:

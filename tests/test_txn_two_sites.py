@@ -210,7 +210,12 @@ def test_a_standby_that_does_not_prepare_in_time(
     ch.tx_commit()  # degrade: committed here, shipped when the standby is back
     conn.close()
     assert cli_status(node_a)["degraded_txns"] == 1
-    assert {(200, "orders.q2"), (205, "orders.q2")} <= live_numbers(site_a)
+    # the active's live state follows its ledger by a few milliseconds
+    until(
+        lambda: {(200, "orders.q2"), (205, "orders.q2")} <= live_numbers(site_a),
+        "the transaction in A's live state",
+        10,
+    )
     node_b.start()
     caught_up(node_a, node_b)
     assert {(200, "orders.q2"), (205, "orders.q2")} <= live_numbers(site_b)

@@ -33,6 +33,7 @@ from bridge._ledger import LedgerError, LedgerWriter
 from bridge._replicator import Replicator
 from bridge._tls import TlsSetupError
 from bridge._transport import BridgeClient, BridgeServer
+from txn import _failpoints as failpoints
 from txn._coordinator import Coordinator
 from txn._log import TxnLog
 from txn._markers import MarkerError, MarkerStore
@@ -151,6 +152,9 @@ class Node:
 
     async def start(self) -> None:
         cfg = self.cfg
+        point = failpoints.armed()  # an unknown name stops the node here
+        if point is not None:
+            log.warning("failpoint %s is armed: this node kills itself there", point)
         incarnation = await _incarnation(cfg)
         try:
             await self.writer.start()

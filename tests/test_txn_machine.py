@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,15 +75,27 @@ def test_abort_before_the_broker_commit_forgets() -> None:
     assert m.phase is Phase.ABORTED
 
 
-def test_an_unknown_failpoint_name_stops_the_process_at_import() -> None:
+def test_an_unknown_failpoint_name_stops_the_node_with_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "site.toml"
+    config.write_text(
+        '[site]\nname = "x"\n'
+        '[broker]\namqp_url = "amqp://guest:guest@127.0.0.1:1/"\n'
+        'management_url = "http://guest:guest@127.0.0.1:1/"\n'
+        '[listen]\namqp = "127.0.0.1:0"\nbridge = "127.0.0.1:0"\n'
+        '[store]\ndsn = "postgresql://x@127.0.0.1:1/x"\n'
+    )
+    exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))
     env = {**os.environ, "VPNREPL_FAILPOINT": "coordinator.after-lunch"}
     done = subprocess.run(
-        [sys.executable, "-c", "import txn._failpoints"],
+        [exe, "--config", str(config), "node"],
         env=env,
         capture_output=True,
         text=True,
+        timeout=60,
         check=False,
     )
-    assert done.returncode != 0
-    assert "is not a failpoint" in done.stderr and "coordinator.after-prepare" in done.stderr
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    [line] = [x for x in done.stderr.splitlines() if "error" in x]
+    assert "is not a failpoint" in line and "coordinator.after-prepare" in line
     assert "coordinator.after-prepare" in FAILPOINTS

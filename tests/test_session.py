@@ -616,3 +616,15 @@ def test_a_clients_own_id_header_is_replaced_and_its_other_properties_kept(
         assert hdr.properties.headers == {"k": "v", "n": 7, "x-vpnrepl-id": event.repl_id.hex}
         assert (hdr.properties.message_id, hdr.properties.priority) == ("#" * 32, 3)
         assert hdr.properties.content_type == "text/plain" and hdr.body_size == 1
+
+
+def test_a_transaction_that_touches_nothing_replicated_passes_straight_through() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Tx.Select(), 1))
+    s.client_data(publish(1, b"a", queue="other") + publish(1, b"t", mode=1))
+    out = s.client_data(m(C.Tx.Commit(), 1))
+    assert out.prepare == [] and decode_all(out.to_broker)[-1][1].name == "Tx.Commit"
+    assert not any(v.name == "Basic.Publish" for _, v in decode_all(out.to_broker))  # no marker
+    out = s.broker_data(m(C.Tx.CommitOk(), 1))
+    assert out.commit == [] and decode_all(out.to_client)[0][1].name == "Tx.CommitOk"

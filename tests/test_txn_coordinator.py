@@ -1,0 +1,98 @@
+"""The coordinator on one real site (PostgreSQL, RabbitMQ), no standby:
+its rows, its ledger group, its spans, and recovery by marker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pika
+import psycopg
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from bridge._ledger import LedgerWriter
+from plugin._events import IdSource, LocalTransaction, Published
+from plugin._localsites import LocalSite
+from plugin._store import connect, enable_vpn
+from plugin._vpn import VpnSettings
+from sql import migrate
+from txn._coordinator import Coordinator
+from txn._log import TxnLog
+from txn._markers import MARKER_QUEUE, MarkerStore
+
+SPANS = InMemorySpanExporter()
+_provider = TracerProvider()
+_provider.add_span_processor(SimpleSpanProcessor(SPANS))
+trace.set_tracer_provider(_provider)
+
+
+class NoStandby:
+    def wait_standby(self, vpn: str, index: int, resolve: object) -> bool:
+        return False  # an async VPN: nothing to wait for
+
+
+def txn(ids: IdSource, sequence: int) -> LocalTransaction:
+    events = tuple(
+        Published("v", ids.next(), "", "q", b"\x10\x00\x02", b"body", ("q",)) for _ in range(3)
+    )
+    return LocalTransaction("v", 1, 1, sequence, events, incarnation=ids.incarnation)
+
+
+def states(dsn: str) -> dict[str, str]:
+    with psycopg.connect(dsn) as db:
+        return dict(db.execute("SELECT txid, state FROM txn_log").fetchall())
+
+
+def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    migrate(dsn)
+    with connect(dsn) as conn:
+        enable_vpn(conn, VpnSettings.from_args("v", "active"))
+    site_a.rabbit.add_vhost("v")
+    ids = IdSource(9)
+    committed, aborted, in_doubt_marked, in_doubt_bare = (txn(ids, n) for n in range(1, 5))
+
+    async def scenario() -> dict[str, str]:
+        async with LedgerWriter(dsn) as writer:
+            await writer.open_vpn("v")
+            log = TxnLog(dsn)
+            await log.open()
+            c = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, NoStandby())
+            c.configure(VpnSettings.from_args("v", "active"))
+            await c.prepare(committed)
+            await c.commit(committed)  # (the broker commit is the listener's part)
+            await c.prepare(aborted)
+            await c.abort(aborted)
+            # two transactions a crash leaves prepared; only one reached the broker
+            await c.prepare(in_doubt_marked)
+            await c.prepare(in_doubt_bare)
+            conn = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("v")))
+            ch = conn.channel()
+            # the marker publish the listener makes inside the broker transaction
+            ch.basic_publish(
+                "",
+                MARKER_QUEUE,
+                in_doubt_marked.txid.encode(),
+                pika.BasicProperties(delivery_mode=2),
+            )
+            conn.close()
+            restarted = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, NoStandby())
+            outcomes = await restarted.recover()
+            await writer.wait_durable("v", 6)
+            await asyncio.sleep(0.2)  # the background row moves
+            await c.close()
+            await log.close()
+            return outcomes
+
+    outcomes = asyncio.run(scenario())
+    assert outcomes == {in_doubt_marked.txid: "committed", in_doubt_bare.txid: "aborted"}
+    rows = states(dsn)
+    assert rows[committed.txid] == "ended" and rows[aborted.txid] == "aborted"
+    assert rows[in_doubt_marked.txid] == "committed" and rows[in_doubt_bare.txid] == "aborted"
+    with psycopg.connect(dsn) as db:  # two groups of three: the commit and the recovered one
+        assert db.execute("SELECT count(*) FROM ledger WHERE vpn = 'v'").fetchone() == (6,)
+    names = [s.name for s in SPANS.get_finished_spans()]
+    assert names.count("txn.prepare") == 4 and names.count("txn.commit") == 1
+    assert names.count("txn.recover") == 2

@@ -548,11 +548,9 @@ class Checkpoint(_Frame):
 
 
 @dataclass(frozen=True, slots=True)
-class SyncFinished(_Frame):
-    """Active to standby: the replay of ``vpn`` ended at ``index``; live
-    events follow (SYNC_FINISHED)."""
+class _IndexFrame(_Frame):
+    """A VPN frame that carries one ledger index and nothing else."""
 
-    TYPE: ClassVar[int] = 7
     vpn: str
     epoch: int
     index: int
@@ -568,6 +566,14 @@ class SyncFinished(_Frame):
     @classmethod
     def read(cls, r: _Reader) -> Self:
         return cls(r.text("vpn"), r.u64("epoch"), r.u64("index"))
+
+
+@dataclass(frozen=True, slots=True)
+class SyncFinished(_IndexFrame):
+    """Active to standby: the replay of ``vpn`` ended at ``index``; live
+    events follow (SYNC_FINISHED)."""
+
+    TYPE: ClassVar[int] = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -619,26 +625,11 @@ class Events(_Frame):
 
 
 @dataclass(frozen=True, slots=True)
-class Ack(_Frame):
+class Ack(_IndexFrame):
     """Standby to active: ``vpn`` is durably applied up to ``index``
     (cumulative; never goes back on one stream)."""
 
     TYPE: ClassVar[int] = 9
-    vpn: str
-    epoch: int
-    index: int
-
-    def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        _check_int("index", self.index, 0)
-
-    def payload(self) -> bytes:
-        return _str16(self.vpn) + _U64.pack(self.epoch) + _U64.pack(self.index)
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls(r.text("vpn"), r.u64("epoch"), r.u64("index"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from plugin._events import (
     LocalTransaction,
     ReplicationSink,
     TransactionRefused,
+    future_callback,
 )
 from plugin._vpn import Mode, VpnSettings
 
@@ -216,7 +217,7 @@ class Replicator(ReplicationSink):
         for event in txn.events:
             done: asyncio.Future[bool] = loop.create_future()
             outcomes.append(done)
-            self.append(event, _settle(done))
+            self.append(event, future_callback(done))
         results = await asyncio.gather(*outcomes)
         if not all(results):
             log.error(
@@ -232,11 +233,3 @@ class Replicator(ReplicationSink):
     async def resolve(self, txn: LocalTransaction) -> None:
         if self.coordinator is not None:
             await self.coordinator.resolve(txn)
-
-
-def _settle(future: asyncio.Future[bool]) -> Callable[[bool], None]:
-    def settle(ok: bool) -> None:
-        if not future.done():
-            future.set_result(ok)
-
-    return settle

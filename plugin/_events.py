@@ -9,6 +9,7 @@ is the in-process implementation used by tests and the listener benchmark.
 from __future__ import annotations
 
 import abc
+import asyncio
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ __all__ = [
     "ReplicationId",
     "ReplicationSink",
     "TransactionRefused",
+    "future_callback",
 ]
 
 #: The message header carrying a replication id (our own: JMS clients do not
@@ -135,6 +137,17 @@ class LocalTransaction:
     def txid(self) -> str:
         """``incarnation.connection.channel.sequence``: unique across restarts."""
         return f"{self.incarnation}.{self.connection}.{self.channel}.{self.sequence}"
+
+
+def future_callback(future: asyncio.Future[bool]) -> Callable[[bool], None]:
+    """An ``on_durable`` callback that resolves ``future`` with its first
+    verdict (for a caller that awaits durability instead of being called)."""
+
+    def resolve(ok: bool) -> None:
+        if not future.done():
+            future.set_result(ok)
+
+    return resolve
 
 
 class TransactionRefused(Exception):

@@ -75,7 +75,14 @@ import psycopg
 from opentelemetry import trace
 
 from bridge._ledger import LedgerError
-from plugin._events import Consumed, Event, LocalTransaction, Published, TransactionRefused
+from plugin._events import (
+    Consumed,
+    Event,
+    LocalTransaction,
+    Published,
+    TransactionRefused,
+    future_callback,
+)
 from plugin._vpn import Mode, SyncTimeoutPolicy, VpnSettings
 
 from ._failpoints import failpoint
@@ -405,7 +412,7 @@ class Coordinator:
             if row.txid in markers:
                 loop = asyncio.get_running_loop()
                 durable: asyncio.Future[bool] = loop.create_future()
-                last = self.ledger.append_group(row.events, _settle(durable))
+                last = self.ledger.append_group(row.events, future_callback(durable))
                 if not await durable:
                     return "prepared"  # the ledger is down: stays in doubt, retried next start
                 await self.log.move(row.txid, "committed", leaving=("prepared",), ledger_last=last)
@@ -457,14 +464,6 @@ class Coordinator:
             log.warning(
                 "transaction bookkeeping failed (settled at the next start): %s", task.exception()
             )
-
-
-def _settle(future: asyncio.Future[bool]) -> Callable[[bool], None]:
-    def settle(ok: bool) -> None:
-        if not future.done():
-            future.set_result(ok)
-
-    return settle
 
 
 def _attrs(txn: LocalTransaction) -> dict[str, str | int]:

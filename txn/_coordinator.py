@@ -19,10 +19,12 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
    discoverable — the marker exists exactly when the broker committed.
 3. **Decision.** On ``tx.commit-ok`` the transaction's events are appended
    to the active's ledger as one group (one database transaction: all or
-   none). That group *is* the commit record; the row moves to ``committed``
-   once it is durable. A delivery of a message the transaction published
-   also proves the broker committed, and the decision is recorded at once
-   then, so the ledger never holds an ack before the publish it acks.
+   none). That group *is* the commit record (the row's state is only
+   bookkeeping: ``committed`` once the group is durable when the standby is
+   not waited for, else straight to ``ended`` in step 4). A delivery of a
+   message the transaction published also proves the broker committed, and
+   the decision is recorded at once then, so the ledger never holds an ack
+   before the publish it acks.
 4. **Standby commit and reply.** The standby applies the group like any
    ledger entries (messages inserted, acked ones removed, applied index in
    the same database transaction) and acknowledges; for a sync-mode VPN the
@@ -138,8 +140,6 @@ class _Live:
     done: asyncio.Future[bool]
     published: tuple[bytes, ...] = ()
     last_index: int = 0
-    #: the row's move to ``committed`` (``ended`` must come after it)
-    recorded: asyncio.Task[None] | None = None
 
 
 class Coordinator:
@@ -304,13 +304,19 @@ class Coordinator:
             if not live.done.done():
                 live.done.set_result(False)
             return
-        live.recorded = self._spawn(
-            self.log.move(txn.txid, "committed", leaving=("prepared",), ledger_last=live.last_index)
-        )
-        if live.machine.degraded or not self.sync.wait_standby(
+        if live.machine.degraded:
+            # the standby gets it with the ledger stream; the sweep ends the
+            # row once the standby has acknowledged the group
+            self._spawn(
+                self.log.move(
+                    txn.txid, "committed", leaving=("prepared",), ledger_last=live.last_index
+                )
+            )
+            self._standby_applied(live, True)
+        elif not self.sync.wait_standby(
             txn.vpn, live.last_index, lambda acked: self._standby_applied(live, acked)
         ):
-            self._standby_applied(live, True)
+            self._standby_applied(live, True)  # async mode: nothing to wait for
 
     def _standby_applied(self, live: _Live, acked: bool) -> None:
         txn = live.txn
@@ -323,7 +329,11 @@ class Coordinator:
             )
             self._spawn(
                 self.log.move(
-                    txn.txid, "committed", leaving=("prepared", "committed"), degraded=True
+                    txn.txid,
+                    "committed",
+                    leaving=("prepared", "committed"),
+                    degraded=True,
+                    ledger_last=live.last_index,
                 )
             )
         for action in live.machine.feed(Input.DECISION_DURABLE):
@@ -373,11 +383,13 @@ class Coordinator:
             self.link.outcome(txn.vpn, txn.txid, commit=False)
 
     async def _end(self, live: _Live) -> None:
-        """The standby applied the commit: end the coordinator's row."""
-        txn = live.txn
-        if live.recorded is not None:
-            await live.recorded  # committed before ended
-        await self.log.move(txn.txid, "ended", leaving=("committed",))
+        """Decided, recorded and (sync mode) applied by the standby: the
+        coordinator's row goes from ``prepared`` to ``ended`` in one move
+        (a crash before it leaves the row to recovery, which finds the
+        ledger group)."""
+        await self.log.move(
+            live.txn.txid, "ended", leaving=("prepared",), ledger_last=live.last_index
+        )
 
     # -- recovery and housekeeping -------------------------------------------
 

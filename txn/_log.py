@@ -86,17 +86,19 @@ class TxnLog:
         txid: str,
         vpn: str,
         side: str,
-        events: Sequence[Event],
+        events: Sequence[Event] | bytes,
         *,
         ledger_floor: int = 0,
     ) -> bool:
         """Persist a prepared row; False if ``txid`` already has a row (a
-        repeated prepare: the first one stands)."""
+        repeated prepare: the first one stands). ``events`` may come
+        encoded already (:func:`encode_events`, as the bridge carries them)."""
+        data = events if isinstance(events, bytes) else encode_events(events)
         async with self.pool.connection() as conn:
             cur = await conn.execute(
                 "INSERT INTO txn_log (txid, vpn, side, state, events, ledger_floor)"
                 " VALUES (%s, %s, %s, 'prepared', %s, %s) ON CONFLICT (txid) DO NOTHING",
-                (txid, vpn, side, encode_events(events), ledger_floor),
+                (txid, vpn, side, data, ledger_floor),
             )
             return cur.rowcount == 1
 

@@ -33,8 +33,8 @@ class Participant:
     async def prepare(self, vpn: str, txid: str, events: bytes) -> bool:
         """Persist ``txid`` as prepared; True is a yes vote."""
         try:
-            decoded = decode_events(events, vpn)
-            await self.log.prepare(txid, vpn, PARTICIPANT, decoded)
+            decode_events(events, vpn)  # a vote for unreadable events would be worthless
+            await self.log.prepare(txid, vpn, PARTICIPANT, events)
         except (EventDecodeError, ValueError) as e:
             log.error("VPN %s: transaction %s: events not readable, voting no: %s", vpn, txid, e)
             return False

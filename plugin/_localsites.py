@@ -38,7 +38,14 @@ import psycopg
 
 from ._errors import PluginError
 
-__all__ = ["HarnessError", "LocalSite", "LocalSites", "PostgresCluster", "RabbitNode"]
+__all__ = [
+    "HarnessError",
+    "LocalSite",
+    "LocalSites",
+    "PostgresCluster",
+    "RabbitNode",
+    "sweep_orphans",
+]
 
 log = logging.getLogger(__name__)
 
@@ -414,19 +421,81 @@ class LocalSite:
         return path
 
 
+_SITES_PREFIX = "vpnrepl-sites-"
+_OWNER_FILE = "owner"
+
+
+def _started_at(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (``/proc/PID/stat`` field 22), or
+    None when it is gone: with the pid it names one process, even after the
+    pid is reused."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace")
+
+
+def sweep_orphans(tmp: Path | None = None) -> list[Path]:
+    """Kill the servers of harnesses whose process died without closing them
+    (a test run or benchmark SIGKILLed), and remove their directories.
+
+    Each :class:`LocalSites` with a directory of its own writes its owner's
+    pid and start time there; a directory whose owner is gone is an orphan.
+    A server is killed only if its command line names the orphan's
+    directory, so a reused pid is never hit. Returns the directories removed.
+    """
+    removed = []
+    for base in sorted((tmp or Path(tempfile.gettempdir())).glob(f"{_SITES_PREFIX}*")):
+        try:
+            pid_text, started = (base / _OWNER_FILE).read_text().split()
+            owner = int(pid_text)
+        except (OSError, ValueError):
+            continue  # not ours, or not written yet
+        if _started_at(owner) == started:
+            continue  # its owner still runs
+        for pidfile in (*base.glob("*/rabbit/rabbit.pid"), *base.glob("*/pg/data/postmaster.pid")):
+            try:
+                pid = int(pidfile.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+            if str(base) in _cmdline(pid):
+                log.warning("killing server %d left by a dead harness in %s", pid, base)
+                _kill_tree(pid)
+        shutil.rmtree(base, ignore_errors=True)
+        removed.append(base)
+    return removed
+
+
 class LocalSites:
-    """Two sites, ``a`` and ``b``: two RabbitMQ nodes and two PostgreSQL clusters."""
+    """Two sites, ``a`` and ``b``: two RabbitMQ nodes and two PostgreSQL clusters.
+
+    With no ``base`` given, the servers live in a temporary directory of
+    their own, which :meth:`close` removes; one that a killed process never
+    closed is cleaned up by the next :meth:`start` (:func:`sweep_orphans`).
+    """
 
     def __init__(self, base: Path | None = None) -> None:
         self._own_base = base is None
-        self.base = Path(tempfile.mkdtemp(prefix="vpnrepl-sites-")) if base is None else base
+        self.base = Path(tempfile.mkdtemp(prefix=_SITES_PREFIX)) if base is None else base
         self.base.chmod(0o755)  # the postgres user must reach its directory
+        if self._own_base:
+            me = os.getpid()
+            (self.base / _OWNER_FILE).write_text(f"{me} {_started_at(me)}\n")
         self.a = LocalSite("a", self.base / "a")
         self.b = LocalSite("b", self.base / "b")
         self.startup_seconds = 0.0
 
     def start(self) -> None:
         t0 = time.monotonic()
+        sweep_orphans()
         for node in (self.a.rabbit, self.b.rabbit):
             node.launch()
         with ThreadPoolExecutor(4) as pool:

@@ -3,11 +3,19 @@ can crash and restart each of them with its data intact."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pika
 import psycopg
 import pytest
 
-from plugin._localsites import LocalSite, LocalSites
+from plugin._localsites import LocalSite, LocalSites, sweep_orphans
 
 
 def _publish_persistent(site: LocalSite, queue: str, body: bytes) -> None:
@@ -83,3 +91,56 @@ def test_reset_removes_vhosts_and_queues(site_a: LocalSite) -> None:
     site_a.rabbit.reset()
     assert [v["name"] for v in site_a.rabbit.api("GET", "vhosts")] == ["/"]
     assert site_a.rabbit.api("GET", "queues/%2F") == []
+
+
+_ORPHAN_MAKER = """
+import sys, time
+from plugin._localsites import LocalSites
+sites = LocalSites()
+sites.a.pg.start()
+sites.a.rabbit.start()
+print(sites.base, sites.a.pg.postmaster_pid(), sites.a.rabbit.pidfile.read_text().split()[0])
+sys.stdout.flush()
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_servers_of_a_killed_harness_are_swept_by_the_next_one() -> None:
+    """A test run or benchmark SIGKILLed mid-way leaves its servers running;
+    the next harness kills them and removes their directory, and leaves a
+    live harness's servers alone."""
+    child = subprocess.Popen(  # noqa: S603 - fixed argv
+        [sys.executable, "-c", _ORPHAN_MAKER], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    base_text, pg_pid, rabbit_pid = child.stdout.readline().split()
+    base, servers = Path(base_text), (int(pg_pid), int(rabbit_pid))
+    try:
+        assert all(_running(p) for p in servers)
+        assert base not in sweep_orphans()  # its owner is alive: untouched
+        assert all(_running(p) for p in servers)
+        child.kill()
+        child.wait(timeout=10)
+        assert all(_running(p) for p in servers)  # orphans now
+        assert base in sweep_orphans()
+        deadline = time.monotonic() + 30
+        while any(_running(p) for p in servers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(p) for p in servers)
+        assert not base.exists()
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        child.stdout.close()
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -96,3 +96,31 @@ def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
     names = [s.name for s in SPANS.get_finished_spans()]
     assert names.count("txn.prepare") == 4 and names.count("txn.commit") == 1
     assert names.count("txn.recover") == 2
+
+
+def test_markers_are_read_without_removal_and_swept_by_name(site_a: LocalSite) -> None:
+    """Recovery reads every marker and removes none; a sweep removes exactly
+    the markers of the transactions it names and leaves the others queued."""
+    site_a.rabbit.add_vhost("v")
+    store = MarkerStore(site_a.rabbit.amqp_url())
+    asyncio.run(store.declare("v"))
+    txids = [f"tx-{n}" for n in range(300)]
+    conn = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("v")))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for txid in txids:
+        ch.basic_publish("", MARKER_QUEUE, txid.encode(), pika.BasicProperties(delivery_mode=2))
+
+    def depth() -> int:
+        return int(ch.queue_declare(MARKER_QUEUE, passive=True).method.message_count)
+
+    assert asyncio.run(store.present("v")) == set(txids)
+    assert depth() == 300
+    gone = set(txids[::3])
+    assert asyncio.run(store.remove("v", gone | {"tx-never-published"})) == 100
+    assert depth() == 200
+    assert asyncio.run(store.present("v")) == set(txids) - gone
+    assert asyncio.run(store.remove("v", set(txids))) == 200
+    assert depth() == 0
+    assert asyncio.run(store.present("v")) == set()
+    conn.close()

@@ -116,6 +116,15 @@ def test_markers_are_read_without_removal_and_swept_by_name(site_a: LocalSite) -
 
     assert asyncio.run(store.present("v")) == set(txids)
     assert depth() == 300
+
+    async def overlapping() -> list[object]:
+        # reads and a sweep at once: a marker one of them holds must not be
+        # missing from another's answer (a missed marker aborts a commit)
+        sweep = store.remove("v", {"tx-never-published"})
+        return list(await asyncio.gather(*(store.present("v") for _ in range(4)), sweep))
+
+    assert asyncio.run(overlapping()) == [set(txids)] * 4 + [0]
+    assert depth() == 300
     gone = set(txids[::3])
     assert asyncio.run(store.remove("v", gone | {"tx-never-published"})) == 100
     assert depth() == 200

@@ -16,12 +16,22 @@ seconds meets hundreds of markers under a steady transactional load, and
 fetching them one by one was about a twelfth of the active node's busy CPU
 in a profile of ``bench/transactions.py``, in a thread contending with the
 event loop for the GIL.
+
+A marker held by one reader is invisible to another (it is unacked, not
+ready), and a transaction whose marker a reader misses is aborted. So the
+reads of one :class:`MarkerStore` never overlap (a lock around each), and
+each gives back what it held before it ends: a browse and a sweep
+requeue with ``basic.nack`` and then ask the queue for its depth on the
+same channel, which the queue answers only after it has taken the requeued
+markers back (messages between two Erlang processes keep their order); a
+channel close alone requeues later, asynchronously.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -48,6 +58,7 @@ class MarkerStore:
     def __init__(self, amqp_url: str) -> None:
         self.amqp_url = amqp_url
         self._declared: set[str] = set()
+        self._lock = threading.Lock()  # one read of the markers at a time
 
     def _params(self, vhost: str) -> pika.URLParameters:
         parts = urlsplit(self.amqp_url)
@@ -59,7 +70,7 @@ class MarkerStore:
 
     def _run(self, vhost: str, what: str, work: Callable[[Any], T]) -> T:
         try:
-            with pika.BlockingConnection(self._params(vhost)) as conn:
+            with self._lock, pika.BlockingConnection(self._params(vhost)) as conn:
                 ch = conn.channel()
                 ch.queue_declare(MARKER_QUEUE, durable=True, arguments={"x-queue-type": "classic"})
                 return work(ch)
@@ -112,10 +123,18 @@ def _drain(ch: Any, limit: int | None = None) -> list[tuple[int, str]]:
     return got
 
 
+def _give_back(ch: Any, tag: int) -> None:
+    """Requeue every marker up to ``tag`` still held, and return once the
+    queue has them back (see the module docstring)."""
+    ch.basic_nack(delivery_tag=tag, multiple=True, requeue=True)
+    ch.queue_declare(MARKER_QUEUE, passive=True)
+
+
 def _browse(ch: Any) -> set[str]:
-    found = {txid for _, txid in _drain(ch)}
-    ch.close()  # every marker back to the queue
-    return found
+    got = _drain(ch)
+    if got:
+        _give_back(ch, got[-1][0])  # every marker back to the queue
+    return {txid for _, txid in got}
 
 
 def _sweep(ch: Any, wanted: set[str]) -> int:
@@ -126,4 +145,5 @@ def _sweep(ch: Any, wanted: set[str]) -> int:
             removed += 1
         else:
             ch.basic_nack(tag, requeue=True)
+    ch.queue_declare(MARKER_QUEUE, passive=True)  # the requeued ones are back
     return removed

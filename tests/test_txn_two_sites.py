@@ -21,7 +21,7 @@ import pytest
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
-from tests.test_two_sites_faults import (
+from tests.two_sites import (
     VPN,
     Publisher,
     amqp_url,

@@ -23,21 +23,17 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import struct
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pamqp import base, body, commands, frame, header
-
-from plugin._localsites import LocalSite
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 _FRAME_HEAD = struct.Struct(">BHI")
@@ -655,66 +651,3 @@ def vpnrepl(config: Path, *args: str) -> str:
     if out.returncode != 0:
         raise BenchError(f"vpnrepl {' '.join(args)}: {out.stderr.strip() or out.returncode}")
     return out.stdout.strip()
-
-
-class NodeProcess:
-    """One ``vpnrepl node``, in its own session (Ctrl-C is ours to pass on)."""
-
-    def __init__(self, name: str, site: LocalSite, config: Path, log: Path) -> None:
-        self.name = name
-        self.site = site
-        self.config = config
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def start(self, timeout: float = 60.0) -> None:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [vpnrepl_exe(), "--config", str(self.config), "node"],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise BenchError(f"node {self.name} exited {self.proc.returncode}:\n{self.tail()}")
-            with contextlib.suppress(OSError):
-                if self.get("/health") == "ok\n":
-                    return
-            if time.monotonic() > deadline:
-                raise BenchError(f"node {self.name} not healthy in {timeout:.0f} s:\n{self.tail()}")
-            time.sleep(0.1)
-
-    def get(self, path: str) -> str:
-        url = f"http://127.0.0.1:{self.site.admin_port}{path}"
-        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback
-            return str(resp.read().decode())
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_text(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)

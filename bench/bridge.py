@@ -117,7 +117,6 @@ from _common import (
     ConsumeResult,
     LeanConsumer,
     LeanPublisher,
-    NodeProcess,
     RunResult,
     add_publisher_options,
     process_cpu,
@@ -127,7 +126,7 @@ from _common import (
     vpnrepl,
 )
 
-from plugin._localsites import LocalSite, LocalSites
+from plugin._localsites import HarnessError, LocalNode, LocalSite, LocalSites
 
 QUEUE = "bench.bridge"
 VPN, SYNC_VPN = "orders", "orders-sync"
@@ -171,7 +170,7 @@ class Deployment:
         self.sync_timeout_ms = sync_timeout_ms
         self.sites = LocalSites()
         self.a, self.b = self.sites.a, self.sites.b
-        self.nodes: dict[str, NodeProcess] = {}
+        self.nodes: dict[str, LocalNode] = {}
         self.db_a: psycopg.Connection[Any] | None = None
         self.db_b: psycopg.Connection[Any] | None = None
 
@@ -195,8 +194,8 @@ class Deployment:
         )
         vpnrepl(cfg_b, "init")
         t0 = time.monotonic()
-        self.nodes["a"] = NodeProcess("a", self.a, cfg_a, base / "node-a.log")
-        self.nodes["b"] = NodeProcess("b", self.b, cfg_b, base / "node-b.log")
+        self.nodes["a"] = LocalNode(self.a, cfg_a, base / "node-a.log", name="a")
+        self.nodes["b"] = LocalNode(self.b, cfg_b, base / "node-b.log", name="b")
         self.nodes["a"].start()
         self.nodes["b"].start()
         self.db_a = psycopg.connect(self.a.pg.dsn(), autocommit=True)
@@ -813,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
         _log_problems(dep)
         print(f"\ntotal {time.monotonic() - t0:.0f} s")
         return 0 if met or not opts.check else 1
-    except BenchError as e:
+    except (BenchError, HarnessError) as e:
         print(f"bench/bridge.py: {e}", file=sys.stderr)
         _log_problems(dep)
         return 1

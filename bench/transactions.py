@@ -36,9 +36,9 @@ from pathlib import Path
 
 import pika
 import psycopg
-from _common import BenchError, NodeProcess, vpnrepl
+from _common import BenchError, vpnrepl
 
-from plugin._localsites import LocalSites
+from plugin._localsites import HarnessError, LocalNode, LocalSites
 
 VPN = "orders"
 QUEUE = "bench.txn"
@@ -55,7 +55,7 @@ class Bench:
         self.opts = opts
         self.sites = LocalSites()
         self.a, self.b = self.sites.a, self.sites.b
-        self.nodes: list[NodeProcess] = []
+        self.nodes: list[LocalNode] = []
 
     def start(self) -> None:
         t0 = time.monotonic()
@@ -69,8 +69,8 @@ class Bench:
         vpnrepl(cfg_a, "vpn", "enable", VPN, "--role", "active", "--mode", "sync")
         vpnrepl(cfg_b, "init")
         self.nodes = [
-            NodeProcess("a", self.a, cfg_a, base / "node-a.log"),
-            NodeProcess("b", self.b, cfg_b, base / "node-b.log"),
+            LocalNode(self.a, cfg_a, base / "node-a.log", name="a"),
+            LocalNode(self.b, cfg_b, base / "node-b.log", name="b"),
         ]
         for node in self.nodes:
             node.start()
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             f"added p99 {1000 * (p99 - d99):+.2f} ms"
         )
         return 1 if opts.check and added > TARGET_ADDED_P50_MS else 0
-    except BenchError as e:
+    except (BenchError, HarnessError) as e:
         print(f"bench/transactions.py: {e}", file=sys.stderr)
         return 1
     finally:

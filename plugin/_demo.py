@@ -10,16 +10,14 @@ demo says so and exits 1 rather than pretend.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from ._errors import PluginError
-from ._localsites import LocalSite, LocalSites
+from ._localsites import LocalNode, LocalSite, LocalSites
 
 __all__ = ["run_demo"]
 
@@ -42,35 +40,6 @@ def _cli(config: Path, *args: str) -> str:
     if result.returncode != 0:
         raise PluginError(f"vpnrepl {' '.join(args)} failed: {result.stderr.strip()}")
     return result.stdout
-
-
-def _node(config: Path, log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen(  # noqa: S603 - our own console script
-            [sys.executable, "-m", "plugin", "--config", str(config), "node"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-
-
-def _status(site: LocalSite) -> dict[str, object]:
-    url = f"http://127.0.0.1:{site.admin_port}/status"
-    with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback
-        doc: dict[str, object] = json.loads(resp.read())
-        return doc
-
-
-def _wait_healthy(site: LocalSite, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise PluginError(f"site {site.name}'s node exited; see {log}")
-        try:
-            _status(site)
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise PluginError(f"site {site.name}'s node did not come up; see {log}")
 
 
 def _topology(site: LocalSite) -> None:
@@ -114,7 +83,7 @@ def run_demo() -> int:
         base.chmod(0o755)  # PostgreSQL runs as `postgres` and must reach its directory
         (base / "sites").mkdir()
         sites = LocalSites(base / "sites")
-        nodes: list[subprocess.Popen[bytes]] = []
+        nodes: list[LocalNode] = []
         try:
             _say("starting two RabbitMQ nodes and two PostgreSQL clusters")
             sites.start()
@@ -137,15 +106,14 @@ def run_demo() -> int:
             _topology(sites.a)
             _say("site a: VPN orders enabled as active, sync mode")
             for site, cfg in ((sites.a, a_cfg), (sites.b, b_cfg)):
-                log = base / f"node-{site.name}.log"
-                nodes.append(_node(cfg, log))
-                _wait_healthy(site, nodes[-1], log)
+                nodes.append(LocalNode(site, cfg, base / f"node-{site.name}.log"))
+                nodes[-1].start()
             _say("site b: standby of site a (learns the VPN through config-sync)")
             _workload(sites.a)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                a_vpns = _status(sites.a)["vpns"]
-                b_vpns = _status(sites.b)["vpns"]
+                a_vpns = nodes[0].status()["vpns"]
+                b_vpns = nodes[1].status()["vpns"]
                 if (
                     isinstance(a_vpns, list)
                     and isinstance(b_vpns, list)
@@ -160,11 +128,6 @@ def run_demo() -> int:
             _say("promotion of site b: `vpnrepl promote` is not implemented yet")
             return 1
         finally:
-            for proc in nodes:
-                proc.terminate()
-            for proc in nodes:
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            for node in nodes:
+                node.stop()
             sites.close()

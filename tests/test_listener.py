@@ -13,21 +13,10 @@ from plugin._events import REPLICATION_HEADER, Consumed, MemorySink, Published
 from plugin._localsites import LocalSite, free_port
 from plugin._vpn import Role
 from tests.fix_listener import ListenerThread, enable_vpn
+from tests.two_sites import setup_vpn
 
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
 TRANSIENT = pika.BasicProperties(delivery_mode=1)
-
-
-def _topic_setup(site: LocalSite) -> None:
-    """orders vhost: topic exchange `events` bound to three queues."""
-    site.rabbit.add_vhost("orders")
-    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url("orders")))
-    ch = conn.channel()
-    ch.exchange_declare("events", "topic", durable=True)
-    for q, key in (("orders.q1", "order.*"), ("orders.q2", "order.#"), ("audit", "#")):
-        ch.queue_declare(q, durable=True)
-        ch.queue_bind(q, "events", key)
-    conn.close()
 
 
 def _events(sink: MemorySink, kind: type) -> list:
@@ -55,7 +44,7 @@ def test_unreplicated_vhost_is_relayed_untouched(site_a: LocalSite, listener_a: 
 def test_sink_sees_one_event_per_persistent_in_scope_publish(
     site_a: LocalSite, listener_a: ListenerThread
 ):
-    _topic_setup(site_a)
+    setup_vpn(site_a)
     enable_vpn(listener_a, site_a, "orders", queues=(r"orders\..*",))
     conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
     ch = conn.channel()
@@ -77,7 +66,7 @@ def test_sink_sees_one_event_per_persistent_in_scope_publish(
 def test_consumption_events_for_acks_nacks_and_no_ack_but_not_requeues(
     site_a: LocalSite, listener_a: ListenerThread
 ):
-    _topic_setup(site_a)
+    setup_vpn(site_a)
     enable_vpn(listener_a, site_a, "orders", queues=(r"orders\.q1",))
     conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
     ch = conn.channel()
@@ -109,7 +98,7 @@ def test_consumption_events_for_acks_nacks_and_no_ack_but_not_requeues(
 
 
 def test_consumer_with_manual_and_auto_ack(site_a: LocalSite, listener_a: ListenerThread):
-    _topic_setup(site_a)
+    setup_vpn(site_a)
     enable_vpn(listener_a, site_a, "orders")  # no filters: every queue in scope
     conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
     ch = conn.channel()
@@ -140,7 +129,7 @@ def test_consumer_with_manual_and_auto_ack(site_a: LocalSite, listener_a: Listen
 def test_transaction_events_reach_the_sink_only_on_commit(
     site_a: LocalSite, listener_a: ListenerThread
 ):
-    _topic_setup(site_a)
+    setup_vpn(site_a)
     enable_vpn(listener_a, site_a, "orders", queues=(r"orders\.q1",))
     sink = listener_a.sink
     conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
@@ -190,7 +179,7 @@ def test_metrics_count_connections_events_and_protocol_closes(
 
     from plugin._metrics import Metrics
 
-    _topic_setup(site_a)
+    setup_vpn(site_a)
     enable_vpn(listener_a, site_a, "orders", queues=(r"orders\.q1",))
     conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
     ch = conn.channel()

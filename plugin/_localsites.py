@@ -97,12 +97,18 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
+def _stat_fields(stat: Path) -> list[str]:
+    """The fields of a ``/proc/PID/stat`` after the command name (state,
+    parent pid, ...; the name may hold spaces and parentheses)."""
+    return stat.read_text().rsplit(")", 1)[1].split()
+
+
 def _kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and all its descendants at once (a crash, not a shutdown)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = _stat_fields(stat)
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
@@ -522,7 +528,7 @@ def _started_at(pid: int) -> str | None:
     None when it is gone: with the pid it names one process, even after the
     pid is reused."""
     try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19]
+        return _stat_fields(Path("/proc") / str(pid) / "stat")[19]
     except (OSError, IndexError):
         return None
 

@@ -41,6 +41,7 @@ FRAME_METHOD, FRAME_HEADER, FRAME_BODY, FRAME_HEARTBEAT = 1, 2, 3, 8
 FRAME_END = 0xCE
 _FRAME_HEAD = struct.Struct(">BHI")
 _METHOD_ID = struct.Struct(">HH")
+_I64 = struct.Struct(">q")
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 _U16 = struct.Struct(">H")
@@ -526,17 +527,29 @@ def _table_entries(table: bytes) -> list[tuple[str, int, int]]:
 
 @functools.cache
 def _entry_prefix(key: str) -> bytes:
-    return bytes([len(key)]) + key.encode() + b"S"
+    return bytes([len(key)]) + key.encode()
 
 
-def splice_header(payload: bytes, layout: PropertyLayout, key: str, value: str) -> bytes:
-    """The content header payload with ``key: value`` (longstr) in its headers.
+def long_field(value: int) -> bytes:
+    """A signed 64-bit integer as a field-table value (type ``l``)."""
+    return b"l" + _I64.pack(value)
+
+
+def longstr_field(value: str) -> bytes:
+    """A string as a field-table value (type ``S``)."""
+    raw = value.encode()
+    return b"S" + _U32.pack(len(raw)) + raw
+
+
+def splice_header(payload: bytes, layout: PropertyLayout, key: str, value: bytes) -> bytes:
+    """The content header payload with ``key`` in its headers, its encoded
+    field ``value`` (type octet and data: :func:`long_field`, ...).
 
     Every other byte stays as the client sent it; an existing ``key`` is
     replaced (a message re-published from a replicated queue gets a new id).
+    Our entry ends the headers table.
     """
-    raw_value = value.encode()
-    entry = _entry_prefix(key) + _U32.pack(len(raw_value)) + raw_value
+    entry = _entry_prefix(key) + value
     if layout.flags & _FLAG_HEADERS:
         body = payload[layout.headers_at + 4 : layout.headers_end]
         if key.encode() in body:
@@ -554,24 +567,20 @@ def splice_header(payload: bytes, layout: PropertyLayout, key: str, value: str) 
     )
 
 
-def find_header(payload: bytes, layout: PropertyLayout, key: str) -> str | None:
-    """The longstr value of ``key`` in the headers, or None."""
+def find_header(payload: bytes, layout: PropertyLayout, key: str) -> bytes | None:
+    """The encoded field value (type octet and data) of ``key`` in the
+    headers, or None (absent, or a headers table that does not parse)."""
     if not layout.flags & _FLAG_HEADERS:
         return None
     body = payload[layout.headers_at + 4 : layout.headers_end]
-    needle = bytes([len(key)]) + key.encode() + b"S"
-    at = body.find(needle)
-    if at < 0:
+    prefix = _entry_prefix(key)
+    if prefix not in body:
         return None
     try:
         for k, s, e in _table_entries(body):
             if k == key:
-                value_len = _U32.unpack_from(body, s + len(needle))[0]
-                start = s + len(needle) + 4
-                if start + value_len != e:
-                    return None
-                return body[start:e].decode(errors="replace")
-    except (ValueError, IndexError, struct.error, UnicodeDecodeError):
+                return body[s + len(prefix) : e]
+    except (ValueError, IndexError, struct.error):
         return None
     return None
 

@@ -43,7 +43,7 @@ from ._admin import AdminServer
 from ._config import SiteConfig, redact_url
 from ._directory import VpnDirectory
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable
-from ._events import IdSource
+from ._events import INCARNATION_LIMIT, IdSource
 from ._listener import BrokerAddress, Listener
 from ._metrics import Metrics
 from ._refresher import DirectoryRefresher, ManagementAPI
@@ -78,12 +78,18 @@ async def _incarnation(cfg: SiteConfig) -> int:
             )
             row = await cur.fetchone()
             assert row is not None  # noqa: S101 - RETURNING always yields the row
-            return int(row[0])
+            incarnation = int(row[0])
     except psycopg.errors.UndefinedTable as e:
         raise StateError("the site database has no schema: run `vpnrepl init` first") from e
     except psycopg.OperationalError as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise StoreUnavailable(f"cannot connect to {redact_url(cfg.store_dsn)}: {reason}") from e
+    if incarnation >= INCARNATION_LIMIT:
+        raise StateError(
+            f"this site has recorded {incarnation - 1} node incarnations; replication ids "
+            f"have room for {INCARNATION_LIMIT - 1} (table node_incarnation)"
+        )
+    return incarnation
 
 
 class Node:
@@ -103,6 +109,7 @@ class Node:
         self.replicator.coordinator = self.coordinator
         self.participant = Participant(self.txn_log)
         self.listener: Listener | None = None
+        self.ids: IdSource | None = None
         self.admin: AdminServer | None = None
         self.bridge_server: BridgeServer | None = None
         self.bridge_client: BridgeClient | None = None
@@ -180,11 +187,9 @@ class Node:
         await refresher.refresh()
         await self._recover_transactions()
         self.coordinator.start()
+        self.ids = IdSource(incarnation, on_low=self._renew_incarnation)
         self.listener = Listener(
-            BrokerAddress.from_url(cfg.amqp_url),
-            self.directory,
-            IdSource(incarnation),
-            self.replicator,
+            BrokerAddress.from_url(cfg.amqp_url), self.directory, self.ids, self.replicator
         )
         self.metrics.observe_listener(self.listener.stats)
         await self.listener.start(cfg.listen_amqp.host, cfg.listen_amqp.port)
@@ -207,6 +212,22 @@ class Node:
             cfg.listen_admin,
             ", ".join(f"{v.name} ({v.role})" for v in vpns) or "none",
         )
+
+    def _renew_incarnation(self) -> None:
+        """The id counter is running low: record a new incarnation (retried
+        until the database takes it; hours of ids are left meanwhile)."""
+        self._tasks.append(asyncio.create_task(self._take_incarnation(), name="incarnation"))
+
+    async def _take_incarnation(self) -> None:
+        async for attempt in AsyncRetrying(
+            wait=wait_random_exponential(multiplier=1, max=60),
+            retry=retry_if_exception_type(StoreUnavailable),
+        ):
+            with attempt:
+                incarnation = await _incarnation(self.cfg)
+        assert self.ids is not None  # noqa: S101 - set before the listener starts
+        self.ids.renew(incarnation)
+        log.info("replication ids continue with incarnation %d", incarnation)
 
     async def _recover_transactions(self) -> None:
         """Resolve what a crash left in doubt before any client is let in

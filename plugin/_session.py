@@ -32,7 +32,6 @@ Invariants, and why the code keeps them:
 
 from __future__ import annotations
 
-import binascii
 import enum
 import logging
 import struct
@@ -178,15 +177,17 @@ _ROUTES_LIMIT = 1024
 _TEMPLATES_LIMIT = 256
 #: class 60 (basic), weight 0: the first four bytes of a valid content header
 _BASIC_NO_WEIGHT = bytes((0, 60, 0, 0))
-#: stands for the id while a header template is made (32 hex digits, like an id)
-_ID_PLACEHOLDER = "#" * 32
+#: stands for the id while a header template is made (an int64, like an id)
+_ID_PLACEHOLDER = amqp.long_field(0)
+_ID_SIZE = 8  # the placeholder's data, replaced per message
+_WIRE = struct.Struct(">q")
 _BODY_SIZE = struct.Struct(">Q")
 _HEADER_FRAME_HEAD = struct.Struct(">BHI")
 
 
 class _HeaderTemplate(NamedTuple):
     """A checked content header's layout and its property bytes with our id
-    header spliced in: ``before_id + id_hex + after_id``."""
+    header spliced in: ``before_id + id (int64) + after_id``."""
 
     layout: amqp.PropertyLayout
     before_id: bytes
@@ -673,7 +674,7 @@ class Session:
         spliced = amqp.splice_header(payload, layout, REPLICATION_HEADER, _ID_PLACEHOLDER)
         # our entry ends the headers table; what follows the table is unchanged
         end = len(spliced) - (len(payload) - layout.headers_end)
-        at = end - len(_ID_PLACEHOLDER)
+        at = end - _ID_SIZE
         template = _HeaderTemplate(layout, spliced[12:at], spliced[end:])
         if len(self._templates) >= _TEMPLATES_LIMIT:
             self._templates.clear()
@@ -976,12 +977,8 @@ class Session:
             return
         payload = buf[f.payload_start : f.payload_end]
         layout = amqp.property_layout(payload)
-        text = amqp.find_header(payload, layout, REPLICATION_HEADER)
-        if text is None:
-            return
-        try:
-            repl_id = ReplicationId.from_hex(text)
-        except ValueError:
+        repl_id = _id_in(amqp.find_header(payload, layout, REPLICATION_HEADER))
+        if repl_id is None:
             return  # not one of ours
         if inc.no_ack:
             self._out.events.append((Consumed(self.vpn.name, repl_id, inc.queue), None))
@@ -1207,7 +1204,7 @@ def _with_id(
 ) -> tuple[bytes, bytes]:
     """The properties with ``repl_id`` in our header, and the content header
     frame carrying them (class, weight and body size as the client sent)."""
-    properties = template.before_id + binascii.hexlify(repl_id.value) + template.after_id
+    properties = template.before_id + _WIRE.pack(repl_id.wire) + template.after_id
     header = b"".join(
         (
             _HEADER_FRAME_HEAD.pack(amqp.FRAME_HEADER, channel, 12 + len(properties)),
@@ -1217,6 +1214,21 @@ def _with_id(
         )
     )
     return properties, header
+
+
+def _id_in(value: bytes | None) -> ReplicationId | None:
+    """The replication id in our header's encoded field value: an int64, or
+    the 32 hex digits of messages published by an earlier version."""
+    if value is None:
+        return None
+    try:
+        if len(value) == 1 + _ID_SIZE and value[0] == ord("l"):
+            return ReplicationId.from_wire(_WIRE.unpack_from(value, 1)[0])
+        if len(value) == 5 + 32 and value[0] == ord("S"):
+            return ReplicationId.from_hex(value[5:].decode("ascii"))
+    except ValueError:  # incl. UnicodeDecodeError: not one of ours
+        return None
+    return None
 
 
 #: the queue, in every replicated vhost, that holds commit markers

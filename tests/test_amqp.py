@@ -156,17 +156,17 @@ def test_splice_adds_the_id_and_keeps_every_other_byte(headers, content_type, mo
     payload = header.ContentHeader(body_size=11, properties=props).marshal()
     layout = amqp.property_layout(payload)
     assert layout.delivery_mode == mode
-    spliced = amqp.splice_header(payload, layout, "x-vpnrepl-id", "ab" * 16)
+    spliced = amqp.splice_header(payload, layout, "x-vpnrepl-id", amqp.long_field(2**62 + 5))
 
     decoded = header.ContentHeader()
     decoded.unmarshal(spliced)
     assert decoded.body_size == 11
-    assert decoded.properties.headers == {**(headers or {}), "x-vpnrepl-id": "ab" * 16}
+    assert decoded.properties.headers == {**(headers or {}), "x-vpnrepl-id": 2**62 + 5}
     assert decoded.properties.content_type == content_type
     assert decoded.properties.delivery_mode == mode
     assert decoded.properties.message_id == msg_id
     new_layout = amqp.property_layout(spliced)
-    assert amqp.find_header(spliced, new_layout, "x-vpnrepl-id") == "ab" * 16
+    assert amqp.find_header(spliced, new_layout, "x-vpnrepl-id") == amqp.long_field(2**62 + 5)
     # the original table's bytes are untouched: only appended to
     if headers:
         old_table = payload[layout.headers_at + 4 : layout.headers_end]
@@ -179,25 +179,32 @@ def test_splice_keeps_integer_widths_a_reencode_would_change() -> None:
     table = b"\x01n" + b"I" + struct.pack(">i", 5)
     payload = struct.pack(">HHQH", 60, 0, 0, 0x2000 | 0x1000) + struct.pack(">I", len(table))
     payload += table + b"\x02"
-    spliced = amqp.splice_header(payload, amqp.property_layout(payload), "x-vpnrepl-id", "0" * 32)
+    layout = amqp.property_layout(payload)
+    spliced = amqp.splice_header(payload, layout, "x-vpnrepl-id", amqp.long_field(0))
     assert b"\x01nI\x00\x00\x00\x05" in spliced
 
 
 def test_splice_replaces_an_existing_id() -> None:
     props = commands.Basic.Properties(headers={"x-vpnrepl-id": "1" * 32, "a": 1}, delivery_mode=2)
     payload = header.ContentHeader(body_size=0, properties=props).marshal()
-    spliced = amqp.splice_header(payload, amqp.property_layout(payload), "x-vpnrepl-id", "2" * 32)
+    layout = amqp.property_layout(payload)
+    spliced = amqp.splice_header(payload, layout, "x-vpnrepl-id", amqp.long_field(2))
     decoded = header.ContentHeader()
     decoded.unmarshal(spliced)
-    assert decoded.properties.headers == {"a": 1, "x-vpnrepl-id": "2" * 32}
+    assert decoded.properties.headers == {"a": 1, "x-vpnrepl-id": 2}
 
 
-def test_find_header_ignores_other_types_and_absent_tables() -> None:
+def test_find_header_gives_the_encoded_value_of_any_type_or_none() -> None:
     plain = header.ContentHeader(body_size=0, properties=commands.Basic.Properties()).marshal()
     assert amqp.find_header(plain, amqp.property_layout(plain), "x-vpnrepl-id") is None
-    props = commands.Basic.Properties(headers={"x-vpnrepl-id": 12})
+    props = commands.Basic.Properties(headers={"x-vpnrepl-id": "ab", "other": 1})
     payload = header.ContentHeader(body_size=0, properties=props).marshal()
-    assert amqp.find_header(payload, amqp.property_layout(payload), "x-vpnrepl-id") is None
+    layout = amqp.property_layout(payload)
+    assert amqp.find_header(payload, layout, "x-vpnrepl-id") == amqp.longstr_field("ab")
+    assert amqp.find_header(payload, layout, "x-vpnrepl") is None  # a prefix is not the key
+    # a headers table that does not parse hides the id rather than failing
+    broken = payload.replace(b"\x05otherb", b"\x05other?")
+    assert amqp.find_header(broken, amqp.property_layout(broken), "x-vpnrepl-id") is None
 
 
 def test_truncated_properties_are_a_syntax_error() -> None:

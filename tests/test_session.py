@@ -12,7 +12,16 @@ from pamqp.body import ContentBody
 
 from plugin import _amqp as amqp
 from plugin._directory import VpnDirectory, VpnView
-from plugin._events import Consumed, IdSource, MemorySink, Published, ReplicationSink
+from plugin._events import (
+    COUNTER_LIMIT,
+    INCARNATION_LIMIT,
+    Consumed,
+    IdSource,
+    MemorySink,
+    Published,
+    ReplicationId,
+    ReplicationSink,
+)
 from plugin._session import MARKER_QUEUE, Session
 from plugin._topology import ReplicationScope, Topology
 from plugin._vpn import Role
@@ -109,7 +118,7 @@ def test_replicated_publish_carries_an_id_and_yields_one_event(confirming: Sessi
     sent = decode_all(out.to_broker)
     hdr = sent[1][1]
     assert isinstance(hdr, header.ContentHeader)
-    assert hdr.properties.headers == {"x-vpnrepl-id": event.repl_id.hex}
+    assert hdr.properties.headers == {"x-vpnrepl-id": event.repl_id.wire}
     assert hdr.properties.app_id == "shop"
     assert (
         event.properties
@@ -182,8 +191,13 @@ def test_unreplicated_connection_relays_confirm_frames_unchanged() -> None:
     assert s.broker_data(frame_bytes).to_client == [frame_bytes]
 
 
-def deliver(s: Session, tag: int, consumer: str, repl_hex: str | None, channel: int = 1):
-    headers = {"x-vpnrepl-id": repl_hex} if repl_hex else None
+def deliver(
+    s: Session, tag: int, consumer: str, repl: ReplicationId | str | int | None, channel: int = 1
+):
+    """A delivery whose id header holds ``repl``: an id (its int64 wire form),
+    or a raw header value (an earlier version's hex digits, a foreign int)."""
+    value = repl.wire if isinstance(repl, ReplicationId) else repl
+    headers = {"x-vpnrepl-id": value} if value is not None else None
     data = m(
         C.Basic.Deliver(consumer_tag=consumer, delivery_tag=tag, exchange="", routing_key="q"),
         channel,
@@ -198,7 +212,7 @@ def test_acks_map_deliveries_to_consumption_events() -> None:
     open_session(s)
     s.client_data(m(C.Basic.Consume(queue="q", consumer_tag=""), 1))
     s.broker_data(m(C.Basic.ConsumeOk(consumer_tag="ctag-1"), 1))
-    ids = [f"{i:032x}" for i in range(1, 6)]
+    ids = [ReplicationId.from_parts(3, i) for i in range(1, 6)]
     for tag, rid in enumerate(ids, start=1):
         deliver(s, tag, "ctag-1", rid)
     deliver(s, 6, "ctag-1", None)  # predates replication: no id, no event
@@ -207,7 +221,7 @@ def test_acks_map_deliveries_to_consumption_events() -> None:
     events += s.client_data(m(C.Basic.Nack(delivery_tag=3, requeue=True), 1)).events
     events += s.client_data(m(C.Basic.Reject(delivery_tag=4, requeue=False), 1)).events
     events += s.client_data(m(C.Basic.Ack(delivery_tag=6), 1)).events
-    assert [(e.repl_id.hex, e.queue) for e, _ in events] == [
+    assert [(e.repl_id, e.queue) for e, _ in events] == [
         (ids[0], "q"),
         (ids[1], "q"),
         (ids[3], "q"),
@@ -225,9 +239,29 @@ def test_no_ack_consumer_consumes_on_delivery() -> None:
     open_session(s)
     s.client_data(m(C.Basic.Consume(queue="q", consumer_tag="mine", no_ack=True), 1))
     s.broker_data(m(C.Basic.ConsumeOk(consumer_tag="mine"), 1))
+    rid = ReplicationId.from_parts(INCARNATION_LIMIT - 1, COUNTER_LIMIT - 1)  # the largest
+    out = deliver(s, 1, "mine", rid)
+    [(event, _)] = out.events
+    assert isinstance(event, Consumed) and event.repl_id == rid
+
+
+def test_ids_in_an_earlier_versions_hex_form_still_map_to_consumptions() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Basic.Consume(queue="q", consumer_tag="mine", no_ack=True), 1))
+    s.broker_data(m(C.Basic.ConsumeOk(consumer_tag="mine"), 1))
     out = deliver(s, 1, "mine", "ab" * 16)
     [(event, _)] = out.events
     assert isinstance(event, Consumed) and event.repl_id.hex == "ab" * 16
+
+
+@pytest.mark.parametrize("value", [-5, "not-an-id", "ab" * 15, "zz" * 16, 1.5])
+def test_id_headers_that_are_not_ours_make_no_event(value: object) -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Basic.Consume(queue="q", consumer_tag="mine", no_ack=True), 1))
+    s.broker_data(m(C.Basic.ConsumeOk(consumer_tag="mine"), 1))
+    assert deliver(s, 1, "mine", value).events == []  # type: ignore[arg-type]
 
 
 def test_standby_vhost_is_refused_with_530() -> None:
@@ -613,7 +647,7 @@ def test_a_clients_own_id_header_is_replaced_and_its_other_properties_kept(
         out = confirming.client_data(publish(1, b"x", **props))
         [(event, _)] = out.events
         hdr = decode_all(out.to_broker)[1][1]
-        assert hdr.properties.headers == {"k": "v", "n": 7, "x-vpnrepl-id": event.repl_id.hex}
+        assert hdr.properties.headers == {"k": "v", "n": 7, "x-vpnrepl-id": event.repl_id.wire}
         assert (hdr.properties.message_id, hdr.properties.priority) == ("#" * 32, 3)
         assert hdr.properties.content_type == "text/plain" and hdr.body_size == 1
 

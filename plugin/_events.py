@@ -120,6 +120,14 @@ class IdSource:
     (at 100,000 messages a second that margin lasts half a day; the counter
     itself lasts five years). Running out before that raises
     :class:`IdsExhausted` rather than reusing an id.
+
+    Across sites: each site numbers its incarnations from its own sequence,
+    so both sites can hold the same incarnation number. That is safe while a
+    VPN's ids are made only on its active site; promoting a standby (not
+    built yet) must first move the site's ``node_incarnation`` sequence past
+    every incarnation in that VPN's replicated state and :meth:`renew` the
+    running node's source, so the new active never repeats an id the old
+    one handed out.
     """
 
     def __init__(

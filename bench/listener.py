@@ -153,9 +153,7 @@ def _listener_process(
             )
         )
     sink = DiscardingSink()
-    listener = Listener(
-        BrokerAddress("127.0.0.1", broker_port), directory, IdSource(1), sink
-    )
+    listener = Listener(BrokerAddress("127.0.0.1", broker_port), directory, IdSource(1), sink)
     loop.run_until_complete(listener.start("127.0.0.1", 0))
     profiles: dict[str, cProfile.Profile] = {}
     stopped = loop.create_future()

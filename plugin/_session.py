@@ -577,9 +577,9 @@ class Session:
         queues = self._replicated_queues(p.exchange, p.routing_key, payload, template.layout)
         if not queues:
             return None
-        p.repl_id = self._ids.next()
+        p.repl_id, wire = self._ids.next_with_wire()
         p.queues = queues
-        p.properties, header = _with_id(template, payload, channel, p.repl_id)
+        p.properties, header = _with_id(template, payload, channel, wire)
         return header
 
     def _replicated_queues(
@@ -644,8 +644,8 @@ class Session:
         if not queues:
             return None
         assert self.vpn is not None  # noqa: S101 - queues are only found when replicated
-        repl_id = self._ids.next()
-        properties, header = _with_id(template, payload, channel, repl_id)
+        repl_id, wire = self._ids.next_with_wire()
+        properties, header = _with_id(template, payload, channel, wire)
         # tuple.__new__: Published's own __new__ is a Python function (hot path)
         event: Published = _new_tuple(
             Published,
@@ -1200,11 +1200,12 @@ _new_tuple = tuple.__new__
 
 
 def _with_id(
-    template: _HeaderTemplate, payload: bytes, channel: int, repl_id: ReplicationId
+    template: _HeaderTemplate, payload: bytes, channel: int, wire: bytes
 ) -> tuple[bytes, bytes]:
-    """The properties with ``repl_id`` in our header, and the content header
-    frame carrying them (class, weight and body size as the client sent)."""
-    properties = template.before_id + _WIRE.pack(repl_id.wire) + template.after_id
+    """The properties with an id in our header (``wire``: its int64 header
+    value, 8 bytes), and the content header frame carrying them (class,
+    weight and body size as the client sent)."""
+    properties = template.before_id + wire + template.after_id
     header = b"".join(
         (
             _HEADER_FRAME_HEAD.pack(amqp.FRAME_HEADER, channel, 12 + len(properties)),

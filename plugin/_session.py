@@ -437,7 +437,7 @@ class Session:
             check,
             self._closing_from_client,
             self._fail,
-            fused=self._replicating,
+            fused=self._publish_whole if self._replicating else self._publish_checked,
         )
 
     def _relay(
@@ -448,18 +448,18 @@ class Session:
         handle: Callable[[bytes, Frame], bytes | None],
         closing: Callable[[bytes, Frame], None],
         fail: Callable[[AMQPError], None],
-        fused: bool = False,
+        fused: _Fused | None = None,
     ) -> None:
         """Relay ``frames`` of ``buf`` into ``out``: untouched runs as slices of
         the original bytes, a frame ``handle`` replaced by what it returned
         (b"" drops it). Frames before a fault are still relayed; after we have
         closed the connection, frames only go to ``closing``.
 
-        With ``fused`` (client frames of a replicated connection), a
-        ``basic.publish`` whose header and single body frame follow in the same
-        read is handled in one step by :meth:`_publish_whole`; it declines
-        anything unusual, and those frames then go one by one through
-        ``handle``, which reports faults at the exact frame.
+        With ``fused`` (client frames: :meth:`_publish_whole` on a replicated
+        connection, :meth:`_publish_checked` on another), a ``basic.publish``
+        whose header and single body frame follow in the same read is handled
+        in one step; it declines anything unusual, and those frames then go
+        one by one through ``handle``, which reports faults at the exact frame.
         """
         run = 0  # start of the untouched run of frames to relay
         i, n = 0, len(frames)
@@ -470,8 +470,8 @@ class Session:
                 closing(buf, f)
                 continue
             replacement: bytes | None | _Declined = _Declined.DECLINED
-            if fused and i + 1 < n and buf[f.start + 7 : f.start + 11] == _PUBLISH_IDS:
-                replacement = self._publish_whole(buf, f, frames[i], frames[i + 1])
+            if fused is not None and i + 1 < n and buf[f.start + 7 : f.start + 11] == _PUBLISH_IDS:
+                replacement = fused(buf, f, frames[i], frames[i + 1])
                 if replacement is not _Declined.DECLINED:
                     f = frames[i]  # the header frame is the one replaced
                     i += 2
@@ -492,6 +492,29 @@ class Session:
             run = f.end
         if frames and not self._closed_by_us:
             _relay_rest(buf, run, frames[-1].end, out)
+
+    def _publish_checked(self, buf: bytes, f: Frame, h: Frame, b: Frame) -> None | _Declined:
+        """:meth:`_check_frame` for a whole publish at once: method ``f``
+        (its ids are ``basic.publish``), header ``h``, body ``b``. None when
+        the three pass every check the frame-by-frame path makes and leave
+        its state as it was (a complete publish with one body frame on a
+        channel not inside content); else ``DECLINED``, and the frames go one
+        by one through :meth:`_check_frame`, which reports the fault."""
+        channel = f.channel
+        if (
+            f.type == amqp.FRAME_METHOD
+            and f.end - f.start >= 12
+            and channel not in self._content
+            and h.type == amqp.FRAME_HEADER
+            and h.channel == channel
+            and h.end - h.start >= 22
+            and b.type == amqp.FRAME_BODY
+            and b.channel == channel
+            and b.end - b.start > 8
+            and _BODY_SIZE.unpack_from(buf, h.start + 11)[0] == b.end - b.start - 8
+        ):
+            return None
+        return _Declined.DECLINED
 
     def _check_frame(self, buf: bytes, f: Frame) -> None:
         """Frame checks only, for a connection on an unreplicated vhost.
@@ -621,6 +644,7 @@ class Session:
             or b.type != amqp.FRAME_BODY
             or h.channel != channel
             or b.channel != channel
+            or b.end - b.start == 8  # an empty body frame: a zero size has none
         ):
             return _Declined.DECLINED
         try:
@@ -1197,6 +1221,10 @@ _CLOSE_OK_FRAME = amqp.frame_bytes(amqp.FRAME_METHOD, 0, b"\x00\x0a\x00\x33")
 
 
 _new_tuple = tuple.__new__
+
+#: a whole-publish step of :meth:`Session._relay`: the header frame's
+#: replacement (None: relay the three frames as they are) or ``DECLINED``
+_Fused = Callable[[bytes, Frame, Frame, Frame], "bytes | None | _Declined"]
 
 
 def _with_id(

@@ -46,7 +46,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from plugin._events import Consumed, Published, ReplicationId
+from plugin._events import Consumed, Published, Purged, ReplicationId
 
 from ._arrays import bytea_array, int8_array, text_array
 from ._entry import LedgerEntry
@@ -85,6 +85,12 @@ SELECT %b, r.* FROM unnest(%b::text[], %b::bytea[], %b::int8[], %b::text[], %b::
                            %b::bytea[], %b::bytea[])
                     AS r(queue, repl_id, publish_index, exchange, routing_key, properties, body)
 ON CONFLICT DO NOTHING
+"""
+# A purge removes the queue's rows published before it (a replay of the purge
+# must not remove rows published after it), except the ids it spared.
+_PURGE = """
+DELETE FROM live_message
+WHERE vpn = %b AND queue = %b AND publish_index < %b AND repl_id <> ALL(%b::bytea[])
 """
 _COUNT_UNKNOWN = (
     "UPDATE vpn_state SET unknown_acks = unknown_acks + %s, updated_at = now() WHERE vpn = %s"
@@ -125,11 +131,11 @@ class _Plan:
 
 
 def _plan(vpn: str, entries: Sequence[LedgerEntry]) -> _Plan:
+    """Fold a run of publishes and consumptions (no purge: see
+    :func:`_apply_steps`), already in index order."""
     plan = _Plan()
-    for entry in sorted(entries, key=lambda e: e.index):
+    for entry in entries:
         event = entry.event
-        if event.vpn != vpn or entry.vpn != vpn:
-            raise ValueError(f"entry {entry.index} belongs to VPN {entry.vpn!r}, not {vpn!r}")
         if isinstance(event, Published):
             for queue in event.queues:
                 row: _Row = (
@@ -142,9 +148,25 @@ def _plan(vpn: str, entries: Sequence[LedgerEntry]) -> _Plan:
                     event.body,
                 )
                 _publish(plan, (queue, event.repl_id.value), row)
-        else:
+        elif isinstance(event, Consumed):
             _consume(plan, event)
     return plan
+
+
+def _runs(vpn: str, entries: Sequence[LedgerEntry]) -> list[list[LedgerEntry]]:
+    """``entries`` in index order, cut before and after every purge: a purge
+    is a run of its own, so each run's plan starts from the state the runs
+    before it left (a purge empties a whole queue, which a per-key fold
+    cannot express)."""
+    runs: list[list[LedgerEntry]] = [[]]
+    for entry in sorted(entries, key=lambda e: e.index):
+        if entry.event.vpn != vpn or entry.vpn != vpn:
+            raise ValueError(f"entry {entry.index} belongs to VPN {entry.vpn!r}, not {vpn!r}")
+        if isinstance(entry.event, Purged):
+            runs += [[entry], []]
+        else:
+            runs[-1].append(entry)
+    return [run for run in runs if run]
 
 
 def _publish(plan: _Plan, key: _Key, row: _Row) -> None:
@@ -182,7 +204,23 @@ _Step = _Execute
 def _apply_steps(vpn: str, entries: Sequence[LedgerEntry]) -> Generator[_Step, Any, ApplyResult]:
     """The statements of one apply, in order; each ``yield`` is answered by
     the driver (rows for a ``RETURNING`` statement, a row count otherwise)."""
-    plan = _plan(vpn, entries)
+    inserted = deleted = unknown = 0
+    for run in _runs(vpn, entries):
+        event = run[0].event
+        if isinstance(event, Purged):
+            spared = bytea_array([r.value for r in event.spared])
+            count = yield _Execute(_PURGE, (vpn, event.queue, run[0].index, spared))
+            deleted += int(count)
+            continue
+        result = yield from _run_steps(vpn, _plan(vpn, run))
+        inserted += result.inserted
+        deleted += result.deleted
+        unknown += result.unknown_acks
+    return ApplyResult(inserted=inserted, deleted=deleted, unknown_acks=unknown)
+
+
+def _run_steps(vpn: str, plan: _Plan) -> Generator[_Step, Any, ApplyResult]:
+    """The statements of one run of publishes and consumptions."""
     deletes, rows = plan.deletes, plan.rows
     if not deletes and not rows and not plan.unknown:
         return ApplyResult()

@@ -17,6 +17,7 @@ encoding ever changes.
     PUBLISHED: b"P" id(16) exchange(str16) routing_key(str16) nqueues(u16)
                queue(str16)* properties(bytes32) body(bytes32)
     CONSUMED:  b"C" id(16) queue(str16)
+    PURGED:    b"Q" deleted(u8: 0 or 1) queue(str16) nspared(u32) id(16)*
     (str16 = u16 length + UTF-8, bytes32 = u32 length + bytes)
 """
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from plugin._events import Consumed, Event, Published, ReplicationId
+from plugin._events import Consumed, Event, Published, Purged, ReplicationId
 
 __all__ = ["EventDecodeError", "LedgerEntry", "decode_event", "encode_event"]
 
@@ -34,6 +35,9 @@ _U32 = struct.Struct(">I")
 _HEAD = struct.Struct(">c16sH")  # kind, id, length of the first string
 KIND_PUBLISHED = b"P"
 KIND_CONSUMED = b"C"
+KIND_PURGED = b"Q"
+#: the ledger's ``kind`` column per event type
+_KINDS = {Published: "published", Consumed: "consumed", Purged: "purged"}
 
 
 class EventDecodeError(ValueError):
@@ -57,7 +61,7 @@ class LedgerEntry:
 
     @property
     def kind(self) -> str:
-        return "published" if isinstance(self.event, Published) else "consumed"
+        return _KINDS[type(self.event)]
 
     @property
     def encoded(self) -> bytes:
@@ -85,7 +89,18 @@ def encode_event(event: Event) -> bytes:
         parts.append(_U32.pack(len(event.body)))
         parts.append(event.body)
         return b"".join(parts)
-    return KIND_CONSUMED + event.repl_id.value + _str16(event.queue)
+    if isinstance(event, Consumed):
+        return KIND_CONSUMED + event.repl_id.value + _str16(event.queue)
+    spared = b"".join(r.value for r in event.spared)
+    return b"".join(
+        (
+            KIND_PURGED,
+            b"\x01" if event.deleted else b"\x00",
+            _str16(event.queue),
+            _U32.pack(len(event.spared)),
+            spared,
+        )
+    )
 
 
 class _Reader:
@@ -161,8 +176,18 @@ def _decode_fast(data: bytes, vpn: str) -> Event:
 def _decode_checked(data: bytes, vpn: str) -> Event:
     r = _Reader(data)
     kind = r.take(1)
-    repl_id = ReplicationId(r.take(16))
     event: Event
+    if kind == KIND_PURGED:
+        flag = r.take(1)
+        if flag not in (b"\x00", b"\x01"):
+            raise EventDecodeError(f"purge flag is {flag!r}, expected 0 or 1")
+        queue = r.str16()
+        spared = tuple(ReplicationId(r.take(16)) for _ in range(r.u32()))
+        event = Purged(vpn, queue, spared, deleted=flag == b"\x01")
+        if r.pos != len(r.data):
+            raise EventDecodeError(f"{len(r.data) - r.pos} bytes after the event")
+        return event
+    repl_id = ReplicationId(r.take(16))
     if kind == KIND_PUBLISHED:
         exchange, routing_key = r.str16(), r.str16()
         queues = tuple(r.str16() for _ in range(r.u16()))

@@ -26,6 +26,7 @@ __all__ = [
     "LocalTransaction",
     "MemorySink",
     "Published",
+    "Purged",
     "ReplicationId",
     "ReplicationSink",
     "TransactionRefused",
@@ -214,7 +215,27 @@ class Consumed(NamedTuple):
     queue: str
 
 
-Event = Published | Consumed
+class Purged(NamedTuple):
+    """``queue`` of a replicated VPN was emptied through the listener, so
+    every replicated message of it published before this event leaves it.
+
+    ``queue.purge-ok``: ``spared`` holds the ids of the queue's messages
+    that were delivered and not yet settled on this listener's connections
+    (RabbitMQ's purge leaves them in the queue; they may still be requeued).
+    ``queue.delete-ok``, or the close of the connection owning an exclusive
+    queue: ``deleted``, nothing spared (the queue's unacked messages go with
+    it). Sent for every queue of a replicated VPN, whatever the scope (a
+    topic filter can put any queue's messages in scope); a site with no row
+    for the queue applies nothing.
+    """
+
+    vpn: str
+    queue: str
+    spared: tuple[ReplicationId, ...] = ()
+    deleted: bool = False
+
+
+Event = Published | Consumed | Purged
 
 #: (channel, publish sequence number): which client confirm an event releases
 ConfirmKey = tuple[int, int]

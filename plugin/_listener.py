@@ -17,7 +17,7 @@ import contextlib
 import logging
 import socket
 import ssl
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -29,6 +29,7 @@ from ._events import (
     IdSource,
     LocalTransaction,
     Published,
+    Purged,
     ReplicationSink,
     TransactionRefused,
 )
@@ -95,7 +96,7 @@ class _ClientSide(asyncio.Protocol):
 
     def __init__(self, listener: Listener) -> None:
         self.listener = listener
-        self.session = Session(listener.directory, listener.ids)
+        self.session = Session(listener.directory, listener.ids, peers=listener.sessions)
         self.transport: asyncio.Transport | None = None
         self.broker: _BrokerSide | None = None
         self.refusal: BrokerUnavailable | None = None
@@ -211,7 +212,11 @@ class _ClientSide(asyncio.Protocol):
         if published:
             counts[(vpn, "published")] += published
         if published < len(events):
-            counts[(vpn, "consumed")] += len(events) - published
+            purged = sum(1 for event, _ in events if type(event) is Purged)
+            if purged:
+                counts[(vpn, "purged")] += purged
+            if published + purged < len(events):
+                counts[(vpn, "consumed")] += len(events) - published - purged
 
     def _durable_notice(self, key: ConfirmKey, ok: bool) -> None:
         """The sink's verdict on one replicated publish; collected for one
@@ -303,7 +308,11 @@ class _ClientSide(asyncio.Protocol):
         self._closed = True
         if self._close_timer is not None:
             self._close_timer.cancel()
-        self._settle(self.session.connection_lost())
+        last = self.session.connection_lost()
+        if last.events:  # the connection's exclusive queues are gone
+            self._count(last.events)
+            self.listener.sink.append_many(last.events, self._durable_notice)
+        self._settle(last)
         stats = self.listener.stats
         stats.connections_open -= 1
         if self.session.fault_code is not None:
@@ -337,6 +346,10 @@ class Listener:
         self.stats = ListenerStats()
         self._idle: asyncio.Event | None = None  # set when the last one closed
         self._server: asyncio.Server | None = None
+
+    def sessions(self) -> Iterator[Session]:
+        """The sessions of every open client connection."""
+        return (c.session for c in self.connections)
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()

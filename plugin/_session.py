@@ -36,7 +36,7 @@ import enum
 import logging
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -54,6 +54,7 @@ from ._events import (
     IdSource,
     LocalTransaction,
     Published,
+    Purged,
     ReplicationId,
 )
 
@@ -199,11 +200,20 @@ class Session:
 
     _ids_counter = 0
 
-    def __init__(self, directory: VpnDirectory, ids: IdSource) -> None:
+    def __init__(
+        self,
+        directory: VpnDirectory,
+        ids: IdSource,
+        peers: Callable[[], Iterable[Session]] | None = None,
+    ) -> None:
+        """``peers``: every session of the listener (this one included), for
+        the deliveries a purge leaves in its queue; without it, only this
+        session's are known."""
         Session._ids_counter += 1
         self.connection_id = Session._ids_counter
         self._directory = directory
         self._ids = ids
+        self._peers = peers
         self._client = FrameSplitter(HANDSHAKE_FRAME_MAX)
         self._broker = FrameSplitter(0)
         self._got_protocol_header = False
@@ -350,6 +360,7 @@ class Session:
         if self.vpn is not None:
             for queue in self._exclusive_queues:
                 self.vpn.topology.delete_queue(queue)
+                self._emptied(queue, deleted=True)
         self._exclusive_queues.clear()
         for ch in self._channels.values():
             self._channel_gone(ch)
@@ -936,6 +947,28 @@ class Session:
             self._channel(channel).topology_ops.append(op)
         return None
 
+    def _emptied(self, queue: str, *, deleted: bool) -> None:
+        """``queue`` was purged (or deleted): a :class:`Purged` event, on a
+        replicated VPN, sparing what a purge leaves in the queue."""
+        vpn = self.vpn
+        if vpn is None or not self._replicating:
+            return
+        spared = () if deleted else self._unsettled(vpn.name, queue)
+        self._out.events.append((Purged(vpn.name, queue, spared, deleted), None))
+
+    def _unsettled(self, vpn: str, queue: str) -> tuple[ReplicationId, ...]:
+        """Ids of ``queue``'s messages delivered on this listener's
+        connections to ``vpn`` and not settled yet (acks inside an open
+        transaction included: the broker holds those until the commit)."""
+        found: set[ReplicationId] = set()
+        for session in self._peers() if self._peers is not None else (self,):
+            if session.vpn is None or session.vpn.name != vpn:
+                continue
+            for ch in session._channels.values():
+                for held in (ch.deliveries, ch.tx_acked):
+                    found.update(rid for rid, q in held.values() if q == queue)
+        return tuple(sorted(found, key=lambda r: r.value))
+
     def _apply_topology(self, op: Callable[[Any], None], ok: Any) -> None:
         vpn = self.vpn
         if vpn is None:
@@ -1328,7 +1361,9 @@ def _topology_op(m: base.Frame) -> Callable[[Any], None] | None:
             return None
         return lambda a: _declare_queue(a, m)
     if isinstance(m, commands.Queue.Delete):
-        return lambda a: a[0].topology.delete_queue(m.queue)
+        return lambda a: _delete_queue(a, m.queue)
+    if isinstance(m, commands.Queue.Purge):
+        return lambda a: a[2]._emptied(m.queue, deleted=False)
     if isinstance(m, commands.Queue.Bind):
         return lambda a: a[0].topology.bind_queue(
             m.queue, m.exchange, m.routing_key, dict(m.arguments or {})
@@ -1346,6 +1381,12 @@ def _declare_queue(a: tuple[VpnView, Any, Session], m: commands.Queue.Declare) -
     vpn.topology.declare_queue(name, dict(m.arguments or {}))
     if m.exclusive:
         session._exclusive_queues.append(name)
+
+
+def _delete_queue(a: tuple[VpnView, Any, Session], name: str) -> None:
+    vpn, _, session = a
+    vpn.topology.delete_queue(name)
+    session._emptied(name, deleted=True)
 
 
 _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
@@ -1374,6 +1415,7 @@ _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
     amqp.EXCHANGE_UNBIND: Session._topology,
     amqp.QUEUE_DECLARE: Session._topology,
     amqp.QUEUE_DELETE: Session._topology,
+    amqp.QUEUE_PURGE: Session._topology,
     amqp.QUEUE_BIND: Session._topology,
     amqp.QUEUE_UNBIND: Session._topology,
 }
@@ -1399,6 +1441,7 @@ _BROKER_METHODS: dict[tuple[int, int], _Handler] = {
     amqp.EXCHANGE_UNBIND_OK: Session._b_topology_ok,
     amqp.QUEUE_DECLARE_OK: Session._b_topology_ok,
     amqp.QUEUE_DELETE_OK: Session._b_topology_ok,
+    amqp.QUEUE_PURGE_OK: Session._b_topology_ok,
     amqp.QUEUE_BIND_OK: Session._b_topology_ok,
     amqp.QUEUE_UNBIND_OK: Session._b_topology_ok,
 }

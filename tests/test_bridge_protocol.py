@@ -61,10 +61,10 @@ from bridge import (
     decode_frame,
 )
 from bridge import _errors as codes
-from bridge._entry import LedgerEntry
+from bridge._entry import EventDecodeError, LedgerEntry, decode_event, encode_event
 from bridge._protocol import FRAME_TYPES, MAGIC
 from plugin import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnSettings
-from plugin._events import Consumed, Published, ReplicationId
+from plugin._events import Consumed, Published, Purged, ReplicationId
 
 ACTIVE_SITE, STANDBY_SITE = "nyc", "ldn"
 VPN = "orders"
@@ -195,6 +195,19 @@ def test_frame_layout_is_header_payload_crc() -> None:
     assert data == header + payload + struct.pack(">I", zlib.crc32(header + payload))
 
 
+def test_a_purge_event_decodes_back_and_a_damaged_one_is_refused() -> None:
+    event = Purged("v", "q.ü", (rid(1), rid(2)), deleted=True)
+    good = encode_event(event)
+    assert decode_event(good, "v") == event
+    assert decode_event(encode_event(Purged("v", "q")), "v") == Purged("v", "q", (), False)
+    with pytest.raises(EventDecodeError, match="purge flag"):
+        decode_event(b"Q\x07" + good[2:], "v")
+    with pytest.raises(EventDecodeError, match="bytes after the event"):
+        decode_event(good + b"x", "v")
+    with pytest.raises(EventDecodeError, match="truncated"):
+        decode_event(good[:-1], "v")
+
+
 def test_decode_refuses_a_frame_of_another_type() -> None:
     with pytest.raises(BadFrame, match="not exactly one Ack"):
         Ack.decode(Heartbeat().encode())
@@ -289,6 +302,9 @@ def events_of(vpn: str) -> st.SearchStrategy:
             st.lists(texts, max_size=4).map(tuple),
         ),
         st.builds(Consumed, st.just(vpn), repl_ids, texts),
+        st.builds(
+            Purged, st.just(vpn), texts, st.lists(repl_ids, max_size=3).map(tuple), st.booleans()
+        ),
     )
 
 

@@ -19,6 +19,7 @@ from plugin._events import (
     IdSource,
     MemorySink,
     Published,
+    Purged,
     ReplicationId,
     ReplicationSink,
 )
@@ -679,3 +680,69 @@ def test_a_transaction_that_touches_nothing_replicated_passes_straight_through()
     assert not any(v.name == "Basic.Publish" for _, v in decode_all(out.to_broker))  # no marker
     out = s.broker_data(m(C.Tx.CommitOk(), 1))
     assert out.commit == [] and decode_all(out.to_client)[0][1].name == "Tx.CommitOk"
+
+
+# -- purges and deletes empty a queue on the standby too --
+
+
+def consuming(s: Session, ids: list[ReplicationId], queue: str = "q") -> None:
+    """A consumer on ``queue`` got ``ids`` as deliveries 1, 2, ... (unacked)."""
+    s.client_data(m(C.Basic.Consume(queue=queue, consumer_tag=""), 1))
+    s.broker_data(m(C.Basic.ConsumeOk(consumer_tag=f"ctag-{queue}"), 1))
+    for tag, rid in enumerate(ids, start=1):
+        deliver(s, tag, f"ctag-{queue}", rid)
+
+
+def test_a_purge_spares_the_deliveries_not_yet_settled() -> None:
+    s = make_session()
+    open_session(s)
+    ids = [ReplicationId.from_parts(4, n) for n in range(1, 5)]
+    consuming(s, ids)
+    s.client_data(m(C.Basic.Ack(delivery_tag=1), 1))
+    s.client_data(m(C.Basic.Nack(delivery_tag=2, requeue=True), 1))  # back in the queue
+    assert s.client_data(m(C.Queue.Purge(queue="q"), 1)).events == []  # not done yet
+    out = s.broker_data(m(C.Queue.PurgeOk(message_count=1), 1))
+    assert [e for e, _ in out.events] == [Purged("orders", "q", (ids[2], ids[3]), deleted=False)]
+
+
+def test_a_purge_spares_deliveries_of_other_connections_and_acks_in_an_open_transaction() -> None:
+    directory, ids = VpnDirectory(), [ReplicationId.from_parts(4, n) for n in range(1, 4)]
+    topology = Topology("orders")
+    topology.declare_queue("q", {})
+    directory.put(VpnView("orders", Role.ACTIVE, ReplicationScope(), topology))
+    sessions: list[Session] = []
+    a, b = (Session(directory, IdSource(1), peers=lambda: iter(sessions)) for _ in range(2))
+    sessions += [a, b]
+    for s in sessions:
+        open_session(s)
+    a.client_data(m(C.Tx.Select(), 1))
+    a.broker_data(m(C.Tx.SelectOk(), 1))
+    consuming(a, ids)
+    a.client_data(m(C.Basic.Ack(delivery_tag=3), 1))  # inside the transaction: still held
+    b.client_data(m(C.Queue.Purge(queue="q"), 1))
+    out = b.broker_data(m(C.Queue.PurgeOk(message_count=0), 1))
+    assert [e for e, _ in out.events] == [Purged("orders", "q", tuple(ids), deleted=False)]
+
+
+def test_deleting_a_queue_or_closing_the_owner_of_an_exclusive_one_spares_nothing() -> None:
+    s = make_session()
+    open_session(s)
+    consuming(s, [ReplicationId.from_parts(4, 1)])
+    s.client_data(m(C.Queue.Delete(queue="q"), 1))
+    out = s.broker_data(m(C.Queue.DeleteOk(message_count=0), 1))
+    assert [e for e, _ in out.events] == [Purged("orders", "q", (), deleted=True)]
+    s.client_data(m(C.Queue.Declare(queue="mine", exclusive=True), 1))
+    s.broker_data(m(C.Queue.DeclareOk(queue="mine", message_count=0, consumer_count=0), 1))
+    out = s.connection_lost()
+    assert [e for e, _ in out.events] == [Purged("orders", "mine", (), deleted=True)]
+
+
+def test_a_nowait_purge_is_an_event_at_once_and_an_unreplicated_vhost_makes_none() -> None:
+    s = make_session()
+    open_session(s)
+    out = s.client_data(m(C.Queue.Purge(queue="other", nowait=True), 1))
+    assert [e for e, _ in out.events] == [Purged("orders", "other", (), deleted=False)]
+    plain = make_session()
+    open_session(plain, vhost="plain")
+    plain.client_data(m(C.Queue.Purge(queue="q"), 1))
+    assert plain.broker_data(m(C.Queue.PurgeOk(message_count=0), 1)).events == []

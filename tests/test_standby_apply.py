@@ -20,7 +20,7 @@ from bridge._errors import Gap, StaleEpoch, UnknownVpn
 from bridge._ledger import LedgerWriter
 from bridge._protocol import CheckpointRow
 from bridge._standby import NotStandby, StandbyApplier, StandbyUnavailable
-from plugin._events import Consumed, Event, Published, ReplicationId
+from plugin._events import Consumed, Event, Published, Purged, ReplicationId
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from plugin._vpn import VpnSettings
@@ -150,7 +150,7 @@ def test_many_unknown_acks_are_summarised(
 
 
 _op = st.tuples(
-    st.sampled_from(["P", "C"]),
+    st.sampled_from(["P", "C", "P", "C", "X"]),  # publish, consume, purge (rarer)
     st.integers(0, 4),
     st.lists(st.sampled_from(["q0", "q1", "q2"]), min_size=1, max_size=3, unique=True),
 )
@@ -184,10 +184,7 @@ def test_a_batch_leaves_the_state_one_by_one_apply_leaves(
             enable_vpn(store, VpnSettings.from_args(name, "standby"))
 
     def events_for(vpn: str) -> list[LedgerEntry]:
-        evs: list[Event] = []
-        for kind, i, queues in ops:
-            evs.append(pub(vpn, i, *queues) if kind == "P" else ack(vpn, i, queues[0]))
-        return numbered(evs)
+        return numbered([_event(vpn, *op) for op in ops])
 
     bounds = sorted({0, len(ops), *(c for c in cuts if c <= len(ops))})
     chunks = [slice(a, b) for a, b in itertools.pairwise(bounds)]
@@ -202,6 +199,41 @@ def test_a_batch_leaves_the_state_one_by_one_apply_leaves(
                     apply_entries(conn, single, [entry])
     assert live(dsn, batched) == live(dsn, single)
     assert state(dsn, batched)[3] == state(dsn, single)[3]
+    # and one by one means what the events say, replays included
+    applied = [e for chunk in chunks for e in events_for(single)[chunk]]
+    assert keys(dsn, single) == model_keys(applied)
+
+
+def _event(vpn: str, kind: str, i: int, queues: list[str]) -> Event:
+    if kind == "P":
+        return pub(vpn, i, *queues)
+    if kind == "C":
+        return ack(vpn, i, queues[0])
+    # a purge sparing one delivered message (i even), or a delete (i odd)
+    return Purged(vpn, queues[0], (rid(i),) if i % 2 == 0 else (), i % 2 == 1)
+
+
+def model_keys(entries: list[LedgerEntry]) -> set[tuple[str, int, int]]:
+    """:func:`keys` as applying ``entries`` one by one must leave them, from
+    what each event means (a purge removes what its queue got before it)."""
+    model: dict[tuple[str, int], int] = {}  # (queue, counter) -> publish index
+    for entry in entries:
+        event = entry.event
+        if isinstance(event, Published):
+            for q in event.queues:
+                model.setdefault((q, _counter(event.repl_id)), entry.index)
+        elif isinstance(event, Consumed):
+            model.pop((event.queue, _counter(event.repl_id)), None)
+        else:
+            spared = {_counter(r) for r in event.spared}
+            for key, index in list(model.items()):
+                if key[0] == event.queue and index < entry.index and key[1] not in spared:
+                    del model[key]
+    return {(q, n, index) for (q, n), index in model.items()}
+
+
+def _counter(r: ReplicationId) -> int:
+    return int.from_bytes(r.value[8:], "big")
 
 
 # ------------------------------------------------------------- standby applier

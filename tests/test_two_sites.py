@@ -8,7 +8,15 @@ import pika
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
-from tests.two_sites import amqp_url, caught_up, enable, live, live_caught_up, setup_vpn
+from tests.two_sites import (
+    amqp_url,
+    assert_same_state,
+    caught_up,
+    enable,
+    live,
+    live_caught_up,
+    setup_vpn,
+)
 
 
 def test_standby_mirrors_publishes_and_acks(
@@ -52,4 +60,42 @@ def test_standby_mirrors_publishes_and_acks(
     assert va["queues"] == vb["queues"] == {"orders.q1": 600, "orders.q2": 999}
     assert (va["role"], vb["role"]) == ("active", "standby")
     assert va["bridge"] == vb["bridge"] == "connected"
+    assert node_b.stop() == 0 and node_a.stop() == 0
+
+
+def test_purge_and_delete_empty_the_standby_too_except_unsettled_deliveries(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+) -> None:
+    """RabbitMQ's purge leaves delivered, unacked messages in the queue (and a
+    requeue puts them back); a delete takes everything. The standby must end
+    with exactly what the active's broker still holds."""
+    setup_vpn(site_a)
+    enable(vpnrepl_a)
+    node_a.start()
+    node_b.start()
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(site_a)))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for i in range(100):
+        persistent = pika.BasicProperties(delivery_mode=2)
+        ch.basic_publish("events", "order.created", b"m%d" % i, persistent)
+    held = [ch.basic_get("orders.q1")[0].delivery_tag for _ in range(10)]
+    admin = conn.channel()
+    assert admin.queue_purge("orders.q1").method.message_count == 90
+    for tag in held[5:]:
+        ch.basic_ack(tag)
+    ch.basic_nack(held[4], multiple=True, requeue=True)  # the first five go back
+    admin.queue_delete("orders.q2")
+    conn.close()
+
+    rows = assert_same_state(node_a, node_b)
+    assert sorted(bytes(r[6]) for r in rows) == sorted(b"m%d" % i for i in range(5))
+    assert {r[0] for r in rows} == {"orders.q1"}
+    check = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("orders")))
+    assert check.channel().queue_declare("orders.q1", passive=True).method.message_count == 5
+    check.close()
     assert node_b.stop() == 0 and node_a.stop() == 0

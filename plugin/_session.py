@@ -32,6 +32,7 @@ Invariants, and why the code keeps them:
 
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 import struct
@@ -135,6 +136,8 @@ class _Incoming:
 
 @dataclass(slots=True)
 class _Channel:
+    #: the queue the channel declared last (an empty queue name means it)
+    last_queue: str = ""
     closing: bool = False  # channel.close sent by either side, close-ok pending
     #: we closed the channel on both sides: close-oks still due (client, broker)
     closed_by_us: int = 0
@@ -939,6 +942,8 @@ class Session:
             return None
         m = amqp.decode_method(buf, f)
         op = _topology_op(m)
+        if op is not None and isinstance(m, _NAMES_A_QUEUE) and not m.queue:
+            op = self._on_last_queue(self._channel(channel), m)
         if getattr(m, "nowait", False):
             if op is not None:
                 self._apply_topology(op, None)
@@ -946,6 +951,22 @@ class Session:
             # one entry per request, so each -ok pops its own request
             self._channel(channel).topology_ops.append(op)
         return None
+
+    @staticmethod
+    def _on_last_queue(ch: _Channel, m: Any) -> Callable[[Any], None]:
+        """The topology change of ``m``, whose empty queue name means the
+        channel's last declared queue: resolved when it applies, after every
+        earlier declare-ok of the channel."""
+
+        def apply(a: Any) -> None:
+            if ch.last_queue:
+                named = copy.copy(m)
+                named.queue = ch.last_queue
+                op = _topology_op(named)
+                if op is not None:
+                    op(a)
+
+        return apply
 
     def _emptied(self, queue: str, *, deleted: bool) -> None:
         """``queue`` was purged (or deleted): a :class:`Purged` event, on a
@@ -1180,12 +1201,11 @@ class Session:
         if ch is None or not ch.topology_ops:
             return None
         op = ch.topology_ops.popleft()
+        ok = None
+        if amqp.method_id(buf, f) == amqp.QUEUE_DECLARE_OK:
+            ok = amqp.decode_method(buf, f)
+            ch.last_queue = getattr(ok, "queue", "")  # passive declares count too
         if op is not None:
-            ok = (
-                amqp.decode_method(buf, f)
-                if amqp.method_id(buf, f) == amqp.QUEUE_DECLARE_OK
-                else None
-            )
             self._apply_topology(op, ok)
         return None
 
@@ -1381,6 +1401,15 @@ def _declare_queue(a: tuple[VpnView, Any, Session], m: commands.Queue.Declare) -
     vpn.topology.declare_queue(name, dict(m.arguments or {}))
     if m.exclusive:
         session._exclusive_queues.append(name)
+
+
+#: methods whose empty queue name means the channel's last declared queue
+_NAMES_A_QUEUE = (
+    commands.Queue.Bind,
+    commands.Queue.Unbind,
+    commands.Queue.Purge,
+    commands.Queue.Delete,
+)
 
 
 def _delete_queue(a: tuple[VpnView, Any, Session], name: str) -> None:

@@ -746,3 +746,18 @@ def test_a_nowait_purge_is_an_event_at_once_and_an_unreplicated_vhost_makes_none
     open_session(plain, vhost="plain")
     plain.client_data(m(C.Queue.Purge(queue="q"), 1))
     assert plain.broker_data(m(C.Queue.PurgeOk(message_count=0), 1)).events == []
+
+
+def test_an_empty_queue_name_means_the_channels_last_declared_queue() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Queue.Declare(queue=""), 1))  # server-named
+    s.client_data(m(C.Queue.Purge(queue=""), 1))  # sent before the declare-ok came
+    s.broker_data(m(C.Queue.DeclareOk(queue="amq.gen-7", message_count=0, consumer_count=0), 1))
+    out = s.broker_data(m(C.Queue.PurgeOk(message_count=0), 1))
+    assert [e for e, _ in out.events] == [Purged("orders", "amq.gen-7", (), deleted=False)]
+    s.client_data(m(C.Queue.Declare(queue="q", passive=True), 1))
+    s.broker_data(m(C.Queue.DeclareOk(queue="q", message_count=0, consumer_count=0), 1))
+    s.client_data(m(C.Queue.Delete(queue=""), 1))
+    out = s.broker_data(m(C.Queue.DeleteOk(message_count=0), 1))
+    assert [e for e, _ in out.events] == [Purged("orders", "q", (), deleted=True)]

@@ -9,13 +9,11 @@ from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import (
-    amqp_url,
     assert_same_state,
     caught_up,
-    enable,
     live,
     live_caught_up,
-    setup_vpn,
+    replicating,
 )
 
 
@@ -26,13 +24,7 @@ def test_standby_mirrors_publishes_and_acks(
     node_a: NodeProcess,
     node_b: NodeProcess,
 ) -> None:
-    setup_vpn(site_a)
-    enable(vpnrepl_a)
-    node_a.start()
-    node_b.start()
-    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(site_a)))
-    ch = conn.channel()
-    ch.confirm_delivery()
+    conn, ch = replicating(vpnrepl_a, node_a, node_b)
     for i in range(1000):
         ch.basic_publish(
             "events",
@@ -73,13 +65,7 @@ def test_purge_and_delete_empty_the_standby_too_except_unsettled_deliveries(
     """RabbitMQ's purge leaves delivered, unacked messages in the queue (and a
     requeue puts them back); a delete takes everything. The standby must end
     with exactly what the active's broker still holds."""
-    setup_vpn(site_a)
-    enable(vpnrepl_a)
-    node_a.start()
-    node_b.start()
-    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(site_a)))
-    ch = conn.channel()
-    ch.confirm_delivery()
+    conn, ch = replicating(vpnrepl_a, node_a, node_b)
     for i in range(100):
         persistent = pika.BasicProperties(delivery_mode=2)
         ch.basic_publish("events", "order.created", b"m%d" % i, persistent)

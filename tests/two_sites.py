@@ -97,6 +97,21 @@ def enable(vpnrepl: Vpnrepl, *options: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
+def replicating(
+    vpnrepl_a: Vpnrepl, node_a: NodeProcess, node_b: NodeProcess
+) -> tuple[pika.BlockingConnection, Any]:
+    """The VPN set up and enabled on site A, both nodes running, and a pika
+    connection through A's listener with a channel in confirm mode."""
+    setup_vpn(node_a.site)
+    enable(vpnrepl_a)
+    node_a.start()
+    node_b.start()
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(node_a.site)))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    return conn, ch
+
+
 def live(site: LocalSite) -> list[tuple[Any, ...]]:
     with psycopg.connect(site.pg.dsn()) as db:
         return db.execute(LIVE).fetchall()

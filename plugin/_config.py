@@ -68,6 +68,8 @@ class SiteConfig:
     #: acknowledged ledger entries are kept this long before pruning, so a
     #: standby that reconnects within it catches up by replay, not checkpoint
     ledger_retain_seconds: int = 300
+    #: how often the node re-reads each VPN's definitions from the broker
+    topology_refresh_seconds: int = 30
 
 
 _REQUIRED = object()
@@ -95,6 +97,12 @@ def _non_negative(value: int) -> int:
     return value
 
 
+def _positive(value: int) -> int:
+    if value < 1:
+        raise ValueError("expected a number >= 1")
+    return value
+
+
 def _file(value: str) -> str:
     if not value:
         raise ValueError("expected a file path")
@@ -107,6 +115,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
     "broker": {
         "amqp_url": (str, _REQUIRED, _url("amqp", "amqps")),
         "management_url": (str, _REQUIRED, _url("http", "https")),
+        "topology_refresh_seconds": (int, 30, _positive),
     },
     "listen": {
         "amqp": (str, _REQUIRED, HostPort.parse),
@@ -223,6 +232,7 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         ledger_retain_seconds=(
             v["replication"]["ledger_retain_seconds"] if "replication" in v else 300
         ),
+        topology_refresh_seconds=v["broker"]["topology_refresh_seconds"],
     )
 
 

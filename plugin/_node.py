@@ -1,11 +1,11 @@
 """``vpnrepl node``: the site process.
 
 Starts, in order: the site database check and a new process incarnation (the
-high half of every replication id it hands out), the ledger writer and the
+high bits of every replication id it hands out), the ledger writer and the
 replication sink with the transaction coordinator, the VPN directory
 (settings from the database, topology from the management API, refreshed
-every ``REFRESH_SECONDS``), the recovery of transactions a crash left in
-doubt (txn/_coordinator.py; before any client is accepted), the AMQP
+every ``[broker] topology_refresh_seconds``), the recovery of transactions a
+crash left in doubt (txn/_coordinator.py; before any client is accepted), the AMQP
 listener on ``listen.amqp`` and the admin endpoint on ``listen.admin``. It
 stops on SIGTERM or SIGINT in reverse order: clients first, then the ledger
 after committing what it holds.
@@ -41,9 +41,9 @@ from txn._participant import Participant
 
 from ._admin import AdminServer
 from ._config import SiteConfig, redact_url
-from ._directory import VpnDirectory
+from ._directory import VpnDirectory, VpnView
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable
-from ._events import INCARNATION_LIMIT, IdSource
+from ._events import INCARNATION_LIMIT, IdSource, Purged
 from ._listener import BrokerAddress, Listener
 from ._metrics import Metrics
 from ._refresher import DirectoryRefresher, ManagementAPI
@@ -54,7 +54,6 @@ __all__ = ["run_node"]
 
 log = logging.getLogger("vpnrepl.node")
 
-REFRESH_SECONDS = 30.0
 #: how long start-up waits for the broker to answer for commit markers
 RECOVERY_SECONDS = 60.0
 ELIGIBILITY_SECONDS = 0.5
@@ -182,7 +181,11 @@ class Node:
         if self.bridge_client is not None:
             self.bridge_client.participant = self.participant
         refresher = DirectoryRefresher(
-            self.directory, self.api, self._load_settings, REFRESH_SECONDS
+            self.directory,
+            self.api,
+            self._load_settings,
+            cfg.topology_refresh_seconds,
+            self._queues_gone,
         )
         await refresher.refresh()
         await self._recover_transactions()
@@ -212,6 +215,21 @@ class Node:
             cfg.listen_admin,
             ", ".join(f"{v.name} ({v.role})" for v in vpns) or "none",
         )
+
+    async def _queues_gone(self, view: VpnView, queues: list[str]) -> None:
+        """Queues of an active VPN that the broker lost outside the listener
+        (management UI, ``rabbitmqctl``, auto-delete; the refresher checked
+        each with the broker): their deletion is replicated, unless a client
+        declared the queue again through the listener meanwhile."""
+        for queue in queues:
+            if queue in view.topology.queues:
+                continue
+            log.info(
+                "VPN %s: queue %r was deleted outside the listener; replicating the deletion",
+                view.name,
+                queue,
+            )
+            self.replicator.append(Purged(view.name, queue, (), deleted=True), None)
 
     def _renew_incarnation(self) -> None:
         """The id counter is running low: record a new incarnation (retried

@@ -12,6 +12,13 @@ A fetched topology replaces the live one only if no wire change happened
 while it was being fetched (the topology's ``generation`` is unchanged);
 otherwise the fetch is retried at the next tick, so a declare seen on the wire
 is never overwritten by an older snapshot.
+
+A definitions export leaves out exclusive queues. A queue the live topology
+has and the snapshot lacks is therefore looked up at the broker: one that
+exists (an exclusive queue declared through the listener) keeps its place
+and bindings in the new topology; one that does not was deleted in the
+management UI, with ``rabbitmqctl`` or by auto-delete, and on an active VPN
+is handed to ``on_gone`` (the node replicates the deletion).
 """
 
 from __future__ import annotations
@@ -28,8 +35,8 @@ from urllib.parse import quote, urlsplit
 from ._config import redact_url
 from ._directory import VpnDirectory, VpnView
 from ._errors import PluginError
-from ._topology import ReplicationScope, Topology
-from ._vpn import VpnSettings
+from ._topology import DestinationKind, ReplicationScope, Topology
+from ._vpn import Role, VpnSettings
 
 __all__ = ["DirectoryRefresher", "ManagementAPI", "ManagementUnavailable"]
 
@@ -67,6 +74,16 @@ class ManagementAPI:
     def definitions(self, vhost: str) -> object:
         return self.get(f"definitions/{quote(vhost, safe='')}")
 
+    def queue_exists(self, vhost: str, queue: str) -> bool:
+        """Whether the broker has ``queue`` (exclusive ones included)."""
+        try:
+            self.get(f"queues/{quote(vhost, safe='')}/{quote(queue, safe='')}")
+        except ManagementUnavailable as e:
+            if isinstance(e.__cause__, urllib.error.HTTPError) and e.__cause__.code == 404:
+                return False
+            raise
+        return True
+
 
 class DirectoryRefresher:
     """Loads VPN settings and topologies into a directory, now and periodically."""
@@ -77,11 +94,13 @@ class DirectoryRefresher:
         api: ManagementAPI,
         load_settings: Callable[[], Awaitable[Sequence[VpnSettings]]],
         interval: float = 30.0,
+        on_gone: Callable[[VpnView, list[str]], Awaitable[None]] | None = None,
     ) -> None:
         self.directory = directory
         self.api = api
         self.load_settings = load_settings
         self.interval = interval
+        self.on_gone = on_gone
 
     async def refresh(self) -> None:
         """One pass; a VPN whose definitions cannot be read keeps its old view."""
@@ -106,8 +125,29 @@ class DirectoryRefresher:
                 self.directory.put(VpnView(name, s.role, ReplicationScope.of(s), fresh))
                 continue
             view.role, view.scope = s.role, ReplicationScope.of(s)
+            try:
+                gone = await self._reconcile_missing(name, view.topology, fresh)
+            except PluginError as e:
+                log.warning("VPN %s: topology not refreshed: %s", name, e)
+                continue
             if view.topology.generation == generation:
                 view.topology = fresh
+                if gone and view.role is Role.ACTIVE and self.on_gone is not None:
+                    await self.on_gone(view, gone)
+
+    async def _reconcile_missing(self, vhost: str, live: Topology, fresh: Topology) -> list[str]:
+        """Queues ``live`` has and ``fresh`` lacks: those the broker still has
+        are copied into ``fresh`` with their bindings; returns the others."""
+        gone = []
+        for name in sorted(set(live.queues) - set(fresh.queues)):
+            if not await asyncio.to_thread(self.api.queue_exists, vhost, name):
+                gone.append(name)
+                continue
+            fresh.declare_queue(name, live.queues[name].arguments)
+            for b in live.bindings():
+                if b.destination_kind is DestinationKind.QUEUE and b.destination == name:
+                    fresh.bind_queue(name, b.source, b.routing_key, b.arguments)
+        return gone
 
     async def run(self) -> None:
         while True:

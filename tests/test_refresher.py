@@ -6,7 +6,7 @@ import asyncio
 
 import pika
 
-from plugin._directory import VpnDirectory
+from plugin._directory import VpnDirectory, VpnView
 from plugin._localsites import LocalSite
 from plugin._refresher import DirectoryRefresher, ManagementAPI
 from plugin._vpn import Role, VpnSettings
@@ -91,3 +91,39 @@ def test_unreachable_management_api_keeps_the_old_view(site_a: LocalSite) -> Non
     )
     asyncio.run(broken.refresh())
     assert directory.lookup("orders") is view
+
+
+def test_exclusive_queues_stay_and_deleted_ones_are_reported_for_active_vpns(
+    site_a: LocalSite,
+) -> None:
+    """A definitions export leaves exclusive queues out: one declared through
+    the listener keeps its bindings; a queue deleted at the broker is handed
+    to ``on_gone``, for an active VPN only."""
+    for vhost in ("orders", "backup"):
+        site_a.rabbit.add_vhost(vhost)
+        _declare(site_a, vhost, f"{vhost}.q1")
+        _declare(site_a, vhost, f"{vhost}.q2")
+    directory = VpnDirectory()
+    settings = [
+        VpnSettings.from_args("orders", "active"),
+        VpnSettings.from_args("backup", "standby"),
+    ]
+    reported: list[tuple[str, list[str]]] = []
+
+    async def on_gone(view: VpnView, queues: list[str]) -> None:
+        reported.append((view.name, queues))
+
+    refresher = _refresher(site_a, directory, settings)
+    refresher.on_gone = on_gone
+    asyncio.run(refresher.refresh())
+    view = directory.lookup("orders")
+    assert view is not None
+    owner = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("orders")))
+    owner.channel().queue_declare("orders.mine", exclusive=True)
+    view.topology.bind_queue("orders.mine", "events", "order.#")  # as the session records it
+    for vhost in ("orders", "backup"):
+        site_a.rabbit.api("DELETE", f"queues/{vhost}/{vhost}.q2")
+    asyncio.run(refresher.refresh())
+    owner.close()
+    assert reported == [("orders", ["orders.q2"])]
+    assert view.topology.route("events", "order.x", None) == {"orders.q1", "orders.mine"}

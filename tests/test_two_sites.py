@@ -14,6 +14,7 @@ from tests.two_sites import (
     live,
     live_caught_up,
     replicating,
+    until,
 )
 
 
@@ -84,4 +85,29 @@ def test_purge_and_delete_empty_the_standby_too_except_unsettled_deliveries(
     check = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("orders")))
     assert check.channel().queue_declare("orders.q1", passive=True).method.message_count == 5
     check.close()
+    assert node_b.stop() == 0 and node_a.stop() == 0
+
+
+def test_a_queue_deleted_at_the_broker_directly_goes_on_the_standby_too(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+) -> None:
+    """The node notices at its next definitions re-read; an exclusive queue,
+    which the definitions leave out, is checked with the broker and kept."""
+    text = node_a.config.read_text()
+    node_a.config.write_text(text.replace("[broker]\n", "[broker]\ntopology_refresh_seconds = 1\n"))
+    conn, ch = replicating(vpnrepl_a, node_a, node_b)
+    ch.queue_declare("orders.mine", exclusive=True)
+    ch.queue_bind("orders.mine", "events", "order.#")
+    for i in range(20):
+        persistent = pika.BasicProperties(delivery_mode=2)
+        ch.basic_publish("events", "order.created", b"m%d" % i, persistent)
+    site_a.rabbit.api("DELETE", "queues/orders/orders.q2")
+    until(lambda: {r[0] for r in live(site_b)} == {"orders.q1", "orders.mine"}, "q2 gone on B")
+    rows = assert_same_state(node_a, node_b)
+    assert sorted(r[0] for r in rows) == ["orders.mine"] * 20 + ["orders.q1"] * 20
+    conn.close()
     assert node_b.stop() == 0 and node_a.stop() == 0

@@ -9,6 +9,7 @@ import psycopg
 import pytest
 from pika.exceptions import NackError
 
+from plugin._events import INCARNATION_LIMIT
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
@@ -136,3 +137,16 @@ def test_node_without_schema_fails_with_one_clear_line(vpnrepl_a: Vpnrepl, site_
     result = vpnrepl_a("node")
     assert result.returncode == 1
     assert "run `vpnrepl init`" in result.stderr
+
+
+def test_a_site_out_of_incarnations_refuses_to_start_rather_than_repeat_ids(
+    vpnrepl_a: Vpnrepl, site_a: LocalSite
+) -> None:
+    assert vpnrepl_a("init").returncode == 0
+    with psycopg.connect(site_a.pg.dsn(), autocommit=True) as db:
+        db.execute(
+            "SELECT setval('node_incarnation_incarnation_seq', %s)", (INCARNATION_LIMIT - 1,)
+        )
+    result = vpnrepl_a("node")
+    assert result.returncode == 1
+    assert f"have room for {INCARNATION_LIMIT - 1}" in result.stderr

@@ -46,7 +46,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from plugin._events import Consumed, Published, Purged, ReplicationId
+from plugin._events import Consumed, DeadLettered, Published, Purged, ReplicationId
 
 from ._arrays import bytea_array, int8_array, text_array
 from ._entry import LedgerEntry
@@ -91,6 +91,19 @@ ON CONFLICT DO NOTHING
 _PURGE = """
 DELETE FROM live_message
 WHERE vpn = %b AND queue = %b AND publish_index < %b AND repl_id <> ALL(%b::bytea[])
+"""
+# A dead-lettered message's row is copied to each queue it went to (arriving
+# there at the event's index), then leaves its queue, as a consumption does.
+_DEAD_LETTER_COPY = """
+INSERT INTO live_message (vpn, queue, repl_id, publish_index, exchange, routing_key,
+                          properties, body)
+SELECT m.vpn, t.queue, m.repl_id, %b::int8, m.exchange, m.routing_key, m.properties, m.body
+FROM live_message m, unnest(%b::text[]) AS t(queue)
+WHERE m.vpn = %b AND m.queue = %b AND m.repl_id = %b
+ON CONFLICT DO NOTHING
+"""
+_DEAD_LETTER_REMOVE = """
+DELETE FROM live_message WHERE vpn = %b AND queue = %b AND repl_id = %b
 """
 _COUNT_UNKNOWN = (
     "UPDATE vpn_state SET unknown_acks = unknown_acks + %s, updated_at = now() WHERE vpn = %s"
@@ -154,15 +167,16 @@ def _plan(vpn: str, entries: Sequence[LedgerEntry]) -> _Plan:
 
 
 def _runs(vpn: str, entries: Sequence[LedgerEntry]) -> list[list[LedgerEntry]]:
-    """``entries`` in index order, cut before and after every purge: a purge
-    is a run of its own, so each run's plan starts from the state the runs
-    before it left (a purge empties a whole queue, which a per-key fold
-    cannot express)."""
+    """``entries`` in index order, cut before and after every purge and
+    dead-lettering: each is a run of its own, so each run's plan starts from
+    the state the runs before it left (a purge empties a whole queue, and a
+    dead-lettering copies a row the fold does not hold: neither is a per-key
+    fold)."""
     runs: list[list[LedgerEntry]] = [[]]
     for entry in sorted(entries, key=lambda e: e.index):
         if entry.event.vpn != vpn or entry.vpn != vpn:
             raise ValueError(f"entry {entry.index} belongs to VPN {entry.vpn!r}, not {vpn!r}")
-        if isinstance(entry.event, Purged):
+        if isinstance(entry.event, Purged | DeadLettered):
             runs += [[entry], []]
         else:
             runs[-1].append(entry)
@@ -212,11 +226,33 @@ def _apply_steps(vpn: str, entries: Sequence[LedgerEntry]) -> Generator[_Step, A
             count = yield _Execute(_PURGE, (vpn, event.queue, run[0].index, spared))
             deleted += int(count)
             continue
+        if isinstance(event, DeadLettered):
+            moved = yield from _dead_letter_steps(vpn, run[0].index, event)
+            inserted += moved.inserted
+            deleted += moved.deleted
+            unknown += moved.unknown_acks
+            continue
         result = yield from _run_steps(vpn, _plan(vpn, run))
         inserted += result.inserted
         deleted += result.deleted
         unknown += result.unknown_acks
     return ApplyResult(inserted=inserted, deleted=deleted, unknown_acks=unknown)
+
+
+def _dead_letter_steps(
+    vpn: str, index: int, event: DeadLettered
+) -> Generator[_Step, Any, ApplyResult]:
+    rid = event.repl_id.value
+    copied = 0
+    if event.to:
+        to = text_array(list(event.to))
+        copied = yield _Execute(_DEAD_LETTER_COPY, (index, to, vpn, event.queue, rid))
+    removed = yield _Execute(_DEAD_LETTER_REMOVE, (vpn, event.queue, rid))
+    if removed:
+        return ApplyResult(inserted=int(copied), deleted=int(removed))
+    yield _Execute(_COUNT_UNKNOWN, (1, vpn))
+    _log_unknown(vpn, [(event.queue, rid)])
+    return ApplyResult(unknown_acks=1)
 
 
 def _run_steps(vpn: str, plan: _Plan) -> Generator[_Step, Any, ApplyResult]:

@@ -18,6 +18,7 @@ encoding ever changes.
                queue(str16)* properties(bytes32) body(bytes32)
     CONSUMED:  b"C" id(16) queue(str16)
     PURGED:    b"Q" deleted(u8: 0 or 1) queue(str16) nspared(u32) id(16)*
+    DEAD:      b"D" id(16) queue(str16) nto(u16) queue(str16)*
     (str16 = u16 length + UTF-8, bytes32 = u32 length + bytes)
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from plugin._events import Consumed, Event, Published, Purged, ReplicationId
+from plugin._events import Consumed, DeadLettered, Event, Published, Purged, ReplicationId
 
 __all__ = ["EventDecodeError", "LedgerEntry", "decode_event", "encode_event"]
 
@@ -36,8 +37,14 @@ _HEAD = struct.Struct(">c16sH")  # kind, id, length of the first string
 KIND_PUBLISHED = b"P"
 KIND_CONSUMED = b"C"
 KIND_PURGED = b"Q"
+KIND_DEAD = b"D"
 #: the ledger's ``kind`` column per event type
-_KINDS = {Published: "published", Consumed: "consumed", Purged: "purged"}
+_KINDS = {
+    Published: "published",
+    Consumed: "consumed",
+    Purged: "purged",
+    DeadLettered: "dead-lettered",
+}
 
 
 class EventDecodeError(ValueError):
@@ -91,6 +98,10 @@ def encode_event(event: Event) -> bytes:
         return b"".join(parts)
     if isinstance(event, Consumed):
         return KIND_CONSUMED + event.repl_id.value + _str16(event.queue)
+    if isinstance(event, DeadLettered):
+        parts = [KIND_DEAD, event.repl_id.value, _str16(event.queue), _U16.pack(len(event.to))]
+        parts += [_str16(q) for q in event.to]
+        return b"".join(parts)
     spared = b"".join(r.value for r in event.spared)
     return b"".join(
         (
@@ -196,6 +207,9 @@ def _decode_checked(data: bytes, vpn: str) -> Event:
         event = Published(vpn, repl_id, exchange, routing_key, properties, body, queues)
     elif kind == KIND_CONSUMED:
         event = Consumed(vpn, repl_id, r.str16())
+    elif kind == KIND_DEAD:
+        queue = r.str16()
+        event = DeadLettered(vpn, repl_id, queue, tuple(r.str16() for _ in range(r.u16())))
     else:
         raise EventDecodeError(f"unknown event kind {kind!r}")
     if r.pos != len(r.data):

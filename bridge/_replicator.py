@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from plugin._events import (
     ConfirmKey,
     Consumed,
+    DeadLettered,
     Event,
     LocalTransaction,
     ReplicationSink,
@@ -111,7 +112,7 @@ class Replicator(ReplicationSink):
     # -- ReplicationSink ------------------------------------------------------
 
     def append(self, event: Event, on_durable: Callable[[bool], None] | None) -> None:
-        if self.coordinator is not None and isinstance(event, Consumed):
+        if self.coordinator is not None and isinstance(event, Consumed | DeadLettered):
             self.coordinator.before_consumed(event)  # a committing publish goes first
         if event.vpn in self.fenced:
             if on_durable is not None:
@@ -152,7 +153,7 @@ class Replicator(ReplicationSink):
 
         if self.coordinator is not None:  # as append() does, event by event
             for event, _ in events:
-                if isinstance(event, Consumed):
+                if isinstance(event, Consumed | DeadLettered):
                     self.coordinator.before_consumed(event)
         if vpn in self.fenced:
             settle(False)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 __all__ = [
     "ConfirmKey",
     "Consumed",
+    "DeadLettered",
     "Event",
     "IdSource",
     "IdsExhausted",
@@ -235,7 +236,20 @@ class Purged(NamedTuple):
     deleted: bool = False
 
 
-Event = Published | Consumed | Purged
+class DeadLettered(NamedTuple):
+    """A replicated message left ``queue`` by a reject or nack without
+    requeue, and the queue's dead-letter exchange routed it to ``to`` (its
+    in-scope queues; empty: dropped). Both sites move the message's row;
+    its properties stay as published (the ``x-death`` header the broker adds
+    is not replicated)."""
+
+    vpn: str
+    repl_id: ReplicationId
+    queue: str
+    to: tuple[str, ...]
+
+
+Event = Published | Consumed | Purged | DeadLettered
 
 #: (channel, publish sequence number): which client confirm an event releases
 ConfirmKey = tuple[int, int]

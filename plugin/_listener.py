@@ -25,6 +25,8 @@ from urllib.parse import urlsplit
 from ._directory import VpnDirectory
 from ._events import (
     ConfirmKey,
+    Consumed,
+    DeadLettered,
     Event,
     IdSource,
     LocalTransaction,
@@ -212,11 +214,9 @@ class _ClientSide(asyncio.Protocol):
         if published:
             counts[(vpn, "published")] += published
         if published < len(events):
-            purged = sum(1 for event, _ in events if type(event) is Purged)
-            if purged:
-                counts[(vpn, "purged")] += purged
-            if published + purged < len(events):
-                counts[(vpn, "consumed")] += len(events) - published - purged
+            for event, _ in events:
+                if type(event) is not Published:
+                    counts[(vpn, _EVENT_KINDS[type(event)])] += 1
 
     def _durable_notice(self, key: ConfirmKey, ok: bool) -> None:
         """The sink's verdict on one replicated publish; collected for one
@@ -380,6 +380,15 @@ class Listener:
             conn.close()
         if self._server is not None:
             await self._server.wait_closed()
+
+
+#: the ``kind`` label of ``vpnrepl_events_total`` per event type
+_EVENT_KINDS: dict[type, str] = {
+    Published: "published",
+    Consumed: "consumed",
+    Purged: "purged",
+    DeadLettered: "dead-lettered",
+}
 
 
 def _write_joined(transport: asyncio.WriteTransport, chunks: list[bytes]) -> None:

@@ -51,6 +51,7 @@ from ._events import (
     REPLICATION_HEADER,
     ConfirmKey,
     Consumed,
+    DeadLettered,
     Event,
     IdSource,
     LocalTransaction,
@@ -132,6 +133,9 @@ class _Incoming:
     delivery_tag: int
     no_ack: bool
     is_return: bool = False
+    #: the delivery's routing key, kept when its queue dead-letters rejects
+    #: without a routing key of its own
+    routing_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -159,6 +163,8 @@ class _Channel:
     consumes: deque[tuple[str, bool]] = field(default_factory=deque)
     gets: deque[tuple[str, bool]] = field(default_factory=deque)
     deliveries: dict[int, tuple[ReplicationId, str]] = field(default_factory=dict)
+    #: delivery tag -> routing key, for deliveries from dead-lettering queues
+    routing_keys: dict[int, str] = field(default_factory=dict)
     topology_ops: deque[Callable[[Any], None] | None] = field(default_factory=deque)
 
 
@@ -856,21 +862,55 @@ class Session:
         if not ch.deliveries:
             return None
         tag, multiple, requeue = amqp.decode_ack(buf, f)
+        rejected = buf[f.payload_start + 3] != 80  # basic.reject or basic.nack
         if multiple:
             tags = [t for t in ch.deliveries if tag == 0 or t <= tag]
         else:
             tags = [tag] if tag in ch.deliveries else []
         for t in tags:
             repl_id, queue = ch.deliveries.pop(t)
+            routing_key = ch.routing_keys.pop(t, "") if ch.routing_keys else ""
             if requeue:
                 continue  # back to the queue: nothing consumed
-            event = Consumed(self.vpn.name if self.vpn else "", repl_id, queue)
+            event: Event = Consumed(self.vpn.name if self.vpn else "", repl_id, queue)
+            if rejected and self.vpn is not None:
+                to = self._dead_letter_route(queue, routing_key)
+                if to is not None:
+                    event = DeadLettered(self.vpn.name, repl_id, queue, to)
             if ch.tx:
                 ch.tx_events.append(event)
                 ch.tx_acked[t] = (repl_id, queue)
             else:
                 self._out.events.append((event, None))
         return None
+
+    def _dead_letter_route(self, queue: str, routing_key: str) -> tuple[str, ...] | None:
+        """The in-scope queues a message rejected from ``queue`` goes to
+        (None: the queue does not dead-letter). Routed as RabbitMQ routes a
+        dead-lettered message, with the queue's dead-letter routing key or
+        the message's own; without its headers (a headers exchange as the
+        dead-letter exchange, or CC headers, are not followed)."""
+        vpn = self.vpn
+        assert vpn is not None  # noqa: S101 - caller checked
+        target = vpn.topology.dead_letter(queue)
+        if target is None:
+            return None
+        exchange, key = target
+        key = routing_key if key is None else key
+        routed = vpn.topology.route(exchange, key, None)
+        return tuple(sorted(vpn.scope.in_scope(exchange, key, routed)))
+
+    def _routing_key_kept(self, queue: str, buf: bytes, f: Frame) -> str | None:
+        """A delivery's routing key, if its queue dead-letters rejects with
+        the message's own key (decoded only then)."""
+        vpn = self.vpn
+        if vpn is None:
+            return None
+        target = vpn.topology.dead_letter(queue)
+        if target is None or target[1] is not None:
+            return None
+        m = amqp.decode_method(buf, f)
+        return str(getattr(m, "routing_key", ""))
 
     def _c_consume(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         if not self.replicated:
@@ -896,7 +936,9 @@ class Session:
         return None
 
     def _c_recover(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        self._channel(channel).deliveries.clear()  # redelivered under new tags
+        ch = self._channel(channel)
+        ch.deliveries.clear()  # redelivered under new tags
+        ch.routing_keys.clear()
         return None
 
     def _c_confirm_select(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -1062,6 +1104,8 @@ class Session:
             self._out.events.append((Consumed(self.vpn.name, repl_id, inc.queue), None))
         else:
             ch.deliveries[inc.delivery_tag] = (repl_id, inc.queue)
+            if inc.routing_key is not None:
+                ch.routing_keys[inc.delivery_tag] = inc.routing_key
 
     def _b_open_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         self.open = True
@@ -1089,7 +1133,9 @@ class Session:
         consumer_tag, delivery_tag = amqp.decode_deliver(buf, f)
         consumer = ch.consumers.get(consumer_tag)
         if consumer is not None:
-            ch.incoming = _Incoming(consumer[0], delivery_tag, consumer[1])
+            queue, no_ack = consumer
+            key = None if no_ack else self._routing_key_kept(queue, buf, f)
+            ch.incoming = _Incoming(queue, delivery_tag, no_ack, routing_key=key)
         return None
 
     def _b_get_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -1098,7 +1144,8 @@ class Session:
         ch = self._channel(channel)
         if ch.gets:
             queue, no_ack = ch.gets.popleft()
-            ch.incoming = _Incoming(queue, amqp.decode_get_ok(buf, f), no_ack)
+            key = None if no_ack else self._routing_key_kept(queue, buf, f)
+            ch.incoming = _Incoming(queue, amqp.decode_get_ok(buf, f), no_ack, routing_key=key)
         return None
 
     def _b_get_empty(self, channel: int, buf: bytes, f: Frame) -> bytes | None:

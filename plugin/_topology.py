@@ -174,10 +174,11 @@ class Binding:
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """A (user) policy; only ``alternate-exchange`` affects routing.
+    """A (user) policy; ``alternate-exchange`` affects routing, and
+    ``dead-letter-exchange`` / ``dead-letter-routing-key`` where a rejected
+    message goes.
 
-    Operator policies cannot set ``alternate-exchange``, so they are not
-    modelled.
+    Operator policies can set neither, so they are not modelled.
     """
 
     name: str
@@ -193,6 +194,13 @@ class Policy:
         """``rabbit_policy:matches/2``: ``apply-to`` exchanges|all, and the
         pattern is *searched* (``re:run``, unanchored) in the name."""
         if self.apply_to not in ("exchanges", "all"):
+            return False
+        regex = _policy_regex(self.pattern)
+        return regex is not None and regex.search(name) is not None
+
+    def applies_to_queue(self, name: str) -> bool:
+        """As :meth:`applies_to_exchange`, for ``apply-to`` queues|all."""
+        if self.apply_to not in ("queues", "all"):
             return False
         regex = _policy_regex(self.pattern)
         return regex is not None and regex.search(name) is not None
@@ -613,14 +621,34 @@ class Topology:
         value = policy.definition.get("alternate-exchange")
         return value if isinstance(value, str) else None
 
-    def _policy_for(self, exchange: str) -> Policy | None:
-        """The one policy RabbitMQ applies: highest priority; ties are in an
-        order RabbitMQ does not define, here by name."""
+    def dead_letter(self, queue: str) -> tuple[str, str | None] | None:
+        """Where RabbitMQ sends a message rejected (or nacked) without
+        requeue from ``queue``: its dead-letter exchange and routing key
+        (None: the message's own), or None when it is dropped. Each of the
+        two keys comes from the queue's ``x-`` argument, else the policy."""
+        q = self._queues.get(queue)
+        if q is None:
+            return None
+        policy = self._policy_for(queue, queues=True)
+        found: list[object] = []
+        for key in ("dead-letter-exchange", "dead-letter-routing-key"):
+            value = q.arguments.get(f"x-{key}")
+            if value is None and policy is not None:
+                value = policy.definition.get(key)
+            found.append(value)
+        exchange, routing_key = found
+        if not isinstance(exchange, str):
+            return None
+        return exchange, routing_key if isinstance(routing_key, str) else None
+
+    def _policy_for(self, name: str, *, queues: bool = False) -> Policy | None:
+        """The one policy RabbitMQ applies to an exchange (or a queue):
+        highest priority; ties are in an order RabbitMQ does not define,
+        here by name."""
         best: Policy | None = None
         for p in self._policies:
-            if p.applies_to_exchange(exchange) and (
-                best is None or (-p.priority, p.name) < (-best.priority, best.name)
-            ):
+            applies = p.applies_to_queue(name) if queues else p.applies_to_exchange(name)
+            if applies and (best is None or (-p.priority, p.name) < (-best.priority, best.name)):
                 best = p
         return best
 

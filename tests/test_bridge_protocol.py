@@ -64,7 +64,7 @@ from bridge import _errors as codes
 from bridge._entry import EventDecodeError, LedgerEntry, decode_event, encode_event
 from bridge._protocol import FRAME_TYPES, MAGIC
 from plugin import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnSettings
-from plugin._events import Consumed, Published, Purged, ReplicationId
+from plugin._events import Consumed, DeadLettered, Published, Purged, ReplicationId
 
 ACTIVE_SITE, STANDBY_SITE = "nyc", "ldn"
 VPN = "orders"
@@ -304,6 +304,9 @@ def events_of(vpn: str) -> st.SearchStrategy:
         st.builds(Consumed, st.just(vpn), repl_ids, texts),
         st.builds(
             Purged, st.just(vpn), texts, st.lists(repl_ids, max_size=3).map(tuple), st.booleans()
+        ),
+        st.builds(
+            DeadLettered, st.just(vpn), repl_ids, texts, st.lists(texts, max_size=3).map(tuple)
         ),
     )
 

@@ -16,6 +16,7 @@ from plugin._events import (
     COUNTER_LIMIT,
     INCARNATION_LIMIT,
     Consumed,
+    DeadLettered,
     IdSource,
     MemorySink,
     Published,
@@ -24,7 +25,7 @@ from plugin._events import (
     ReplicationSink,
 )
 from plugin._session import MARKER_QUEUE, Session
-from plugin._topology import ReplicationScope, Topology
+from plugin._topology import Policy, ReplicationScope, Topology
 from plugin._vpn import Role
 
 C = commands
@@ -193,14 +194,21 @@ def test_unreplicated_connection_relays_confirm_frames_unchanged() -> None:
 
 
 def deliver(
-    s: Session, tag: int, consumer: str, repl: ReplicationId | str | int | None, channel: int = 1
+    s: Session,
+    tag: int,
+    consumer: str,
+    repl: ReplicationId | str | int | None,
+    channel: int = 1,
+    routing_key: str = "q",
 ):
     """A delivery whose id header holds ``repl``: an id (its int64 wire form),
     or a raw header value (an earlier version's hex digits, a foreign int)."""
     value = repl.wire if isinstance(repl, ReplicationId) else repl
     headers = {"x-vpnrepl-id": value} if value is not None else None
     data = m(
-        C.Basic.Deliver(consumer_tag=consumer, delivery_tag=tag, exchange="", routing_key="q"),
+        C.Basic.Deliver(
+            consumer_tag=consumer, delivery_tag=tag, exchange="", routing_key=routing_key
+        ),
         channel,
     ) + content(channel, b"body", headers=headers, delivery_mode=2)
     out = s.broker_data(data)
@@ -761,3 +769,60 @@ def test_an_empty_queue_name_means_the_channels_last_declared_queue() -> None:
     s.client_data(m(C.Queue.Delete(queue=""), 1))
     out = s.broker_data(m(C.Queue.DeleteOk(message_count=0), 1))
     assert [e for e, _ in out.events] == [Purged("orders", "q", (), deleted=True)]
+
+
+# -- a reject or nack without requeue from a dead-lettering queue moves the message --
+
+
+def dead_lettering_session(policy: bool = False) -> Session:
+    """Queue ``q`` dead-letters to the topic exchange ``dlx`` (by argument,
+    or by a policy), which routes ``order.*`` to ``q.dead``."""
+    topology = Topology("orders")
+    args = {} if policy else {"x-dead-letter-exchange": "dlx"}
+    topology.declare_queue("q", args)
+    topology.declare_exchange("dlx", "topic", {})
+    topology.bind_queue("q.dead", "dlx", "order.*")
+    if policy:
+        topology.set_policies(
+            [Policy("dl", "^q$", {"dead-letter-exchange": "dlx"}, apply_to="queues")]
+        )
+    directory = VpnDirectory()
+    directory.put(VpnView("orders", Role.ACTIVE, ReplicationScope((r"q.*",)), topology))
+    s = Session(directory, IdSource(1))
+    open_session(s)
+    s.client_data(m(C.Basic.Consume(queue="q", consumer_tag=""), 1))
+    s.broker_data(m(C.Basic.ConsumeOk(consumer_tag="c"), 1))
+    return s
+
+
+@pytest.mark.parametrize("policy", [False, True])
+def test_rejects_are_dead_lettered_by_the_messages_own_routing_key(policy: bool) -> None:
+    s = dead_lettering_session(policy)
+    ids = [ReplicationId.from_parts(4, n) for n in range(1, 6)]
+    for tag, rid in enumerate(ids, start=1):
+        deliver(s, tag, "c", rid, routing_key="order.x" if tag != 3 else "misc")
+    events = []
+    events += s.client_data(m(C.Basic.Reject(delivery_tag=1, requeue=False), 1)).events
+    events += s.client_data(m(C.Basic.Ack(delivery_tag=2), 1)).events  # an ack is no reject
+    events += s.client_data(m(C.Basic.Nack(delivery_tag=4, multiple=True, requeue=False), 1)).events
+    events += s.client_data(m(C.Basic.Reject(delivery_tag=5, requeue=True), 1)).events
+    assert [e for e, _ in events] == [
+        DeadLettered("orders", ids[0], "q", ("q.dead",)),
+        Consumed("orders", ids[1], "q"),
+        DeadLettered("orders", ids[2], "q", ()),  # "misc" routes nowhere: dropped
+        DeadLettered("orders", ids[3], "q", ("q.dead",)),
+    ]
+
+
+def test_a_dead_letter_routing_key_of_the_queue_replaces_the_messages() -> None:
+    s = dead_lettering_session()
+    view = s.vpn
+    assert view is not None
+    view.topology.delete_queue("q")
+    view.topology.declare_queue(
+        "q", {"x-dead-letter-exchange": "dlx", "x-dead-letter-routing-key": "order.dead"}
+    )
+    rid = ReplicationId.from_parts(4, 1)
+    deliver(s, 1, "c", rid, routing_key="misc")
+    out = s.client_data(m(C.Basic.Reject(delivery_tag=1, requeue=False), 1))
+    assert [e for e, _ in out.events] == [DeadLettered("orders", rid, "q", ("q.dead",))]

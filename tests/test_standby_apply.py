@@ -20,7 +20,7 @@ from bridge._errors import Gap, StaleEpoch, UnknownVpn
 from bridge._ledger import LedgerWriter
 from bridge._protocol import CheckpointRow
 from bridge._standby import NotStandby, StandbyApplier, StandbyUnavailable
-from plugin._events import Consumed, Event, Published, Purged, ReplicationId
+from plugin._events import Consumed, DeadLettered, Event, Published, Purged, ReplicationId
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from plugin._vpn import VpnSettings
@@ -150,7 +150,7 @@ def test_many_unknown_acks_are_summarised(
 
 
 _op = st.tuples(
-    st.sampled_from(["P", "C", "P", "C", "X"]),  # publish, consume, purge (rarer)
+    st.sampled_from(["P", "C", "P", "C", "X", "D"]),  # publish, consume, purge, dead-letter
     st.integers(0, 4),
     st.lists(st.sampled_from(["q0", "q1", "q2"]), min_size=1, max_size=3, unique=True),
 )
@@ -209,6 +209,8 @@ def _event(vpn: str, kind: str, i: int, queues: list[str]) -> Event:
         return pub(vpn, i, *queues)
     if kind == "C":
         return ack(vpn, i, queues[0])
+    if kind == "D":  # rejected from the first queue, dead-lettered to the others
+        return DeadLettered(vpn, rid(i), queues[0], tuple(queues[1:]))
     # a purge sparing one delivered message (i even), or a delete (i odd)
     return Purged(vpn, queues[0], (rid(i),) if i % 2 == 0 else (), i % 2 == 1)
 
@@ -224,6 +226,10 @@ def model_keys(entries: list[LedgerEntry]) -> set[tuple[str, int, int]]:
                 model.setdefault((q, _counter(event.repl_id)), entry.index)
         elif isinstance(event, Consumed):
             model.pop((event.queue, _counter(event.repl_id)), None)
+        elif isinstance(event, DeadLettered):
+            if model.pop((event.queue, _counter(event.repl_id)), None) is not None:
+                for q in event.to:
+                    model.setdefault((q, _counter(event.repl_id)), entry.index)
         else:
             spared = {_counter(r) for r in event.spared}
             for key, index in list(model.items()):

@@ -846,3 +846,29 @@ def test_generation_counts_effective_mutations():
     assert t.generation == g
     t.bind_queue("q", "amq.direct", "k")
     assert t.generation > g
+
+
+def test_dead_letter_settings_come_from_arguments_else_the_queues_policy_key_by_key() -> None:
+    t = Topology("v")
+    t.declare_queue("plain", {})
+    t.declare_queue("args", {"x-dead-letter-exchange": "dlx-a"})
+    t.declare_queue("mixed", {"x-dead-letter-routing-key": "rk-a"})
+    t.declare_queue("other", {})
+    t.set_policies(
+        [
+            Policy("low", "^(mixed|args)$", {"dead-letter-exchange": "dlx-low"}, priority=1),
+            Policy(
+                "high",
+                "^mixed$",
+                {"dead-letter-exchange": "dlx-p", "dead-letter-routing-key": "rk-p"},
+                priority=5,
+                apply_to="queues",
+            ),
+            Policy("xs", "^other$", {"dead-letter-exchange": "x"}, apply_to="exchanges"),
+        ]
+    )
+    assert t.dead_letter("plain") is None
+    assert t.dead_letter("args") == ("dlx-a", None)  # the argument wins over the policy
+    assert t.dead_letter("mixed") == ("dlx-p", "rk-a")  # each key on its own
+    assert t.dead_letter("other") is None
+    assert t.dead_letter("unknown") is None

@@ -111,3 +111,44 @@ def test_a_queue_deleted_at_the_broker_directly_goes_on_the_standby_too(
     assert sorted(r[0] for r in rows) == ["orders.mine"] * 20 + ["orders.q1"] * 20
     conn.close()
     assert node_b.stop() == 0 and node_a.stop() == 0
+
+
+def test_rejected_messages_dead_lettered_by_the_broker_are_moved_on_the_standby_too(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+) -> None:
+    conn, ch = replicating(vpnrepl_a, node_a, node_b)
+    ch.exchange_declare("orders.dlx", "fanout")
+    ch.queue_declare("orders.dead", durable=True)
+    ch.queue_bind("orders.dead", "orders.dlx")
+    ch.queue_declare(
+        "orders.work", durable=True, arguments={"x-dead-letter-exchange": "orders.dlx"}
+    )
+    ch.queue_bind("orders.work", "events", "work.*")
+    for i in range(10):
+        persistent = pika.BasicProperties(delivery_mode=2)
+        ch.basic_publish("events", "work.x", b"w%d" % i, persistent)
+    tags = [ch.basic_get("orders.work")[0].delivery_tag for _ in range(6)]
+    for tag in tags[:3]:
+        ch.basic_reject(tag, requeue=False)
+    ch.basic_nack(tags[4], multiple=True, requeue=False)  # tags 4 and 5
+    ch.basic_ack(tags[5])
+
+    def dead() -> int:
+        return ch.queue_declare("orders.dead", passive=True).method.message_count
+
+    until(lambda: dead() == 5, "the broker dead-lettered five")
+    method, props, body = ch.basic_get("orders.dead")
+    assert body == b"w0" and props.headers["x-death"][0]["queue"] == "orders.work"
+    ch.basic_ack(method.delivery_tag)
+    conn.close()
+
+    rows = assert_same_state(node_a, node_b)
+    by_queue = sorted((r[0], bytes(r[6])) for r in rows)
+    assert by_queue == [("orders.dead", b"w%d" % i) for i in range(1, 5)] + [
+        ("orders.work", b"w%d" % i) for i in range(6, 10)
+    ]
+    assert node_b.stop() == 0 and node_a.stop() == 0

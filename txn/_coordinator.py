@@ -79,6 +79,7 @@ from opentelemetry import trace
 from bridge._ledger import LedgerError
 from plugin._events import (
     Consumed,
+    DeadLettered,
     Event,
     LocalTransaction,
     Published,
@@ -256,7 +257,7 @@ class Coordinator:
         for rid in live.published:
             self._committing_ids[rid] = txn.txid
 
-    def before_consumed(self, event: Consumed) -> None:
+    def before_consumed(self, event: Consumed | DeadLettered) -> None:
         """A delivery of ``event``'s message was acked: if a committing
         transaction published it, the broker has committed that transaction;
         record the decision first, so the ledger holds the publish before

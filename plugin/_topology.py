@@ -560,6 +560,9 @@ _PREDECLARED = (
 _BindingId = tuple[object, ...]
 
 
+_DEAD_LETTER_MEMO_LIMIT = 4096
+
+
 class Topology:
     """Exchanges, queues, bindings and policies of one vhost, and its routing.
 
@@ -580,6 +583,8 @@ class Topology:
         self._policies: tuple[Policy, ...] = ()
         self._routers: dict[str, _Router] = {}
         self._cache: dict[tuple[str, str, tuple[str, ...]], frozenset[str]] = {}
+        #: dead_letter's answers (asked once per delivery): valid until a change
+        self._dead_letters: dict[str, tuple[str, str | None] | None] = {}
         self._generation = 0
 
     # -- views --------------------------------------------------------------
@@ -626,6 +631,15 @@ class Topology:
         requeue from ``queue``: its dead-letter exchange and routing key
         (None: the message's own), or None when it is dropped. Each of the
         two keys comes from the queue's ``x-`` argument, else the policy."""
+        if queue in self._dead_letters:
+            return self._dead_letters[queue]
+        found = self._dead_letter(queue)
+        if len(self._dead_letters) >= _DEAD_LETTER_MEMO_LIMIT:
+            self._dead_letters.clear()
+        self._dead_letters[queue] = found
+        return found
+
+    def _dead_letter(self, queue: str) -> tuple[str, str | None] | None:
         q = self._queues.get(queue)
         if q is None:
             return None
@@ -742,6 +756,7 @@ class Topology:
 
     def _touch(self) -> None:
         self._cache.clear()
+        self._dead_letters.clear()
         self._generation += 1
 
     def _changed(self, exchange: str) -> None:

@@ -869,7 +869,10 @@ class Session:
             tags = [tag] if tag in ch.deliveries else []
         for t in tags:
             repl_id, queue = ch.deliveries.pop(t)
-            routing_key = ch.routing_keys.pop(t, "") if ch.routing_keys else ""
+            routing_key = ""
+            if ch.routing_keys:
+                # a transaction's acks keep theirs: a rollback makes them unacked again
+                routing_key = ch.routing_keys.get(t, "") if ch.tx else ch.routing_keys.pop(t, "")
             if requeue:
                 continue  # back to the queue: nothing consumed
             event: Event = Consumed(self.vpn.name if self.vpn else "", repl_id, queue)
@@ -952,7 +955,7 @@ class Session:
     def _c_tx_commit(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         ch = self._channel(channel)
         if not ch.tx_events or self.vpn is None:
-            ch.tx_acked.clear()
+            _forget_tx_acks(ch)
             return None
         ch.tx_sequence += 1
         txn = LocalTransaction(
@@ -964,7 +967,7 @@ class Session:
             incarnation=self._ids.incarnation,
         )
         ch.tx_events.clear()
-        ch.tx_acked.clear()
+        _forget_tx_acks(ch)
         ch.tx_prepared = txn
         ch.held_commit = buf[f.start : f.end]
         self._out.prepare.append(txn)
@@ -1343,6 +1346,13 @@ def _with_id(
         )
     )
     return properties, header
+
+
+def _forget_tx_acks(ch: _Channel) -> None:
+    """The transaction's acks are committed: their deliveries are settled."""
+    for tag in ch.tx_acked:
+        ch.routing_keys.pop(tag, None)
+    ch.tx_acked.clear()
 
 
 def _id_in(value: bytes | None) -> ReplicationId | None:

@@ -826,3 +826,17 @@ def test_a_dead_letter_routing_key_of_the_queue_replaces_the_messages() -> None:
     deliver(s, 1, "c", rid, routing_key="misc")
     out = s.client_data(m(C.Basic.Reject(delivery_tag=1, requeue=False), 1))
     assert [e for e, _ in out.events] == [DeadLettered("orders", rid, "q", ("q.dead",))]
+
+
+def test_a_reject_rolled_back_is_dead_lettered_by_its_own_key_when_rejected_again() -> None:
+    s = dead_lettering_session()
+    s.client_data(m(C.Tx.Select(), 1))
+    s.broker_data(m(C.Tx.SelectOk(), 1))
+    rid = ReplicationId.from_parts(4, 1)
+    deliver(s, 1, "c", rid, routing_key="order.x")
+    s.client_data(m(C.Basic.Reject(delivery_tag=1, requeue=False), 1))
+    s.client_data(m(C.Tx.Rollback(), 1))
+    s.broker_data(m(C.Tx.RollbackOk(), 1))
+    s.client_data(m(C.Basic.Reject(delivery_tag=1, requeue=False), 1))
+    [txn] = s.client_data(m(C.Tx.Commit(), 1)).prepare
+    assert txn.events == (DeadLettered("orders", rid, "q", ("q.dead",)),)

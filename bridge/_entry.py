@@ -27,7 +27,15 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from plugin._events import Consumed, DeadLettered, Event, Published, Purged, ReplicationId
+from plugin._events import (
+    EVENT_KINDS,
+    Consumed,
+    DeadLettered,
+    Event,
+    Published,
+    Purged,
+    ReplicationId,
+)
 
 __all__ = ["EventDecodeError", "LedgerEntry", "decode_event", "encode_event"]
 
@@ -38,13 +46,6 @@ KIND_PUBLISHED = b"P"
 KIND_CONSUMED = b"C"
 KIND_PURGED = b"Q"
 KIND_DEAD = b"D"
-#: the ledger's ``kind`` column per event type
-_KINDS = {
-    Published: "published",
-    Consumed: "consumed",
-    Purged: "purged",
-    DeadLettered: "dead-lettered",
-}
 
 
 class EventDecodeError(ValueError):
@@ -68,7 +69,7 @@ class LedgerEntry:
 
     @property
     def kind(self) -> str:
-        return _KINDS[type(self.event)]
+        return EVENT_KINDS[type(self.event)]
 
     @property
     def encoded(self) -> bytes:

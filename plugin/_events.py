@@ -21,6 +21,7 @@ __all__ = [
     "ConfirmKey",
     "Consumed",
     "DeadLettered",
+    "EVENT_KINDS",
     "Event",
     "IdSource",
     "IdsExhausted",
@@ -250,6 +251,15 @@ class DeadLettered(NamedTuple):
 
 
 Event = Published | Consumed | Purged | DeadLettered
+
+#: each event type's name: the ledger's ``kind`` column and the ``kind``
+#: label of the ``vpnrepl_events_total`` metric
+EVENT_KINDS: dict[type, str] = {
+    Published: "published",
+    Consumed: "consumed",
+    Purged: "purged",
+    DeadLettered: "dead-lettered",
+}
 
 #: (channel, publish sequence number): which client confirm an event releases
 ConfirmKey = tuple[int, int]

@@ -24,14 +24,12 @@ from urllib.parse import urlsplit
 
 from ._directory import VpnDirectory
 from ._events import (
+    EVENT_KINDS,
     ConfirmKey,
-    Consumed,
-    DeadLettered,
     Event,
     IdSource,
     LocalTransaction,
     Published,
-    Purged,
     ReplicationSink,
     TransactionRefused,
 )
@@ -216,7 +214,7 @@ class _ClientSide(asyncio.Protocol):
         if published < len(events):
             for event, _ in events:
                 if type(event) is not Published:
-                    counts[(vpn, _EVENT_KINDS[type(event)])] += 1
+                    counts[(vpn, EVENT_KINDS[type(event)])] += 1
 
     def _durable_notice(self, key: ConfirmKey, ok: bool) -> None:
         """The sink's verdict on one replicated publish; collected for one
@@ -380,15 +378,6 @@ class Listener:
             conn.close()
         if self._server is not None:
             await self._server.wait_closed()
-
-
-#: the ``kind`` label of ``vpnrepl_events_total`` per event type
-_EVENT_KINDS: dict[type, str] = {
-    Published: "published",
-    Consumed: "consumed",
-    Purged: "purged",
-    DeadLettered: "dead-lettered",
-}
 
 
 def _write_joined(transport: asyncio.WriteTransport, chunks: list[bytes]) -> None:

@@ -84,7 +84,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from plugin._events import Event, Published
+from plugin._events import DeadLettered, Event, Published
 
 from ._apply import apply_entries_async
 from ._arrays import bytea_array, int8_array, text_array
@@ -263,6 +263,8 @@ def _check_storable(event: Event) -> None:
         bad = bad or any("\x00" in q for q in event.queues)
     else:
         bad = "\x00" in event.queue
+        if isinstance(event, DeadLettered):  # the queues it is moved to, too
+            bad = bad or any("\x00" in q for q in event.to)
     if bad:
         raise UnstorableEvent("a name contains NUL, which PostgreSQL refuses", event.vpn)
 

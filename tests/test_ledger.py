@@ -19,7 +19,7 @@ from bridge._ledger import (
     UnstorableEvent,
     VpnNotOpen,
 )
-from plugin._events import Consumed, Event, Published, ReplicationId
+from plugin._events import Consumed, DeadLettered, Event, Published, ReplicationId
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from plugin._vpn import VpnSettings
@@ -134,6 +134,10 @@ def test_an_unstorable_event_is_refused_without_taking_an_index(site_a: LocalSit
         async with LedgerWriter(dsn) as writer:
             with pytest.raises(UnstorableEvent):
                 writer.append(pub("v", 1, "bad\x00queue"))
+            with pytest.raises(UnstorableEvent):
+                writer.append(
+                    DeadLettered("v", ReplicationId.from_parts(3, 1), "q", ("ok", "bad\x00dlq"))
+                )
             assert writer.append(pub("v", 2, "q")).index == 1
 
     run(scenario)

@@ -715,6 +715,10 @@ class Session:
             if hit is not None:
                 return hit
         layout = amqp.property_layout(payload)
+        if layout.flags & 0x2000:
+            # checked for every publish, persistent or not: RabbitMQ 3.10
+            # crashes the channel on a headers table it cannot parse
+            amqp.decode_headers(payload, layout)
         spliced = amqp.splice_header(payload, layout, REPLICATION_HEADER, _ID_PLACEHOLDER)
         # our entry ends the headers table; what follows the table is unchanged
         end = len(spliced) - (len(payload) - layout.headers_end)

@@ -537,6 +537,29 @@ def test_close_ok_is_found_after_a_framing_fault_lost_the_frame_boundaries() -> 
 
 # -- the fused publish path gives the same result as the frame-by-frame one --
 
+
+def _publish_with_table(table: bytes, mode: int) -> bytes:
+    """A publish whose content header carries ``table`` as raw headers bytes."""
+    flags = 0x2000 | 0x1000  # headers, delivery mode
+    payload = struct.pack(">HHQH", 60, 0, 4, flags) + struct.pack(">I", len(table)) + table
+    payload += bytes([mode])
+    return (
+        m(C.Basic.Publish(exchange="", routing_key="q"), 1)
+        + struct.pack(">BHI", 2, 1, len(payload))
+        + payload
+        + b"\xce"
+        + frame.marshal(ContentBody(b"body"), 1)
+    )
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_a_headers_table_that_does_not_parse_closes_with_502_persistent_or_not(mode: int) -> None:
+    """RabbitMQ 3.10 crashes the channel on it instead of answering."""
+    s = make_session()
+    open_session(s)
+    assert closing_code(s.client_data(_publish_with_table(b"\x03BCC", mode))) == 502
+
+
 _PIECES = [
     publish(1, b"body"),  # replicated
     publish(1, b"body", queue="other"),  # out of scope
@@ -574,6 +597,7 @@ _PIECES = [
     )
     + struct.pack(">BHI", 3, 1, 0)
     + b"\xce",
+    _publish_with_table(b"\x03BCC", mode=1),  # a transient publish, headers table cut short
     m(C.Basic.Publish(exchange="", routing_key="q"), 1)  # a method where the body belongs
     + frame.marshal(
         header.ContentHeader(body_size=13, properties=C.Basic.Properties(delivery_mode=2)), 1

@@ -386,13 +386,13 @@ async def rounds(bench: Bench, opts: Options) -> Results:
 
 def report(results: Results, opts: Options) -> None:
     print()
-    print(f"{'run':30} {'median/s':>9} {'rmqA':>6} {'pgA':>6} {'pgB':>6}   (CPU us per message)")
+    print(f"{'run':30} {'median/s':>9} {'rmqA':>6} {'pgA':>6} {'pgB':>6}   (CPU µs per message)")
     for (mode, phase), rates in results.rates.items():
         cpu = results.cpu[(mode, phase)]
-        med = [statistics.median(c[i] for c in cpu) for i in range(3)]
+        cpu_med = [statistics.median(c[i] for c in cpu) for i in range(3)]
         print(
             f"{mode + ' ' + phase:30} {statistics.median(rates):9,.0f} "
-            f"{med[0]:6.1f} {med[1]:6.1f} {med[2]:6.1f}"
+            f"{cpu_med[0]:6.1f} {cpu_med[1]:6.1f} {cpu_med[2]:6.1f}"
         )
     print(
         f"\n{opts.messages} x {opts.size} B persistent per run, {opts.inflight} in flight, "

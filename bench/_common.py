@@ -533,6 +533,14 @@ def process_cpu(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def beam_pid(pidfile: Path) -> int | None:
+    """A RabbitMQ node's (BEAM) process id from its pid file, or None."""
+    try:
+        return int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def tree_cpu(pid: int | None) -> float | None:
     """CPU seconds of ``pid`` and all its live descendants, plus what their
     exited (and reaped) children used — e.g. a PostgreSQL postmaster and its

@@ -119,6 +119,7 @@ from _common import (
     LeanPublisher,
     RunResult,
     add_publisher_options,
+    beam_pid,
     process_cpu,
     start_py_spy,
     summarise_py_spy,
@@ -126,7 +127,7 @@ from _common import (
     vpnrepl,
 )
 
-from plugin._localsites import HarnessError, LocalNode, LocalSite, LocalSites
+from plugin._localsites import HarnessError, LocalNode, LocalSites
 
 QUEUE = "bench.bridge"
 VPN, SYNC_VPN = "orders", "orders-sync"
@@ -154,13 +155,6 @@ PROBE_CHUNKS = 5
 
 
 # ---------------------------------------------------------------- processes
-
-
-def _beam_pid(site: LocalSite) -> int | None:
-    try:
-        return int(site.rabbit.pidfile.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class Deployment:
@@ -288,7 +282,7 @@ class Deployment:
         return {
             "node_a": process_cpu(self.nodes["a"].pid),
             "node_b": process_cpu(self.nodes["b"].pid),
-            "rabbit_a": tree_cpu(_beam_pid(self.a)),
+            "rabbit_a": tree_cpu(beam_pid(self.a.rabbit.pidfile)),
             "pg_a": tree_cpu(self.a.pg.postmaster_pid()),
             "pg_b": tree_cpu(self.b.pg.postmaster_pid()),
         }

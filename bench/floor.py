@@ -60,7 +60,7 @@ from typing import Any
 
 import psycopg
 import uvloop
-from _common import BenchError, LeanConsumer, LeanPublisher, tree_cpu, vpnrepl
+from _common import BenchError, LeanConsumer, LeanPublisher, beam_pid, tree_cpu, vpnrepl
 
 from plugin._localsites import HarnessError, LocalSites
 
@@ -312,7 +312,7 @@ class Bench:
         vpnrepl(cfg_b, "vpn", "enable", VPN, "--role", "standby")
 
     def cpu(self) -> tuple[float, float, float]:
-        beam = _beam_pid(self.sites.a)
+        beam = beam_pid(self.sites.a.rabbit.pidfile)
         return (
             tree_cpu(beam) or 0.0,
             tree_cpu(self.sites.a.pg.postmaster_pid()) or 0.0,
@@ -357,13 +357,6 @@ class Bench:
         cpu1 = self.cpu()
         per = tuple((c1 - c0) / opts.messages * 1e6 for c0, c1 in zip(cpu0, cpu1, strict=True))
         return opts.messages / (end - t0), (per[0], per[1], per[2])
-
-
-def _beam_pid(site: Any) -> int | None:
-    try:
-        return int(site.rabbit.pidfile.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 async def rounds(bench: Bench, opts: Options) -> Results:

@@ -56,7 +56,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 import psycopg
 import uvloop
@@ -93,13 +93,6 @@ def _copy(rows: list[list[bytes]]) -> bytes:
     return b"".join(parts)
 
 
-def bytea_array(values: list[bytes]) -> bytes:
-    """A one-dimensional bytea[] in binary wire format (as ``bridge._arrays``,
-    which this script cannot import: ``bench/bridge.py`` shadows the package)."""
-    head = struct.pack(">iiIii", 1, 0, 17, len(values), 1)
-    return head + b"".join(_FIELD.pack(len(v)) + v for v in values)
-
-
 def _repl_id(n: int) -> bytes:
     return n.to_bytes(16, "big")
 
@@ -108,7 +101,7 @@ def _repl_id(n: int) -> bytes:
 class _Batch:
     ledger: bytes  # COPY stream of ledger rows (site A only)
     live: bytes  # COPY stream of live_message rows (publish) or b""
-    ids: bytes  # bytea[] of the batch's repl ids (acks)
+    ids: list[bytes]  # the batch's repl ids (acks)
     last: int  # the batch's last index
 
 
@@ -160,7 +153,7 @@ def _batches(
             _Batch(
                 _copy(ledger_rows) if ledger_rows else b"",
                 _copy(live_rows) if live_rows else b"",
-                bytes(bytea_array(ids)),
+                ids,
                 first + min(messages, start + batch) - 1,
             )
         )
@@ -172,15 +165,6 @@ _LIVE_COPY = (
     "COPY live_message (vpn, queue, repl_id, publish_index, exchange, routing_key,"
     " properties, body) FROM STDIN (FORMAT binary)"
 )
-# the shape bridge/_apply.py uses: one primary-key probe per id, whatever the
-# planner's (often stale) statistics say about the table
-_DELETE = """
-DELETE FROM live_message
-WHERE ctid = ANY(ARRAY(
-    SELECT (SELECT m.ctid FROM live_message m
-            WHERE m.vpn = %b AND m.queue = %b AND m.repl_id = k.repl_id)
-    FROM unnest(%b::bytea[]) AS k(repl_id)))
-"""
 _A_INDEX = "UPDATE vpn_state SET ledger_index = %b WHERE vpn = %b"
 _B_INDEX = "UPDATE vpn_state SET applied_index = %b WHERE vpn = %b"
 
@@ -189,12 +173,19 @@ def writer_main(
     site: str, dsn: str, phase: str, first: int, ids_from: int, messages: int, size: int, batch: int
 ) -> int:
     """One writer process: build the batches, say ``ready``, wait for a line
-    on stdin, write them all, print the monotonic time it finished."""
+    on stdin, write them all, print the monotonic time it finished. Acks
+    remove rows with the apply step's own statement and packed arrays."""
+    # this script's directory holds bench/bridge.py, which shadows the package
+    sys.path.remove(str(Path(__file__).resolve().parent))
+    from bridge._apply import _DELETE
+    from bridge._arrays import bytea_array, text_array
+
     batches = _batches(site, phase, first, ids_from, messages, size, batch)
+    deletes = [(VPN, text_array([QUEUE] * len(b.ids)), bytea_array(b.ids)) for b in batches]
     with psycopg.connect(dsn) as conn:
         print("ready", flush=True)
         sys.stdin.readline()
-        for b in batches:
+        for b, delete in zip(batches, deletes, strict=True):
             with conn.cursor() as cur:
                 if site == "a":
                     with cur.copy(_LEDGER_COPY) as copy:
@@ -203,29 +194,14 @@ def writer_main(
                     with cur.copy(_LIVE_COPY) as copy:
                         copy.write(b.live)
                 else:
-                    cur.execute(_DELETE, (VPN, QUEUE, _Packed(b.ids)))
+                    cur.execute(_DELETE, delete)
+                    if cur.rowcount != len(b.ids):  # the floor must do the whole work
+                        print(f"removed {cur.rowcount} of {len(b.ids)} rows", flush=True)
+                        return 1
                 cur.execute(_A_INDEX if site == "a" else _B_INDEX, (b.last, VPN))
             conn.commit()
     print(f"done {time.perf_counter():.9f}", flush=True)
     return 0
-
-
-class _Packed(bytes):
-    """A bytea[] parameter already in binary wire format (see bridge._arrays)."""
-
-
-def _register_packed() -> None:
-    from psycopg.adapt import Dumper
-    from psycopg.pq import Format
-
-    class PackedDumper(Dumper):
-        format = Format.BINARY
-        oid = 1001  # bytea[]
-
-        def dump(self, obj: Any) -> bytes:
-            return bytes(obj)
-
-    psycopg.adapters.register_dumper(_Packed, PackedDumper)
 
 
 class Writer:
@@ -409,7 +385,6 @@ def report(results: Results, opts: Options) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--writer"]:
-        _register_packed()
         site, dsn, phase = argv[1:4]
         first, ids_from, messages, size, batch = (int(x) for x in argv[4:9])
         return writer_main(site, dsn, phase, first, ids_from, messages, size, batch)

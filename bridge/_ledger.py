@@ -146,6 +146,33 @@ FROM unnest(%b::text[], %b::int8[], %b::int8[], %b::text[], %b::bytea[])
      AS r(vpn, idx, epoch, kind, event)
 WHERE r.vpn IN (SELECT vpn FROM advanced)
 """
+# The same, for a batch that holds local transactions' commit groups
+# (append_group with a decision): their coordinator rows in ``txn_log`` move
+# prepared -> committed in the same statement, only where the VPN's entries
+# went in, so a row is committed exactly when its group is in the ledger.
+_APPEND_DECIDING = """
+WITH advanced AS (
+    UPDATE vpn_state s SET ledger_index = v.last, updated_at = now()
+    FROM unnest(%b::text[], %b::int8[], %b::int8[]) AS v(vpn, after, last)
+    WHERE s.vpn = v.vpn AND s.ledger_index = v.after
+    RETURNING s.vpn
+), decided AS (
+    UPDATE txn_log t SET state = 'committed', ledger_last = d.last, updated_at = now()
+    FROM unnest(%b::text[], %b::int8[]) AS d(txid, last)
+    WHERE t.txid = d.txid AND t.state = 'prepared' AND t.vpn IN (SELECT vpn FROM advanced)
+)
+INSERT INTO ledger (vpn, idx, epoch, kind, event)
+SELECT r.vpn, r.idx, r.epoch, r.kind, r.event
+FROM unnest(%b::text[], %b::int8[], %b::int8[], %b::text[], %b::bytea[])
+     AS r(vpn, idx, epoch, kind, event)
+WHERE r.vpn IN (SELECT vpn FROM advanced)
+"""
+# The decisions alone, inside _write_checked's transaction.
+_DECIDE = """
+UPDATE txn_log t SET state = 'committed', ledger_last = d.last, updated_at = now()
+FROM unnest(%b::text[], %b::int8[]) AS d(txid, last)
+WHERE t.txid = d.txid AND t.state = 'prepared'
+"""
 _LOCK = """
 SELECT vpn, ledger_index FROM vpn_state WHERE vpn = ANY(%s) ORDER BY vpn FOR UPDATE
 """
@@ -329,6 +356,8 @@ class LedgerWriter:
         self._vpns: dict[str, _VpnLedger] = {}
         self._pending: deque[_Pending] = deque()
         self._waiters = 0  # pending entries with an on_durable callback
+        #: (vpn, last index of a group) -> the transaction it decides (append_group)
+        self._decisions: dict[tuple[str, int], str] = {}
         self._unapplied: deque[LedgerEntry] = deque()  # durable, not yet in live_message
         self._subscribers: list[Subscriber] = []
         self._conn: psycopg.AsyncConnection[Any] | None = None
@@ -509,15 +538,25 @@ class LedgerWriter:
             self._batch_ready.set()
         return entry
 
-    def append_group(self, events: Sequence[Event], on_durable: OnDurable | None = None) -> int:
+    def append_group(
+        self,
+        events: Sequence[Event],
+        on_durable: OnDurable | None = None,
+        *,
+        decision: str | None = None,
+    ) -> int:
         """:meth:`append_many`, and the events are committed in one database
         transaction: all of them are in the ledger or none is (a local
-        transaction's commit decision, txn/_coordinator.py). Returns the last
-        index."""
+        transaction's commit decision, txn/_coordinator.py). With
+        ``decision`` (a transaction id), that transaction's ``txn_log`` row
+        moves from ``prepared`` to ``committed`` (with ``ledger_last``) in
+        the same transaction as the group. Returns the last index."""
         last = self.append_many(events, on_durable)
         pending = self._pending
         for i in range(len(pending) - len(events), len(pending) - 1):
             pending[i].open_group = True
+        if decision is not None:
+            self._decisions[(last.vpn, last.index)] = decision
         self._batch_ready.set()  # a client's tx.commit-ok waits: no group-commit window
         return last.index
 
@@ -689,18 +728,42 @@ class LedgerWriter:
         by_vpn = _by_vpn(entries)
         after = [items[0].index - 1 for items in by_vpn.values()]
         last = [items[-1].index for items in by_vpn.values()]
+        decided = self._decided_in(entries)
         async with conn.cursor() as cur:
             # autocommit: one statement, one transaction, one round trip
-            await cur.execute(_APPEND, (list(by_vpn), after, last, *_columns(entries)))
+            if decided is None:
+                await cur.execute(_APPEND, (list(by_vpn), after, last, *_columns(entries)))
+            else:
+                await cur.execute(
+                    _APPEND_DECIDING, (list(by_vpn), after, last, *decided, *_columns(entries))
+                )
             if cur.rowcount == len(entries):
                 return
-        await self._write_checked(conn, by_vpn)
+        await self._write_checked(conn, by_vpn, decided)
+
+    def _decided_in(self, entries: list[LedgerEntry]) -> tuple[bytes, bytes] | None:
+        """The ``(txids, last indexes)`` columns of the decisions whose
+        groups end in ``entries``; None when there are none."""
+        if not self._decisions:
+            return None
+        txids, lasts = [], []
+        for e in entries:
+            txid = self._decisions.get((e.vpn, e.index))
+            if txid is not None:
+                txids.append(txid)
+                lasts.append(e.index)
+        return (text_array(txids), int8_array(lasts)) if txids else None
 
     async def _write_checked(
-        self, conn: psycopg.AsyncConnection[Any], by_vpn: dict[str, list[LedgerEntry]]
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        by_vpn: dict[str, list[LedgerEntry]],
+        decided: tuple[bytes, bytes] | None = None,
     ) -> None:
         """The batch where the stored ``ledger_index`` is not where this writer
-        continues from: what is stored must be ours, the rest goes in."""
+        continues from: what is stored must be ours, the rest goes in (and
+        the decisions it holds are recorded, unless a lost-reply attempt
+        recorded them already)."""
         async with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
             await cur.execute(_LOCK, (sorted(by_vpn),))
             stored = {str(vpn): int(idx) for vpn, idx in await cur.fetchall()}
@@ -714,6 +777,8 @@ class LedgerWriter:
                 await cur.execute(_INSERT, _columns(rows))
                 advanced = {vpn: items[-1].index for vpn, items in todo.items() if items}
                 await cur.execute(_ADVANCE, (list(advanced), list(advanced.values())))
+            if decided is not None:
+                await cur.execute(_DECIDE, decided)
 
     async def _not_yet_stored(
         self, cur: psycopg.AsyncCursor[Any], vpn: str, items: list[LedgerEntry], stored: int
@@ -743,6 +808,9 @@ class LedgerWriter:
         self.stats.entries += len(batch)
         for e in entries:
             self._vpns[e.vpn].durable = e.index
+        if self._decisions:
+            for e in entries:
+                self._decisions.pop((e.vpn, e.index), None)
         for p in batch:
             if p.on_durable is not None:
                 try:
@@ -761,6 +829,7 @@ class LedgerWriter:
     def _fail_pending(self, reason: BaseException) -> None:
         failed, self._pending = self._pending, deque()
         self._waiters = 0
+        self._decisions.clear()  # their rows stay prepared: recovery decides them
         if failed:
             log.warning("%d ledger entries not committed: %s", len(failed), _describe(reason))
         for p in failed:

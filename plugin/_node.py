@@ -307,6 +307,7 @@ class Node:
         await self.coordinator.close()
         await self.replicator.close()
         await self.writer.close()
+        await self.participant.close()
         await self.txn_log.close()
         if self.admin is not None:
             await self.admin.close()

@@ -597,6 +597,58 @@ def test_a_group_commits_in_one_transaction_whatever_the_batch_size(site_a: Loca
     assert group_done.calls == [(6, True)]
 
 
+def test_a_groups_decision_moves_its_txn_row_in_the_same_commit(site_a: LocalSite) -> None:
+    """append_group(decision=txid) moves the transaction's coordinator row
+    prepared -> committed (with the group's last index) in the transaction
+    that stores the group: still prepared while the group is not durable,
+    committed once it is — also when the group went in through the checked
+    path (an earlier attempt's reply lost) — and a row already decided
+    otherwise is left alone."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+    with psycopg.connect(dsn, autocommit=True) as db:
+        for txid, state in (("t-1", "prepared"), ("t-2", "prepared"), ("t-3", "aborted")):
+            db.execute(
+                "INSERT INTO txn_log (txid, vpn, side, state, events)"
+                " VALUES (%s, 'v', 'coordinator', %s, '')",
+                (txid, state),
+            )
+
+    def row(txid: str) -> tuple[str, int | None]:
+        with psycopg.connect(dsn) as db:
+            found = db.execute(
+                "SELECT state, ledger_last FROM txn_log WHERE txid = %s", (txid,)
+            ).fetchone()
+        assert found is not None
+        return found[0], found[1]
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            blocker = await _hold_vpn_state(dsn, "v")
+            writer.append(pub("v", 1, "q"))
+            first = writer.append_group([pub("v", n, "q") for n in (2, 3)], decision="t-1")
+            await asyncio.sleep(0.1)  # the writer waits for the row lock
+            assert row("t-1") == ("prepared", 0)
+            await blocker.rollback()
+            await blocker.close()
+            await writer.wait_durable("v", first)
+            assert row("t-1") == ("committed", 3)
+            # the checked path: the group's entries are stored already
+            blocker = await _hold_vpn_state(dsn, "v")
+            second = writer.append_group([pub("v", n, "q") for n in (4, 5)], decision="t-2")
+            entries = [LedgerEntry("v", 1, n, pub("v", n, "q")) for n in (4, 5)]
+            await asyncio.sleep(0.1)
+            await _commit_in(blocker, entries)
+            await writer.wait_durable("v", second)
+            assert row("t-2") == ("committed", 5)
+            third = writer.append_group([pub("v", 6, "q")], decision="t-3")
+            await writer.wait_durable("v", third)
+
+    run(scenario)
+    assert row("t-3") == ("aborted", 0)
+    assert [i for i, _, _ in stored(dsn, "v")] == [1, 2, 3, 4, 5, 6]
+
+
 def test_live_applies_lost_with_a_database_crash_are_applied_again_from_the_ledger(
     site_a: LocalSite,
 ) -> None:

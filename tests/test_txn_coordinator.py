@@ -19,8 +19,9 @@ from plugin._store import connect, enable_vpn
 from plugin._vpn import VpnSettings
 from sql import migrate
 from txn._coordinator import Coordinator
-from txn._log import TxnLog
+from txn._log import TxnLog, encode_events
 from txn._markers import MARKER_QUEUE, MarkerStore
+from txn._participant import OUTCOME_FLUSH_SECONDS, Participant
 
 SPANS = InMemorySpanExporter()
 _provider = TracerProvider()
@@ -63,6 +64,8 @@ def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
             c.configure(VpnSettings.from_args("v", "active"))
             await c.prepare(committed)
             await c.commit(committed)  # (the broker commit is the listener's part)
+            # committed with its ledger group, no later bookkeeping step
+            assert states(dsn)[committed.txid] == "committed"
             await c.prepare(aborted)
             await c.abort(aborted)
             # two transactions a crash leaves prepared; only one reached the broker
@@ -81,7 +84,10 @@ def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
             restarted = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, NoStandby())
             outcomes = await restarted.recover()
             await writer.wait_durable("v", 6)
-            await asyncio.sleep(0.2)  # the background row moves
+            # rows end once the standby acknowledged their groups: up to the first
+            with psycopg.connect(dsn, autocommit=True) as db:
+                db.execute("UPDATE vpn_state SET applied_index = 3 WHERE vpn = 'v'")
+            assert await log.end_acknowledged() == 1
             await c.close()
             await log.close()
             return outcomes
@@ -133,3 +139,42 @@ def test_markers_are_read_without_removal_and_swept_by_name(site_a: LocalSite) -
     assert depth() == 0
     assert asyncio.run(store.present("v")) == set()
     conn.close()
+
+
+def test_the_participant_records_commits_together_and_aborts_at_once(site_a: LocalSite) -> None:
+    """Commit outcomes are gathered and recorded in one statement; until
+    then the rows are not asked about again (their outcome is known here);
+    an abort is recorded at once; close() records what is gathered."""
+    dsn = site_a.pg.dsn()
+    migrate(dsn)
+    with connect(dsn) as conn:
+        enable_vpn(conn, VpnSettings.from_args("v", "standby"))
+    ids = IdSource(11)
+    t1, t2, t3, t4, t5 = (txn(ids, n) for n in range(1, 6))
+
+    async def scenario() -> None:
+        log = TxnLog(dsn)
+        await log.open()
+        p = Participant(log)
+        for t in (t1, t2, t3, t4, t5):
+            assert await p.prepare("v", t.txid, encode_events(t.events))
+        await p.outcome("v", t1.txid, commit=True)
+        await p.outcome("v", t2.txid, commit=True)
+        await p.outcome("v", t3.txid, commit=False)
+        assert states(dsn)[t3.txid] == "aborted"
+        assert sorted(await p.in_doubt("v")) == sorted([t4.txid, t5.txid])
+        await asyncio.sleep(OUTCOME_FLUSH_SECONDS * 4)
+        assert states(dsn)[t1.txid] == states(dsn)[t2.txid] == "committed"
+        await p.outcome("v", t4.txid, commit=True)
+        await p.close()
+        await log.close()
+
+    asyncio.run(scenario())
+    rows = states(dsn)
+    assert [rows[t.txid] for t in (t1, t2, t3, t4, t5)] == [
+        "committed",
+        "committed",
+        "aborted",
+        "committed",
+        "prepared",
+    ]

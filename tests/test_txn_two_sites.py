@@ -148,7 +148,7 @@ def test_transactions_are_on_the_standby_when_the_client_hears_commit_ok(
     assert len([n for n, q in numbers if q == "orders.q1"]) == len(SEEDED) - 5
     # three two-phase transactions, ended on A, committed on B; none in doubt
     until(lambda: txn_states(site_a, "coordinator") == ["ended"] * 3, "A's rows to end")
-    assert txn_states(site_b, "participant") == ["committed"] * 3
+    until(lambda: txn_states(site_b, "participant") == ["committed"] * 3, "B's rows to commit")
     assert cli_status(node_a)["in_doubt_txns"] == cli_status(node_b)["in_doubt_txns"] == 0
     until(lambda: marker_depth(site_a) == 0, "the markers to be swept", 30)
     assert node_b.stop() == 0 and node_a.stop() == 0

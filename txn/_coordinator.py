@@ -19,19 +19,23 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
    discoverable — the marker exists exactly when the broker committed.
 3. **Decision.** On ``tx.commit-ok`` the transaction's events are appended
    to the active's ledger as one group (one database transaction: all or
-   none). That group *is* the commit record (the row's state is only
-   bookkeeping: ``committed`` once the group is durable when the standby is
-   not waited for, else straight to ``ended`` in step 4). A delivery of a
-   message the transaction published also proves the broker committed, and
-   the decision is recorded at once then, so the ledger never holds an ack
-   before the publish it acks.
+   none). That group *is* the commit record; the coordinator's row moves
+   ``prepared`` → ``committed`` in the same statement
+   (``LedgerWriter.append_group(decision=...)``), so the row says committed
+   exactly when the group is in the ledger, at no extra commit. A delivery
+   of a message the transaction published also proves the broker
+   committed, and the decision is recorded at once then, so the ledger
+   never holds an ack before the publish it acks.
 4. **Standby commit and reply.** The standby applies the group like any
    ledger entries (messages inserted, acked ones removed, applied index in
    the same database transaction) and acknowledges; for a sync-mode VPN the
    client's ``tx.commit-ok`` waits for that acknowledgement, so it is sent
-   only when prepare and commit are durable on both sites. The participant
-   row is marked committed and the coordinator's ended; the marker is
-   removed.
+   only when prepare and commit are durable on both sites. Then the
+   bookkeeping, in batches rather than a database commit per transaction
+   on the client's path: the participant's rows are marked committed (its
+   outcomes are flushed together, :class:`txn._participant.Participant`),
+   the coordinator's rows end in the sweep once the standby's acknowledged
+   index has passed their groups, and the markers are removed.
 
 **Recovery** (either node, at start, before clients are accepted): every
 coordinator row still ``prepared`` is resolved — its group in the ledger
@@ -108,9 +112,15 @@ class GroupLedger(Protocol):
     """What the coordinator needs of the ledger writer."""
 
     def append_group(
-        self, events: Sequence[Event], on_durable: Callable[[bool], None] | None
+        self,
+        events: Sequence[Event],
+        on_durable: Callable[[bool], None] | None,
+        *,
+        decision: str | None = None,
     ) -> int:
-        """Append ``events`` as one all-or-nothing group; returns the last index."""
+        """Append ``events`` as one all-or-nothing group, moving ``decision``'s
+        ``txn_log`` row to committed in the same transaction; returns the
+        last index."""
 
     def durable_index(self, vpn: str) -> int: ...
 
@@ -292,7 +302,7 @@ class Coordinator:
         txn = live.txn
         try:
             live.last_index = self.ledger.append_group(
-                txn.events, lambda ok: self._decision_durable(live, ok)
+                txn.events, lambda ok: self._decision_durable(live, ok), decision=txn.txid
             )
         except LedgerError as e:
             log.error("VPN %s: transaction %s: decision not recorded: %s", txn.vpn, txn.txid, e)
@@ -306,13 +316,9 @@ class Coordinator:
                 live.done.set_result(False)
             return
         if live.machine.degraded:
-            # the standby gets it with the ledger stream; the sweep ends the
-            # row once the standby has acknowledged the group
-            self._spawn(
-                self.log.move(
-                    txn.txid, "committed", leaving=("prepared",), ledger_last=live.last_index
-                )
-            )
+            # the standby gets it with the ledger stream (the row, committed
+            # with the group and marked degraded at prepare, ends in the sweep
+            # once the standby has acknowledged the group)
             self._standby_applied(live, True)
         elif not self.sync.wait_standby(
             txn.vpn, live.last_index, lambda acked: self._standby_applied(live, acked)
@@ -342,11 +348,9 @@ class Coordinator:
                 live.done.set_result(True)
         if self.link is not None:  # a participant that voted late settles too
             self.link.outcome(txn.vpn, txn.txid, commit=True)
-        # decided and recorded: its marker is not needed any more
+        # decided and recorded: its marker is not needed any more (the row
+        # ends in the sweep, once the standby's acknowledged index passed it)
         self._decided.setdefault(txn.vpn, set()).add(txn.txid)
-        if acked and not live.machine.degraded:
-            self._spawn(self._end(live))
-        # a degraded one ends when the standby has acknowledged its group
 
     async def abort(self, txn: LocalTransaction) -> None:
         """The broker commit will not happen (the client left, or rolled back)."""
@@ -383,15 +387,6 @@ class Coordinator:
         if self.link is not None:
             self.link.outcome(txn.vpn, txn.txid, commit=False)
 
-    async def _end(self, live: _Live) -> None:
-        """Decided, recorded and (sync mode) applied by the standby: the
-        coordinator's row goes from ``prepared`` to ``ended`` in one move
-        (a crash before it leaves the row to recovery, which finds the
-        ledger group)."""
-        await self.log.move(
-            live.txn.txid, "ended", leaving=("prepared",), ledger_last=live.last_index
-        )
-
     # -- recovery and housekeeping -------------------------------------------
 
     async def recover(self) -> dict[str, str]:
@@ -418,17 +413,16 @@ class Coordinator:
     async def _recover_one(self, row: TxnRow, markers: set[str]) -> str:
         with tracer.start_as_current_span("txn.recover", attributes={"txid": row.txid}):
             first = await self.log.decision_index(row)
-            if first is not None:
+            if first is not None:  # a group ledgered before decisions moved rows with it
                 last = first + len(row.events) - 1
                 await self.log.move(row.txid, "committed", leaving=("prepared",), ledger_last=last)
                 return "committed"
             if row.txid in markers:
                 loop = asyncio.get_running_loop()
                 durable: asyncio.Future[bool] = loop.create_future()
-                last = self.ledger.append_group(row.events, future_callback(durable))
+                self.ledger.append_group(row.events, future_callback(durable), decision=row.txid)
                 if not await durable:
                     return "prepared"  # the ledger is down: stays in doubt, retried next start
-                await self.log.move(row.txid, "committed", leaving=("prepared",), ledger_last=last)
                 return "committed"
             await self.log.move(row.txid, "aborted", leaving=("prepared",))
             if self.link is not None:

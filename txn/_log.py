@@ -122,6 +122,16 @@ class TxnLog:
             )
             return cur.rowcount == 1
 
+    async def move_many(self, txids: Sequence[str], to: str, *, leaving: Sequence[str]) -> int:
+        """:meth:`move` for many rows in one statement; returns how many moved."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE txn_log SET state = %s, updated_at = now()"
+                " WHERE txid = ANY(%s) AND state = ANY(%s)",
+                (to, list(txids), list(leaving)),
+            )
+            return cur.rowcount
+
     async def end_acknowledged(self) -> int:
         """End committed coordinator rows whose group the standby has
         acknowledged (degraded ones, and any a restart left committed)."""

@@ -8,10 +8,21 @@ active appends them as one group when it decides to commit); ``TxnOutcome``
 settles the row. After a reconnect the standby asks about every row still
 prepared (``TxnQuery``) and the active answers each once it knows
 (presumed abort: an id the active has no row for was never committed).
+
+Commit outcomes are recorded in batches, every :data:`OUTCOME_FLUSH_SECONDS`
+(one ``UPDATE`` for all of them, instead of a database commit per
+transaction competing with the next transaction's prepare for the same
+CPU): the row's state is bookkeeping, since the transaction's effects came
+with the ledger stream and its outcome is the active's. A row whose
+outcome a crash or a database error kept from being recorded stays
+``prepared`` and is asked about again (``TxnQuery``) at the next connect;
+until then ``status`` counts it in doubt. Aborts are recorded at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 import psycopg
@@ -25,10 +36,16 @@ __all__ = ["Participant"]
 
 log = logging.getLogger(__name__)
 
+#: how long commit outcomes gather before they are recorded together
+OUTCOME_FLUSH_SECONDS = 0.05
+
 
 class Participant:
     def __init__(self, txn_log: TxnLog) -> None:
         self.log = txn_log
+        self._committed: dict[str, str] = {}  # txid -> vpn: known, not yet recorded
+        self._flusher: asyncio.Task[None] | None = None
+        self._failing = False  # the last flush did not reach the database
 
     async def prepare(self, vpn: str, txid: str, events: bytes) -> bool:
         """Persist ``txid`` as prepared; True is a yes vote."""
@@ -45,13 +62,51 @@ class Participant:
         return True
 
     async def outcome(self, vpn: str, txid: str, commit: bool) -> None:
-        moved = await self.log.move(
-            txid, "committed" if commit else "aborted", leaving=("prepared",)
-        )
-        if moved:
-            log.info("VPN %s: transaction %s %s", vpn, txid, "committed" if commit else "aborted")
+        if commit:
+            self._committed[txid] = vpn
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.create_task(self._flush_loop(), name="txn-outcomes")
+            return
+        if await self.log.move(txid, "aborted", leaving=("prepared",)):
+            log.info("VPN %s: transaction %s aborted", vpn, txid)
+
+    async def _flush_loop(self) -> None:
+        while self._committed:
+            await asyncio.sleep(1.0 if self._failing else OUTCOME_FLUSH_SECONDS)
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Record the commit outcomes gathered so far (kept for the next
+        flush if the database does not take them)."""
+        batch, self._committed = self._committed, {}
+        if not batch:
+            return
+        try:
+            moved = await self.log.move_many(list(batch), "committed", leaving=("prepared",))
+        except psycopg.Error as e:
+            if not self._failing:
+                log.warning("%d transaction outcomes not recorded yet: %s", len(batch), e)
+            self._failing = True
+            self._committed = {**batch, **self._committed}
+            return
+        if self._failing:
+            log.info("transaction outcomes recorded again")
+        self._failing = False
+        log.debug("%d of %d transactions marked committed", moved, len(batch))
+
+    async def close(self) -> None:
+        """Record what is gathered, then stop."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+        await self.flush()
 
     async def in_doubt(self, vpn: str) -> list[str]:
         """Prepared rows of ``vpn`` whose outcome this site does not know."""
         rows = await self.log.open_rows(PARTICIPANT)
-        return [r.txid for r in rows if r.vpn == vpn and r.state == "prepared"]
+        return [
+            r.txid
+            for r in rows
+            if r.vpn == vpn and r.state == "prepared" and r.txid not in self._committed
+        ]

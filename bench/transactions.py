@@ -36,7 +36,15 @@ from pathlib import Path
 
 import pika
 import psycopg
-from _common import BenchError, vpnrepl
+from _common import (
+    BenchError,
+    beam_pid,
+    process_cpu,
+    start_py_spy,
+    summarise_py_spy,
+    tree_cpu,
+    vpnrepl,
+)
 
 from plugin._localsites import HarnessError, LocalNode, LocalSites
 
@@ -94,6 +102,19 @@ class Bench:
                 raise BenchError("timed out waiting for the sites")
             time.sleep(0.05)
 
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of each process on the path (Linux /proc)."""
+        procs = {
+            "client": process_cpu(os.getpid()),
+            "broker A": process_cpu(beam_pid(self.a.rabbit.pidfile)),
+            "broker B": process_cpu(beam_pid(self.b.rabbit.pidfile)),
+            "postgres A": tree_cpu(self.a.pg.postmaster_pid()),
+            "postgres B": tree_cpu(self.b.pg.postmaster_pid()),
+            "node A": tree_cpu(self.nodes[0].pid),
+            "node B": tree_cpu(self.nodes[1].pid),
+        }
+        return {name: cpu for name, cpu in procs.items() if cpu is not None}
+
     def run(self, target: str, txns: int) -> list[float]:
         port = self.a.rabbit.amqp_port if target == "direct" else self.a.amqp_port
         params = pika.ConnectionParameters("127.0.0.1", port, VPN)
@@ -141,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-txn", type=int, default=10, help="publishes per transaction")
     p.add_argument("--size", type=int, default=1024, help="body bytes")
     p.add_argument("--logs", type=Path, metavar="DIR", help="copy the node logs here at exit")
+    p.add_argument(
+        "--py-spy",
+        type=Path,
+        metavar="DIR",
+        help="sample both nodes with py-spy for the whole run (node-a.txt, node-b.txt)",
+    )
     p.add_argument("--check", action="store_true", help="exit 1 when the added p50 is over 5 ms")
     opts = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -148,12 +175,26 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(opts)
     try:
         bench.start()
+        spies = []
+        if opts.py_spy is not None:
+            opts.py_spy.mkdir(parents=True, exist_ok=True)
+            for node in bench.nodes:
+                assert node.pid is not None  # noqa: S101 - started above
+                spies.append(
+                    (node.name, start_py_spy(node.pid, opts.py_spy / f"node-{node.name}.txt"))
+                )
         got: dict[str, list[float]] = {"direct": [], "plugin": []}
+        cpu: dict[str, dict[str, float]] = {"direct": {}, "plugin": {}}
         events = 0
         for r in range(opts.rounds):
             for target in ("direct", "plugin") if r % 2 == 0 else ("plugin", "direct"):
+                before = bench.cpu()
                 lat = bench.run(target, opts.txns)
+                after = bench.cpu()
                 got[target] += lat
+                for name, spent in after.items():
+                    if name in before:
+                        cpu[target][name] = cpu[target].get(name, 0.0) + spent - before[name]
                 if target == "plugin":
                     events += opts.txns * opts.per_txn  # one ledger event per publish
                 print(
@@ -161,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"  p99 {1000 * _percentile(lat, 0.99):6.2f} ms"
                 )
             bench.check_replicated(events)
+        for name, spy in spies:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
+                summarise_py_spy(opts.py_spy / f"node-{name}.txt", label=f"node {name}")
         d50, d99 = statistics.median(got["direct"]), _percentile(got["direct"], 0.99)
         p50, p99 = statistics.median(got["plugin"]), _percentile(got["plugin"], 0.99)
         added = 1000 * (p50 - d50)
@@ -175,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
             f"added p50 {added:+.2f} ms (target <= {TARGET_ADDED_P50_MS:g} ms: {verdict}), "
             f"added p99 {1000 * (p99 - d99):+.2f} ms"
         )
+        txns = opts.rounds * opts.txns
+        print("CPU per transaction (ms; the whole loop, publishes included):")
+        for name in cpu["plugin"]:
+            direct = cpu["direct"].get(name, 0.0) * 1000 / txns
+            plugin = cpu["plugin"][name] * 1000 / txns
+            print(f"  {name:10}  direct {direct:6.2f}  via plugin {plugin:6.2f}")
+        total = {t: sum(c.values()) * 1000 / txns for t, c in cpu.items()}
+        print(f"  {'all':10}  direct {total['direct']:6.2f}  via plugin {total['plugin']:6.2f}")
         return 1 if opts.check and added > TARGET_ADDED_P50_MS else 0
     except (BenchError, HarnessError) as e:
         print(f"bench/transactions.py: {e}", file=sys.stderr)

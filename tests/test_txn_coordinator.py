@@ -99,9 +99,21 @@ def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
     assert rows[in_doubt_marked.txid] == "committed" and rows[in_doubt_bare.txid] == "aborted"
     with psycopg.connect(dsn) as db:  # two groups of three: the commit and the recovered one
         assert db.execute("SELECT count(*) FROM ledger WHERE vpn = 'v'").fetchone() == (6,)
-    names = [s.name for s in SPANS.get_finished_spans()]
-    assert names.count("txn.prepare") == 4 and names.count("txn.commit") == 1
-    assert names.count("txn.recover") == 2
+    # one span per transaction with its outcome, one per phase below it
+    spans = SPANS.get_finished_spans()
+    roots = {s.attributes["txid"]: s for s in spans if s.name == "txn" and s.attributes}
+    assert {t: r.attributes["txn.outcome"] for t, r in roots.items() if r.attributes} == {
+        committed.txid: "committed",
+        aborted.txid: "aborted",
+        in_doubt_marked.txid: "interrupted",  # the node stopped (here: closed) meanwhile
+        in_doubt_bare.txid: "interrupted",
+    }
+    root = roots[committed.txid].context
+    phases = [s.name for s in spans if s.parent is not None and s.parent.span_id == root.span_id]
+    assert phases == ["txn.prepare", "txn.broker_commit", "txn.decision"]  # async: no standby
+    names = [s.name for s in spans]
+    assert names.count("txn.prepare") == 4 and names.count("txn.broker_commit") == 4
+    assert names.count("txn.decision") == 1 and names.count("txn.recover") == 2
 
 
 def test_markers_are_read_without_removal_and_swept_by_name(site_a: LocalSite) -> None:

@@ -79,6 +79,7 @@ from typing import Any, Protocol
 
 import psycopg
 from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode
 
 from bridge._ledger import LedgerError
 from plugin._events import (
@@ -149,8 +150,29 @@ class _Live:
     txn: LocalTransaction
     machine: TxnMachine
     done: asyncio.Future[bool]
+    span: Span  # the transaction's span, parent of one span per phase
     published: tuple[bytes, ...] = ()
     last_index: int = 0
+    phase: Span | None = None  # the phase under way
+
+    def enter(self, phase: str | None, **attributes: str | bool) -> None:
+        """End the phase under way and start ``phase`` (None: no next phase)."""
+        if self.phase is not None:
+            self.phase.end()
+            self.phase = None
+        if phase is not None:
+            context = trace.set_span_in_context(self.span)
+            self.phase = tracer.start_span(phase, context=context, attributes=attributes)
+
+    def finish(self, outcome: str, error: str | None = None) -> None:
+        """End the transaction's spans (once) with its outcome."""
+        if not self.span.is_recording():
+            return
+        self.enter(None)
+        self.span.set_attribute("txn.outcome", outcome)
+        if error is not None:
+            self.span.set_status(Status(StatusCode.ERROR, error))
+        self.span.end()
 
 
 class Coordinator:
@@ -193,6 +215,8 @@ class Coordinator:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for live in self._live.values():
+            live.finish("interrupted", "the node stopped before the transaction ended")
 
     # -- the listener's side (through the Replicator sink) -------------------
 
@@ -205,19 +229,27 @@ class Coordinator:
             needs_standby=settings.mode is Mode.SYNC and self.link is not None,
             reject=settings.on_sync_timeout is SyncTimeoutPolicy.REJECT,
         )
-        live = _Live(txn, machine, asyncio.get_running_loop().create_future())
+        span = tracer.start_span("txn", attributes=_attrs(txn))
+        live = _Live(txn, machine, asyncio.get_running_loop().create_future(), span)
         self._live[txn.txid] = live
+        live.enter("txn.prepare")
         try:
-            with tracer.start_as_current_span("txn.prepare", attributes=_attrs(txn)):
-                await self._prepare(live, settings)
+            await self._prepare(live, settings)
         except psycopg.Error as e:
             self._live.pop(txn.txid, None)
             if self.link is not None:  # the standby may have prepared: it aborts
                 self.link.outcome(txn.vpn, txn.txid, commit=False)
+            live.finish("refused", "the site database did not take the prepare")
             raise TransactionRefused(f"the site database did not take the prepare: {e}") from e
+        except TransactionRefused as e:
+            self._live.pop(txn.txid, None)
+            live.finish("refused", str(e))
+            raise
         except BaseException:
             self._live.pop(txn.txid, None)
+            live.finish("interrupted", "the prepare was interrupted")
             raise
+        live.enter("txn.broker_commit")
 
     async def _prepare(self, live: _Live, settings: VpnSettings) -> None:
         txn, machine = live.txn, live.machine
@@ -248,6 +280,8 @@ class Coordinator:
         if remote is not None:
             voted = await remote
             actions = machine.feed(Input.REMOTE_PREPARED if voted else Input.REMOTE_TIMEOUT)
+            if live.phase is not None:
+                live.phase.set_attribute("txn.standby_voted", voted)
         if Action.REFUSE in actions:
             await self._forget(txn)
             raise TransactionRefused(
@@ -285,12 +319,13 @@ class Coordinator:
         if live is None:
             raise TransactionRefused(f"transaction {txn.txid} is not in flight")
         failpoint("coordinator.after-broker-commit")
-        with tracer.start_as_current_span("txn.commit", attributes=_attrs(txn)):
-            self._decide(live)
-            ok = await live.done
+        self._decide(live)
+        ok = await live.done
         self._live.pop(txn.txid, None)
         if not ok:
+            live.finish("unrecorded", "the commit decision could not be recorded")
             raise TransactionRefused("the commit decision could not be recorded")
+        live.finish("degraded" if live.machine.degraded else "committed")
         failpoint("coordinator.after-decision")
 
     def _decide(self, live: _Live) -> None:
@@ -300,6 +335,7 @@ class Coordinator:
         for rid in live.published:
             self._committing_ids.pop(rid, None)
         txn = live.txn
+        live.enter("txn.decision")
         try:
             live.last_index = self.ledger.append_group(
                 txn.events, lambda ok: self._decision_durable(live, ok), decision=txn.txid
@@ -320,13 +356,19 @@ class Coordinator:
             # with the group and marked degraded at prepare, ends in the sweep
             # once the standby has acknowledged the group)
             self._standby_applied(live, True)
-        elif not self.sync.wait_standby(
+            return
+        if live.machine.needs_standby:  # sync mode: the client waits for the standby
+            live.enter("txn.standby_commit")
+        if not self.sync.wait_standby(
             txn.vpn, live.last_index, lambda acked: self._standby_applied(live, acked)
         ):
             self._standby_applied(live, True)  # async mode: nothing to wait for
 
     def _standby_applied(self, live: _Live, acked: bool) -> None:
         txn = live.txn
+        if live.phase is not None:
+            live.phase.set_attribute("txn.standby_applied", acked)
+        live.enter(None)
         if not acked and not live.machine.degraded:
             live.machine.degraded = True  # the broker committed: go on without it
             log.warning(
@@ -355,8 +397,10 @@ class Coordinator:
     async def abort(self, txn: LocalTransaction) -> None:
         """The broker commit will not happen (the client left, or rolled back)."""
         live = self._live.pop(txn.txid, None)
-        if live is not None and live.machine.phase in (Phase.PREPARING, Phase.PREPARED):
-            live.machine.feed(Input.ABORT)
+        if live is not None:
+            if live.machine.phase in (Phase.PREPARING, Phase.PREPARED):
+                live.machine.feed(Input.ABORT)
+            live.finish("aborted")
         await self._forget(txn)
 
     async def resolve(self, txn: LocalTransaction) -> None:
@@ -374,12 +418,14 @@ class Coordinator:
             return
         if committed:
             self._decide(live)
-            await live.done
+            ok = await live.done
             self._live.pop(txn.txid, None)
+            live.finish("committed" if ok else "unrecorded", None if ok else "not recorded")
         else:
             self._live.pop(txn.txid, None)
             for rid in live.published:
                 self._committing_ids.pop(rid, None)
+            live.finish("aborted", "the broker did not commit (no marker)")
             await self._forget(txn)
 
     async def _forget(self, txn: LocalTransaction) -> None:

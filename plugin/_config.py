@@ -70,6 +70,8 @@ class SiteConfig:
     ledger_retain_seconds: int = 300
     #: how often the node re-reads each VPN's definitions from the broker
     topology_refresh_seconds: int = 30
+    #: an OTLP/HTTP traces endpoint for the transaction spans (None: off)
+    otlp_traces_url: str | None = None
 
 
 _REQUIRED = object()
@@ -125,13 +127,14 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
     "store": {"dsn": (str, _REQUIRED, _url("postgresql", "postgres"))},
     "peer": {"bridge": (str, None, HostPort.parse)},
     "replication": {"ledger_retain_seconds": (int, 300, _non_negative)},
+    "telemetry": {"otlp_traces_url": (str, None, _url("http", "https"))},
     "tls": {
         "cert": (str, _REQUIRED, _file),
         "key": (str, _REQUIRED, _file),
         "ca": (str, None, _file),
     },
 }
-_OPTIONAL_SECTIONS = {"peer", "tls", "replication"}
+_OPTIONAL_SECTIONS = {"peer", "tls", "replication", "telemetry"}
 
 
 def _parse_override(path: str, item: str) -> tuple[str, str, object]:
@@ -233,6 +236,7 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
             v["replication"]["ledger_retain_seconds"] if "replication" in v else 300
         ),
         topology_refresh_seconds=v["broker"]["topology_refresh_seconds"],
+        otlp_traces_url=v["telemetry"]["otlp_traces_url"] if "telemetry" in v else None,
     )
 
 

@@ -48,6 +48,7 @@ from ._listener import BrokerAddress, Listener
 from ._metrics import Metrics
 from ._refresher import DirectoryRefresher, ManagementAPI
 from ._store import add_broker_depths, connect, status
+from ._tracing import Tracing
 from ._vpn import Role, VpnSettings
 
 __all__ = ["run_node"]
@@ -99,6 +100,7 @@ class Node:
         self.directory = VpnDirectory()
         self.api = ManagementAPI(cfg.management_url)
         self.metrics = Metrics()
+        self.tracing = Tracing(cfg)
         self.writer = LedgerWriter(cfg.store_dsn)
         self.replicator = Replicator(self.writer)
         self.txn_log = TxnLog(cfg.store_dsn)
@@ -312,6 +314,7 @@ class Node:
         if self.admin is not None:
             await self.admin.close()
         self.metrics.shutdown()
+        await self.tracing.shutdown()
 
 
 async def run_node(cfg: SiteConfig, stop: asyncio.Event | None = None) -> None:

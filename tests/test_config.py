@@ -106,6 +106,17 @@ def test_ledger_retention_is_optional_and_checked(tmp_path: Path) -> None:
     assert info.value.key == "replication.ledger_retain_seconds"
 
 
+def test_trace_export_is_off_unless_an_http_endpoint_is_given(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, GOOD)).otlp_traces_url is None
+    url = "https://otel.example:4318/v1/traces"
+    cfg = load_config(write(tmp_path, GOOD + f'\n[telemetry]\notlp_traces_url = "{url}"\n'))
+    assert cfg.otlp_traces_url == url
+    for bad in ('"collector:4317"', "4318"):
+        with pytest.raises(ConfigError) as info:
+            load_config(write(tmp_path, GOOD + f"\n[telemetry]\notlp_traces_url = {bad}\n"))
+        assert info.value.key == "telemetry.otlp_traces_url"
+
+
 def test_redact_url_hides_the_password_only() -> None:
     assert redact_url("amqp://guest:secret@host:5672/v") == "amqp://guest:***@host:5672/v"
     assert redact_url("postgresql://u@h/db") == "postgresql://u@h/db"

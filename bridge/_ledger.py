@@ -133,40 +133,34 @@ INSERT INTO vpn_live_state (vpn) SELECT unnest(%s::text[]) ON CONFLICT DO NOTHIN
 """
 # The batch in one statement: the rows of each VPN whose ledger_index is the
 # one this writer continues from, and the advanced ledger_index.
-_APPEND = """
+_ADVANCED = """
 WITH advanced AS (
     UPDATE vpn_state s SET ledger_index = v.last, updated_at = now()
     FROM unnest(%b::text[], %b::int8[], %b::int8[]) AS v(vpn, after, last)
     WHERE s.vpn = v.vpn AND s.ledger_index = v.after
     RETURNING s.vpn
-)
+)"""
+_INSERT_ADVANCED = """
 INSERT INTO ledger (vpn, idx, epoch, kind, event)
 SELECT r.vpn, r.idx, r.epoch, r.kind, r.event
 FROM unnest(%b::text[], %b::int8[], %b::int8[], %b::text[], %b::bytea[])
      AS r(vpn, idx, epoch, kind, event)
 WHERE r.vpn IN (SELECT vpn FROM advanced)
 """
+_APPEND = _ADVANCED + _INSERT_ADVANCED
 # The same, for a batch that holds local transactions' commit groups
 # (append_group with a decision): their coordinator rows in ``txn_log`` move
 # prepared -> committed in the same statement, only where the VPN's entries
 # went in, so a row is committed exactly when its group is in the ledger.
-_APPEND_DECIDING = """
-WITH advanced AS (
-    UPDATE vpn_state s SET ledger_index = v.last, updated_at = now()
-    FROM unnest(%b::text[], %b::int8[], %b::int8[]) AS v(vpn, after, last)
-    WHERE s.vpn = v.vpn AND s.ledger_index = v.after
-    RETURNING s.vpn
-), decided AS (
+_APPEND_DECIDING = (
+    _ADVANCED  # noqa: S608 - constant SQL pieces; every value is a parameter
+    + """, decided AS (
     UPDATE txn_log t SET state = 'committed', ledger_last = d.last, updated_at = now()
     FROM unnest(%b::text[], %b::int8[]) AS d(txid, last)
     WHERE t.txid = d.txid AND t.state = 'prepared' AND t.vpn IN (SELECT vpn FROM advanced)
+)"""
+    + _INSERT_ADVANCED
 )
-INSERT INTO ledger (vpn, idx, epoch, kind, event)
-SELECT r.vpn, r.idx, r.epoch, r.kind, r.event
-FROM unnest(%b::text[], %b::int8[], %b::int8[], %b::text[], %b::bytea[])
-     AS r(vpn, idx, epoch, kind, event)
-WHERE r.vpn IN (SELECT vpn FROM advanced)
-"""
 # The decisions alone, inside _write_checked's transaction.
 _DECIDE = """
 UPDATE txn_log t SET state = 'committed', ledger_last = d.last, updated_at = now()

@@ -258,15 +258,13 @@ class Coordinator:
         except MarkerError as e:
             raise TransactionRefused(f"the commit marker queue is not available: {e}") from e
         floor = self.ledger.durable_index(txn.vpn)
-        local = self.log.prepare(txn.txid, txn.vpn, COORDINATOR, txn.events, ledger_floor=floor)
+        encoded = encode_events(txn.events)  # once: the local row and the standby's
+        local = self.log.prepare(txn.txid, txn.vpn, COORDINATOR, encoded, ledger_floor=floor)
         remote: asyncio.Task[bool] | None = None
         if machine.needs_standby and self.link is not None:
             remote = asyncio.create_task(
                 self.link.prepare(
-                    txn.vpn,
-                    txn.txid,
-                    encode_events(txn.events),
-                    within=settings.sync_timeout_ms / 1000,
+                    txn.vpn, txn.txid, encoded, within=settings.sync_timeout_ms / 1000
                 )
             )
         try:

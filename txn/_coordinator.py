@@ -155,14 +155,13 @@ class _Live:
     last_index: int = 0
     phase: Span | None = None  # the phase under way
 
-    def enter(self, phase: str | None, **attributes: str | bool) -> None:
+    def enter(self, phase: str | None) -> None:
         """End the phase under way and start ``phase`` (None: no next phase)."""
         if self.phase is not None:
             self.phase.end()
             self.phase = None
         if phase is not None:
-            context = trace.set_span_in_context(self.span)
-            self.phase = tracer.start_span(phase, context=context, attributes=attributes)
+            self.phase = tracer.start_span(phase, context=trace.set_span_in_context(self.span))
 
     def finish(self, outcome: str, error: str | None = None) -> None:
         """End the transaction's spans (once) with its outcome."""

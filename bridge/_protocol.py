@@ -114,6 +114,8 @@ __all__ = [
     "SyncAccepted",
     "SyncFinished",
     "SyncRequest",
+    "TxnApplied",
+    "TxnCommit",
     "TxnOutcome",
     "TxnPrepare",
     "TxnQuery",
@@ -124,7 +126,7 @@ __all__ = [
 ]
 
 MAGIC: Final = 0xBD
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: TxnCommit / TxnApplied
 #: RabbitMQ (3.8+) accepts messages up to 128 MiB by default, and one event
 #: must fit in one frame; 8 MiB on top for properties and framing.
 DEFAULT_MAX_FRAME_SIZE: Final = 136 * 2**20
@@ -790,7 +792,46 @@ class TxnQuery(_Frame):
         return cls(r.text("vpn"), r.u64("epoch"), r.texts("txids"))
 
 
-TxnFrame = TxnPrepare | TxnVote | TxnOutcome | TxnQuery
+@dataclass(frozen=True, slots=True)
+class TxnCommit(_TxnFrame):
+    """Active to standby: the broker committed ``txid``, whose group the
+    active is appending to its ledger at ``first`` onwards. The standby may
+    apply the transaction from its prepared row at once, while the active's
+    ledger write runs, and answer :class:`TxnApplied`; the group's copy in
+    the stream is then recognised and skipped (``bridge._standby``)."""
+
+    TYPE: ClassVar[int] = 16
+    first: int
+
+    def __post_init__(self) -> None:
+        _TxnFrame.__post_init__(self)
+        _check_int("first", self.first, 1)
+
+    def payload(self) -> bytes:
+        return self._head() + _U64.pack(self.first)
+
+    @classmethod
+    def read(cls, r: _Reader) -> Self:
+        return cls(*cls._read_head(r), r.u64("first"))
+
+
+@dataclass(frozen=True, slots=True)
+class TxnApplied(_TxnFrame):
+    """Standby to active: ``txid``'s effects and its commit are durable
+    here (after a :class:`TxnCommit`). No answer means the standby left
+    it to the stream, whose acknowledgement the active waits for instead."""
+
+    TYPE: ClassVar[int] = 17
+
+    def payload(self) -> bytes:
+        return self._head()
+
+    @classmethod
+    def read(cls, r: _Reader) -> Self:
+        return cls(*cls._read_head(r))
+
+
+TxnFrame = TxnPrepare | TxnVote | TxnOutcome | TxnQuery | TxnCommit | TxnApplied
 
 Frame = (
     Hello
@@ -808,6 +849,8 @@ Frame = (
     | TxnVote
     | TxnOutcome
     | TxnQuery
+    | TxnCommit
+    | TxnApplied
 )
 
 FRAME_TYPES: dict[int, type[Frame]] = {
@@ -828,9 +871,11 @@ FRAME_TYPES: dict[int, type[Frame]] = {
         TxnVote,
         TxnOutcome,
         TxnQuery,
+        TxnCommit,
+        TxnApplied,
     )
 }
-_TXN_FRAMES = (TxnPrepare, TxnVote, TxnOutcome, TxnQuery)
+_TXN_FRAMES = (TxnPrepare, TxnVote, TxnOutcome, TxnQuery, TxnCommit, TxnApplied)
 _VPN_FRAMES = (
     SyncRequest,
     SyncAccepted,
@@ -1043,8 +1088,12 @@ TRANSITIONS: Final[Mapping[tuple[Role, type[Frame], State], State | _Drop]] = Ma
         **{(_S, TxnVote, state): state for state in VpnState},
         # the active tells how a transaction ended,
         **{(_A, TxnOutcome, state): state for state in VpnState},
-        # and the standby asks about its prepared ones after a reconnect.
+        # and the standby asks about its prepared ones after a reconnect;
         **{(_S, TxnQuery, state): state for state in VpnState},
+        # the active lets the standby commit ahead of the stream,
+        **{(_A, TxnCommit, state): state for state in VpnState},
+        # and the standby says it did.
+        **{(_S, TxnApplied, state): state for state in VpnState},
     }
 )
 

@@ -23,23 +23,48 @@ once and in index order, across crashes, reconnects and replays. Why:
 and its ``applied_index`` in one transaction, for a standby behind the
 active's retained ledger.
 
+**Transactions applied ahead of the stream.** A sync-mode transaction's
+group reaches the standby twice: first as ``TxnCommit`` (the broker
+committed; the active's ledger write of the group is under way), then as
+ledger entries. :meth:`StandbyApplier.apply_prepared` applies the first,
+from the participant's prepared row, so the client's ``tx.commit-ok`` waits
+for the two sites' commits at once instead of one after the other. It does
+so only when the standby's state is exactly what the active's ledger holds
+before the group (``applied_index`` is the index before it, or an earlier
+group applied ahead in this same connection ends there); else it declines,
+and the stream brings the group as usual. In the same database
+transaction the row moves ``prepared`` → ``applied``; ``applied_index``
+does *not* move, because the indexes are the active's promise only once
+its ledger commit is durable. The group's entries, when the stream brings
+them, are recognised by their encoding (a group's events are unique: a
+fresh replication id, or the one consumption of a message), skipped, and
+the row moves to ``committed`` with the entry that ends the group. So the
+skip does not depend on the indexes the active assigned at first: an
+active that crashed before its ledger commit re-appends the group at start
+(its marker says the broker committed) at whatever index its ledger is at,
+and the standby still applies it exactly once.
+
 The applier is blocking (psycopg's synchronous API, one statement stream per
 VPN batch); an asyncio caller runs it with ``asyncio.to_thread``.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
+from plugin._events import Published
+
 from ._apply import apply_entries
-from ._entry import LedgerEntry
+from ._entry import LedgerEntry, decode_event
 from ._errors import BridgeError, Gap, StaleEpoch, UnknownVpn
 from ._protocol import CheckpointRow
 
@@ -59,6 +84,28 @@ UPDATE vpn_state
 SET applied_index = %s, applied_epoch = %s, applied_at = now(), updated_at = now()
 WHERE vpn = %s
 """
+_TAKE_PREPARED = """
+UPDATE txn_log SET state = 'applied', ledger_floor = %s, updated_at = now()
+WHERE txid = %s AND vpn = %s AND side = 'participant' AND state = 'prepared'
+RETURNING events
+"""
+_APPLIED_ROWS = """
+SELECT txid, ledger_floor, events FROM txn_log
+WHERE vpn = %s AND side = 'participant' AND state = 'applied'
+"""
+_APPLIED_DONE = """
+UPDATE txn_log SET state = 'committed', updated_at = now()
+WHERE txid = ANY(%s) AND state = 'applied'
+"""
+_SETTLE_AHEAD = """
+UPDATE txn_log SET state = 'committed', updated_at = now()
+WHERE vpn = %s AND side = 'participant' AND state = 'applied'
+"""
+_REINDEX = """
+UPDATE live_message SET publish_index = %s
+WHERE vpn = %s AND queue = ANY(%s) AND repl_id = %s AND publish_index = %s
+"""
+_U32 = struct.Struct(">I")
 _COPY_CHECKPOINT = (
     "COPY live_message (vpn, queue, repl_id, publish_index, exchange, routing_key,"
     " properties, body) FROM STDIN (FORMAT BINARY)"
@@ -81,6 +128,25 @@ class NotStandby(StandbyError):
     closes_connection = False
 
 
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """One event of a transaction applied ahead of the stream."""
+
+    txid: str
+    index: int  # the index its row was applied at (the active's first assignment)
+    last: bool  # the group's last event: the row is settled when it passes
+
+
+def _split_events(data: bytes) -> list[bytes]:
+    """A ``txn_log.events`` value (u32-length-prefixed encodings) split up."""
+    out, pos = [], 0
+    while pos < len(data):
+        (n,) = _U32.unpack_from(data, pos)
+        out.append(data[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+    return out
+
+
 class StandbyApplier:
     """Applies shipped ledger entries to this site's ``live_message``.
 
@@ -92,6 +158,9 @@ class StandbyApplier:
         self._store = store
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
+        #: vpn -> encoded event -> where it was applied ahead of the stream
+        #: (loaded from the ``applied`` rows at a VPN's first batch)
+        self._ahead: dict[str, dict[bytes, _Ahead]] = {}
 
     def close(self) -> None:
         with self._lock:
@@ -168,9 +237,60 @@ class StandbyApplier:
                         got=entry.epoch,
                     )
                 expected, epoch = expected + 1, entry.epoch
-            apply_entries(conn, vpn, fresh)
+            ahead = self._applied_ahead(conn, vpn)
+            rest, passed, settled = _skip_ahead(conn, vpn, fresh, ahead)
+            apply_entries(conn, vpn, rest)
+            if settled:
+                conn.execute(_APPLIED_DONE, (settled,))
             conn.execute(_SET_APPLIED, (fresh[-1].index, epoch, vpn))
-            return fresh[-1].index
+        for key in passed:
+            ahead.pop(key, None)
+        if settled:
+            done = set(settled)
+            for key in [k for k, a in ahead.items() if a.txid in done]:
+                del ahead[key]
+        return fresh[-1].index
+
+    def apply_prepared(self, vpn: str, txid: str, epoch: int, first: int, after: int) -> int | None:
+        """Apply the prepared transaction ``txid`` ahead of the stream, its
+        group at ``first`` onwards; returns the group's last index, or None
+        if it is left to the stream (see the module docstring).
+
+        ``after`` is the last index of the group this connection applied
+        ahead before (0: none); the group may follow it directly.
+        """
+        with self._transaction() as conn:
+            applied, _ = self._lock_state(conn, vpn)
+            if first - 1 != applied and not (after >= applied and first - 1 == after):
+                return None  # the stream has not brought what precedes it, or brought it
+            ahead = self._applied_ahead(conn, vpn)
+            row = conn.execute(_TAKE_PREPARED, (first - 1, txid, vpn)).fetchone()
+            if row is None:
+                return None  # not prepared here (aborted, or settled already)
+            encoded = _split_events(bytes(row[0]))
+            if not encoded:
+                return None
+            entries = [
+                LedgerEntry(vpn, epoch, first + i, decode_event(data, vpn), data)
+                for i, data in enumerate(encoded)
+            ]
+            apply_entries(conn, vpn, entries)
+        last = first + len(entries) - 1
+        for entry in entries:
+            ahead[entry.data] = _Ahead(txid, entry.index, entry.index == last)
+        return last
+
+    def _applied_ahead(self, conn: psycopg.Connection[Any], vpn: str) -> dict[bytes, _Ahead]:
+        """The VPN's events applied ahead of the stream (read at first use)."""
+        ahead = self._ahead.get(vpn)
+        if ahead is None:
+            ahead = {}
+            for txid, floor, events in conn.execute(_APPLIED_ROWS, (vpn,)).fetchall():
+                encoded = _split_events(bytes(events))
+                for i, data in enumerate(encoded):
+                    ahead[data] = _Ahead(str(txid), int(floor) + 1 + i, i == len(encoded) - 1)
+            self._ahead[vpn] = ahead
+        return ahead
 
     def install_checkpoint(
         self, vpn: str, epoch: int, index: int, rows: Iterable[LiveRow | CheckpointRow]
@@ -185,11 +305,15 @@ class StandbyApplier:
         with self._transaction() as conn:
             self._lock_state(conn, vpn)
             conn.execute("DELETE FROM live_message WHERE vpn = %s", (vpn,))
+            # the checkpoint, and the replay after it, supersede whatever was
+            # applied ahead of the stream: those groups come as usual
+            conn.execute(_SETTLE_AHEAD, (vpn,))
             with conn.cursor() as cur, cur.copy(_COPY_CHECKPOINT) as copy:
                 copy.set_types(_CHECKPOINT_TYPES)
                 for row in rows:
                     copy.write_row((vpn, *_live_row(row)))
             conn.execute(_SET_APPLIED, (index, epoch, vpn))
+        self._ahead.pop(vpn, None)
 
     def applied_index(self, vpn: str) -> int:
         with self._transaction() as conn, conn.cursor(row_factory=tuple_row) as cur:
@@ -199,6 +323,38 @@ class StandbyApplier:
         if row is None:
             raise UnknownVpn("not enabled on this site", vpn)
         return int(row[0])
+
+
+def _skip_ahead(
+    conn: psycopg.Connection[Any],
+    vpn: str,
+    fresh: Sequence[LedgerEntry],
+    ahead: dict[bytes, _Ahead],
+) -> tuple[Sequence[LedgerEntry], list[bytes], list[str]]:
+    """Split ``fresh`` into the entries to apply and those applied ahead of
+    the stream already; returns them, the latter's encodings, and the
+    transactions whose group ends in this batch."""
+    if not ahead:
+        return fresh, [], []
+    rest: list[LedgerEntry] = []
+    passed: list[bytes] = []
+    settled: list[str] = []
+    for entry in fresh:
+        found = ahead.get(entry.encoded)
+        if found is None:
+            rest.append(entry)
+            continue
+        passed.append(entry.encoded)
+        if found.last:
+            settled.append(found.txid)
+        event = entry.event
+        if found.index != entry.index and isinstance(event, Published):
+            # re-appended elsewhere after the active restarted: the row takes
+            # the index the active's own row has
+            queues = list(event.queues)
+            params = (entry.index, vpn, queues, event.repl_id.value, found.index)
+            conn.execute(_REINDEX, params)
+    return rest, passed, settled
 
 
 def _live_row(row: LiveRow | CheckpointRow) -> LiveRow:

@@ -106,6 +106,8 @@ from ._protocol import (
     SyncAccepted,
     SyncFinished,
     SyncRequest,
+    TxnApplied,
+    TxnCommit,
     TxnOutcome,
     TxnPrepare,
     TxnQuery,
@@ -617,6 +619,8 @@ class BridgeServer:
         #: answers standbys' questions about transactions (set by the node)
         self.coordinator: Coordinator | None = None
         self._votes: dict[str, asyncio.Future[bool]] = {}
+        #: txid -> what to run when the standby says it applied the transaction ahead
+        self._ahead: dict[str, Callable[[], None]] = {}
         self._txn_tasks: set[asyncio.Task[None]] = set()
         self._prune_due: dict[str, int] = {}  # vpn -> newest acknowledged index
         self._pruner: asyncio.Task[None] | None = None
@@ -888,7 +892,7 @@ class BridgeServer:
                 await self._send_resources(peer)
             elif isinstance(item, SyncRequest):
                 self._start_stream(peer, item)
-            elif isinstance(item, Ack | TxnVote | TxnQuery):
+            elif isinstance(item, Ack | TxnVote | TxnQuery | TxnApplied):
                 self._standby_said(peer, item)
             elif isinstance(item, Error):
                 if item.closes_connection:
@@ -925,14 +929,32 @@ class BridgeServer:
         finally:
             self._votes.pop(txid, None)
 
+    def commit_ahead(self, vpn: str, txid: str, first: int, on_applied: Callable[[], None]) -> bool:
+        """Tell the standby the broker committed ``txid`` (its group at
+        ``first`` onwards) so it may apply it ahead of the stream;
+        ``on_applied()`` runs if it says it did. False when no standby
+        streams the VPN live (nothing sent)."""
+        peer = self._standby_of(vpn)
+        out = peer.streams.get(vpn) if peer is not None else None
+        if peer is None or out is None or not out.live:
+            return False
+        self._ahead[txid] = on_applied
+        if not peer.link.try_send(TxnCommit(vpn, peer.epochs[vpn], txid, first)):
+            self._ahead.pop(txid, None)
+            return False
+        return True
+
     def outcome(self, vpn: str, txid: str, commit: bool) -> None:
         """Tell the standby how ``txid`` ended (if one is connected: else it
         asks when it reconnects)."""
+        self._ahead.pop(txid, None)
         peer = self._standby_of(vpn)
         if peer is not None:
             peer.link.try_send(TxnOutcome(vpn, peer.epochs[vpn], txid, commit))
 
-    def _standby_said(self, peer: _StandbyPeer, frame: Ack | TxnVote | TxnQuery) -> None:
+    def _standby_said(
+        self, peer: _StandbyPeer, frame: Ack | TxnVote | TxnQuery | TxnApplied
+    ) -> None:
         """An acknowledgement, a transaction vote or a question about
         transactions from the standby."""
         if isinstance(frame, Ack):
@@ -943,6 +965,10 @@ class BridgeServer:
             vote = self._votes.get(frame.txid)
             if vote is not None and not vote.done():
                 vote.set_result(frame.ok)
+        elif isinstance(frame, TxnApplied):
+            applied = self._ahead.pop(frame.txid, None)
+            if applied is not None:
+                applied()
         else:
             task = asyncio.create_task(self._answer(peer, frame))
             self._txn_tasks.add(task)
@@ -1226,7 +1252,7 @@ class _Resync:
     reason: str
 
 
-_Item = _Relisted | _Resync | SyncAccepted | Checkpoint | Events | SyncFinished
+_Item = _Relisted | _Resync | SyncAccepted | Checkpoint | Events | SyncFinished | TxnCommit
 
 
 @dataclass(eq=False)
@@ -1240,6 +1266,7 @@ class _Inbound:
     awaiting_accept: bool = False  # drop old-stream frames until SyncAccepted
     refused_below: int = 0  # an epoch the active was refused for (fenced)
     acked: int = 0
+    ahead: int = 0  # last index of the group last applied ahead of the stream
     rows: list[CheckpointRow] = field(default_factory=list)
 
 
@@ -1526,7 +1553,9 @@ class BridgeClient:
                     session.established = True
                     self.sessions += 1
                 await self._listed(session, item)
-            elif isinstance(item, SyncAccepted | Checkpoint | Events | SyncFinished):
+            elif isinstance(item, SyncAccepted | Checkpoint | Events | SyncFinished | TxnCommit):
+                # a TxnCommit goes in line with the stream: it is applied
+                # after what came before it and before what comes after
                 inbound = session.streams.get(item.vpn)
                 if inbound is not None:
                     await inbound.queue.put(item)
@@ -1659,6 +1688,8 @@ class BridgeClient:
                 await self._install(session, inbound, item)
         elif isinstance(item, Events):
             return await self._apply(session, inbound, item)
+        elif isinstance(item, TxnCommit):
+            await self._apply_ahead(session, inbound, item)
         elif inbound.streaming:  # SyncFinished of a stream not refused meanwhile
             self._set_state(inbound.vpn, CONNECTED)
             self._spawn_txn(self._ask_in_doubt(session, inbound.vpn))
@@ -1772,6 +1803,7 @@ class BridgeClient:
         except (NotStandby, UnknownVpn) as e:
             self._abandon(session, inbound, e)
             return
+        inbound.ahead = 0
         log.info(
             "bridge: VPN %s: installed a checkpoint of %d live messages at index %d",
             inbound.vpn,
@@ -1803,6 +1835,34 @@ class BridgeClient:
         failpoint("participant.after-apply")
         self._ack(session, inbound, applied)
         return held
+
+    async def _apply_ahead(self, session: _Session, inbound: _Inbound, frame: TxnCommit) -> None:
+        """Commit a transaction from its prepared row before its group comes
+        with the stream (``bridge._standby``); if that is not possible now,
+        say nothing: the group comes with the stream, and its ``Ack`` is
+        what the active waits for then."""
+        assert self._applier is not None  # noqa: S101 - run() created it
+        vpn, txid = inbound.vpn, frame.txid
+        try:
+            last = await asyncio.to_thread(
+                self._applier.apply_prepared,
+                vpn,
+                frame.txid,
+                frame.epoch,
+                frame.first,
+                inbound.ahead,
+            )
+        except (BridgeError, psycopg.Error, ValueError) as e:
+            why = _describe(e)
+            log.warning(
+                "bridge: VPN %s: transaction %s left to the stream: %s", vpn, frame.txid, why
+            )
+            return
+        if last is None:
+            return
+        inbound.ahead = last
+        failpoint("participant.after-apply-ahead")
+        session.link.try_send(TxnApplied(vpn, session.link.conn.known_epoch(vpn), txid))
 
     def _abandon(self, session: _Session, inbound: _Inbound, why: BridgeError) -> None:
         """Stop applying this VPN's stream and tell the active why."""

@@ -17,6 +17,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import Gauge, InMemoryMetricReader, Sum
 
+from txn._coordinator import TxnStats
+
 __all__ = ["ListenerStats", "Metrics"]
 
 
@@ -73,6 +75,25 @@ class Metrics:
                 ]
             ],
             description="client connections closed for bad input, by AMQP reply code",
+        )
+
+    def observe_txn(self, stats: TxnStats) -> None:
+        self.meter.create_observable_counter(
+            "vpnrepl_txn_total",
+            callbacks=[
+                lambda _: [
+                    Observation(n, {"vpn": vpn, "outcome": outcome})
+                    for (vpn, outcome), n in stats.outcomes.items()
+                ]
+            ],
+            description="local transactions coordinated here, by VPN and outcome",
+        )
+        self.meter.create_observable_counter(
+            "vpnrepl_txn_applied_ahead_total",
+            callbacks=[
+                lambda _: [Observation(n, {"vpn": vpn}) for vpn, n in stats.applied_ahead.items()]
+            ],
+            description="transactions the standby committed before their ledger stream copy",
         )
 
     def prometheus_text(self) -> str:

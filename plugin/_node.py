@@ -197,6 +197,7 @@ class Node:
             BrokerAddress.from_url(cfg.amqp_url), self.directory, self.ids, self.replicator
         )
         self.metrics.observe_listener(self.listener.stats)
+        self.metrics.observe_txn(self.coordinator.stats)
         await self.listener.start(cfg.listen_amqp.host, cfg.listen_amqp.port)
         self.admin = AdminServer(self.status, self.metrics.prometheus_text)
         await self.admin.start(cfg.listen_admin.host, cfg.listen_admin.port)

@@ -49,6 +49,8 @@ from bridge import (
     SyncAccepted,
     SyncFinished,
     SyncRequest,
+    TxnApplied,
+    TxnCommit,
     TxnOutcome,
     TxnPrepare,
     TxnQuery,
@@ -136,6 +138,8 @@ SAMPLES: list[Frame] = [
     TxnVote(VPN, 3, "7.1.1.1", True),
     TxnOutcome(VPN, 3, "7.1.1.1", False),
     TxnQuery(VPN, 3, ("7.1.1.1", "7.2.1.5")),
+    TxnCommit(VPN, 3, "7.1.1.1", 2**64 - 1),
+    TxnApplied(VPN, 3, "7.1.1.1"),
 ]
 
 
@@ -429,12 +433,17 @@ GOOD_ACK = Ack(VPN, 3, 5).encode()
 MALFORMED = [
     ("bad checksum", GOOD_ACK[:-4] + struct.pack(">I", 0xDEADBEEF), BadChecksum, "checksum"),
     ("flipped payload bit", GOOD_ACK[:9] + b"\x7f" + GOOD_ACK[10:], BadChecksum, "checksum"),
-    ("oversize length", struct.pack(">BBBBI", MAGIC, 1, 9, 0, 2**32 - 1), BadFrame, "limit"),
+    (
+        "oversize length",
+        struct.pack(">BBBBI", MAGIC, PROTOCOL_VERSION, 9, 0, 2**32 - 1),
+        BadFrame,
+        "limit",
+    ),
     ("unknown type", raw(99, b""), BadFrame, "unknown frame type 99"),
     ("type zero", raw(0, b""), BadFrame, "unknown frame type 0"),
     ("bad magic", b"GET / HTTP/1.1\r\n\r\n", BadFrame, "magic"),
     ("tls client hello", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", BadFrame, "magic"),
-    ("other version", raw(Ack.TYPE, b"", version=2), VersionMismatch, "version 2"),
+    ("other version", raw(Ack.TYPE, b"", version=9), VersionMismatch, "version 9"),
     ("unknown flags", raw(Heartbeat.TYPE, b"", flags=1), BadFrame, "flags"),
     ("truncated string", raw(Hello.TYPE, struct.pack(">H", 10) + b"abc"), BadFrame, "truncated"),
     ("truncated integer", raw(Ack.TYPE, s16(b"orders") + b"\x00" * 9), BadFrame, "truncated"),
@@ -935,7 +944,7 @@ ILLEGAL_SENDS = [
     ("greeting", "active", Heartbeat(), "phase greeting"),
     ("greeting", "active", Hello(ACTIVE_SITE, PROTOCOL_VERSION, Role.STANDBY), "this end is"),
     ("greeting", "active", Hello("elsewhere", PROTOCOL_VERSION, Role.ACTIVE), "this end is"),
-    ("greeting", "active", Hello(ACTIVE_SITE, 2, Role.ACTIVE), "this end is"),
+    ("greeting", "active", Hello(ACTIVE_SITE, 9, Role.ACTIVE), "this end is"),
     ("greeted", "active", ResourceList(()), "phase greeted"),
     ("greeted", "standby", SyncRequest(VPN, 3, 0, 0), "not listed"),
     ("greeted", "active", GetAllResources(), "from the active"),
@@ -1158,8 +1167,10 @@ def test_transaction_frames_go_in_any_stream_state_and_change_none() -> None:
     pair.s(TxnVote(VPN, 3, "t1", True), TxnQuery(VPN, 3, ("t0",)))
     assert [type(f) for f in pair.at_active()] == [TxnVote, TxnQuery]
     pair.sync(from_index=1)
-    pair.a(TxnOutcome(VPN, 3, "t1", True), batch(1, 2))
-    assert [type(f) for f in pair.at_standby()] == [TxnOutcome, Events]
+    pair.a(TxnOutcome(VPN, 3, "t1", True), batch(1, 2), TxnCommit(VPN, 3, "t2", 3))
+    assert [type(f) for f in pair.at_standby()] == [TxnOutcome, Events, TxnCommit]
+    pair.s(TxnApplied(VPN, 3, "t2"))
+    assert pair.at_active() == [TxnApplied(VPN, 3, "t2")]
     assert pair.states() == (VpnState.LIVE, VpnState.LIVE)
 
 
@@ -1170,6 +1181,10 @@ def test_transaction_frames_keep_their_direction_and_epoch() -> None:
         pair.standby.send(TxnPrepare(VPN, 5, "t1", b""))  # only the active prepares
     with pytest.raises(LocalProtocolError):
         pair.active.send(TxnVote(VPN, 3, "t1", True))  # only the standby votes
+    with pytest.raises(LocalProtocolError):
+        pair.active.send(TxnApplied(VPN, 3, "t1"))  # only the standby applies
+    with pytest.raises(LocalProtocolError):
+        pair.standby.send(TxnCommit(VPN, 5, "t1", 1))  # only the active decides
     with pytest.raises(LocalProtocolError):
         pair.active.send(TxnPrepare("billing", 3, "t1", b""))  # not listed
     pair.a(TxnPrepare(VPN, 3, "t1", b""))  # epoch 3, but the standby knows 5

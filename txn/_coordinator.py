@@ -73,8 +73,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import psycopg
@@ -98,7 +99,7 @@ from ._log import COORDINATOR, TxnLog, TxnRow, encode_events
 from ._machine import Action, Input, Phase, TxnMachine
 from ._markers import MarkerError, MarkerStore
 
-__all__ = ["Coordinator", "GroupLedger", "StandbyLink"]
+__all__ = ["Coordinator", "GroupLedger", "StandbyLink", "TxnStats"]
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("vpnrepl.txn")
@@ -133,6 +134,11 @@ class StandbyLink(Protocol):
         """True once the standby's participant voted yes within ``within``
         seconds; ``events`` in :func:`txn._log.encode_events` form."""
 
+    def commit_ahead(self, vpn: str, txid: str, first: int, on_applied: Callable[[], None]) -> bool:
+        """Tell the standby the broker committed ``txid`` (its group at
+        ``first`` onwards); ``on_applied()`` runs if it applies it before
+        the group comes with the stream. False if nothing was sent."""
+
     def outcome(self, vpn: str, txid: str, commit: bool) -> None:
         """Tell the standby how ``txid`` ended (best effort: it asks again)."""
 
@@ -146,14 +152,29 @@ class SyncWait(Protocol):
 
 
 @dataclass
+class TxnStats:
+    """Counters the coordinator bumps inline; ``/metrics`` reads them."""
+
+    #: (vpn, outcome) -> transactions that ended so (the ``txn.outcome`` span attribute)
+    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: vpn -> transactions the standby committed ahead of the ledger stream
+    applied_ahead: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
 class _Live:
     txn: LocalTransaction
     machine: TxnMachine
     done: asyncio.Future[bool]
     span: Span  # the transaction's span, parent of one span per phase
+    stats: TxnStats
     published: tuple[bytes, ...] = ()
     last_index: int = 0
     phase: Span | None = None  # the phase under way
+    durable: bool = False  # the decision (the ledger group) is durable here
+    ahead: bool = False  # the standby applied it ahead of the stream
+    settled: bool = False  # the standby's part is over (applied, or given up)
+    finished: bool = False  # its outcome is counted and its span ended
 
     def enter(self, phase: str | None) -> None:
         """End the phase under way and start ``phase`` (None: no next phase)."""
@@ -165,8 +186,10 @@ class _Live:
 
     def finish(self, outcome: str, error: str | None = None) -> None:
         """End the transaction's spans (once) with its outcome."""
-        if not self.span.is_recording():
+        if self.finished:
             return
+        self.finished = True
+        self.stats.outcomes[(self.txn.vpn, outcome)] += 1
         self.enter(None)
         self.span.set_attribute("txn.outcome", outcome)
         if error is not None:
@@ -192,6 +215,7 @@ class Coordinator:
         self.sync = sync
         self.link = link
         self.settings: dict[str, VpnSettings] = {}
+        self.stats = TxnStats()
         self._live: dict[str, _Live] = {}
         #: replication id of a message a committing transaction published -> txid
         self._committing_ids: dict[bytes, str] = {}
@@ -229,7 +253,7 @@ class Coordinator:
             reject=settings.on_sync_timeout is SyncTimeoutPolicy.REJECT,
         )
         span = tracer.start_span("txn", attributes=_attrs(txn))
-        live = _Live(txn, machine, asyncio.get_running_loop().create_future(), span)
+        live = _Live(txn, machine, asyncio.get_running_loop().create_future(), span, self.stats)
         self._live[txn.txid] = live
         live.enter("txn.prepare")
         try:
@@ -341,6 +365,20 @@ class Coordinator:
             log.error("VPN %s: transaction %s: decision not recorded: %s", txn.vpn, txn.txid, e)
             if not live.done.done():
                 live.done.set_result(False)
+            return
+        machine = live.machine
+        if machine.needs_standby and not machine.degraded and self.link is not None:
+            # the standby commits from its prepared row while the ledger write runs
+            first = live.last_index - len(txn.events) + 1
+            self.link.commit_ahead(txn.vpn, txn.txid, first, lambda: self._applied_ahead(live))
+
+    def _applied_ahead(self, live: _Live) -> None:
+        """The standby committed the transaction ahead of the stream."""
+        failpoint("coordinator.after-apply-ahead")
+        live.ahead = True
+        self.stats.applied_ahead[live.txn.vpn] += 1
+        if live.durable:
+            self._standby_applied(live, True)
 
     def _decision_durable(self, live: _Live, ok: bool) -> None:
         txn = live.txn
@@ -348,6 +386,7 @@ class Coordinator:
             if not live.done.done():
                 live.done.set_result(False)
             return
+        live.durable = True
         if live.machine.degraded:
             # the standby gets it with the ledger stream (the row, committed
             # with the group and marked degraded at prepare, ends in the sweep
@@ -356,15 +395,22 @@ class Coordinator:
             return
         if live.machine.needs_standby:  # sync mode: the client waits for the standby
             live.enter("txn.standby_commit")
+            if live.ahead:  # it has committed already
+                self._standby_applied(live, True)
+                return
         if not self.sync.wait_standby(
             txn.vpn, live.last_index, lambda acked: self._standby_applied(live, acked)
         ):
             self._standby_applied(live, True)  # async mode: nothing to wait for
 
     def _standby_applied(self, live: _Live, acked: bool) -> None:
+        if live.settled:  # applied ahead, and now the stream's ack (or its timeout)
+            return
+        live.settled = True
         txn = live.txn
         if live.phase is not None:
             live.phase.set_attribute("txn.standby_applied", acked)
+            live.phase.set_attribute("txn.applied_ahead", live.ahead)
         live.enter(None)
         if not acked and not live.machine.degraded:
             live.machine.degraded = True  # the broker committed: go on without it

@@ -27,6 +27,7 @@ from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from plugin._vpn import VpnSettings
 from sql import migrate
+from txn._log import encode_events
 
 LIVE_SQL = (
     "SELECT queue, repl_id, publish_index, exchange, routing_key, properties, body"
@@ -452,3 +453,106 @@ def test_both_sites_compute_the_same_state_with_the_same_apply_code(
         if isinstance(e, Consumed) and int.from_bytes(e.repl_id.value[8:]) > 100_000
     )
     assert state(dsn_a, "orders")[3] == state(dsn_b, "orders")[3] == unknown > 0
+
+
+# ---------------------------------------------------------------- applied ahead
+
+
+def prepared(dsn: str, vpn: str, txid: str, events: list[Event], state: str = "prepared") -> None:
+    """The participant's row for ``txid``, as ``TxnPrepare`` leaves it."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO txn_log (txid, vpn, side, state, events)"
+            " VALUES (%s, %s, 'participant', %s, %s)",
+            (txid, vpn, state, encode_events(events)),
+        )
+
+
+def txn_state(dsn: str, txid: str) -> str:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT state FROM txn_log WHERE txid = %s", (txid,)).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_a_transaction_applied_ahead_is_skipped_when_the_stream_brings_it(
+    site_b: LocalSite,
+) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    group: list[Event] = [ack("v", 1, "q"), pub("v", 3, "q")]
+    prepared(dsn, "v", "t1", group)
+    with StandbyApplier(dsn) as applier:
+        applier.apply_batch("v", numbered([pub("v", 1, "q"), pub("v", 2, "q")]))
+        assert applier.apply_prepared("v", "t1", 1, first=3, after=0) == 4
+        # committed here, but the stream's copy is still to come
+        assert keys(dsn, "v") == {("q", 2, 2), ("q", 3, 4)}
+        assert txn_state(dsn, "t1") == "applied"
+        assert applier.applied_index("v") == 2
+        # the stream brings the group and one entry more: the group is not
+        # applied twice (its ack would count as unknown), the rest is
+        stream = numbered([*group, pub("v", 5, "q")], start=3)
+        assert applier.apply_batch("v", stream) == 5
+    assert keys(dsn, "v") == {("q", 2, 2), ("q", 3, 4), ("q", 5, 5)}
+    assert state(dsn, "v")[3] == 0  # no unknown ack
+    assert txn_state(dsn, "t1") == "committed"
+
+
+def test_a_transaction_is_left_to_the_stream_unless_the_state_is_right_before_it(
+    site_b: LocalSite,
+) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    prepared(dsn, "v", "t1", [pub("v", 3, "q")])
+    prepared(dsn, "v", "t2", [pub("v", 4, "q")])
+    prepared(dsn, "v", "gone", [pub("v", 9, "q")], state="aborted")
+    with StandbyApplier(dsn) as applier:
+        applier.apply_batch("v", numbered([pub("v", 1, "q")]))
+        # entry 2 has not come yet: applying at 3 would put it out of order
+        assert applier.apply_prepared("v", "t1", 1, first=3, after=0) is None
+        assert applier.apply_prepared("v", "gone", 1, first=2, after=0) is None
+        applier.apply_batch("v", numbered([pub("v", 2, "q")], start=2))
+        assert applier.apply_prepared("v", "t1", 1, first=3, after=0) == 3
+        # the next group may follow the one applied ahead on this connection
+        assert applier.apply_prepared("v", "t2", 1, first=4, after=2) is None
+        assert applier.apply_prepared("v", "t2", 1, first=4, after=3) == 4
+        assert applier.apply_prepared("v", "t2", 1, first=4, after=3) is None  # once
+    assert keys(dsn, "v") == {("q", 1, 1), ("q", 2, 2), ("q", 3, 3), ("q", 4, 4)}
+    assert [txn_state(dsn, t) for t in ("t1", "t2", "gone")] == ["applied", "applied", "aborted"]
+
+
+def test_a_group_re_appended_elsewhere_after_the_active_restarted_is_applied_once(
+    site_b: LocalSite,
+) -> None:
+    """The active crashed before its ledger commit of the group; at start it
+    re-appended the group after another recovered one. A restarted standby
+    still recognises it, and its rows take the active's indexes."""
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    group: list[Event] = [ack("v", 1, "q"), pub("v", 3, "q")]
+    prepared(dsn, "v", "t1", group)
+    with StandbyApplier(dsn) as applier:
+        applier.apply_batch("v", numbered([pub("v", 1, "q"), pub("v", 2, "q")]))
+        assert applier.apply_prepared("v", "t1", 1, first=3, after=0) == 4
+    with StandbyApplier(dsn) as restarted:
+        # split over two batches, as the stream may cut it
+        assert restarted.apply_batch("v", numbered([pub("v", 7, "q"), group[0]], start=3)) == 4
+        assert txn_state(dsn, "t1") == "applied"
+        assert restarted.apply_batch("v", numbered([group[1]], start=5)) == 5
+    assert keys(dsn, "v") == {("q", 2, 2), ("q", 7, 3), ("q", 3, 5)}
+    assert state(dsn, "v")[3] == 0
+    assert txn_state(dsn, "t1") == "committed"
+
+
+def test_a_checkpoint_supersedes_what_was_applied_ahead(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    prepared(dsn, "v", "t1", [pub("v", 1, "q")])
+    with StandbyApplier(dsn) as applier:
+        assert applier.apply_prepared("v", "t1", 1, first=1, after=0) == 1
+        applier.install_checkpoint("v", 1, 0, [])  # the active's state before the group
+        assert txn_state(dsn, "t1") == "committed"
+        assert keys(dsn, "v") == set()
+        # the replay after the checkpoint brings the group: applied as usual
+        assert applier.apply_batch("v", numbered([pub("v", 1, "q")])) == 1
+    assert keys(dsn, "v") == {("q", 1, 1)}

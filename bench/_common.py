@@ -659,3 +659,51 @@ def vpnrepl(config: Path, *args: str) -> str:
     if out.returncode != 0:
         raise BenchError(f"vpnrepl {' '.join(args)}: {out.stderr.strip() or out.returncode}")
     return out.stdout.strip()
+
+
+class SpanCollector:
+    """A minimal OTLP/HTTP trace receiver: each span's duration by name.
+
+    For ``[telemetry] otlp_traces_url`` in a node's config (``.url``); the
+    nodes export in batches and flush when they stop, so read
+    :attr:`durations` after stopping them.
+    """
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+            ExportTraceServiceResponse,
+        )
+
+        self.durations: dict[str, list[float]] = {}
+        spans = self.durations
+        reply = ExportTraceServiceResponse().SerializeToString()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                data = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest.FromString(data)
+                for rs in request.resource_spans:
+                    for ss in rs.scope_spans:
+                        for span in ss.spans:
+                            took = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
+                            spans.setdefault(span.name, []).append(took)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -64,6 +64,7 @@ import pika
 import psycopg
 from _common import (
     BenchError,
+    SpanCollector,
     beam_pid,
     process_cpu,
     start_py_spy,
@@ -78,6 +79,8 @@ from plugin._vpn import VpnSettings
 from sql import migrate
 
 VPN = "orders"
+#: the coordinator's spans (txn/_coordinator.py): the whole, then its phases
+PHASES = ("txn", "txn.prepare", "txn.broker_commit", "txn.decision", "txn.standby_commit")
 QUEUE = "bench.txn"
 MARKERS = "bench.txn-floor-markers"
 FLOOR_DB = "floor"
@@ -216,6 +219,8 @@ class Bench:
         self.floor_steps: dict[str, list[float]] = {"prepare": [], "broker": [], "commit": []}
         #: CPU seconds per process over the last run's transactions
         self.last_cpu: dict[str, float] = {}
+        #: receives node A's transaction spans (``--phases``)
+        self.spans = SpanCollector() if opts.phases else None
 
     def start(self) -> None:
         t0 = time.monotonic()
@@ -227,6 +232,9 @@ class Bench:
         base = self.sites.base
         cfg_a = self.a.write_config(base / "a.toml")
         cfg_b = self.b.write_config(base / "b.toml", peer=self.a)
+        if self.spans is not None:
+            with cfg_a.open("a") as f:
+                f.write(f'\n[telemetry]\notlp_traces_url = "{self.spans.url}"\n')
         vpnrepl(cfg_a, "init")
         vpnrepl(cfg_a, "vpn", "enable", VPN, "--role", "active", "--mode", "sync")
         vpnrepl(cfg_b, "init")
@@ -334,9 +342,26 @@ class Bench:
         if doubt:
             raise BenchError(f"{doubt} transactions left in doubt")
 
-    def close(self, logs: Path | None) -> None:
+    def stop_nodes(self) -> None:
         for node in reversed(self.nodes):
-            node.stop()
+            if node.alive():
+                node.stop()
+
+    def phases(self) -> None:
+        """Print the p50 of each transaction span node A exported (the
+        nodes flush their spans when they stop)."""
+        if self.spans is None:
+            return
+        self.stop_nodes()
+        print("node A's spans per transaction (p50, ms; txn.* are its phases in order):")
+        for name in PHASES:
+            took = self.spans.durations.get(name, [])
+            if took:
+                print(f"  {name:20} {1000 * statistics.median(took):6.2f}  ({len(took)} spans)")
+        self.spans.close()
+
+    def close(self, logs: Path | None) -> None:
+        self.stop_nodes()
         if logs is not None:
             logs.mkdir(parents=True, exist_ok=True)
             for node in self.nodes:
@@ -405,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="sample both nodes with py-spy for the whole run (node-a.txt, node-b.txt)",
     )
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="export node A's transaction spans to a receiver here and print each phase's p50"
+        " (the export costs the node some CPU)",
+    )
     p.add_argument("--check", action="store_true", help="exit 1 when the added p50 is over 5 ms")
     opts = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -442,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                 spy.wait(30)
                 summarise_py_spy(opts.py_spy / f"node-{name}.txt", label=f"node {name}")
         added = report(bench, opts, got, cpu)
+        bench.phases()
         return 1 if opts.check and added > TARGET_ADDED_P50_MS else 0
     except (BenchError, HarnessError) as e:
         print(f"bench/transactions.py: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
@@ -56,45 +57,45 @@ class Metrics:
             callbacks=[gauge(lambda: stats.connections_total)],
             description="client connections accepted by the listener",
         )
-        self.meter.create_observable_counter(
+        self.counted(
             "vpnrepl_events_total",
-            callbacks=[
-                lambda _: [
-                    Observation(n, {"vpn": vpn, "kind": kind})
-                    for (vpn, kind), n in stats.events.items()
-                ]
-            ],
-            description="replication events handed to the sink",
+            stats.events,
+            ("vpn", "kind"),
+            "replication events handed to the sink",
         )
-        self.meter.create_observable_counter(
+        self.counted(
             "vpnrepl_protocol_closes_total",
-            callbacks=[
-                lambda _: [
-                    Observation(n, {"reply_code": str(code)})
-                    for code, n in stats.protocol_closes.items()
-                ]
-            ],
-            description="client connections closed for bad input, by AMQP reply code",
+            stats.protocol_closes,
+            ("reply_code",),
+            "client connections closed for bad input, by AMQP reply code",
         )
 
     def observe_txn(self, stats: TxnStats) -> None:
-        self.meter.create_observable_counter(
+        self.counted(
             "vpnrepl_txn_total",
-            callbacks=[
-                lambda _: [
-                    Observation(n, {"vpn": vpn, "outcome": outcome})
-                    for (vpn, outcome), n in stats.outcomes.items()
-                ]
-            ],
-            description="local transactions coordinated here, by VPN and outcome",
+            stats.outcomes,
+            ("vpn", "outcome"),
+            "local transactions coordinated here, by VPN and outcome",
         )
-        self.meter.create_observable_counter(
+        self.counted(
             "vpnrepl_txn_applied_ahead_total",
-            callbacks=[
-                lambda _: [Observation(n, {"vpn": vpn}) for vpn, n in stats.applied_ahead.items()]
-            ],
-            description="transactions the standby committed before their ledger stream copy",
+            stats.applied_ahead,
+            ("vpn",),
+            "transactions the standby committed before their ledger stream copy",
         )
+
+    def counted(
+        self, name: str, counts: Counter[Any], labels: tuple[str, ...], description: str
+    ) -> None:
+        """An observable counter read from ``counts``, whose keys are the
+        label values (a tuple, or the one value when there is one label)."""
+
+        def observe(_: CallbackOptions) -> Iterable[Observation]:
+            for key, n in list(counts.items()):
+                values = key if isinstance(key, tuple) else (key,)
+                yield Observation(n, {k: str(v) for k, v in zip(labels, values, strict=True)})
+
+        self.meter.create_observable_counter(name, callbacks=[observe], description=description)
 
     def prometheus_text(self) -> str:
         lines: list[str] = []

@@ -475,19 +475,27 @@ def txn_state(dsn: str, txid: str) -> str:
     return str(row[0])
 
 
-def test_a_transaction_applied_ahead_is_skipped_when_the_stream_brings_it(
-    site_b: LocalSite,
-) -> None:
-    dsn = site_b.pg.dsn()
+def applied_ahead(dsn: str) -> list[Event]:
+    """VPN ``v`` with entries 1-2 applied and transaction ``t1`` (an ack of
+    1 and a publish) committed ahead of the stream at 3-4; its events."""
     prepare(dsn, v="standby")
     group: list[Event] = [ack("v", 1, "q"), pub("v", 3, "q")]
     prepared(dsn, "v", "t1", group)
     with StandbyApplier(dsn) as applier:
         applier.apply_batch("v", numbered([pub("v", 1, "q"), pub("v", 2, "q")]))
         assert applier.apply_prepared("v", "t1", 1, first=3, after=0) == 4
-        # committed here, but the stream's copy is still to come
-        assert keys(dsn, "v") == {("q", 2, 2), ("q", 3, 4)}
-        assert txn_state(dsn, "t1") == "applied"
+    return group
+
+
+def test_a_transaction_applied_ahead_is_skipped_when_the_stream_brings_it(
+    site_b: LocalSite,
+) -> None:
+    dsn = site_b.pg.dsn()
+    group = applied_ahead(dsn)
+    # committed here, but the stream's copy is still to come
+    assert keys(dsn, "v") == {("q", 2, 2), ("q", 3, 4)}
+    assert txn_state(dsn, "t1") == "applied"
+    with StandbyApplier(dsn) as applier:
         assert applier.applied_index("v") == 2
         # the stream brings the group and one entry more: the group is not
         # applied twice (its ack would count as unknown), the rest is
@@ -528,12 +536,7 @@ def test_a_group_re_appended_elsewhere_after_the_active_restarted_is_applied_onc
     re-appended the group after another recovered one. A restarted standby
     still recognises it, and its rows take the active's indexes."""
     dsn = site_b.pg.dsn()
-    prepare(dsn, v="standby")
-    group: list[Event] = [ack("v", 1, "q"), pub("v", 3, "q")]
-    prepared(dsn, "v", "t1", group)
-    with StandbyApplier(dsn) as applier:
-        applier.apply_batch("v", numbered([pub("v", 1, "q"), pub("v", 2, "q")]))
-        assert applier.apply_prepared("v", "t1", 1, first=3, after=0) == 4
+    group = applied_ahead(dsn)
     with StandbyApplier(dsn) as restarted:
         # split over two batches, as the stream may cut it
         assert restarted.apply_batch("v", numbered([pub("v", 7, "q"), group[0]], start=3)) == 4

@@ -662,48 +662,30 @@ def vpnrepl(config: Path, *args: str) -> str:
 
 
 class SpanCollector:
-    """A minimal OTLP/HTTP trace receiver: each span's duration by name.
+    """Each exported span's duration by name, from an :class:`OtlpReceiver`.
 
-    For ``[telemetry] otlp_traces_url`` in a node's config (``.url``); the
-    nodes export in batches and flush when they stop, so read
+    The nodes export in batches and flush when they stop, so read
     :attr:`durations` after stopping them.
     """
 
     def __init__(self) -> None:
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
             ExportTraceServiceRequest,
-            ExportTraceServiceResponse,
         )
 
+        from plugin._localsites import OtlpReceiver
+
         self.durations: dict[str, list[float]] = {}
-        spans = self.durations
-        reply = ExportTraceServiceResponse().SerializeToString()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                data = self.rfile.read(int(self.headers["Content-Length"]))
-                request = ExportTraceServiceRequest.FromString(data)
-                for rs in request.resource_spans:
-                    for ss in rs.scope_spans:
-                        for span in ss.spans:
-                            took = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
-                            spans.setdefault(span.name, []).append(took)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
+        def take(_path: str, data: bytes) -> None:
+            for rs in ExportTraceServiceRequest.FromString(data).resource_spans:
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        took = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
+                        self.durations.setdefault(span.name, []).append(took)
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.receiver = OtlpReceiver(take)
+        self.url = self.receiver.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.receiver.close()

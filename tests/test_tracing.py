@@ -7,19 +7,14 @@ with the OpenTelemetry protobuf classes).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pika
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from plugin._localsites import LocalSite
+from plugin._localsites import LocalSite, OtlpReceiver
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import (
@@ -42,26 +37,8 @@ class Collector:
         self.spans: list[dict[str, Any]] = []
         self.bodies: list[bytes] = []
         self.paths: set[str] = set()
-        received = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                data = self.rfile.read(int(self.headers["Content-Length"]))
-                received.take(self.path, data)
-                reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.receiver = OtlpReceiver(self.take)
+        self.url = self.receiver.url
 
     def take(self, path: str, data: bytes) -> None:
         # (runs in the server's thread: what it saw is asserted by the test)
@@ -88,8 +65,7 @@ class Collector:
                     )
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.receiver.close()
 
 
 @pytest.fixture

@@ -26,11 +26,18 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
    of a message the transaction published also proves the broker
    committed, and the decision is recorded at once then, so the ledger
    never holds an ack before the publish it acks.
-4. **Standby commit and reply.** The standby applies the group like any
-   ledger entries (messages inserted, acked ones removed, applied index in
-   the same database transaction) and acknowledges; for a sync-mode VPN the
-   client's ``tx.commit-ok`` waits for that acknowledgement, so it is sent
-   only when prepare and commit are durable on both sites. Then the
+4. **Standby commit and reply.** For a sync-mode VPN the coordinator
+   sends ``TxnCommit`` (the group's first index) as it appends the group,
+   and the standby commits the transaction from its prepared row while the
+   active's ledger write runs, answering ``TxnApplied`` — when its state is
+   exactly what precedes the group; otherwise it applies the group when the
+   stream brings it, like any ledger entries (messages inserted, acked ones
+   removed, applied index in the same database transaction), and
+   acknowledges. A group committed ahead is skipped when the stream brings
+   it, recognised by its events, not by its index (``bridge._standby``).
+   The client's ``tx.commit-ok`` waits for the durable group here and for
+   ``TxnApplied`` or the acknowledgement, so it is sent only when prepare
+   and commit are durable on both sites. Then the
    bookkeeping, in batches rather than a database commit per transaction
    on the client's path: the participant's rows are marked committed (its
    outcomes are flushed together, :class:`txn._participant.Participant`),
@@ -52,7 +59,11 @@ client gets ``tx.commit-ok`` only after the group is durable in the active's
 ledger (and, sync mode, applied by the standby). The ledger group is one
 database transaction, the standby applies with its applied index in the
 same transaction, and a lagging or restarted standby replays the ledger, so
-both sites end with all of the group or none of it. A crash before the
+both sites end with all of the group or none of it. A standby that
+committed ahead of a group the active then lost in a crash holds a
+transaction whose marker exists (``TxnCommit`` is sent only once the broker
+committed), so the active's recovery re-appends the group, and the standby
+recognises it wherever it lands. A crash before the
 decision leaves a prepared row whose outcome the marker decides, with the
 broker's own transaction as the source of truth; the client never got
 ``tx.commit-ok`` in that case, and both sites follow the broker.

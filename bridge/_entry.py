@@ -37,7 +37,7 @@ from plugin._events import (
     ReplicationId,
 )
 
-__all__ = ["EventDecodeError", "LedgerEntry", "decode_event", "encode_event"]
+__all__ = ["EventDecodeError", "LedgerEntry", "decode_event", "encode_event", "split_events"]
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -75,6 +75,20 @@ class LedgerEntry:
     def encoded(self) -> bytes:
         """The event's bytes as stored in the ledger and shipped on the bridge."""
         return self.data or encode_event(self.event)
+
+
+_U32_PREFIX = struct.Struct(">I")
+
+
+def split_events(data: bytes) -> list[bytes]:
+    """Event encodings stored back to back, each ``u32``-length-prefixed (a
+    ``txn_log.events`` value, a ``TxnPrepare``'s events), split up."""
+    out, pos = [], 0
+    while pos < len(data):
+        (n,) = _U32_PREFIX.unpack_from(data, pos)
+        out.append(data[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+    return out
 
 
 def _str16(text: str) -> bytes:

@@ -50,7 +50,6 @@ VPN batch); an asyncio caller runs it with ``asyncio.to_thread``.
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -64,7 +63,7 @@ from psycopg_pool import ConnectionPool
 from plugin._events import Published
 
 from ._apply import apply_entries
-from ._entry import LedgerEntry, decode_event
+from ._entry import LedgerEntry, decode_event, split_events
 from ._errors import BridgeError, Gap, StaleEpoch, UnknownVpn
 from ._protocol import CheckpointRow
 
@@ -105,7 +104,6 @@ _REINDEX = """
 UPDATE live_message SET publish_index = %s
 WHERE vpn = %s AND queue = ANY(%s) AND repl_id = %s AND publish_index = %s
 """
-_U32 = struct.Struct(">I")
 _COPY_CHECKPOINT = (
     "COPY live_message (vpn, queue, repl_id, publish_index, exchange, routing_key,"
     " properties, body) FROM STDIN (FORMAT BINARY)"
@@ -137,14 +135,11 @@ class _Ahead:
     last: bool  # the group's last event: the row is settled when it passes
 
 
-def _split_events(data: bytes) -> list[bytes]:
-    """A ``txn_log.events`` value (u32-length-prefixed encodings) split up."""
-    out, pos = [], 0
-    while pos < len(data):
-        (n,) = _U32.unpack_from(data, pos)
-        out.append(data[pos + 4 : pos + 4 + n])
-        pos += 4 + n
-    return out
+def _register(ahead: dict[bytes, _Ahead], txid: str, first: int, encoded: list[bytes]) -> None:
+    """Record ``txid``'s events (its group applied at ``first`` onwards)."""
+    last = first + len(encoded) - 1
+    for i, data in enumerate(encoded):
+        ahead[data] = _Ahead(txid, first + i, first + i == last)
 
 
 class StandbyApplier:
@@ -267,7 +262,7 @@ class StandbyApplier:
             row = conn.execute(_TAKE_PREPARED, (first - 1, txid, vpn)).fetchone()
             if row is None:
                 return None  # not prepared here (aborted, or settled already)
-            encoded = _split_events(bytes(row[0]))
+            encoded = split_events(bytes(row[0]))
             if not encoded:
                 return None
             entries = [
@@ -275,10 +270,8 @@ class StandbyApplier:
                 for i, data in enumerate(encoded)
             ]
             apply_entries(conn, vpn, entries)
-        last = first + len(entries) - 1
-        for entry in entries:
-            ahead[entry.data] = _Ahead(txid, entry.index, entry.index == last)
-        return last
+        _register(ahead, txid, first, encoded)
+        return first + len(encoded) - 1
 
     def _applied_ahead(self, conn: psycopg.Connection[Any], vpn: str) -> dict[bytes, _Ahead]:
         """The VPN's events applied ahead of the stream (read at first use)."""
@@ -286,9 +279,7 @@ class StandbyApplier:
         if ahead is None:
             ahead = {}
             for txid, floor, events in conn.execute(_APPLIED_ROWS, (vpn,)).fetchall():
-                encoded = _split_events(bytes(events))
-                for i, data in enumerate(encoded):
-                    ahead[data] = _Ahead(str(txid), int(floor) + 1 + i, i == len(encoded) - 1)
+                _register(ahead, str(txid), int(floor) + 1, split_events(bytes(events)))
             self._ahead[vpn] = ahead
         return ahead
 

@@ -1845,18 +1845,11 @@ class BridgeClient:
         vpn, txid = inbound.vpn, frame.txid
         try:
             last = await asyncio.to_thread(
-                self._applier.apply_prepared,
-                vpn,
-                frame.txid,
-                frame.epoch,
-                frame.first,
-                inbound.ahead,
+                self._applier.apply_prepared, vpn, txid, frame.epoch, frame.first, inbound.ahead
             )
         except (BridgeError, psycopg.Error, ValueError) as e:
             why = _describe(e)
-            log.warning(
-                "bridge: VPN %s: transaction %s left to the stream: %s", vpn, frame.txid, why
-            )
+            log.warning("bridge: VPN %s: transaction %s left to the stream: %s", vpn, txid, why)
             return
         if last is None:
             return

@@ -22,7 +22,7 @@ from psycopg import AsyncConnection
 from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool
 
-from bridge._entry import decode_event, encode_event
+from bridge._entry import decode_event, encode_event, split_events
 from plugin._events import Event
 
 __all__ = ["TxnLog", "TxnRow", "decode_events", "encode_events"]
@@ -42,12 +42,7 @@ def encode_events(events: Iterable[Event]) -> bytes:
 
 
 def decode_events(data: bytes, vpn: str) -> tuple[Event, ...]:
-    out, pos = [], 0
-    while pos < len(data):
-        (n,) = _U32.unpack_from(data, pos)
-        out.append(decode_event(data[pos + 4 : pos + 4 + n], vpn))
-        pos += 4 + n
-    return tuple(out)
+    return tuple(decode_event(part, vpn) for part in split_events(data))
 
 
 @dataclass(frozen=True, slots=True)

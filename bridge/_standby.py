@@ -60,9 +60,9 @@ import psycopg
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
-from plugin._events import Published
+from plugin._events import Event, Published
 
-from ._apply import apply_entries
+from ._apply import apply_entries, guarded_apply, run_guarded
 from ._entry import LedgerEntry, decode_event, split_events
 from ._errors import BridgeError, Gap, StaleEpoch, UnknownVpn
 from ._protocol import CheckpointRow
@@ -87,6 +87,21 @@ _TAKE_PREPARED = """
 UPDATE txn_log SET state = 'applied', ledger_floor = %s, updated_at = now()
 WHERE txid = %s AND vpn = %s AND side = 'participant' AND state = 'prepared'
 RETURNING events
+"""
+# apply_prepared's gate and row move as the leading part of one statement
+# (bridge._apply.guarded_apply): the same checks as _LOCK_STATE and the
+# gate after it, a VPN that is not (or no longer) standby here declines
+_TAKE_GUARD = """
+WITH gate AS (
+    SELECT s.vpn FROM vpn_state s JOIN vpn_config c ON c.name = s.vpn
+    WHERE s.vpn = %s AND c.role = 'standby'
+      AND (s.applied_index = %s OR (%s >= s.applied_index AND %s = %s))
+    FOR UPDATE OF s)
+, go AS (
+    UPDATE txn_log SET state = 'applied', ledger_floor = %s, updated_at = now()
+    WHERE txid = %s AND vpn = %s AND side = 'participant' AND state = 'prepared'
+      AND EXISTS (SELECT FROM gate)
+    RETURNING 1)
 """
 _APPLIED_ROWS = """
 SELECT txid, ledger_floor, events FROM txn_log
@@ -170,11 +185,12 @@ class StandbyApplier:
         self.close()
 
     @contextmanager
-    def _transaction(self) -> Iterator[psycopg.Connection[Any]]:
-        """A transaction on the standby database; foreign errors translated here."""
+    def _session(self) -> Iterator[psycopg.Connection[Any]]:
+        """The standby database (autocommit, unless the pool's connections
+        are not); foreign errors translated here."""
         try:
             if isinstance(self._store, ConnectionPool):
-                with self._store.connection() as conn, conn.transaction():
+                with self._store.connection() as conn:
                     yield conn
                 return
             with self._lock:
@@ -183,8 +199,7 @@ class StandbyApplier:
                         self._store, autocommit=True, connect_timeout=10, row_factory=tuple_row
                     )
                 try:
-                    with self._conn.transaction():
-                        yield self._conn
+                    yield self._conn
                 except psycopg.OperationalError:
                     self._conn.close()
                     self._conn = None
@@ -192,6 +207,12 @@ class StandbyApplier:
         except psycopg.OperationalError as e:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise StandbyUnavailable(f"standby database: {reason}") from e
+
+    @contextmanager
+    def _transaction(self) -> Iterator[psycopg.Connection[Any]]:
+        """A transaction on the standby database (:meth:`_session`)."""
+        with self._session() as conn, conn.transaction():
+            yield conn
 
     def _lock_state(self, conn: psycopg.Connection[Any], vpn: str) -> tuple[int, int]:
         with conn.cursor(row_factory=tuple_row) as cur:
@@ -246,14 +267,40 @@ class StandbyApplier:
                 del ahead[key]
         return fresh[-1].index
 
-    def apply_prepared(self, vpn: str, txid: str, epoch: int, first: int, after: int) -> int | None:
+    def apply_prepared(
+        self,
+        vpn: str,
+        txid: str,
+        epoch: int,
+        first: int,
+        after: int,
+        voted: Sequence[tuple[bytes, Event]] | None = None,
+    ) -> int | None:
         """Apply the prepared transaction ``txid`` ahead of the stream, its
         group at ``first`` onwards; returns the group's last index, or None
         if it is left to the stream (see the module docstring).
 
         ``after`` is the last index of the group this connection applied
-        ahead before (0: none); the group may follow it directly.
+        ahead before (0: none); the group may follow it directly. ``voted``
+        is the row's events (encoding, event) as the participant voted on
+        them, when it still has them: the common group then goes in one
+        statement that checks, takes the row and applies
+        (:func:`~bridge._apply.guarded_apply`), instead of a transaction
+        that reads the events back.
         """
+        if voted and vpn in self._ahead:
+            entries = [
+                LedgerEntry(vpn, epoch, first + i, event, data)
+                for i, (data, event) in enumerate(voted)
+            ]
+            params = (vpn, first - 1, after, first - 1, after, first - 1, txid, vpn)
+            statement = guarded_apply(vpn, entries, _TAKE_GUARD, params)
+            if statement is not None:
+                with self._session() as conn:
+                    if run_guarded(conn, statement) is None:
+                        return None  # out of order, or not prepared here
+                _register(self._ahead[vpn], txid, first, [data for data, _ in voted])
+                return first + len(voted) - 1
         with self._transaction() as conn:
             applied, _ = self._lock_state(conn, vpn)
             if first - 1 != applied and not (after >= applied and first - 1 == after):

@@ -1843,9 +1843,16 @@ class BridgeClient:
         what the active waits for then."""
         assert self._applier is not None  # noqa: S101 - run() created it
         vpn, txid = inbound.vpn, frame.txid
+        voted = self.participant.voted(txid) if self.participant is not None else None
         try:
             last = await asyncio.to_thread(
-                self._applier.apply_prepared, vpn, txid, frame.epoch, frame.first, inbound.ahead
+                self._applier.apply_prepared,
+                vpn,
+                txid,
+                frame.epoch,
+                frame.first,
+                inbound.ahead,
+                voted,
             )
         except (BridgeError, psycopg.Error, ValueError) as e:
             why = _describe(e)

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg_pool import ConnectionPool
 
-from bridge._apply import _DELETE, apply_entries
+from bridge._apply import _DELETE, apply_entries, guarded_apply, run_guarded
 from bridge._arrays import bytea_array, text_array
-from bridge._entry import LedgerEntry
+from bridge._entry import LedgerEntry, encode_event
 from bridge._errors import Gap, StaleEpoch, UnknownVpn
 from bridge._ledger import LedgerWriter
 from bridge._protocol import CheckpointRow
@@ -238,6 +238,68 @@ def test_a_batch_leaves_the_state_one_by_one_apply_leaves(
     # and one by one means what the events say, replays included
     applied = [e for chunk in chunks for e in events_for(single)[chunk]]
     assert keys(dsn, single) == model_keys(applied)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ops=st.lists(_op, max_size=20), cut=st.integers(0, 20), guard=st.booleans())
+def test_one_guarded_statement_leaves_what_the_transaction_leaves(
+    site_b: LocalSite, ops: list[tuple[str, int, list[str]]], cut: int, guard: bool
+) -> None:
+    """bridge._apply.guarded_apply against apply_entries, after a first
+    batch the same on both VPNs: the same live rows and unknown ACKs when
+    the guard lets it apply, nothing at all when it does not, and a
+    refusal (None) exactly for runs one statement cannot hold."""
+    dsn = site_b.pg.dsn()
+    n = next(_vpn_names)
+    with psycopg.connect(dsn) as plain:
+        schema = plain.execute("SELECT to_regclass('vpn_config')").fetchone()
+    if schema is None or schema[0] is None:
+        prepare(dsn)
+    one, steps = f"o{n}", f"t{n}"
+    with connect(dsn) as store:
+        for name in (one, steps):
+            enable_vpn(store, VpnSettings.from_args(name, "standby"))
+    cut = min(cut, len(ops))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for vpn in (one, steps):
+            with conn.transaction():
+                apply_entries(conn, vpn, numbered([_event(vpn, *op) for op in ops[:cut]]))
+        before = live(dsn, one), state(dsn, one)[3]
+        rest = numbered([_event(one, *op) for op in ops[cut:]], start=cut + 1)
+        go = "WITH go AS (SELECT 1 WHERE %s)"
+        statement = guarded_apply(one, rest, go, (guard,))
+        with conn.transaction():
+            apply_entries(conn, steps, numbered([_event(steps, *op) for op in ops[cut:]], cut + 1))
+        if statement is None:
+            kinds = {op[0] for op in ops[cut:]}
+            assert not rest or kinds & {"X", "D"} or _removed_then_inserted(rest)
+            return
+        result = run_guarded(conn, statement)
+    if not guard:
+        assert result is None
+        assert (live(dsn, one), state(dsn, one)[3]) == before
+        return
+    assert result is not None
+    assert [r[1:] for r in live(dsn, one)] == [r[1:] for r in live(dsn, steps)]
+    assert state(dsn, one)[3] == state(dsn, steps)[3]
+
+
+def _removed_then_inserted(entries: list[LedgerEntry]) -> bool:
+    """A key whose row the run must delete and then insert again: a
+    consumption of it followed by a publish."""
+    consumed: set[tuple[str, bytes]] = set()
+    for entry in entries:
+        event = entry.event
+        if isinstance(event, Published):
+            if any((q, event.repl_id.value) in consumed for q in event.queues):
+                return True
+        elif isinstance(event, Consumed):
+            consumed.add((event.queue, event.repl_id.value))
+    return False
 
 
 def _event(vpn: str, kind: str, i: int, queues: list[str]) -> Event:
@@ -475,23 +537,31 @@ def txn_state(dsn: str, txid: str) -> str:
     return str(row[0])
 
 
-def applied_ahead(dsn: str) -> list[Event]:
+def voted(events: list[Event]) -> list[tuple[bytes, Event]]:
+    """The events as the participant keeps them from its vote."""
+    return [(encode_event(e), e) for e in events]
+
+
+def applied_ahead(dsn: str, one_statement: bool = False) -> list[Event]:
     """VPN ``v`` with entries 1-2 applied and transaction ``t1`` (an ack of
-    1 and a publish) committed ahead of the stream at 3-4; its events."""
+    1 and a publish) committed ahead of the stream at 3-4; its events.
+    ``one_statement``: from the events the participant voted on."""
     prepare(dsn, v="standby")
     group: list[Event] = [ack("v", 1, "q"), pub("v", 3, "q")]
     prepared(dsn, "v", "t1", group)
     with StandbyApplier(dsn) as applier:
         applier.apply_batch("v", numbered([pub("v", 1, "q"), pub("v", 2, "q")]))
-        assert applier.apply_prepared("v", "t1", 1, first=3, after=0) == 4
+        events = voted(group) if one_statement else None
+        assert applier.apply_prepared("v", "t1", 1, first=3, after=0, voted=events) == 4
     return group
 
 
+@pytest.mark.parametrize("one_statement", [False, True], ids=["read-back", "voted"])
 def test_a_transaction_applied_ahead_is_skipped_when_the_stream_brings_it(
-    site_b: LocalSite,
+    site_b: LocalSite, one_statement: bool
 ) -> None:
     dsn = site_b.pg.dsn()
-    group = applied_ahead(dsn)
+    group = applied_ahead(dsn, one_statement)
     # committed here, but the stream's copy is still to come
     assert keys(dsn, "v") == {("q", 2, 2), ("q", 3, 4)}
     assert txn_state(dsn, "t1") == "applied"
@@ -506,27 +576,67 @@ def test_a_transaction_applied_ahead_is_skipped_when_the_stream_brings_it(
     assert txn_state(dsn, "t1") == "committed"
 
 
+@pytest.mark.parametrize("one_statement", [False, True], ids=["read-back", "voted"])
 def test_a_transaction_is_left_to_the_stream_unless_the_state_is_right_before_it(
-    site_b: LocalSite,
+    site_b: LocalSite, one_statement: bool
 ) -> None:
     dsn = site_b.pg.dsn()
     prepare(dsn, v="standby")
-    prepared(dsn, "v", "t1", [pub("v", 3, "q")])
-    prepared(dsn, "v", "t2", [pub("v", 4, "q")])
-    prepared(dsn, "v", "gone", [pub("v", 9, "q")], state="aborted")
+    groups = {"t1": [pub("v", 3, "q")], "t2": [pub("v", 4, "q")], "gone": [pub("v", 9, "q")]}
+    prepared(dsn, "v", "t1", groups["t1"])
+    prepared(dsn, "v", "t2", groups["t2"])
+    prepared(dsn, "v", "gone", groups["gone"], state="aborted")
+
+    def ahead(applier: StandbyApplier, txid: str, first: int, after: int) -> int | None:
+        events = voted(groups[txid]) if one_statement else None
+        return applier.apply_prepared("v", txid, 1, first=first, after=after, voted=events)
+
     with StandbyApplier(dsn) as applier:
         applier.apply_batch("v", numbered([pub("v", 1, "q")]))
         # entry 2 has not come yet: applying at 3 would put it out of order
-        assert applier.apply_prepared("v", "t1", 1, first=3, after=0) is None
-        assert applier.apply_prepared("v", "gone", 1, first=2, after=0) is None
+        assert ahead(applier, "t1", first=3, after=0) is None
+        assert ahead(applier, "gone", first=2, after=0) is None
+        assert keys(dsn, "v") == {("q", 1, 1)}  # a declined group writes nothing
         applier.apply_batch("v", numbered([pub("v", 2, "q")], start=2))
-        assert applier.apply_prepared("v", "t1", 1, first=3, after=0) == 3
+        assert ahead(applier, "t1", first=3, after=0) == 3
         # the next group may follow the one applied ahead on this connection
-        assert applier.apply_prepared("v", "t2", 1, first=4, after=2) is None
-        assert applier.apply_prepared("v", "t2", 1, first=4, after=3) == 4
-        assert applier.apply_prepared("v", "t2", 1, first=4, after=3) is None  # once
+        assert ahead(applier, "t2", first=4, after=2) is None
+        assert ahead(applier, "t2", first=4, after=3) == 4
+        assert ahead(applier, "t2", first=4, after=3) is None  # once
     assert keys(dsn, "v") == {("q", 1, 1), ("q", 2, 2), ("q", 3, 3), ("q", 4, 4)}
     assert [txn_state(dsn, t) for t in ("t1", "t2", "gone")] == ["applied", "applied", "aborted"]
+
+
+def test_one_statement_counts_an_unknown_ack_with_the_group(site_b: LocalSite) -> None:
+    """The voted group's statement locks the VPN's state row, and counts an
+    ACK of a message the standby never had on that same row."""
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    group: list[Event] = [ack("v", 9, "q"), ack("v", 1, "q"), pub("v", 3, "q")]
+    prepared(dsn, "v", "t1", group)
+    with StandbyApplier(dsn) as applier:
+        applier.apply_batch("v", numbered([pub("v", 1, "q")]))
+        assert applier.apply_prepared("v", "t1", 1, first=2, after=0, voted=voted(group)) == 4
+        assert keys(dsn, "v") == {("q", 3, 4)}
+        assert state(dsn, "v")[3] == 1
+        # the stream's copy is skipped: the ACK is not counted twice
+        assert applier.apply_batch("v", numbered(group, start=2)) == 4
+    assert state(dsn, "v")[3] == 1
+    assert txn_state(dsn, "t1") == "committed"
+
+
+def test_one_statement_declines_a_vpn_no_longer_standby_here(site_b: LocalSite) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    prepared(dsn, "v", "t1", [pub("v", 2, "q")])
+    with StandbyApplier(dsn) as applier:
+        applier.apply_batch("v", numbered([pub("v", 1, "q")]))
+        with psycopg.connect(dsn, autocommit=True) as conn:  # promoted meanwhile
+            conn.execute("UPDATE vpn_config SET role = 'active' WHERE name = 'v'")
+        events = voted([pub("v", 2, "q")])
+        assert applier.apply_prepared("v", "t1", 1, first=2, after=0, voted=events) is None
+    assert keys(dsn, "v") == {("q", 1, 1)}
+    assert txn_state(dsn, "t1") == "prepared"
 
 
 def test_a_group_re_appended_elsewhere_after_the_active_restarted_is_applied_once(

@@ -24,13 +24,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 
 import psycopg
 
-from bridge._entry import EventDecodeError
+from bridge._entry import EventDecodeError, decode_event, split_events
+from plugin._events import Event
 
 from ._failpoints import failpoint
-from ._log import PARTICIPANT, TxnLog, decode_events
+from ._log import PARTICIPANT, TxnLog
 
 __all__ = ["Participant"]
 
@@ -38,19 +40,26 @@ log = logging.getLogger(__name__)
 
 #: how long commit outcomes gather before they are recorded together
 OUTCOME_FLUSH_SECONDS = 0.05
+#: prepared transactions whose decoded events are kept in memory (the oldest
+#: go first: a transaction whose events are gone is read back from its row)
+VOTED_KEPT = 1024
 
 
 class Participant:
     def __init__(self, txn_log: TxnLog) -> None:
         self.log = txn_log
         self._committed: dict[str, str] = {}  # txid -> vpn: known, not yet recorded
+        #: txid -> its events, from the vote until the commit ahead or the outcome
+        self._voted: OrderedDict[str, tuple[tuple[bytes, Event], ...]] = OrderedDict()
         self._flusher: asyncio.Task[None] | None = None
         self._failing = False  # the last flush did not reach the database
 
     async def prepare(self, vpn: str, txid: str, events: bytes) -> bool:
         """Persist ``txid`` as prepared; True is a yes vote."""
         try:
-            decode_events(events, vpn)  # a vote for unreadable events would be worthless
+            # a vote for unreadable events would be worthless
+            encoded = split_events(events)
+            voted = tuple((data, decode_event(data, vpn)) for data in encoded)
             await self.log.prepare(txid, vpn, PARTICIPANT, events)
         except (EventDecodeError, ValueError) as e:
             log.error("VPN %s: transaction %s: events not readable, voting no: %s", vpn, txid, e)
@@ -58,10 +67,20 @@ class Participant:
         except psycopg.Error as e:
             log.warning("VPN %s: transaction %s not prepared, voting no: %s", vpn, txid, e)
             return False
+        self._voted[txid] = voted
+        if len(self._voted) > VOTED_KEPT:
+            self._voted.popitem(last=False)
         failpoint("participant.after-prepare")
         return True
 
+    def voted(self, txid: str) -> tuple[tuple[bytes, Event], ...] | None:
+        """The events ``txid`` was prepared with (encoding and event), while
+        this process still has them, for the standby to commit it ahead of
+        the stream without reading them back; each is handed out once."""
+        return self._voted.pop(txid, None)
+
     async def outcome(self, vpn: str, txid: str, commit: bool) -> None:
+        self._voted.pop(txid, None)
         if commit:
             self._committed[txid] = vpn
             if self._flusher is None or self._flusher.done():

@@ -103,6 +103,22 @@ WITH gate AS (
       AND EXISTS (SELECT FROM gate)
     RETURNING 1)
 """
+# _passed_ahead: the stream's copy of groups applied ahead, at the indexes
+# they were applied at, right after the applied index
+_SKIP_AHEAD_BATCH = """
+WITH gate AS (
+    SELECT s.vpn FROM vpn_state s JOIN vpn_config c ON c.name = s.vpn
+    WHERE s.vpn = %s AND c.role = 'standby' AND s.applied_index = %s
+      AND s.applied_epoch <= %s
+    FOR UPDATE OF s)
+, settled AS (
+    UPDATE txn_log SET state = 'committed', updated_at = now()
+    WHERE txid = ANY(%s) AND state = 'applied' AND EXISTS (SELECT FROM gate))
+UPDATE vpn_state
+SET applied_index = %s, applied_epoch = %s, applied_at = now(), updated_at = now()
+WHERE vpn = %s AND EXISTS (SELECT FROM gate)
+RETURNING 1
+"""
 _APPLIED_ROWS = """
 SELECT txid, ledger_floor, events FROM txn_log
 WHERE vpn = %s AND side = 'participant' AND state = 'applied'
@@ -230,6 +246,8 @@ class StandbyApplier:
         entry is not ``applied_index + 1`` or the batch skips an index, and
         :class:`StaleEpoch` for an entry older than the newest applied epoch.
         """
+        if self._passed_ahead(vpn, entries):
+            return entries[-1].index
         with self._transaction() as conn:
             applied, applied_epoch = self._lock_state(conn, vpn)
             fresh = [e for e in entries if e.index > applied]
@@ -266,6 +284,35 @@ class StandbyApplier:
             for key in [k for k, a in ahead.items() if a.txid in done]:
                 del ahead[key]
         return fresh[-1].index
+
+    def _passed_ahead(self, vpn: str, entries: Sequence[LedgerEntry]) -> bool:
+        """The common batch of a sync-mode transaction's group, applied ahead
+        already at these same indexes, right after the applied index: the
+        applied index moves and the rows of the groups it ends settle, in
+        one statement. False (nothing written) when it is anything else:
+        :meth:`apply_batch` then checks and applies it as usual."""
+        ahead = self._ahead.get(vpn)
+        if not ahead or not entries:
+            return False
+        settled: list[str] = []
+        epoch = entries[0].epoch
+        for i, entry in enumerate(entries):
+            found = ahead.get(entry.encoded)
+            if found is None or found.index != entry.index:
+                return False
+            if entry.index != entries[0].index + i or entry.epoch < epoch:
+                return False
+            epoch = entry.epoch
+            if found.last:
+                settled.append(found.txid)
+        first, last = entries[0], entries[-1]
+        params = (vpn, first.index - 1, first.epoch, settled, last.index, last.epoch, vpn)
+        with self._session() as conn:
+            if conn.execute(_SKIP_AHEAD_BATCH, params).fetchone() is None:
+                return False
+        for entry in entries:
+            ahead.pop(entry.encoded, None)
+        return True
 
     def apply_prepared(
         self,

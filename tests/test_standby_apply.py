@@ -607,6 +607,45 @@ def test_a_transaction_is_left_to_the_stream_unless_the_state_is_right_before_it
     assert [txn_state(dsn, t) for t in ("t1", "t2", "gone")] == ["applied", "applied", "aborted"]
 
 
+@pytest.mark.parametrize("one_statement", [False, True], ids=["read-back", "voted"])
+def test_the_streams_copy_of_a_group_applied_ahead_only_moves_the_applied_index(
+    site_b: LocalSite, one_statement: bool
+) -> None:
+    """The usual sync-mode case: the stream brings exactly the group, at the
+    indexes it was applied at (cut in two here), and later again (a replay)."""
+    dsn = site_b.pg.dsn()
+    group = applied_ahead(dsn, one_statement)
+    with StandbyApplier(dsn) as applier:
+        stream = numbered(group, start=3)
+        assert applier.apply_batch("v", stream[:1]) == 3
+        assert txn_state(dsn, "t1") == "applied"
+        assert applier.apply_batch("v", stream[1:]) == 4
+        assert txn_state(dsn, "t1") == "committed"
+        assert applier.apply_batch("v", stream) == 4  # replayed: nothing twice
+        assert applier.apply_batch("v", numbered([pub("v", 5, "q")], start=5)) == 5
+    assert keys(dsn, "v") == {("q", 2, 2), ("q", 3, 4), ("q", 5, 5)}
+    assert state(dsn, "v")[0] == 5
+    assert state(dsn, "v")[3] == 0  # the group's ACK was not applied twice
+
+
+def test_the_streams_copy_of_a_group_applied_ahead_keeps_the_gap_check(
+    site_b: LocalSite,
+) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    group: list[Event] = [pub("v", 2, "q"), pub("v", 3, "q")]
+    prepared(dsn, "v", "t1", group)
+    with StandbyApplier(dsn) as applier:
+        applier.apply_batch("v", numbered([pub("v", 1, "q")], epoch=2))
+        assert applier.apply_prepared("v", "t1", 2, first=2, after=0, voted=voted(group)) == 3
+        with pytest.raises(Gap):  # entry 2 is missing
+            applier.apply_batch("v", numbered(group, start=2, epoch=2)[1:])
+        with pytest.raises(StaleEpoch):  # from a fenced active: epoch 2 is applied
+            applier.apply_batch("v", numbered(group, start=2, epoch=1))
+        assert applier.applied_index("v") == 1
+    assert txn_state(dsn, "t1") == "applied"
+
+
 def test_one_statement_counts_an_unknown_ack_with_the_group(site_b: LocalSite) -> None:
     """The voted group's statement locks the VPN's state row, and counts an
     ACK of a message the standby never had on that same row."""

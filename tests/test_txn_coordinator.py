@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bridge._entry import encode_event
 from bridge._ledger import LedgerWriter
 from plugin._events import IdSource, LocalTransaction, Published
 from plugin._localsites import LocalSite
@@ -151,6 +152,38 @@ def test_markers_are_read_without_removal_and_swept_by_name(site_a: LocalSite) -
     assert depth() == 0
     assert asyncio.run(store.present("v")) == set()
     conn.close()
+
+
+def test_the_participant_hands_out_what_it_voted_on_once(site_a: LocalSite) -> None:
+    """The events a yes vote was for (for the commit ahead of the stream),
+    once; none for a no vote, nor after the outcome."""
+    dsn = site_a.pg.dsn()
+    migrate(dsn)
+    with connect(dsn) as conn:
+        enable_vpn(conn, VpnSettings.from_args("v", "standby"))
+    ids = IdSource(12)
+    t1, t2 = txn(ids, 1), txn(ids, 2)
+
+    async def scenario() -> None:
+        log = TxnLog(dsn)
+        await log.open()
+        p = Participant(log)
+        assert await p.prepare("v", t1.txid, encode_events(t1.events))
+        assert await p.prepare("v", t2.txid, encode_events(t2.events))
+        assert not await p.prepare("v", "unreadable", b"\x00\x00\x00\x09abc")
+        kept = p.voted(t1.txid)
+        assert kept is not None
+        assert [event for _, event in kept] == list(t1.events)
+        assert [data for data, _ in kept] == [encode_event(e) for e in t1.events]
+        assert p.voted(t1.txid) is None
+        assert p.voted("unreadable") is None
+        await p.outcome("v", t2.txid, commit=False)
+        assert p.voted(t2.txid) is None
+        await p.close()
+        await log.close()
+
+    asyncio.run(scenario())
+    assert "unreadable" not in states(dsn)
 
 
 def test_the_participant_records_commits_together_and_aborts_at_once(site_a: LocalSite) -> None:

@@ -910,18 +910,23 @@ class BridgeServer:
                 return peer
         return None
 
-    async def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> bool:
-        """Ask the standby to prepare ``txid``; True once it voted yes within
-        ``within`` seconds. A standby that is not connected cannot prepare:
-        False at once (the VPN's on-sync-timeout policy then applies)."""
+    def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> Awaitable[bool]:
+        """Ask the standby to prepare ``txid``: the request is sent before
+        this returns (so the caller's own prepare starts after it, the
+        standby's round being the longer); the awaitable is True once it
+        voted yes within ``within`` seconds. A standby that is not connected
+        cannot prepare: False at once (the VPN's on-sync-timeout policy then
+        applies)."""
         peer = self._standby_of(vpn)
-        if peer is None:
-            return False
         vote: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if peer is None or not peer.link.try_send(TxnPrepare(vpn, peer.epochs[vpn], txid, events)):
+            vote.set_result(False)
+            return vote
         self._votes[txid] = vote
+        return self._vote(txid, vote, within)
+
+    async def _vote(self, txid: str, vote: asyncio.Future[bool], within: float) -> bool:
         try:
-            if not peer.link.try_send(TxnPrepare(vpn, peer.epochs[vpn], txid, events)):
-                return False
             async with asyncio.timeout(within):
                 return await vote
         except TimeoutError:
@@ -948,6 +953,7 @@ class BridgeServer:
         """Tell the standby how ``txid`` ended (if one is connected: else it
         asks when it reconnects)."""
         self._ahead.pop(txid, None)
+        self._votes.pop(txid, None)  # a vote no one waits for any more
         peer = self._standby_of(vpn)
         if peer is not None:
             peer.link.try_send(TxnOutcome(vpn, peer.epochs[vpn], txid, commit))

@@ -6,7 +6,8 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
 1. **Prepare.** The transaction's events are written as a ``prepared``
    ``txn_log`` row on the active site (coordinator) and — for a sync-mode
    VPN — sent to the standby, which writes its own ``prepared`` row
-   (participant) and votes. Both writes run at once. The VPN's
+   (participant) and votes. Both writes run at once, the standby's
+   request sent first (its round, a bridge trip each way, is the longer). The VPN's
    ``on-sync-timeout`` applies when the standby does not vote in time:
    ``reject`` refuses the commit (the client's channel is closed with 406;
    the broker rolls back; both rows are marked aborted: nothing is applied
@@ -51,8 +52,8 @@ its marker in the broker means the broker committed (record the decision
 now); else the broker did not commit (abort on both sites). A standby
 resolves its own prepared rows by asking the active when the bridge
 connects (``TxnQuery``): committed or ended → committed, aborted or unknown →
-aborted (presumed abort: the coordinator writes its row before asking the
-standby to prepare, so no row means no commit).
+aborted (presumed abort: the broker commit waits for the coordinator's row
+to be durable, so no row means no commit).
 
 **Why a client's confirmed transaction is never lost or half-applied:** the
 client gets ``tx.commit-ok`` only after the group is durable in the active's
@@ -85,7 +86,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -141,9 +142,10 @@ class GroupLedger(Protocol):
 class StandbyLink(Protocol):
     """The active's side of the bridge, as the coordinator uses it."""
 
-    async def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> bool:
-        """True once the standby's participant voted yes within ``within``
-        seconds; ``events`` in :func:`txn._log.encode_events` form."""
+    def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> Awaitable[bool]:
+        """Send the standby ``txid``'s prepare now; the awaitable is True
+        once its participant voted yes within ``within`` seconds. ``events``
+        in :func:`txn._log.encode_events` form."""
 
     def commit_ahead(self, vpn: str, txid: str, first: int, on_applied: Callable[[], None]) -> bool:
         """Tell the standby the broker committed ``txid`` (its group at
@@ -293,14 +295,12 @@ class Coordinator:
             raise TransactionRefused(f"the commit marker queue is not available: {e}") from e
         floor = self.ledger.durable_index(txn.vpn)
         encoded = encode_events(txn.events)  # once: the local row and the standby's
-        local = self.log.prepare(txn.txid, txn.vpn, COORDINATOR, encoded, ledger_floor=floor)
-        remote: asyncio.Task[bool] | None = None
+        remote: asyncio.Future[bool] | None = None
         if machine.needs_standby and self.link is not None:
-            remote = asyncio.create_task(
-                self.link.prepare(
-                    txn.vpn, txn.txid, encoded, within=settings.sync_timeout_ms / 1000
-                )
-            )
+            # the standby's request goes first: its round is the longer one
+            within = settings.sync_timeout_ms / 1000
+            remote = asyncio.ensure_future(self.link.prepare(txn.vpn, txn.txid, encoded, within))
+        local = self.log.prepare(txn.txid, txn.vpn, COORDINATOR, encoded, ledger_floor=floor)
         try:
             await local
         except BaseException:

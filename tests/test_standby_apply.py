@@ -193,6 +193,21 @@ _op = st.tuples(
 _vpn_names = itertools.count()
 
 
+def two_fresh_vpns(dsn: str, *prefixes: str) -> tuple[str, ...]:
+    """New standby VPNs (one per prefix) in the schema a hypothesis example
+    shares with the ones before it (the site fixture resets per test)."""
+    n = next(_vpn_names)
+    with psycopg.connect(dsn) as plain:
+        schema = plain.execute("SELECT to_regclass('vpn_config')").fetchone()
+    if schema is None or schema[0] is None:
+        prepare(dsn)
+    names = tuple(f"{prefix}{n}" for prefix in prefixes)
+    with connect(dsn) as store:
+        for name in names:
+            enable_vpn(store, VpnSettings.from_args(name, "standby"))
+    return names
+
+
 @settings(
     max_examples=60,
     deadline=None,
@@ -209,15 +224,7 @@ def test_a_batch_leaves_the_state_one_by_one_apply_leaves(
     """The invariant of bridge._apply: batching never changes the outcome,
     including replays of entries already applied."""
     dsn = site_b.pg.dsn()
-    n = next(_vpn_names)
-    with psycopg.connect(dsn) as plain:
-        schema = plain.execute("SELECT to_regclass('vpn_config')").fetchone()
-    if schema is None or schema[0] is None:
-        prepare(dsn)
-    batched, single = f"b{n}", f"s{n}"
-    with connect(dsn) as store:
-        for name in (batched, single):
-            enable_vpn(store, VpnSettings.from_args(name, "standby"))
+    batched, single = two_fresh_vpns(dsn, "b", "s")
 
     def events_for(vpn: str) -> list[LedgerEntry]:
         return numbered([_event(vpn, *op) for op in ops])
@@ -254,15 +261,7 @@ def test_one_guarded_statement_leaves_what_the_transaction_leaves(
     the guard lets it apply, nothing at all when it does not, and a
     refusal (None) exactly for runs one statement cannot hold."""
     dsn = site_b.pg.dsn()
-    n = next(_vpn_names)
-    with psycopg.connect(dsn) as plain:
-        schema = plain.execute("SELECT to_regclass('vpn_config')").fetchone()
-    if schema is None or schema[0] is None:
-        prepare(dsn)
-    one, steps = f"o{n}", f"t{n}"
-    with connect(dsn) as store:
-        for name in (one, steps):
-            enable_vpn(store, VpnSettings.from_args(name, "standby"))
+    one, steps = two_fresh_vpns(dsn, "o", "t")
     cut = min(cut, len(ops))
     with psycopg.connect(dsn, autocommit=True) as conn:
         for vpn in (one, steps):

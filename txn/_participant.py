@@ -4,7 +4,10 @@ On ``TxnPrepare`` it writes the transaction's events as a ``prepared``
 ``txn_log`` row in the standby's database and only then votes yes; a vote is
 worth what its row is. The transaction's effects reach the standby's
 ``live_message`` through the ledger stream like every other event (the
-active appends them as one group when it decides to commit); ``TxnOutcome``
+active appends them as one group when it decides to commit), or, in sync
+mode, ahead of it from the prepared row (``TxnCommit``,
+:meth:`bridge._standby.StandbyApplier.apply_prepared`, which takes the
+events decoded here at the vote: :meth:`Participant.voted`); ``TxnOutcome``
 settles the row. After a reconnect the standby asks about every row still
 prepared (``TxnQuery``) and the active answers each once it knows
 (presumed abort: an id the active has no row for was never committed).

@@ -145,6 +145,9 @@ class _Channel:
     closing: bool = False  # channel.close sent by either side, close-ok pending
     #: we closed the channel on both sides: close-oks still due (client, broker)
     closed_by_us: int = 0
+    #: the client's close-ok came; what it sends on the channel number before the
+    #: broker's (a reopening) waits here, to go once the broker is done with it
+    reopening: list[bytes] | None = None
     publish: _Publish | None = None
     incoming: _Incoming | None = None
     confirm: bool = False
@@ -422,13 +425,27 @@ class Session:
                 self._channel_gone(ch)
                 del self._channels[channel]
             return None
-        if ids == amqp.CHANNEL_CLOSE and client:  # the client closed too: answer it
+        if client and ch.reopening is not None:
+            # the client is done with the old channel and may reuse its number
+            # (pika does at once); the broker is not done yet: hold it
+            ch.reopening.append(buf[f.start : f.end])
+        elif ids == amqp.CHANNEL_CLOSE and client:  # the client closed too: answer it
             self._out.to_client.append(amqp.marshal_method(commands.Channel.CloseOk(), channel))
         elif ids == amqp.CHANNEL_CLOSE_OK:
             ch.closed_by_us -= 1
+            if client:
+                ch.reopening = []
             if not ch.closed_by_us:
                 del self._channels[channel]
+                if ch.reopening:
+                    self._reopen(b"".join(ch.reopening))
         return b""  # nothing of ours reaches the other side any more
+
+    def _reopen(self, held: bytes) -> None:
+        """The client's frames on a channel number it reused before the
+        broker closed the old channel: relayed now, as if they came now."""
+        buf, frames, _ = FrameSplitter(0).feed(held)  # whole frames: no fault
+        self._from_client(buf, frames)
 
     # ------------------------------------------------------------ client side
 

@@ -389,12 +389,37 @@ def test_refused_prepare_closes_the_channel_on_both_sides_with_406() -> None:
     assert decode_all(out.to_broker)[0][1].name == "Channel.Open"
 
 
-def test_a_client_closing_while_we_close_gets_its_close_ok() -> None:
+def refused_on_channel_1() -> Session:
+    """A session whose transaction on channel 1 was refused at prepare: we
+    are closing the channel on both sides."""
     s = make_session()
     open_session(s)
     s.client_data(m(C.Tx.Select(), 1))
     s.client_data(publish(1, b"a") + m(C.Tx.Commit(), 1))
     s.transaction_prepared(1, refused="no")
+    return s
+
+
+def test_a_channel_reopened_before_the_broker_closed_it_waits_for_the_broker() -> None:
+    """pika reuses the channel number as soon as it has sent its close-ok;
+    the broker may not have answered our close yet. The reopening (and what
+    follows it) goes to the broker once it has, not before (a channel.open
+    on a channel the broker is closing is a connection error) and not never
+    (the client would wait for its open-ok for ever)."""
+    s = refused_on_channel_1()
+    out = s.client_data(
+        m(C.Channel.CloseOk(), 1) + m(C.Channel.Open(), 1) + m(C.Queue.Declare(queue="q"), 1)
+    )
+    assert out.to_broker == []  # the broker is still closing channel 1
+    out = s.broker_data(m(C.Channel.CloseOk(), 1))
+    assert out.to_client == []
+    assert [v.name for _, v in decode_all(out.to_broker)] == ["Channel.Open", "Queue.Declare"]
+    out = s.broker_data(m(C.Channel.OpenOk(), 1))
+    assert [v.name for _, v in decode_all(out.to_client)] == ["Channel.OpenOk"]
+
+
+def test_a_client_closing_while_we_close_gets_its_close_ok() -> None:
+    s = refused_on_channel_1()
     out = s.client_data(
         m(C.Channel.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0), 1)
     )

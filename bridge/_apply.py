@@ -45,6 +45,7 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import tuple_row
+from psycopg.types.numeric import Int8
 
 from plugin._events import Consumed, DeadLettered, Published, Purged, ReplicationId
 
@@ -54,10 +55,13 @@ from ._entry import LedgerEntry
 __all__ = [
     "ApplyResult",
     "GuardedApply",
+    "GuardedTemplate",
     "apply_entries",
     "apply_entries_async",
     "guarded_apply",
+    "guarded_template",
     "run_guarded",
+    "run_guarded_async",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,14 +92,15 @@ RETURNING queue, repl_id
 _INSERT_ROWS = """
 INSERT INTO live_message (vpn, queue, repl_id, publish_index, exchange, routing_key,
                           properties, body)
-SELECT %b, r.* FROM unnest(%b::text[], %b::bytea[], %b::int8[], %b::text[], %b::text[],
-                           %b::bytea[], %b::bytea[])
-                    AS r(queue, repl_id, publish_index, exchange, routing_key, properties,
-                         body){guard}
+SELECT %b, r.queue, r.repl_id, r.publish_index{base}, r.exchange, r.routing_key,
+       r.properties, r.body
+FROM unnest(%b::text[], %b::bytea[], %b::int8[], %b::text[], %b::text[], %b::bytea[],
+            %b::bytea[])
+     AS r(queue, repl_id, publish_index, exchange, routing_key, properties, body){guard}
 ON CONFLICT DO NOTHING{returning}
 """
 _DELETE = _DELETE_KEYS.format(guard="")
-_INSERT = _INSERT_ROWS.format(guard="", returning="")
+_INSERT = _INSERT_ROWS.format(base="", guard="", returning="")
 # A purge removes the queue's rows published before it (a replay of the purge
 # must not remove rows published after it), except the ids it spared.
 _PURGE = """
@@ -332,6 +337,8 @@ _GUARDED_UNKNOWN = """
 _GUARD_AND = "\n  AND EXISTS (SELECT FROM go)"
 _GUARD_WHERE = "\nWHERE EXISTS (SELECT FROM go)"
 _NO_DELETE = ", del AS (SELECT NULL::text AS queue, NULL::bytea AS repl_id WHERE false)"
+_BASE = ", base AS (SELECT %b::int8 AS n)"
+_PLUS_BASE = " + (SELECT n FROM base)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,6 +350,23 @@ class GuardedApply:
     sql: str
     params: tuple[Any, ...]
     plan: _Plan
+
+
+@dataclass(frozen=True, slots=True)
+class GuardedTemplate:
+    """:func:`guarded_template`'s statement, waiting for its guard's
+    parameters and its index base."""
+
+    vpn: str
+    sql: str
+    params: tuple[Any, ...]  # the apply's own, after the guard's and the base
+    plan: _Plan
+
+    def bind(self, guard_params: tuple[Any, ...], base: int = 0) -> GuardedApply:
+        """The statement to run: the rows' ``publish_index`` is ``base``
+        plus their entry's index."""
+        params = (*guard_params, Int8(base), *self.params)
+        return GuardedApply(self.vpn, self.sql, params, self.plan)
 
 
 def guarded_apply(
@@ -360,14 +384,26 @@ def guarded_apply(
     caller on the client's path (the standby committing a transaction
     ahead of the stream, :mod:`bridge._standby`).
     """
+    template = guarded_template(vpn, entries, guard)
+    return None if template is None else template.bind(guard_params)
+
+
+def guarded_template(
+    vpn: str, entries: Sequence[LedgerEntry], guard: str
+) -> GuardedTemplate | None:
+    """:func:`guarded_apply` in two steps: the statement built now (the
+    costly part: the plan and the packed columns), its guard's parameters
+    and an index base given when it runs (:meth:`GuardedTemplate.bind`).
+    The entries' indexes are then relative to that base, so a transaction's
+    events can be made ready before the index its group lands at is known."""
     runs = _runs(vpn, entries)
     if len(runs) != 1 or isinstance(runs[0][0].event, Purged | DeadLettered):
         return None
     plan = _plan(vpn, runs[0])
     if any(plan.keys[k].present for k in plan.deletes):
         return None  # removed, then inserted again: two statements
-    sql = [guard]
-    params: list[Any] = list(guard_params)
+    sql = [guard, _BASE]
+    params: list[Any] = []
     if plan.deletes:
         delete = _DELETE_KEYS.format(guard=_GUARD_AND)
         sql.append(f", del AS ({delete})")
@@ -376,7 +412,7 @@ def guarded_apply(
         sql.append(_NO_DELETE)
     rows = plan.rows
     if rows:
-        insert = _INSERT_ROWS.format(guard=_GUARD_WHERE, returning="\nRETURNING 1")
+        insert = _INSERT_ROWS.format(base=_PLUS_BASE, guard=_GUARD_WHERE, returning="\nRETURNING 1")
         sql.append(f", ins AS ({insert})")
         params += (vpn, *_row_columns(rows))
     counted = [k for k in plan.deletes if plan.keys[k].counted]
@@ -384,13 +420,27 @@ def guarded_apply(
         sql.append(_GUARDED_UNKNOWN)
         params += (len(counted) + len(plan.unknown), *_key_columns(counted), vpn)
     sql.append(_GUARDED_RESULT.format(inserted="(SELECT count(*) FROM ins)" if rows else "0"))
-    return GuardedApply(vpn, "".join(sql), tuple(params), plan)
+    return GuardedTemplate(vpn, "".join(sql), tuple(params), plan)
 
 
 def run_guarded(conn: psycopg.Connection[Any], apply: GuardedApply) -> ApplyResult | None:
     """Execute ``apply``; None when its guard did not let it apply anything."""
     with conn.cursor(row_factory=tuple_row) as cur:
         row = cur.execute(apply.sql, apply.params).fetchone()
+    return _guarded_result(apply, row)
+
+
+async def run_guarded_async(
+    conn: psycopg.AsyncConnection[Any], apply: GuardedApply
+) -> ApplyResult | None:
+    """:func:`run_guarded` on an asyncio connection (the bridge's loop)."""
+    async with conn.cursor(row_factory=tuple_row) as cur:
+        await cur.execute(apply.sql, apply.params)
+        row = await cur.fetchone()
+    return _guarded_result(apply, row)
+
+
+def _guarded_result(apply: GuardedApply, row: tuple[Any, ...] | None) -> ApplyResult | None:
     if row is None or not row[0]:
         return None
     deleted = {(str(q), bytes(i)) for q, i in zip(row[2], row[3], strict=True)}

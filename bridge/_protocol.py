@@ -126,7 +126,7 @@ __all__ = [
 ]
 
 MAGIC: Final = 0xBD
-PROTOCOL_VERSION: Final = 2  # 2: TxnCommit / TxnApplied
+PROTOCOL_VERSION: Final = 3  # 2: TxnCommit / TxnApplied; 3: TxnApplied answers every TxnCommit
 #: RabbitMQ (3.8+) accepts messages up to 128 MiB by default, and one event
 #: must fit in one frame; 8 MiB on top for properties and framing.
 DEFAULT_MAX_FRAME_SIZE: Final = 136 * 2**20
@@ -816,19 +816,17 @@ class TxnCommit(_TxnFrame):
 
 
 @dataclass(frozen=True, slots=True)
-class TxnApplied(_TxnFrame):
-    """Standby to active: ``txid``'s effects and its commit are durable
-    here (after a :class:`TxnCommit`). No answer means the standby left
-    it to the stream, whose acknowledgement the active waits for instead."""
+class TxnApplied(_TxnFlagFrame):
+    """Standby to active, the answer to every :class:`TxnCommit`: ``txid``'s
+    effects and its commit are durable here (``applied``), or the standby
+    left the transaction to the stream (not ``applied``), whose
+    acknowledgement the active waits for instead. The active holds the
+    group's copy in the stream until this answer, so the copy never
+    competes with the commit ahead for either node (``bridge._transport``)."""
 
     TYPE: ClassVar[int] = 17
-
-    def payload(self) -> bytes:
-        return self._head()
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls(*cls._read_head(r))
+    FLAG: ClassVar[str] = "applied"
+    applied: bool
 
 
 TxnFrame = TxnPrepare | TxnVote | TxnOutcome | TxnQuery | TxnCommit | TxnApplied
@@ -1092,7 +1090,7 @@ TRANSITIONS: Final[Mapping[tuple[Role, type[Frame], State], State | _Drop]] = Ma
         **{(_S, TxnQuery, state): state for state in VpnState},
         # the active lets the standby commit ahead of the stream,
         **{(_A, TxnCommit, state): state for state in VpnState},
-        # and the standby says it did.
+        # and the standby says whether it did.
         **{(_S, TxnApplied, state): state for state in VpnState},
     }
 )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from plugin._events import (
@@ -201,11 +201,13 @@ class Replicator(ReplicationSink):
     async def wait_for_room(self) -> None:
         await self.writer.wait_for_room()
 
-    async def prepare(self, txn: LocalTransaction) -> None:
+    def prepare(self, txn: LocalTransaction) -> Awaitable[None]:
+        """Start ``txn``'s two-phase prepare (:meth:`Coordinator.prepare`)."""
         if txn.vpn in self.fenced:
             raise TransactionRefused(f"VPN {txn.vpn!r} is fenced: a standby was promoted")
         if self.coordinator is not None:
-            await self.coordinator.prepare(txn)
+            return self.coordinator.prepare(txn)
+        return _nothing()
 
     async def commit(self, txn: LocalTransaction) -> None:
         """Record the commit (two-phase with a coordinator; else ledger the
@@ -227,6 +229,14 @@ class Replicator(ReplicationSink):
                 txn.txid,
             )
 
+    def commit_soon(
+        self, txn: LocalTransaction, done: Callable[[BaseException | None], None]
+    ) -> None:
+        if self.coordinator is not None:  # it answers in the standby's callback
+            self.coordinator.commit_soon(txn, done)
+        else:
+            super().commit_soon(txn, done)
+
     async def abort(self, txn: LocalTransaction) -> None:
         if self.coordinator is not None:
             await self.coordinator.abort(txn)
@@ -234,3 +244,7 @@ class Replicator(ReplicationSink):
     async def resolve(self, txn: LocalTransaction) -> None:
         if self.coordinator is not None:
             await self.coordinator.resolve(txn)
+
+
+async def _nothing() -> None:
+    """A prepare with no coordinator (tests of the sink alone)."""

@@ -62,7 +62,7 @@ from psycopg_pool import ConnectionPool
 
 from plugin._events import Event, Published
 
-from ._apply import apply_entries, guarded_apply, run_guarded
+from ._apply import GuardedApply, GuardedTemplate, apply_entries, guarded_template, run_guarded
 from ._entry import LedgerEntry, decode_event, split_events
 from ._errors import BridgeError, Gap, StaleEpoch, UnknownVpn
 from ._protocol import CheckpointRow
@@ -171,6 +171,16 @@ def _register(ahead: dict[bytes, _Ahead], txid: str, first: int, encoded: list[b
     last = first + len(encoded) - 1
     for i, data in enumerate(encoded):
         ahead[data] = _Ahead(txid, first + i, first + i == last)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyAhead:
+    """A voted transaction made ready to commit ahead of the stream
+    (:meth:`StandbyApplier.ready_ahead`)."""
+
+    txid: str
+    encoded: tuple[bytes, ...]  # its events' encodings, in order
+    template: GuardedTemplate | None  # None: one statement cannot hold it
 
 
 class StandbyApplier:
@@ -331,23 +341,21 @@ class StandbyApplier:
         ahead before (0: none); the group may follow it directly. ``voted``
         is the row's events (encoding, event) as the participant voted on
         them, when it still has them: the common group then goes in one
-        statement that checks, takes the row and applies
-        (:func:`~bridge._apply.guarded_apply`), instead of a transaction
-        that reads the events back.
+        statement that checks, takes the row and applies (:meth:`ready_ahead`,
+        :meth:`ahead_statement` and :meth:`applied_ahead` on this applier's
+        own connection — the steps the bridge runs on its event loop, with
+        the statement built at the vote), instead of a transaction that
+        reads the events back. Without ``voted`` (how the bridge calls it,
+        when it has no statement ready) it takes that checked path.
         """
-        if voted and vpn in self._ahead:
-            entries = [
-                LedgerEntry(vpn, epoch, first + i, event, data)
-                for i, (data, event) in enumerate(voted)
-            ]
-            params = (vpn, first - 1, after, first - 1, after, first - 1, txid, vpn)
-            statement = guarded_apply(vpn, entries, _TAKE_GUARD, params)
+        if voted:
+            ready = self.ready_ahead(vpn, txid, voted)
+            statement = self.ahead_statement(vpn, ready, first, after)
             if statement is not None:
                 with self._session() as conn:
                     if run_guarded(conn, statement) is None:
                         return None  # out of order, or not prepared here
-                _register(self._ahead[vpn], txid, first, [data for data, _ in voted])
-                return first + len(voted) - 1
+                return self.applied_ahead(vpn, ready, first)
         with self._transaction() as conn:
             applied, _ = self._lock_state(conn, vpn)
             if first - 1 != applied and not (after >= applied and first - 1 == after):
@@ -366,6 +374,46 @@ class StandbyApplier:
             apply_entries(conn, vpn, entries)
         _register(ahead, txid, first, encoded)
         return first + len(encoded) - 1
+
+    def ready_ahead(self, vpn: str, txid: str, voted: Sequence[tuple[bytes, Event]]) -> ReadyAhead:
+        """``txid``'s events as the participant voted on them (encoding and
+        event), made ready to commit ahead: the one statement's costly part
+        is built now, before the index its group lands at is known — the
+        bridge does it right after the vote, off the client's path."""
+        entries = [
+            # relative indexes (the statement adds the base); the apply stores no epoch
+            LedgerEntry(vpn, 1, 1 + i, event, data)
+            for i, (data, event) in enumerate(voted)
+        ]
+        template = guarded_template(vpn, entries, _TAKE_GUARD) if entries else None
+        return ReadyAhead(txid, tuple(data for data, _ in voted), template)
+
+    def ahead_statement(
+        self, vpn: str, ready: ReadyAhead, first: int, after: int
+    ) -> GuardedApply | None:
+        """:meth:`apply_prepared`'s one statement (gate, row move, apply) for
+        the group at ``first``, to run on any connection to this database —
+        the bridge runs it on its event loop — then :meth:`applied_ahead` if
+        it applied. None when the transaction needs the checked path of
+        :meth:`apply_prepared`: the VPN's applied-ahead events not loaded
+        yet (after a start), or a group one statement cannot hold."""
+        if ready.template is None or vpn not in self._ahead:
+            return None
+        params = (vpn, first - 1, after, first - 1, after, first - 1, ready.txid, vpn)
+        return ready.template.bind(params, first - 1)
+
+    def applied_ahead(self, vpn: str, ready: ReadyAhead, first: int) -> int:
+        """Record that :meth:`ahead_statement`'s statement applied the
+        transaction (its group's copy in the stream is then recognised);
+        returns the group's last index."""
+        _register(self._ahead[vpn], ready.txid, first, list(ready.encoded))
+        return first + len(ready.encoded) - 1
+
+    def forget_ahead(self, vpn: str) -> None:
+        """A commit ahead's outcome is unknown (its connection failed): read
+        the VPN's applied-ahead events from the database again before the
+        next batch, so a group that did commit is not applied twice."""
+        self._ahead.pop(vpn, None)
 
     def _applied_ahead(self, conn: psycopg.Connection[Any], vpn: str) -> dict[bytes, _Ahead]:
         """The VPN's events applied ahead of the stream (read at first use)."""

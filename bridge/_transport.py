@@ -57,7 +57,7 @@ import logging
 import ssl
 import urllib.error
 import urllib.request
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -75,6 +75,7 @@ from plugin._refresher import ManagementAPI, ManagementUnavailable
 from plugin._vpn import Role, VpnSettings
 from txn._failpoints import failpoint
 
+from ._apply import GuardedApply, run_guarded_async
 from ._entry import LedgerEntry
 from ._errors import (
     BridgeError,
@@ -115,7 +116,13 @@ from ._protocol import (
     VpnResource,
 )
 from ._replicator import Replicator
-from ._standby import NotStandby, StandbyApplier, StandbyError
+from ._standby import (
+    NotStandby,
+    ReadyAhead,
+    StandbyApplier,
+    StandbyError,
+    StandbyUnavailable,
+)
 from ._tls import describe_tls_error, make_client_context, make_server_context
 
 if TYPE_CHECKING:
@@ -529,6 +536,9 @@ class _Outbound:
     pending: deque[tuple[list[LedgerEntry], int]] = field(default_factory=deque)
     queued_bytes: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: first index of a group the standby was asked to commit ahead -> its
+    #: answer (TxnApplied); the group's copy is held until then
+    answers: dict[int, asyncio.Future[bool]] = field(default_factory=dict)
 
     def push(self, entries: list[LedgerEntry]) -> None:
         size = sum(_entry_size(e) for e in entries)
@@ -561,6 +571,15 @@ class _StandbyPeer:
 
 #: the active prunes its ledger at most this often (seconds)
 PRUNE_INTERVAL = 1.0
+#: how long the stream holds a group for the standby's answer to its commit ahead
+ANSWER_WAIT = 1.0
+#: voted transactions kept ready to commit ahead on the standby (the oldest go
+#: first; one whose commit comes later takes the checked path, reading its row)
+READY_KEPT = 1024
+
+
+def _nothing() -> None:
+    """An ``on_applied`` that no one waits for any more."""
 
 
 class BridgeServer:
@@ -620,7 +639,8 @@ class BridgeServer:
         self.coordinator: Coordinator | None = None
         self._votes: dict[str, asyncio.Future[bool]] = {}
         #: txid -> what to run when the standby says it applied the transaction ahead
-        self._ahead: dict[str, Callable[[], None]] = {}
+        #: txid -> (called if the standby applied it ahead, the answer it holds the stream for)
+        self._ahead: dict[str, tuple[Callable[[], None], asyncio.Future[bool]]] = {}
         self._txn_tasks: set[asyncio.Task[None]] = set()
         self._prune_due: dict[str, int] = {}  # vpn -> newest acknowledged index
         self._pruner: asyncio.Task[None] | None = None
@@ -816,6 +836,7 @@ class BridgeServer:
                 )
                 for vpn in list(peer.streams):
                     self._state_changed(vpn)
+                self._unanswered(peer)
                 await peer.link.close()
         except asyncio.CancelledError:
             # Only close() cancels a handler. Returning (not re-raising) keeps
@@ -828,6 +849,14 @@ class BridgeServer:
             if not writer.is_closing():
                 writer.close()
             self._handlers.discard(task)
+
+    def _unanswered(self, peer: _StandbyPeer) -> None:
+        """``peer`` is gone: its commits ahead will not be answered."""
+        for out in peer.streams.values():
+            for answer in out.answers.values():
+                if not answer.done():
+                    answer.set_result(False)
+        self._ahead = {t: a for t, a in self._ahead.items() if not a[1].done()}
 
     async def _handshake(self, writer: asyncio.StreamWriter, address: str) -> bool:
         assert self._ssl is not None  # noqa: S101 - checked by the caller
@@ -916,43 +945,53 @@ class BridgeServer:
         standby's round being the longer); the awaitable is True once it
         voted yes within ``within`` seconds. A standby that is not connected
         cannot prepare: False at once (the VPN's on-sync-timeout policy then
-        applies)."""
+        applies). The awaitable is a plain future, resolved by the vote or
+        the timer: the caller wakes one event-loop turn after the vote, not
+        two (as behind a task of its own)."""
         peer = self._standby_of(vpn)
-        vote: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        vote: asyncio.Future[bool] = loop.create_future()
         if peer is None or not peer.link.try_send(TxnPrepare(vpn, peer.epochs[vpn], txid, events)):
             vote.set_result(False)
             return vote
         self._votes[txid] = vote
-        return self._vote(txid, vote, within)
+        timer = loop.call_later(within, self._no_vote, txid, vote)
+        vote.add_done_callback(lambda _: timer.cancel())
+        return vote
 
-    async def _vote(self, txid: str, vote: asyncio.Future[bool], within: float) -> bool:
-        try:
-            async with asyncio.timeout(within):
-                return await vote
-        except TimeoutError:
-            return False
-        finally:
-            self._votes.pop(txid, None)
+    def _no_vote(self, txid: str, vote: asyncio.Future[bool]) -> None:
+        """The standby did not vote in time: the vote counts as no."""
+        if self._votes.get(txid) is vote:
+            del self._votes[txid]
+        if not vote.done():
+            vote.set_result(False)
 
     def commit_ahead(self, vpn: str, txid: str, first: int, on_applied: Callable[[], None]) -> bool:
         """Tell the standby the broker committed ``txid`` (its group at
         ``first`` onwards) so it may apply it ahead of the stream;
-        ``on_applied()`` runs if it says it did. False when no standby
+        ``on_applied()`` runs if it says it did. The group's copy in the
+        stream waits for the answer (:meth:`_pump`). False when no standby
         streams the VPN live (nothing sent)."""
         peer = self._standby_of(vpn)
         out = peer.streams.get(vpn) if peer is not None else None
-        if peer is None or out is None or not out.live:
+        if peer is None or out is None or not out.live or first < out.next_index:
             return False
-        self._ahead[txid] = on_applied
+        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._ahead[txid] = (on_applied, answer)
+        out.answers[first] = answer
         if not peer.link.try_send(TxnCommit(vpn, peer.epochs[vpn], txid, first)):
             self._ahead.pop(txid, None)
+            del out.answers[first]
             return False
         return True
 
     def outcome(self, vpn: str, txid: str, commit: bool) -> None:
         """Tell the standby how ``txid`` ended (if one is connected: else it
         asks when it reconnects)."""
-        self._ahead.pop(txid, None)
+        ahead = self._ahead.pop(txid, None)
+        if ahead is not None and not ahead[1].done():
+            # settled without the answer (timed out): the stream still waits for it
+            self._ahead[txid] = (_nothing, ahead[1])
         self._votes.pop(txid, None)  # a vote no one waits for any more
         peer = self._standby_of(vpn)
         if peer is not None:
@@ -968,13 +1007,17 @@ class BridgeServer:
             if self._states is not None:
                 self._states.acked(frame.vpn, frame.index, frame.epoch)
         elif isinstance(frame, TxnVote):
-            vote = self._votes.get(frame.txid)
+            vote = self._votes.pop(frame.txid, None)
             if vote is not None and not vote.done():
                 vote.set_result(frame.ok)
         elif isinstance(frame, TxnApplied):
-            applied = self._ahead.pop(frame.txid, None)
-            if applied is not None:
-                applied()
+            ahead = self._ahead.pop(frame.txid, None)
+            if ahead is not None:
+                on_applied, answer = ahead
+                if not answer.done():
+                    answer.set_result(frame.applied)
+                if frame.applied:
+                    on_applied()
         else:
             task = asyncio.create_task(self._answer(peer, frame))
             self._txn_tasks.add(task)
@@ -1210,7 +1253,14 @@ class BridgeServer:
         return at + 1
 
     async def _pump(self, link: _Link, out: _Outbound) -> None:
-        """Live phase: send what the ledger subscriber queued, in order."""
+        """Live phase: send what the ledger subscriber queued, in order.
+
+        A group the standby was asked to commit ahead (:meth:`commit_ahead`)
+        is sent once the standby answered, not as soon as it is durable:
+        the standby could not apply the copy before the commit ahead anyway
+        (both go through its one queue per VPN, in order), and sending it at
+        once made both nodes encode, encrypt and decode it while the client
+        waits for that commit. Entries before the group go at once."""
         while True:
             if not out.pending:
                 out.wake.clear()
@@ -1227,10 +1277,44 @@ class BridgeServer:
                 raise LedgerError(
                     f"live entries jump from {out.next_index} to {batch[0].index}", out.vpn
                 )
-            for i in range(0, len(batch), self.batch_size):
-                self._send_events(link, out, batch[i : i + self.batch_size])
-            out.next_index = batch[-1].index + 1
-            await link.flush()
+            while batch:
+                held = self._held_at(out, batch)
+                ready, batch = batch[:held], batch[held:]
+                for i in range(0, len(ready), self.batch_size):
+                    self._send_events(link, out, ready[i : i + self.batch_size])
+                if ready:
+                    out.next_index = ready[-1].index + 1
+                    await link.flush()
+                if batch:
+                    await self._await_answer(out, out.answers.pop(batch[0].index))
+
+    @staticmethod
+    def _held_at(out: _Outbound, batch: list[LedgerEntry]) -> int:
+        """How many entries of ``batch`` go before the first group whose
+        commit ahead is still unanswered (``len(batch)``: none is)."""
+        first, last = batch[0].index, batch[-1].index
+        for at in sorted(out.answers):
+            if at > last:
+                break
+            if at < first or out.answers[at].done():
+                del out.answers[at]  # answered, or sent already: nothing to hold
+                continue
+            return at - first
+        return len(batch)
+
+    async def _await_answer(self, out: _Outbound, answer: asyncio.Future[bool]) -> None:
+        """Wait for the standby's answer to a commit ahead; after
+        ``ANSWER_WAIT`` the group goes without it (a standby that went
+        silent is dropped by the heartbeats, not here)."""
+        try:
+            async with asyncio.timeout(ANSWER_WAIT):
+                await asyncio.shield(answer)
+        except TimeoutError:
+            log.warning(
+                "bridge: VPN %s: no answer to a commit ahead in %.1f s; streaming the group",
+                out.vpn,
+                ANSWER_WAIT,
+            )
 
 
 # ---------------------------------------------------------------- standby side
@@ -1335,12 +1419,16 @@ class BridgeClient:
         self._writes: _VpnStateWriter | None = None
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._applier: StandbyApplier | None = None
+        #: the standby database connection commits ahead run on (on the loop)
+        self._ahead_conn: psycopg.AsyncConnection[Any] | None = None
         self._skipped: dict[str, str] = {}  # VPN -> why it is not replicated (logged once)
         self._config_sync_failures: dict[str, str] = {}  # VPN -> why (logged once)
         #: Established sessions so far (tests and status).
         self.sessions = 0
         #: the standby's side of local transactions (set by the node)
         self.participant: Participant | None = None
+        #: txid -> its voted events made ready to commit ahead, until the commit or the outcome
+        self._ready: OrderedDict[str, ReadyAhead] = OrderedDict()
         self._txn_tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -1400,6 +1488,9 @@ class BridgeClient:
                 await self._writes.close()
                 self._writes = None
             await self._pool.close()
+            if self._ahead_conn is not None:
+                await self._ahead_conn.close()
+                self._ahead_conn = None
             await asyncio.to_thread(self._applier.close)
             self._stopped.set()
 
@@ -1582,11 +1673,17 @@ class BridgeClient:
         if self.participant is None:
             return
         if isinstance(frame, TxnOutcome):
+            self._ready.pop(frame.txid, None)
             await self.participant.outcome(frame.vpn, frame.txid, frame.commit)
             return
-        ok = await self.participant.prepare(frame.vpn, frame.txid, frame.events)
+        voted = await self.participant.prepare(frame.vpn, frame.txid, frame.events)
         epoch = session.link.conn.known_epoch(frame.vpn)
-        session.link.try_send(TxnVote(frame.vpn, epoch, frame.txid, ok))
+        session.link.try_send(TxnVote(frame.vpn, epoch, frame.txid, voted is not None))
+        if voted and self._applier is not None:
+            # the commit ahead's statement, built while the active commits the broker
+            self._ready[frame.txid] = self._applier.ready_ahead(frame.vpn, frame.txid, voted)
+            if len(self._ready) > READY_KEPT:
+                self._ready.popitem(last=False)
 
     async def _ask_in_doubt(self, session: _Session, vpn: str) -> None:
         """After a (re)sync: ask the active how our prepared transactions ended."""
@@ -1844,31 +1941,64 @@ class BridgeClient:
 
     async def _apply_ahead(self, session: _Session, inbound: _Inbound, frame: TxnCommit) -> None:
         """Commit a transaction from its prepared row before its group comes
-        with the stream (``bridge._standby``); if that is not possible now,
-        say nothing: the group comes with the stream, and its ``Ack`` is
-        what the active waits for then."""
+        with the stream (``bridge._standby``) and say so; if that is not
+        possible now, say that: the group comes with the stream (the active
+        holds it until this answer), and its ``Ack`` is what the active
+        waits for then."""
         assert self._applier is not None  # noqa: S101 - run() created it
         vpn, txid = inbound.vpn, frame.txid
-        voted = self.participant.voted(txid) if self.participant is not None else None
+        ready = self._ready.pop(txid, None)
+        last: int | None = None
         try:
-            last = await asyncio.to_thread(
-                self._applier.apply_prepared,
-                vpn,
-                txid,
-                frame.epoch,
-                frame.first,
-                inbound.ahead,
-                voted,
-            )
+            statement = None
+            if ready is not None:
+                statement = self._applier.ahead_statement(vpn, ready, frame.first, inbound.ahead)
+            if ready is not None and statement is not None:
+                # the usual case: one statement, on this loop (no thread hop)
+                if await self._run_ahead(statement):
+                    last = self._applier.applied_ahead(vpn, ready, frame.first)
+            else:
+                last = await asyncio.to_thread(
+                    self._applier.apply_prepared,
+                    vpn,
+                    txid,
+                    frame.epoch,
+                    frame.first,
+                    inbound.ahead,
+                )
         except (BridgeError, psycopg.Error, ValueError) as e:
+            if isinstance(e, StandbyUnavailable):
+                self._applier.forget_ahead(vpn)  # it may have committed
             why = _describe(e)
             log.warning("bridge: VPN %s: transaction %s left to the stream: %s", vpn, txid, why)
-            return
-        if last is None:
-            return
-        inbound.ahead = last
-        failpoint("participant.after-apply-ahead")
-        session.link.try_send(TxnApplied(vpn, session.link.conn.known_epoch(vpn), txid))
+        if last is not None:
+            inbound.ahead = last
+            failpoint("participant.after-apply-ahead")
+        epoch = session.link.conn.known_epoch(vpn)
+        session.link.try_send(TxnApplied(vpn, epoch, txid, last is not None))
+
+    async def _run_ahead(self, statement: GuardedApply) -> bool:
+        """Run a commit ahead's one statement on this standby's own
+        connection for it; True if its guard let it apply."""
+        conn = self._ahead_conn
+        if conn is None or conn.closed or conn.broken:
+            self._ahead_conn = None
+            conn = await psycopg.AsyncConnection.connect(
+                self._dsn, autocommit=True, connect_timeout=10
+            )
+            self._ahead_conn = conn
+        try:
+            return await run_guarded_async(conn, statement) is not None
+        except BaseException as e:
+            if isinstance(e, psycopg.Error) and not isinstance(e, psycopg.OperationalError):
+                raise  # refused by the database: nothing committed, the connection is fine
+            # the outcome is unknown (a lost connection, or cancelled mid-statement)
+            self._ahead_conn = None
+            assert self._applier is not None  # noqa: S101 - run() created it
+            self._applier.forget_ahead(statement.vpn)
+            with contextlib.suppress(Exception):
+                await conn.close()
+            raise
 
     def _abandon(self, session: _Session, inbound: _Inbound, why: BridgeError) -> None:
         """Stop applying this VPN's stream and tell the active why."""

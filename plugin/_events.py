@@ -13,7 +13,7 @@ import asyncio
 import functools
 import itertools
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -298,6 +298,11 @@ class TransactionRefused(Exception):
     """The sink could not prepare a transaction; ``reason`` goes to the client."""
 
 
+#: commits under way through the default :meth:`ReplicationSink.commit_soon`
+#: (the loop keeps only weak references to tasks)
+_COMMITTING: set[asyncio.Task[None]] = set()
+
+
 class ReplicationSink(abc.ABC):
     """Where the listener's events go. Implemented by the bridge."""
 
@@ -327,12 +332,33 @@ class ReplicationSink(abc.ABC):
             self.append(event, None if key is None else functools.partial(on_durable, key))
 
     @abc.abstractmethod
-    async def prepare(self, txn: LocalTransaction) -> None:
-        """Persist ``txn`` as prepared; raise :class:`TransactionRefused` if not."""
+    def prepare(self, txn: LocalTransaction) -> Awaitable[None]:
+        """Persist ``txn`` as prepared; the awaitable raises
+        :class:`TransactionRefused` if not (or the call itself does). An
+        ``async def`` does; a sink may also start the work at the call, so
+        it begins before the listener's task for the rest is scheduled."""
 
     @abc.abstractmethod
     async def commit(self, txn: LocalTransaction) -> None:
         """Persist the commit decision of a prepared ``txn`` and apply it."""
+
+    def commit_soon(
+        self, txn: LocalTransaction, done: Callable[[BaseException | None], None]
+    ) -> None:
+        """:meth:`commit`, reporting through ``done(error)`` (``None``:
+        committed; :class:`TransactionRefused`: not recorded) instead of
+        being awaited. A sink that learns the outcome in a callback of its
+        own overrides this and calls ``done`` there, so the listener
+        answers the client in that same callback, not one event-loop turn
+        and a task wake-up later."""
+        task = asyncio.ensure_future(self.commit(txn))
+        _COMMITTING.add(task)
+
+        def finished(task: asyncio.Task[None]) -> None:
+            _COMMITTING.discard(task)
+            done(asyncio.CancelledError() if task.cancelled() else task.exception())
+
+        task.add_done_callback(finished)
 
     @abc.abstractmethod
     async def abort(self, txn: LocalTransaction) -> None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -194,9 +195,9 @@ class _ClientSide(asyncio.Protocol):
             self._count(out.events)
             sink.append_many(out.events, self._durable_notice)
         for txn in out.prepare:
-            self._spawn(self._prepare(txn))
+            self._spawn(self._prepare(txn, self._start_prepare(txn)))
         for txn in out.commit:
-            self._spawn(self._commit(txn))
+            self.listener.sink.commit_soon(txn, functools.partial(self._committed, txn))
         self._settle(out)
         if out.drop_broker and self.broker is not None and self.broker.transport is not None:
             self.broker.transport.close()
@@ -239,10 +240,17 @@ class _ClientSide(asyncio.Protocol):
         for txn in out.unresolved:
             self._spawn(sink.resolve(txn))
 
-    async def _prepare(self, txn: LocalTransaction) -> None:
+    def _start_prepare(self, txn: LocalTransaction) -> Awaitable[None]:
+        """The sink's prepare, started now (see ReplicationSink.prepare)."""
+        try:
+            return self.listener.sink.prepare(txn)
+        except TransactionRefused as e:
+            return _raise(e)
+
+    async def _prepare(self, txn: LocalTransaction, prepared: Awaitable[None]) -> None:
         refused: str | None = None
         try:
-            await self.listener.sink.prepare(txn)
+            await prepared
         except TransactionRefused as e:
             refused = str(e)
         if not self._closed:
@@ -250,20 +258,20 @@ class _ClientSide(asyncio.Protocol):
         elif refused is None:  # the client left while we prepared
             await self.listener.sink.abort(txn)
 
-    async def _commit(self, txn: LocalTransaction) -> None:
-        try:
-            await self.listener.sink.commit(txn)
-        except TransactionRefused as e:
-            # The broker committed but replication could not record it: the
-            # client must not hear tx.commit-ok; as with any connection lost
-            # at commit, its outcome is for the client to find out (the node
-            # records it at its next start, from the commit marker).
-            log.error("transaction %s: commit not recorded: %s", txn.txid, e)
+    def _committed(self, txn: LocalTransaction, error: BaseException | None) -> None:
+        """The sink's answer to a committed transaction: release
+        ``tx.commit-ok``, in the sink's own callback (no event-loop turn)."""
+        if error is None:
             if not self._closed:
-                self.apply(self.session.shutdown(f"transaction outcome unknown: {e}"))
+                self.apply(self.session.transaction_committed(txn.channel))
             return
+        # The broker committed but replication could not record it: the
+        # client must not hear tx.commit-ok; as with any connection lost at
+        # commit, its outcome is for the client to find out (the node records
+        # it at its next start, from the commit marker).
+        log.error("transaction %s: commit not recorded: %s", txn.txid, error)
         if not self._closed:
-            self.apply(self.session.transaction_committed(txn.channel))
+            self.apply(self.session.shutdown(f"transaction outcome unknown: {error}"))
 
     async def _wait_for_sink(self) -> None:
         await self.listener.sink.wait_for_room()
@@ -386,3 +394,7 @@ def _write_joined(transport: asyncio.WriteTransport, chunks: list[bytes]) -> Non
     and with TCP_NODELAY every chunk becomes a segment the broker must read
     separately; one copy of the read's bytes is far cheaper than that."""
     transport.write(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
+async def _raise(error: BaseException) -> None:
+    raise error

@@ -139,7 +139,8 @@ SAMPLES: list[Frame] = [
     TxnOutcome(VPN, 3, "7.1.1.1", False),
     TxnQuery(VPN, 3, ("7.1.1.1", "7.2.1.5")),
     TxnCommit(VPN, 3, "7.1.1.1", 2**64 - 1),
-    TxnApplied(VPN, 3, "7.1.1.1"),
+    TxnApplied(VPN, 3, "7.1.1.1", True),
+    TxnApplied(VPN, 3, "7.1.1.1", False),
 ]
 
 
@@ -1169,8 +1170,8 @@ def test_transaction_frames_go_in_any_stream_state_and_change_none() -> None:
     pair.sync(from_index=1)
     pair.a(TxnOutcome(VPN, 3, "t1", True), batch(1, 2), TxnCommit(VPN, 3, "t2", 3))
     assert [type(f) for f in pair.at_standby()] == [TxnOutcome, Events, TxnCommit]
-    pair.s(TxnApplied(VPN, 3, "t2"))
-    assert pair.at_active() == [TxnApplied(VPN, 3, "t2")]
+    pair.s(TxnApplied(VPN, 3, "t2", True))
+    assert pair.at_active() == [TxnApplied(VPN, 3, "t2", True)]
     assert pair.states() == (VpnState.LIVE, VpnState.LIVE)
 
 
@@ -1182,7 +1183,7 @@ def test_transaction_frames_keep_their_direction_and_epoch() -> None:
     with pytest.raises(LocalProtocolError):
         pair.active.send(TxnVote(VPN, 3, "t1", True))  # only the standby votes
     with pytest.raises(LocalProtocolError):
-        pair.active.send(TxnApplied(VPN, 3, "t1"))  # only the standby applies
+        pair.active.send(TxnApplied(VPN, 3, "t1", False))  # only the standby applies
     with pytest.raises(LocalProtocolError):
         pair.standby.send(TxnCommit(VPN, 5, "t1", 1))  # only the active decides
     with pytest.raises(LocalProtocolError):

@@ -43,6 +43,7 @@ from bridge import (
     SyncRequest,
     TlsSetupError,
     VpnResource,
+    _transport,
     make_client_context,
     make_server_context,
 )
@@ -55,6 +56,7 @@ from plugin._store import connect, disable_vpn, enable_vpn, status
 from plugin._vpn import Role, VpnSettings
 from sql import migrate
 from tests.fix_tls import Pki
+from txn._log import encode_events
 
 VPN = "orders"
 QUEUES = ("orders.q1", "orders.q2")
@@ -197,10 +199,10 @@ async def active(site: LocalSite, **kwargs: Any) -> AsyncIterator[Active]:
 
 
 @contextlib.asynccontextmanager
-async def standby(site: LocalSite, port: int, **kwargs: Any) -> AsyncIterator[BridgeClient]:
-    client = BridgeClient(
-        "b", site.pg.dsn(), HostPort("127.0.0.1", port), **{**CLIENT_FAST, **kwargs}
-    )
+async def standby(
+    site: LocalSite, port: int, cls: type[BridgeClient] = BridgeClient, **kwargs: Any
+) -> AsyncIterator[BridgeClient]:
+    client = cls("b", site.pg.dsn(), HostPort("127.0.0.1", port), **{**CLIENT_FAST, **kwargs})
     task = asyncio.create_task(client.run())
     try:
         yield client
@@ -590,6 +592,119 @@ def test_an_ack_records_applied_index_prunes_and_releases_a_sync_confirm(
 
     run(scenario)
     assert applied(b_dsn) == 10
+
+
+class HeldStandby(BridgeClient):
+    """A standby that takes up a commit ahead only once ``gate`` is set,
+    noting how far the stream had reached it by then, and (``silent``)
+    may never answer it, like a standby whose answer is lost."""
+
+    gate: asyncio.Event
+    silent = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = asyncio.Event()
+        self.stream_at: list[int | None] = []
+
+    async def _apply_ahead(self, session: Any, inbound: Any, frame: Any) -> None:
+        await self.gate.wait()
+        self.stream_at.append(session.link.conn.next_index(frame.vpn))
+        if not self.silent:
+            await super()._apply_ahead(session, inbound, frame)
+
+
+@contextlib.asynccontextmanager
+async def held_standby(
+    site_a: LocalSite, site_b: LocalSite
+) -> AsyncIterator[tuple[Active, HeldStandby]]:
+    """An active with 30 publishes (and their consumptions) in its ledger,
+    and a :class:`HeldStandby` that has caught up and streams live."""
+    async with active(site_a) as a:
+        last = await feed(a.writer, events(1, 30))
+        async with standby(site_b, site_a.bridge_port, HeldStandby) as b:
+            assert isinstance(b, HeldStandby)
+            await until(lambda: applied(site_b.pg.dsn()) == last.index, "the catch-up")
+            await until(lambda: a.server.bridge_state(VPN) == "connected", "A live")
+            yield a, b
+
+
+def commit_group(a: Active, txid: str, group: list[Event], applied_ahead: list[str]) -> int:
+    """What the coordinator does at a sync transaction's decision: append
+    the group, then tell the standby (returns the group's first index)."""
+    last = a.writer.append_group(group, None)
+    first = last - len(group) + 1
+    assert a.server.commit_ahead(VPN, txid, first, lambda: applied_ahead.append(txid))
+    return first
+
+
+def test_a_group_committed_ahead_streams_once_the_standby_answered(
+    site_a: LocalSite, site_b: LocalSite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream holds a group the standby was asked to commit ahead until
+    it answers — yes (it skips the copy) or no (it applies the copy) — and
+    the two sites end equal either way."""
+    monkeypatch.setattr(_transport, "ANSWER_WAIT", 60.0)  # only an answer releases it
+    a_dsn, b_dsn = prepare(site_a, orders="active"), prepare(site_b)
+
+    async def scenario() -> None:
+        async with held_standby(site_a, site_b) as (a, b):
+            ahead: list[str] = []
+            # t1 is prepared on the standby: it commits it ahead
+            group = events(31, 6)  # publishes and a consumption
+            sql(
+                b_dsn,
+                "INSERT INTO txn_log (txid, vpn, side, state, events, ledger_floor)"
+                " VALUES ('t1', %s, 'participant', 'prepared', %s, 0)",
+                VPN,
+                encode_events(group),
+            )
+            first = commit_group(a, "t1", group, ahead)
+            end = first + len(group) - 1
+            await a.writer.wait_durable(VPN, end)
+            await asyncio.sleep(0.3)  # time enough for a copy sent at once to arrive
+            b.gate.set()
+            await until(lambda: applied(b_dsn) == end, "the group on B")
+            assert b.stream_at == [first]  # the copy came after the answer
+            assert ahead == ["t1"]
+            assert scalar(b_dsn, "SELECT state FROM txn_log WHERE txid = 't1'") == "committed"
+            await asyncio.to_thread(same_state, a_dsn, b_dsn)
+            # t2 is not prepared there: it says so, and applies the copy
+            group = events(37, 6)
+            first = commit_group(a, "t2", group, ahead)
+            end = first + len(group) - 1
+            await until(lambda: applied(b_dsn) == end, "the declined group on B")
+            assert b.stream_at[1] == first
+            assert ahead == ["t1"]
+            await asyncio.to_thread(same_state, a_dsn, b_dsn)
+
+    run(scenario)
+
+
+def test_a_group_whose_commit_ahead_is_not_answered_streams_after_a_wait(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(_transport, "ANSWER_WAIT", 0.5)
+    monkeypatch.setattr(HeldStandby, "silent", True)
+    a_dsn, b_dsn = prepare(site_a, orders="active"), prepare(site_b)
+
+    async def scenario() -> None:
+        async with held_standby(site_a, site_b) as (a, b):
+            b.gate.set()
+            ahead: list[str] = []
+            group = events(31, 6)
+            first = commit_group(a, "t1", group, ahead)
+            end = first + len(group) - 1
+            await until(lambda: applied(b_dsn) == end, "the unanswered group on B")
+            assert ahead == []
+            await asyncio.to_thread(same_state, a_dsn, b_dsn)
+        waited = [r for r in caplog.records if "no answer to a commit ahead" in r.message]
+        assert len(waited) == 1
+
+    run(scenario)
 
 
 def test_config_sync_creates_the_vhost_its_queues_and_the_standby_vpn(

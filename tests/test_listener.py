@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Awaitable
 
 import pika
 import pytest
-from pika.exceptions import ProbableAccessDeniedError, ProbableAuthenticationError
+from pika.exceptions import (
+    ChannelClosedByBroker,
+    ProbableAccessDeniedError,
+    ProbableAuthenticationError,
+)
 
-from plugin._events import REPLICATION_HEADER, Consumed, MemorySink, Published
+from plugin._events import (
+    REPLICATION_HEADER,
+    Consumed,
+    LocalTransaction,
+    MemorySink,
+    Published,
+    TransactionRefused,
+)
 from plugin._localsites import LocalSite, free_port
 from plugin._vpn import Role
 from tests.fix_listener import ListenerThread, enable_vpn
@@ -151,6 +163,58 @@ def test_transaction_events_reach_the_sink_only_on_commit(
     ch.tx_commit()
     conn.close()
     assert [c.repl_id for c in _events(sink, Consumed)] == [_events(sink, Published)[0].repl_id]
+
+
+class RefusingSink(MemorySink):
+    """Refuses every prepare: at the call (as a fenced VPN's sink does) or
+    from the awaitable (as the coordinator does when the standby did not
+    vote in time)."""
+
+    def __init__(self, at_call: bool) -> None:
+        super().__init__()
+        self.at_call = at_call
+
+    @property
+    def reason(self) -> str:
+        if self.at_call:
+            return "VPN 'orders' is fenced: a standby was promoted"
+        return "the standby did not prepare in time (5 ms); nothing was applied"
+
+    def prepare(self, txn: LocalTransaction) -> Awaitable[None]:
+        if self.at_call:
+            raise TransactionRefused(self.reason)
+        return self._refuse()
+
+    async def _refuse(self) -> None:
+        raise TransactionRefused(self.reason)
+
+
+@pytest.mark.parametrize("at_call", [True, False], ids=["at the call", "when awaited"])
+def test_a_refused_prepare_closes_the_channel_and_commits_nothing(
+    site_a: LocalSite, at_call: bool
+) -> None:
+    setup_vpn(site_a)
+    lt = ListenerThread(site_a.rabbit.amqp_port, RefusingSink(at_call))
+    try:
+        enable_vpn(lt, site_a, "orders", queues=(r"orders\.q1",))
+        conn = pika.BlockingConnection(pika.URLParameters(lt.url("orders")))
+        ch = conn.channel()
+        ch.queue_purge("orders.q1")
+        ch.tx_select()
+        ch.basic_publish("events", "order.a", b"not-committed", PERSISTENT)
+        with pytest.raises(ChannelClosedByBroker) as refused:
+            ch.tx_commit()
+        assert refused.value.reply_code == 406
+        reason = RefusingSink(at_call).reason
+        assert refused.value.reply_text == f"transaction not committed: {reason}"
+        ch = conn.channel()  # the connection stays open
+        assert ch.queue_declare("orders.q1", passive=True).method.message_count == 0
+        conn.close()
+    finally:
+        lt.stop()
+    sink = lt.sink
+    assert isinstance(sink, RefusingSink)
+    assert sink.committed == [] and _events(sink, Published) == []
 
 
 def test_standby_vhost_refuses_clients_with_530(site_a: LocalSite, listener_a: ListenerThread):

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg_pool import ConnectionPool
 
-from bridge._apply import _DELETE, apply_entries, guarded_apply, run_guarded
+from bridge._apply import _DELETE, apply_entries, guarded_apply, run_guarded, run_guarded_async
 from bridge._arrays import bytea_array, text_array
 from bridge._entry import LedgerEntry, encode_event
 from bridge._errors import Gap, StaleEpoch, UnknownVpn
@@ -675,6 +675,37 @@ def test_one_statement_declines_a_vpn_no_longer_standby_here(site_b: LocalSite) 
         assert applier.apply_prepared("v", "t1", 1, first=2, after=0, voted=events) is None
     assert keys(dsn, "v") == {("q", 1, 1)}
     assert txn_state(dsn, "t1") == "prepared"
+
+
+def test_a_commit_ahead_whose_reply_was_lost_is_recognised_from_its_row(
+    site_b: LocalSite,
+) -> None:
+    """The bridge runs a commit ahead's statement on its own asyncio
+    connection; when that connection fails, the statement may have
+    committed without the applier hearing of it. ``forget_ahead`` makes the
+    applier read the applied rows again, so the stream's copy of the group
+    is skipped, not applied a second time."""
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    group: list[Event] = [ack("v", 1, "q"), pub("v", 3, "q")]
+    prepared(dsn, "v", "t1", group)
+    with StandbyApplier(dsn) as applier:
+        applier.apply_batch("v", numbered([pub("v", 1, "q"), pub("v", 2, "q")]))
+        ready = applier.ready_ahead("v", "t1", voted(group))
+        statement = applier.ahead_statement("v", ready, first=3, after=0)
+        assert statement is not None
+
+        async def commit_ahead() -> None:
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                assert await run_guarded_async(conn, statement) is not None
+
+        asyncio.run(commit_ahead())  # committed; the reply "lost": not registered
+        assert txn_state(dsn, "t1") == "applied"
+        applier.forget_ahead("v")
+        assert applier.apply_batch("v", numbered(group, start=3)) == 4
+    assert keys(dsn, "v") == {("q", 2, 2), ("q", 3, 4)}
+    assert state(dsn, "v")[3] == 0  # the group's ACK was not applied twice
+    assert txn_state(dsn, "t1") == "committed"
 
 
 def test_a_group_re_appended_elsewhere_after_the_active_restarted_is_applied_once(

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from bridge._entry import encode_event
 from bridge._ledger import LedgerWriter
-from plugin._events import IdSource, LocalTransaction, Published
+from plugin._events import IdSource, LocalTransaction, Published, TransactionRefused
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from plugin._vpn import VpnSettings
@@ -47,12 +47,18 @@ def states(dsn: str) -> dict[str, str]:
         return dict(db.execute("SELECT txid, state FROM txn_log").fetchall())
 
 
-def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
-    dsn = site_a.pg.dsn()
+def active_site(site: LocalSite) -> str:
+    """``site`` with VPN ``v`` enabled as active (its vhost too); its DSN."""
+    dsn = site.pg.dsn()
     migrate(dsn)
     with connect(dsn) as conn:
         enable_vpn(conn, VpnSettings.from_args("v", "active"))
-    site_a.rabbit.add_vhost("v")
+    site.rabbit.add_vhost("v")
+    return dsn
+
+
+def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
+    dsn = active_site(site_a)
     ids = IdSource(9)
     committed, aborted, in_doubt_marked, in_doubt_bare = (txn(ids, n) for n in range(1, 5))
 
@@ -154,36 +160,67 @@ def test_markers_are_read_without_removal_and_swept_by_name(site_a: LocalSite) -
     conn.close()
 
 
-def test_the_participant_hands_out_what_it_voted_on_once(site_a: LocalSite) -> None:
-    """The events a yes vote was for (for the commit ahead of the stream),
-    once; none for a no vote, nor after the outcome."""
+def test_commit_soon_answers_once_the_decision_is_recorded(site_a: LocalSite) -> None:
+    """The listener's way in (``commit_soon``): one answer per transaction —
+    None once the decision is durable, a refusal for a transaction that is
+    not in flight (at once) or whose decision the ledger did not take."""
+    dsn = active_site(site_a)
+    ids = IdSource(13)
+    unknown, t1, t2 = (txn(ids, n) for n in range(1, 4))
+
+    async def scenario() -> None:
+        log = TxnLog(dsn)
+        await log.open()
+        writer = LedgerWriter(dsn)
+        await writer.start()
+        await writer.open_vpn("v")
+        c = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, NoStandby())
+        c.configure(VpnSettings.from_args("v", "active"))
+        answers: list[BaseException | None] = []
+        c.commit_soon(unknown, answers.append)
+        assert len(answers) == 1 and isinstance(answers[0], TransactionRefused)
+        await c.prepare(t1)
+        c.commit_soon(t1, answers.append)
+        assert len(answers) == 1  # not before its ledger group is durable
+        await writer.wait_durable("v", len(t1.events))
+        await asyncio.sleep(0)
+        assert answers[1:] == [None]
+        assert states(dsn)[t1.txid] == "committed"
+        await c.prepare(t2)
+        await writer.close()  # the decision cannot be recorded any more
+        c.commit_soon(t2, answers.append)
+        assert len(answers) == 3 and isinstance(answers[2], TransactionRefused)
+        await c.close()
+        await log.close()
+
+    asyncio.run(scenario())
+    assert states(dsn)[t2.txid] == "prepared"  # in doubt: the next start decides by marker
+
+
+def test_a_participants_yes_vote_returns_the_events_it_was_for(site_a: LocalSite) -> None:
+    """The events a yes vote was for (for the commit ahead of the stream);
+    none for a no vote, whose row is aborted."""
     dsn = site_a.pg.dsn()
     migrate(dsn)
     with connect(dsn) as conn:
         enable_vpn(conn, VpnSettings.from_args("v", "standby"))
     ids = IdSource(12)
-    t1, t2 = txn(ids, 1), txn(ids, 2)
+    t1 = txn(ids, 1)
 
     async def scenario() -> None:
         log = TxnLog(dsn)
         await log.open()
         p = Participant(log)
-        assert await p.prepare("v", t1.txid, encode_events(t1.events))
-        assert await p.prepare("v", t2.txid, encode_events(t2.events))
-        assert not await p.prepare("v", "unreadable", b"\x00\x00\x00\x09abc")
-        kept = p.voted(t1.txid)
-        assert kept is not None
-        assert [event for _, event in kept] == list(t1.events)
-        assert [data for data, _ in kept] == [encode_event(e) for e in t1.events]
-        assert p.voted(t1.txid) is None
-        assert p.voted("unreadable") is None
-        await p.outcome("v", t2.txid, commit=False)
-        assert p.voted(t2.txid) is None
+        voted = await p.prepare("v", t1.txid, encode_events(t1.events))
+        assert voted is not None
+        assert [event for _, event in voted] == list(t1.events)
+        assert [data for data, _ in voted] == [encode_event(e) for e in t1.events]
+        assert await p.prepare("v", "unreadable", b"\x00\x00\x00\x09abc") is None
         await p.close()
         await log.close()
 
     asyncio.run(scenario())
-    assert "unreadable" not in states(dsn)
+    assert states(dsn) == {t1.txid: "prepared", "unreadable": "aborted"}
 
 
 def test_the_participant_records_commits_together_and_aborts_at_once(site_a: LocalSite) -> None:
@@ -202,7 +239,7 @@ def test_the_participant_records_commits_together_and_aborts_at_once(site_a: Loc
         await log.open()
         p = Participant(log)
         for t in (t1, t2, t3, t4, t5):
-            assert await p.prepare("v", t.txid, encode_events(t.events))
+            assert await p.prepare("v", t.txid, encode_events(t.events)) is not None
         await p.outcome("v", t1.txid, commit=True)
         await p.outcome("v", t2.txid, commit=True)
         await p.outcome("v", t3.txid, commit=False)

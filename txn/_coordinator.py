@@ -30,9 +30,10 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
 4. **Standby commit and reply.** For a sync-mode VPN the coordinator
    sends ``TxnCommit`` (the group's first index) as it appends the group,
    and the standby commits the transaction from its prepared row while the
-   active's ledger write runs, answering ``TxnApplied`` — when its state is
-   exactly what precedes the group; otherwise it applies the group when the
-   stream brings it, like any ledger entries (messages inserted, acked ones
+   active's ledger write runs, answering ``TxnApplied`` yes — when its state
+   is exactly what precedes the group; otherwise it answers no and applies
+   the group when the stream brings it (the stream holds the group until
+   the answer), like any ledger entries (messages inserted, acked ones
    removed, applied index in the same database transaction), and
    acknowledges. A group committed ahead is skipped when the stream brings
    it, recognised by its events, not by its index (``bridge._standby``).
@@ -188,6 +189,8 @@ class _Live:
     ahead: bool = False  # the standby applied it ahead of the stream
     settled: bool = False  # the standby's part is over (applied, or given up)
     finished: bool = False  # its outcome is counted and its span ended
+    #: the listener's answer to call once the commit is recorded (commit_soon)
+    on_done: Callable[[BaseException | None], None] | None = None
 
     def enter(self, phase: str | None) -> None:
         """End the phase under way and start ``phase`` (None: no next phase)."""
@@ -256,7 +259,13 @@ class Coordinator:
 
     # -- the listener's side (through the Replicator sink) -------------------
 
-    async def prepare(self, txn: LocalTransaction) -> None:
+    def prepare(self, txn: LocalTransaction) -> Awaitable[None]:
+        """Start ``txn``'s prepare now and return what finishes it (raises
+        :class:`TransactionRefused` from the awaitable, or at once for a VPN
+        not replicated here). The standby's request goes out before this
+        returns when the VPN's marker queue is known to exist: the
+        standby's round is the longer one, and the caller's task that
+        awaits the rest starts an event-loop turn later."""
         settings = self.settings.get(txn.vpn)
         if settings is None:
             raise TransactionRefused(f"VPN {txn.vpn!r} is not replicated as active here")
@@ -269,8 +278,31 @@ class Coordinator:
         live = _Live(txn, machine, asyncio.get_running_loop().create_future(), span, self.stats)
         self._live[txn.txid] = live
         live.enter("txn.prepare")
+        encoded = encode_events(txn.events)  # once: the local row and the standby's
+        remote = (
+            self._ask_standby(live, settings, encoded) if self.markers.declared(txn.vpn) else None
+        )
+        return self._prepared(live, settings, encoded, remote)
+
+    def _ask_standby(
+        self, live: _Live, settings: VpnSettings, encoded: bytes
+    ) -> Awaitable[bool] | None:
+        """Send the standby ``live``'s prepare (sync mode); its vote to await."""
+        if not live.machine.needs_standby or self.link is None:
+            return None
+        txn = live.txn
+        return self.link.prepare(txn.vpn, txn.txid, encoded, settings.sync_timeout_ms / 1000)
+
+    async def _prepared(
+        self,
+        live: _Live,
+        settings: VpnSettings,
+        encoded: bytes,
+        remote: Awaitable[bool] | None,
+    ) -> None:
+        txn = live.txn
         try:
-            await self._prepare(live, settings)
+            await self._prepare(live, settings, encoded, remote)
         except psycopg.Error as e:
             self._live.pop(txn.txid, None)
             if self.link is not None:  # the standby may have prepared: it aborts
@@ -287,19 +319,22 @@ class Coordinator:
             raise
         live.enter("txn.broker_commit")
 
-    async def _prepare(self, live: _Live, settings: VpnSettings) -> None:
+    async def _prepare(
+        self,
+        live: _Live,
+        settings: VpnSettings,
+        encoded: bytes,
+        asked: Awaitable[bool] | None,
+    ) -> None:
         txn, machine = live.txn, live.machine
         try:
             await self.markers.declare(txn.vpn)
         except MarkerError as e:
             raise TransactionRefused(f"the commit marker queue is not available: {e}") from e
         floor = self.ledger.durable_index(txn.vpn)
-        encoded = encode_events(txn.events)  # once: the local row and the standby's
-        remote: asyncio.Future[bool] | None = None
-        if machine.needs_standby and self.link is not None:
-            # the standby's request goes first: its round is the longer one
-            within = settings.sync_timeout_ms / 1000
-            remote = asyncio.ensure_future(self.link.prepare(txn.vpn, txn.txid, encoded, within))
+        if asked is None:  # the first of its VPN: the standby is asked once the queue exists
+            asked = self._ask_standby(live, settings, encoded)
+        remote = None if asked is None else asyncio.ensure_future(asked)
         local = self.log.prepare(txn.txid, txn.vpn, COORDINATOR, encoded, ledger_floor=floor)
         try:
             await local
@@ -345,20 +380,58 @@ class Coordinator:
                 self._decide(live)
 
     async def commit(self, txn: LocalTransaction) -> None:
-        """The broker committed (tx.commit-ok): decide, then wait until the
-        client may be told."""
+        """The broker committed (tx.commit-ok): decide, then return when the
+        client may be told (:meth:`commit_soon`, awaited)."""
+        answer: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+        def done(error: BaseException | None) -> None:
+            if not answer.done():
+                answer.set_result(error)
+
+        self.commit_soon(txn, done)
+        error = await answer
+        if error is not None:
+            raise error
+
+    def commit_soon(
+        self, txn: LocalTransaction, done: Callable[[BaseException | None], None]
+    ) -> None:
+        """The broker committed (tx.commit-ok): decide; ``done(None)`` once
+        the client may be told, ``done(TransactionRefused)`` if the decision
+        could not be recorded. ``done`` runs in the callback that settles
+        the transaction (the standby's answer, the ledger's commit), so the
+        listener writes ``tx.commit-ok`` at once."""
         live = self._live.get(txn.txid)
         if live is None:
-            raise TransactionRefused(f"transaction {txn.txid} is not in flight")
+            done(TransactionRefused(f"transaction {txn.txid} is not in flight"))
+            return
         failpoint("coordinator.after-broker-commit")
+        live.on_done = done
         self._decide(live)
-        ok = await live.done
-        self._live.pop(txn.txid, None)
+        if live.done.done():  # settled already (a delivery decided it first)
+            self._release(live, live.done.result())
+
+    def _release(self, live: _Live, ok: bool) -> None:
+        """The commit is recorded (``ok``) or cannot be: tell whoever waits."""
+        if not live.done.done():
+            live.done.set_result(ok)
+        done, live.on_done = live.on_done, None
+        if done is None:
+            return  # no commit-ok came for it yet (resolve() awaits live.done)
+        self._live.pop(live.txn.txid, None)
         if not ok:
             live.finish("unrecorded", "the commit decision could not be recorded")
-            raise TransactionRefused("the commit decision could not be recorded")
-        live.finish("degraded" if live.machine.degraded else "committed")
-        failpoint("coordinator.after-decision")
+            error: TransactionRefused | None = TransactionRefused(
+                "the commit decision could not be recorded"
+            )
+        else:
+            live.finish("degraded" if live.machine.degraded else "committed")
+            failpoint("coordinator.after-decision")
+            error = None
+        try:
+            done(error)
+        except Exception:
+            log.exception("transaction %s: answering the client failed", live.txn.txid)
 
     def _decide(self, live: _Live) -> None:
         actions = live.machine.feed(Input.BROKER_COMMITTED)
@@ -374,8 +447,7 @@ class Coordinator:
             )
         except LedgerError as e:
             log.error("VPN %s: transaction %s: decision not recorded: %s", txn.vpn, txn.txid, e)
-            if not live.done.done():
-                live.done.set_result(False)
+            self._release(live, False)
             return
         machine = live.machine
         if machine.needs_standby and not machine.degraded and self.link is not None:
@@ -394,8 +466,7 @@ class Coordinator:
     def _decision_durable(self, live: _Live, ok: bool) -> None:
         txn = live.txn
         if not ok:
-            if not live.done.done():
-                live.done.set_result(False)
+            self._release(live, False)
             return
         live.durable = True
         if live.machine.degraded:
@@ -439,14 +510,14 @@ class Coordinator:
                     ledger_last=live.last_index,
                 )
             )
-        for action in live.machine.feed(Input.DECISION_DURABLE):
-            if action is Action.RELEASE_COMMIT_OK and not live.done.done():
-                live.done.set_result(True)
+        release = Action.RELEASE_COMMIT_OK in live.machine.feed(Input.DECISION_DURABLE)
         if self.link is not None:  # a participant that voted late settles too
             self.link.outcome(txn.vpn, txn.txid, commit=True)
         # decided and recorded: its marker is not needed any more (the row
         # ends in the sweep, once the standby's acknowledged index passed it)
         self._decided.setdefault(txn.vpn, set()).add(txn.txid)
+        if release:
+            self._release(live, True)
 
     async def abort(self, txn: LocalTransaction) -> None:
         """The broker commit will not happen (the client left, or rolled back)."""

@@ -77,6 +77,10 @@ class MarkerStore:
         except (pika.exceptions.AMQPError, OSError) as e:
             raise MarkerError(f"vhost {vhost!r}: cannot {what} commit markers: {e!r}") from e
 
+    def declared(self, vhost: str) -> bool:
+        """Whether :meth:`declare` made sure of ``vhost``'s queue already."""
+        return vhost in self._declared
+
     async def declare(self, vhost: str) -> None:
         """Make sure the marker queue exists (once per vhost and process)."""
         if vhost in self._declared:

@@ -5,9 +5,10 @@ On ``TxnPrepare`` it writes the transaction's events as a ``prepared``
 worth what its row is. The transaction's effects reach the standby's
 ``live_message`` through the ledger stream like every other event (the
 active appends them as one group when it decides to commit), or, in sync
-mode, ahead of it from the prepared row (``TxnCommit``,
-:meth:`bridge._standby.StandbyApplier.apply_prepared`, which takes the
-events decoded here at the vote: :meth:`Participant.voted`); ``TxnOutcome``
+mode, ahead of it from the prepared row (``TxnCommit``: a yes vote
+returns the events decoded here, and the bridge builds the commit's
+statement from them while the active commits the broker,
+:meth:`bridge._standby.StandbyApplier.ready_ahead`); ``TxnOutcome``
 settles the row. After a reconnect the standby asks about every row still
 prepared (``TxnQuery``) and the active answers each once it knows
 (presumed abort: an id the active has no row for was never committed).
@@ -27,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
 
 import psycopg
 
@@ -43,47 +43,50 @@ log = logging.getLogger(__name__)
 
 #: how long commit outcomes gather before they are recorded together
 OUTCOME_FLUSH_SECONDS = 0.05
-#: prepared transactions whose decoded events are kept in memory (the oldest
-#: go first: a transaction whose events are gone is read back from its row)
-VOTED_KEPT = 1024
+#: a yes vote's events: each one's encoding and the event
+Voted = tuple[tuple[bytes, Event], ...]
 
 
 class Participant:
     def __init__(self, txn_log: TxnLog) -> None:
         self.log = txn_log
         self._committed: dict[str, str] = {}  # txid -> vpn: known, not yet recorded
-        #: txid -> its events, from the vote until the commit ahead or the outcome
-        self._voted: OrderedDict[str, tuple[tuple[bytes, Event], ...]] = OrderedDict()
         self._flusher: asyncio.Task[None] | None = None
         self._failing = False  # the last flush did not reach the database
 
-    async def prepare(self, vpn: str, txid: str, events: bytes) -> bool:
-        """Persist ``txid`` as prepared; True is a yes vote."""
-        try:
-            # a vote for unreadable events would be worthless
-            encoded = split_events(events)
-            voted = tuple((data, decode_event(data, vpn)) for data in encoded)
-            await self.log.prepare(txid, vpn, PARTICIPANT, events)
-        except (EventDecodeError, ValueError) as e:
-            log.error("VPN %s: transaction %s: events not readable, voting no: %s", vpn, txid, e)
-            return False
-        except psycopg.Error as e:
-            log.warning("VPN %s: transaction %s not prepared, voting no: %s", vpn, txid, e)
-            return False
-        self._voted[txid] = voted
-        if len(self._voted) > VOTED_KEPT:
-            self._voted.popitem(last=False)
-        failpoint("participant.after-prepare")
-        return True
+    async def prepare(self, vpn: str, txid: str, events: bytes) -> Voted | None:
+        """Persist ``txid`` as prepared. A yes vote returns the events it
+        was for (encoding and event, for the standby to commit it ahead of
+        the stream without reading them back); None is a no.
 
-    def voted(self, txid: str) -> tuple[tuple[bytes, Event], ...] | None:
-        """The events ``txid`` was prepared with (encoding and event), while
-        this process still has them, for the standby to commit it ahead of
-        the stream without reading them back; each is handed out once."""
-        return self._voted.pop(txid, None)
+        The events are decoded while the database writes the row (the
+        insert goes out first): a vote for unreadable events would be
+        worthless, so they vote no and their row is aborted at once."""
+        write = asyncio.ensure_future(self.log.prepare(txid, vpn, PARTICIPANT, events))
+        try:
+            await asyncio.sleep(0)  # the insert is sent
+            try:
+                voted = tuple((data, decode_event(data, vpn)) for data in split_events(events))
+            except (EventDecodeError, ValueError) as e:
+                log.error(
+                    "VPN %s: transaction %s: events not readable, voting no: %s", vpn, txid, e
+                )
+                with contextlib.suppress(psycopg.Error):
+                    if await write:  # a row no yes vote stands behind
+                        await self.log.move(txid, "aborted", leaving=("prepared",))
+                return None
+            try:
+                await write
+            except psycopg.Error as e:
+                log.warning("VPN %s: transaction %s not prepared, voting no: %s", vpn, txid, e)
+                return None
+        finally:
+            if not write.done():
+                write.cancel()
+        failpoint("participant.after-prepare")
+        return voted
 
     async def outcome(self, vpn: str, txid: str, commit: bool) -> None:
-        self._voted.pop(txid, None)
         if commit:
             self._committed[txid] = vpn
             if self._flusher is None or self._flusher.done():

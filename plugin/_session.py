@@ -1474,10 +1474,15 @@ def _topology_op(m: base.Frame) -> Callable[[Any], None] | None:
 
 
 def _declare_queue(a: tuple[VpnView, Any, Session], m: commands.Queue.Declare) -> None:
+    """With ``ok`` None (nowait) the broker's answer is unknown: an exclusive
+    declare of a queue that exists and is not this connection's own is
+    refused (405), so such a queue is not counted as the connection's (its
+    end would delete a live queue, on both sites)."""
     vpn, ok, session = a
     name = ok.queue if ok is not None else m.queue
+    refused = ok is None and name in vpn.topology.queues
     vpn.topology.declare_queue(name, dict(m.arguments or {}))
-    if m.exclusive:
+    if m.exclusive and not refused and name not in session._exclusive_queues:
         session._exclusive_queues.append(name)
 
 

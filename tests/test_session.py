@@ -418,6 +418,30 @@ def test_a_channel_reopened_before_the_broker_closed_it_waits_for_the_broker() -
     assert [v.name for _, v in decode_all(out.to_client)] == ["Channel.OpenOk"]
 
 
+def test_a_fault_in_a_held_reopening_closes_the_connection_with_its_code() -> None:
+    """The held frames are checked when they go, inside the broker's bytes:
+    a fault among them closes both sides with AMQP like any client fault
+    (it once escaped the broker's feed, and the listener dropped the broker's
+    TCP connection without a close)."""
+    s = refused_on_channel_1()
+    orphan = content(1, b"orphan")  # a content header without its publish
+    held = s.client_data(m(C.Channel.CloseOk(), 1) + m(C.Channel.Open(), 1) + orphan)
+    assert held.to_broker == [] and held.to_client == []
+    out = s.broker_data(m(C.Channel.CloseOk(), 1))
+    assert closing_code(out) == 505
+    assert [v.name for _, v in decode_all(out.to_broker)] == ["Channel.Open", "Connection.Close"]
+
+
+def test_a_reopening_held_while_we_close_the_connection_is_dropped() -> None:
+    """Once we have sent connection.close, the client's held frames must not
+    follow it to the broker (nothing may go after a close)."""
+    s = refused_on_channel_1()
+    s.client_data(m(C.Channel.CloseOk(), 1) + m(C.Channel.Open(), 1))
+    s.shutdown("stopping")
+    out = s.broker_data(m(C.Channel.CloseOk(), 1))
+    assert out.to_broker == [] and out.to_client == []
+
+
 def test_a_client_closing_while_we_close_gets_its_close_ok() -> None:
     s = refused_on_channel_1()
     out = s.client_data(
@@ -792,6 +816,31 @@ def test_deleting_a_queue_or_closing_the_owner_of_an_exclusive_one_spares_nothin
     s.broker_data(m(C.Queue.DeclareOk(queue="mine", message_count=0, consumer_count=0), 1))
     out = s.connection_lost()
     assert [e for e, _ in out.events] == [Purged("orders", "mine", (), deleted=True)]
+
+
+def test_a_nowait_exclusive_declare_of_a_queue_that_exists_does_not_make_it_ours() -> None:
+    """RabbitMQ refuses (405) an exclusive declare of a queue that exists and
+    is not this connection's own; with nowait the listener never sees the
+    refusal. Counting the queue as the connection's would drop a live
+    replicated queue from the topology when the connection ends, and with it
+    every later publish to it from replication (found by the listener fuzz)."""
+    s = make_session()
+    open_session(s)
+    assert s.vpn is not None
+    s.client_data(m(C.Queue.Declare(queue="q", exclusive=True, nowait=True), 1))
+    s.client_data(m(C.Queue.Declare(queue="mine", exclusive=True, nowait=True), 1))
+    refused = C.Channel.Close(
+        reply_code=405, reply_text="RESOURCE_LOCKED", class_id=50, method_id=10
+    )
+    s.broker_data(m(refused, 1))
+    out = s.connection_lost()
+    # "mine" is new: had it been refused the broker has nothing to drop either
+    assert [e for e, _ in out.events] == [Purged("orders", "mine", (), deleted=True)]
+    assert "q" in s.vpn.topology.queues and "mine" not in s.vpn.topology.queues
+    other = make_session()
+    other.vpn = s.vpn
+    open_session(other)
+    assert len(other.client_data(publish(1, b"still replicated")).events) == 1
 
 
 def test_a_nowait_purge_is_an_event_at_once_and_an_unreplicated_vhost_makes_none() -> None:

@@ -65,6 +65,7 @@ PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 FRAME_MAX = 131072
 PROBE_CHANNEL = 2000
 REPLICATED, UNREPLICATED = "orders", "plain"  # the vhosts of the ``vhosts`` fixture
+STEADY = "steady"  # the queue of the well-behaved client; no fuzzed frame names it
 TIMEOUT = 10.0  # any single read: a hang fails the test instead of blocking it
 PROBE_WAIT = 3.0  # before assuming the probe was swallowed by a partial frame
 FAST_CLOSE = 2.0  # a close handshake, not the listener's close timer
@@ -439,12 +440,15 @@ def _vhost_with_queues(site: LocalSite, vhost: str, *queues: str) -> None:
 
 @pytest.fixture
 def vhosts(site_a: LocalSite, listener_a: ListenerThread) -> dict[str, str]:
-    """``orders`` replicated (queues q, work and held in scope), ``plain`` not;
-    q is also bound to amq.headers. Fuzzed frames name q and work, never held,
-    which only ever holds the delivery a case needs pending."""
-    _vhost_with_queues(site_a, REPLICATED, "q", "work", "held")
-    _vhost_with_queues(site_a, UNREPLICATED, "q", "work", "held")
-    enable_vpn(listener_a, site_a, REPLICATED, queues=("q", "work", "held"))
+    """``orders`` replicated (queues q, work, held and steady in scope),
+    ``plain`` not; q is also bound to amq.headers. Fuzzed frames name q and
+    work, never held, which only ever holds the delivery a case needs pending,
+    nor steady, the well-behaved client's (a fuzzed basic.get of its queue
+    would take its messages)."""
+    queues = ("q", "work", "held", STEADY)
+    _vhost_with_queues(site_a, REPLICATED, *queues)
+    _vhost_with_queues(site_a, UNREPLICATED, *queues)
+    enable_vpn(listener_a, site_a, REPLICATED, queues=queues)
     return {"replicated": REPLICATED, "unreplicated": UNREPLICATED}
 
 
@@ -1284,10 +1288,10 @@ class SteadyClient(threading.Thread):
         while not self.stop.is_set():
             batch = [f"m{self.published + i}".encode() for i in range(10)]
             for b in batch:
-                ch.basic_publish("", "work", b, persistent)  # raises unless confirmed
+                ch.basic_publish("", STEADY, b, persistent)  # raises unless confirmed
                 self.published += 1
             got = []
-            for m, _, b in ch.consume("work", inactivity_timeout=TIMEOUT):
+            for m, _, b in ch.consume(STEADY, inactivity_timeout=TIMEOUT):
                 assert m is not None, "a confirmed message did not come back"
                 ch.basic_ack(m.delivery_tag)
                 got.append(b)
@@ -1375,18 +1379,18 @@ def test_listener_and_other_clients_carry_on(
 
     # replication went on for the good client
     sink = memory_sink(listener_a)
-    work = [e for e in sink.events if isinstance(e, Published) and e.routing_key == "work"]
-    assert [e.body for e in work] == [f"m{i}".encode() for i in range(steady.published)]
-    consumed = [e for e in sink.events if isinstance(e, Consumed) and e.queue == "work"]
-    assert sorted(e.repl_id.hex for e in consumed) == sorted(e.repl_id.hex for e in work)
+    published = [e for e in sink.events if isinstance(e, Published) and e.routing_key == STEADY]
+    assert [e.body for e in published] == [f"m{i}".encode() for i in range(steady.published)]
+    consumed = [e for e in sink.events if isinstance(e, Consumed) and e.queue == STEADY]
+    assert sorted(e.repl_id.hex for e in consumed) == sorted(e.repl_id.hex for e in published)
 
     # a fresh connection works
     conn = pika.BlockingConnection(pika.URLParameters(listener_a.url(vhost)))
     try:
         ch = conn.channel()
         ch.confirm_delivery()
-        ch.basic_publish("", "work", b"after", pika.BasicProperties(delivery_mode=2))
-        _, _, got = ch.basic_get("work", auto_ack=True)
+        ch.basic_publish("", STEADY, b"after", pika.BasicProperties(delivery_mode=2))
+        _, _, got = ch.basic_get(STEADY, auto_ack=True)
         assert got == b"after"
     finally:
         conn.close()

@@ -420,9 +420,7 @@ def test_a_channel_reopened_before_the_broker_closed_it_waits_for_the_broker() -
 
 def test_a_fault_in_a_held_reopening_closes_the_connection_with_its_code() -> None:
     """The held frames are checked when they go, inside the broker's bytes:
-    a fault among them closes both sides with AMQP like any client fault
-    (it once escaped the broker's feed, and the listener dropped the broker's
-    TCP connection without a close)."""
+    a fault among them closes both sides with AMQP like any client fault."""
     s = refused_on_channel_1()
     orphan = content(1, b"orphan")  # a content header without its publish
     held = s.client_data(m(C.Channel.CloseOk(), 1) + m(C.Channel.Open(), 1) + orphan)

@@ -244,6 +244,11 @@ class Session:
         self.client_done = False  # nothing more will come from / go to the client
         self.broker_done = False
         self._closed_by_us = False
+        #: the client's connection.close went to the broker: its close-ok is
+        #: due, and no close of ours may follow (RabbitMQ answers each close
+        #: with a close-ok; one meeting the socket we closed at the first is
+        #: logged as a client that vanished)
+        self._client_close_upstream = False
         #: reply code of the fault that made us close the client, if any
         self.fault_code: int | None = None
         self._exclusive_queues: list[str] = []
@@ -564,13 +569,7 @@ class Session:
         ftype, channel = f.type, f.channel
         expect = self._content
         if ftype == amqp.FRAME_METHOD:
-            ids = amqp.method_id(buf, f)
-            if channel in expect:
-                raise amqp.UnexpectedFrame(
-                    f"method frame on channel {channel} while content was expected"
-                )
-            if ids == amqp.BASIC_PUBLISH:
-                expect[channel] = -1
+            self._check_method(amqp.method_id(buf, f), channel)
         elif ftype == amqp.FRAME_BODY:
             due = expect.get(channel, -1)
             if due < 0:
@@ -596,6 +595,16 @@ class Session:
         elif channel != 0:
             raise amqp.FrameError(f"heartbeat frame on channel {channel}")
         return None
+
+    def _check_method(self, ids: tuple[int, int], channel: int) -> None:
+        if channel in self._content:
+            raise amqp.UnexpectedFrame(
+                f"method frame on channel {channel} while content was expected"
+            )
+        if ids == amqp.BASIC_PUBLISH:
+            self._content[channel] = -1
+        elif ids == amqp.CONNECTION_CLOSE and channel == 0:
+            self._client_close_upstream = True
 
     def _client_frame(self, buf: bytes, f: Frame) -> bytes | None:
         """Handle one client frame: None relays it, bytes replace it (b"" drops)."""
@@ -851,6 +860,10 @@ class Session:
         """Either side sent connection.close: relay it, stop releasing confirms."""
         self.closing = True
         return None
+
+    def _c_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        self._client_close_upstream = channel == 0 or self._client_close_upstream
+        return self._close_started(channel, buf, f)
 
     def _c_close_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         self.client_done = True
@@ -1324,7 +1337,9 @@ class Session:
         self.closing = True
         self._closed_by_us = True
         self.fault_code = error.reply_code
-        if self.open:
+        if self._client_close_upstream:
+            pass  # the broker answers the client's close: _closing_from_broker
+        elif self.open:
             self._out.to_broker.append(
                 amqp.marshal_method(
                     commands.Connection.Close(
@@ -1504,7 +1519,7 @@ def _delete_queue(a: tuple[VpnView, Any, Session], name: str) -> None:
 _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
     amqp.CONNECTION_TUNE_OK: Session._c_tune_ok,
     amqp.CONNECTION_OPEN: Session._c_open,
-    amqp.CONNECTION_CLOSE: Session._close_started,
+    amqp.CONNECTION_CLOSE: Session._c_close,
     amqp.CONNECTION_CLOSE_OK: Session._c_close_ok,
     amqp.CHANNEL_OPEN: Session._c_channel_open,
     amqp.CHANNEL_CLOSE: Session._c_channel_close,

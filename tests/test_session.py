@@ -287,12 +287,16 @@ def test_standby_vhost_is_refused_with_530() -> None:
     assert "replication standby" in close.reply_text
 
 
-def closing_code(out) -> int:
+def closing_code_to_client(out) -> int:
     closes = [v for _, v in decode_all(out.to_client) if isinstance(v, C.Connection.Close)]
     assert len(closes) == 1, out.to_client
+    return closes[0].reply_code
+
+
+def closing_code(out) -> int:
     to_broker = [v for _, v in decode_all(out.to_broker) if isinstance(v, C.Connection.Close)]
     assert len(to_broker) == 1  # upstream closed cleanly too
-    return closes[0].reply_code
+    return closing_code_to_client(out)
 
 
 @pytest.mark.parametrize(
@@ -447,6 +451,27 @@ def test_a_client_closing_while_we_close_gets_its_close_ok() -> None:
     )
     assert out.to_broker == []
     assert [v.name for _, v in decode_all(out.to_client)] == ["Channel.CloseOk"]
+
+
+@pytest.mark.parametrize("vhost", ["orders", "plain"])
+def test_a_fault_after_the_clients_connection_close_sends_the_broker_no_second_close(
+    vhost: str,
+) -> None:
+    """The client's connection.close went to the broker; a fault in what
+    follows it closes the client with its code, but the broker gets no second
+    close: RabbitMQ answers each close with a close-ok, and the listener hangs
+    up at the first, so the second close-ok met a closed socket and RabbitMQ
+    logged a client that vanished ("unexpectedly closed TCP connection")."""
+    s = make_session()
+    open_session(s, vhost=vhost)
+    bye = m(C.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0))
+    out = s.client_data(bye + content(1, b"orphan"))  # a header without its publish
+    assert closing_code_to_client(out) == 505
+    assert [v.name for _, v in decode_all(out.to_broker)] == ["Connection.Close"]
+    assert decode_all(out.to_broker)[0][1].reply_text == "bye"  # the client's, not ours
+    assert not s.broker_done
+    s.broker_data(m(C.Connection.CloseOk()))
+    assert s.broker_done
 
 
 def test_a_client_gone_before_the_broker_commit_aborts_and_one_gone_after_is_resolved() -> None:

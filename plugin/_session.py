@@ -862,7 +862,8 @@ class Session:
         return None
 
     def _c_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        self._client_close_upstream = channel == 0 or self._client_close_upstream
+        if channel == 0:
+            self._client_close_upstream = True
         return self._close_started(channel, buf, f)
 
     def _c_close_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -1337,9 +1338,10 @@ class Session:
         self.closing = True
         self._closed_by_us = True
         self.fault_code = error.reply_code
-        if self._client_close_upstream:
-            pass  # the broker answers the client's close: _closing_from_broker
-        elif self.open:
+        if not self.open:
+            self._out.drop_broker = True
+            self.broker_done = True
+        elif not self._client_close_upstream:  # else its close-ok ends the upstream
             self._out.to_broker.append(
                 amqp.marshal_method(
                     commands.Connection.Close(
@@ -1351,9 +1353,6 @@ class Session:
                     0,
                 )
             )
-        else:
-            self._out.drop_broker = True
-            self.broker_done = True
 
 
 _CLOSE_OK_FRAME = amqp.frame_bytes(amqp.FRAME_METHOD, 0, b"\x00\x0a\x00\x33")

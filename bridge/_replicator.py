@@ -17,7 +17,6 @@ publishes are nacked (the listener closes nothing; the client sees nacks and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
@@ -44,7 +43,8 @@ __all__ = ["Replicator"]
 
 log = logging.getLogger(__name__)
 
-_TICK = 0.005  # how often sync deadlines are checked
+#: sync deadlines closer together than this are checked in one wake-up
+_TICK = 0.005
 
 
 class Replicator(ReplicationSink):
@@ -54,7 +54,10 @@ class Replicator(ReplicationSink):
         self.writer = writer
         self.gates: dict[str, SyncGate] = {}
         self.fenced: set[str] = set()
-        self._task: asyncio.Task[None] | None = None
+        #: checks the sync deadlines when the earliest passes; None while no
+        #: publish waits for the standby (no wake-ups on an idle or async
+        #: site, nor on a standby)
+        self._timer: asyncio.TimerHandle | None = None
         #: runs local transactions as two-phase commits (txn/_coordinator.py);
         #: without one, a transaction's events are ledgered at its commit
         self.coordinator: Coordinator | None = None
@@ -77,6 +80,9 @@ class Replicator(ReplicationSink):
         gate = self.gates.get(vpn)
         if gate is not None:
             gate.acked(index)
+            if self._timer is not None and not any(g.waiting for g in self.gates.values()):
+                self._timer.cancel()  # nothing left to time out
+                self._timer = None
 
     def wait_standby(self, vpn: str, index: int, resolve: Callable[[bool], None]) -> bool:
         """Resolve once the standby acknowledged ``index`` (or the sync
@@ -85,7 +91,7 @@ class Replicator(ReplicationSink):
         gate = self.gates.get(vpn)
         if gate is None:
             return False
-        gate.wait(index, asyncio.get_running_loop().time(), resolve)
+        self._wait(gate, index, resolve)
         return True
 
     def sync_eligible(self, vpn: str) -> bool:
@@ -93,21 +99,41 @@ class Replicator(ReplicationSink):
         return gate is None or gate.eligible
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._expire_loop(), name="sync-deadlines")
+        """Nothing runs until a publish waits for the standby (:meth:`_wait`)."""
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
-    async def _expire_loop(self) -> None:
+    def _wait(self, gate: SyncGate, index: int, resolve: Callable[[bool], None]) -> None:
+        """``gate.wait``, with the deadline check armed for it."""
         loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(_TICK)
-            now = loop.time()
-            for gate in self.gates.values():
+        gate.wait(index, loop.time(), resolve)
+        self._arm(loop)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Schedule the deadline check for the earliest deadline of any gate
+        (at least a tick from now, so a burst of deadlines is one wake-up)."""
+        deadlines = [d for gate in self.gates.values() if (d := gate.next_deadline()) is not None]
+        if not deadlines:
+            return
+        when = max(min(deadlines), loop.time() + _TICK)
+        if self._timer is not None:
+            if self._timer.when() <= when:
+                return
+            self._timer.cancel()
+        self._timer = loop.call_at(when, self._expire, loop)
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        now = loop.time()
+        for gate in list(self.gates.values()):
+            try:
                 gate.expire(now)
+            except Exception:
+                log.exception("VPN %s: applying the sync timeout failed", gate.vpn)
+        self._arm(loop)
 
     # -- ReplicationSink ------------------------------------------------------
 
@@ -122,14 +148,13 @@ class Replicator(ReplicationSink):
         if on_durable is None or gate is None:
             self._append(event, on_durable)
             return
-        loop = asyncio.get_running_loop()
         index = 0
 
         def ledger_durable(ok: bool) -> None:
             if not ok:
                 on_durable(False)
             else:
-                gate.wait(index, loop.time(), on_durable)
+                self._wait(gate, index, on_durable)
 
         index = self._append(event, ledger_durable)
 
@@ -171,18 +196,16 @@ class Replicator(ReplicationSink):
             log.error("VPN %s: %d events not replicated: %s", vpn, len(events), e)
             settle(False)
 
-    @staticmethod
     def _then_standby(
-        gate: SyncGate, last: list[int], settle: Callable[[bool], None]
+        self, gate: SyncGate, last: list[int], settle: Callable[[bool], None]
     ) -> Callable[[bool], None]:
         """A ledger callback that hands a durable group to the sync gate."""
-        loop = asyncio.get_running_loop()
 
         def ledger_durable(ok: bool) -> None:
             if not ok:
                 settle(False)
             else:
-                gate.wait(last[0], loop.time(), settle)
+                self._wait(gate, last[0], settle)
 
         return ledger_durable
 

@@ -86,6 +86,8 @@ class SyncGate:
             waiter = self._waiting.pop(heapq.heappop(self._by_index), None)
             if waiter is not None:
                 waiter.resolve(True)
+        if not self._waiting:  # the deadlines left are of acknowledged waiters
+            self._deadlines.clear()
         if not self.eligible and index >= self._catch_up_to:
             self.eligible = True
             log.info("VPN %s: standby caught up at index %d; sync-eligible again", self.vpn, index)

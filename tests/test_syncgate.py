@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import cast
+
+from bridge._ledger import LedgerWriter
+from bridge._replicator import Replicator
 from bridge._syncgate import SyncGate
-from plugin._vpn import SyncTimeoutPolicy
+from plugin._vpn import SyncTimeoutPolicy, VpnSettings
 
 DEGRADE, REJECT = SyncTimeoutPolicy.DEGRADE, SyncTimeoutPolicy.REJECT
 
@@ -93,3 +98,60 @@ def test_no_waiter_at_all_never_degrades() -> None:
     gate.acked(1)
     gate.expire(1.6)
     assert gate.eligible and gate.degradations == 0
+
+
+def test_deadlines_of_acknowledged_waiters_are_dropped_when_nothing_waits() -> None:
+    gate, out = SyncGate("v", 250, REJECT), Outcomes()
+    gate.wait(1, 1.0, out.resolver(1))
+    gate.wait(2, 1.1, out.resolver(2))
+    gate.acked(1)
+    assert gate.next_deadline() == 1.25  # index 2 still waits: kept, expire skips it
+    gate.acked(2)
+    assert gate.next_deadline() is None  # no wake-up is due for answered publishes
+
+
+def _replicator(timeout_ms: int, policy: SyncTimeoutPolicy) -> Replicator:
+    # wait_standby() never touches the ledger writer
+    replicator = Replicator(cast(LedgerWriter, None))
+    replicator.configure(
+        VpnSettings.from_args("v", "active", "sync", timeout_ms, policy.value), acked_index=0
+    )
+    replicator.start()
+    return replicator
+
+
+def test_the_replicator_times_out_a_waiting_publish_with_its_policy() -> None:
+    async def scenario() -> tuple[dict[int, bool], dict[int, bool]]:
+        reject, out = _replicator(50, REJECT), Outcomes()
+        assert reject.wait_standby("v", 1, out.resolver(1))
+        assert reject.wait_standby("v", 2, out.resolver(2))
+        reject.standby_acked("v", 1)
+        await asyncio.sleep(0.2)
+        await reject.close()
+        degrade, later = _replicator(50, DEGRADE), Outcomes()
+        degrade.wait_standby("v", 1, later.resolver(1))
+        await asyncio.sleep(0.2)
+        assert not degrade.sync_eligible("v")
+        await degrade.close()
+        return dict(out), dict(later)
+
+    rejected, degraded = asyncio.run(scenario())
+    assert rejected == {1: True, 2: False}
+    assert degraded == {1: True}
+
+
+def test_the_replicator_schedules_no_deadline_check_while_nothing_waits() -> None:
+    out = Outcomes()
+
+    async def scenario() -> list[bool]:
+        replicator = _replicator(10_000, REJECT)
+        armed = [replicator._timer is not None]
+        replicator.wait_standby("v", 1, out.resolver(1))
+        armed.append(replicator._timer is not None)
+        replicator.standby_acked("v", 1)
+        armed.append(replicator._timer is not None)
+        await replicator.close()
+        return armed
+
+    assert asyncio.run(scenario()) == [False, True, False]
+    assert out == {1: True}

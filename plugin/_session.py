@@ -168,7 +168,14 @@ class _Channel:
     deliveries: dict[int, tuple[ReplicationId, str]] = field(default_factory=dict)
     #: delivery tag -> routing key, for deliveries from dead-lettering queues
     routing_keys: dict[int, str] = field(default_factory=dict)
-    topology_ops: deque[Callable[[Any], None] | None] = field(default_factory=deque)
+    #: the topology change of each request awaiting its -ok, and whether that
+    #: -ok is ours to swallow (a nowait request we made synchronous)
+    topology_ops: deque[tuple[Callable[[Any], None] | None, bool]] = field(
+        default_factory=deque
+    )
+    #: the client's frames after a nowait request we made synchronous: they
+    #: wait for the broker's verdict on it (see Session._topology)
+    held: list[bytes] | None = None
 
 
 _Handler = Callable[["Session", int, bytes, Frame], bytes | None]
@@ -415,6 +422,7 @@ class Session:
         ch.closing = True
         ch.closed_by_us = 2
         self._channel_gone(ch)
+        self._release_held(ch)  # into the close handshake, as if they came now
 
     def _closing_frame(
         self, channel: int, ch: _Channel, buf: bytes, f: Frame, client: bool
@@ -609,6 +617,9 @@ class Session:
     def _client_frame(self, buf: bytes, f: Frame) -> bytes | None:
         """Handle one client frame: None relays it, bytes replace it (b"" drops)."""
         ch = self._channels.get(f.channel)
+        if ch is not None and ch.held is not None:
+            ch.held.append(buf[f.start : f.end])
+            return b""
         if ch is not None and ch.closing:
             # The broker discards what a closing channel still carries.
             return self._closing_frame(f.channel, ch, buf, f, client=True)
@@ -685,6 +696,7 @@ class Session:
             f.type != amqp.FRAME_METHOD
             or ch is None
             or ch.closing
+            or ch.held is not None
             or ch.publish is not None
             or h.type != amqp.FRAME_HEADER
             or b.type != amqp.FRAME_BODY
@@ -1018,19 +1030,41 @@ class Session:
     # topology: applied when the broker says -ok (or at once with nowait)
 
     def _topology(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        """A topology request. Its change applies at the broker's -ok; a
+        nowait one's at once, except a queue.delete, queue.purge or
+        exchange.delete: the broker may refuse those (if-unused, if-empty,
+        another connection's exclusive queue, access), and the change is
+        destructive on the standby (its Purged event drops the queue's
+        messages there while the active keeps them). Such a request goes to
+        the broker synchronous instead; its -ok, which the client did not
+        ask for, is swallowed, and the client's later frames on the channel
+        wait for it (:meth:`_release_held`), so the change takes its place
+        among the channel's events exactly where the broker made it."""
         if not self.replicated:
             return None
         m = amqp.decode_method(buf, f)
         op = _topology_op(m)
+        ch = self._channel(channel)
         if op is not None and isinstance(m, _NAMES_A_QUEUE) and not m.queue:
-            op = self._on_last_queue(self._channel(channel), m)
-        if getattr(m, "nowait", False):
-            if op is not None:
-                self._apply_topology(op, None)
-        else:
+            op = self._on_last_queue(ch, m)
+        if not getattr(m, "nowait", False):
             # one entry per request, so each -ok pops its own request
-            self._channel(channel).topology_ops.append(op)
+            ch.topology_ops.append((op, False))
+        elif isinstance(m, _REFUSABLE) and channel != 0:
+            ch.topology_ops.append((op, True))
+            ch.held = []
+            m.nowait = False
+            return amqp.marshal_method(m, channel)
+        elif op is not None:
+            self._apply_topology(op, None)
         return None
+
+    def _release_held(self, ch: _Channel) -> None:
+        """The broker answered the request the client's frames waited for
+        (or is closing the channel): relay them now, as if they came now."""
+        held, ch.held = ch.held, None
+        if held:
+            self._reopen(b"".join(held))
 
     @staticmethod
     def _on_last_queue(ch: _Channel, m: Any) -> Callable[[Any], None]:
@@ -1161,7 +1195,11 @@ class Session:
         # Unacked deliveries return to their queues, buffered tx events are
         # void, unconfirmed publishes will never be confirmed: forget them all
         # once the client has answered close-ok.
-        self._channel(channel).closing = True
+        ch = self._channel(channel)
+        ch.closing = True
+        # a refusal of the request the client's frames wait for: the broker
+        # gets them as it would have (and discards them, the channel closing)
+        self._release_held(ch)
         return None
 
     def _b_deliver(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -1285,14 +1323,17 @@ class Session:
         ch = self._channels.get(channel)
         if ch is None or not ch.topology_ops:
             return None
-        op = ch.topology_ops.popleft()
+        op, ours = ch.topology_ops.popleft()
         ok = None
         if amqp.method_id(buf, f) == amqp.QUEUE_DECLARE_OK:
             ok = amqp.decode_method(buf, f)
             ch.last_queue = getattr(ok, "queue", "")  # passive declares count too
         if op is not None:
             self._apply_topology(op, ok)
-        return None
+        if not ours:
+            return None
+        self._release_held(ch)
+        return b""  # the client sent it nowait: it expects no answer
 
     def _b_deliver_return(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         if self.replicated:
@@ -1499,6 +1540,9 @@ def _declare_queue(a: tuple[VpnView, Any, Session], m: commands.Queue.Declare) -
     if m.exclusive and not refused and name not in session._exclusive_queues:
         session._exclusive_queues.append(name)
 
+
+#: nowait requests the broker may refuse, with a change the standby cannot undo
+_REFUSABLE = (commands.Queue.Delete, commands.Queue.Purge, commands.Exchange.Delete)
 
 #: methods whose empty queue name means the channel's last declared queue
 _NAMES_A_QUEUE = (

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable
 
+import aiormq
 import pika
 import pytest
 from pika.exceptions import (
@@ -20,6 +22,7 @@ from plugin._events import (
     LocalTransaction,
     MemorySink,
     Published,
+    Purged,
     TransactionRefused,
 )
 from plugin._localsites import LocalSite, free_port
@@ -215,6 +218,51 @@ def test_a_refused_prepare_closes_the_channel_and_commits_nothing(
     sink = lt.sink
     assert isinstance(sink, RefusingSink)
     assert sink.committed == [] and _events(sink, Published) == []
+
+
+async def _nowait_purge_then_refused_nowait_delete(url: str) -> tuple[str, int]:
+    """aiormq (which sends nowait when asked) through the listener: a nowait
+    purge, a publish, then a nowait delete if-empty the broker refuses.
+    Returns the refusal (aiormq's exception for a 406) and the queue's
+    depth afterwards."""
+    persistent = aiormq.spec.Basic.Properties(delivery_mode=2)
+    conn = await aiormq.connect(url)
+    try:
+        ch = await conn.channel()
+        await ch.basic_publish(b"before", routing_key="orders.q1", properties=persistent)
+        assert await ch.queue_purge("orders.q1", nowait=True) is None
+        await ch.basic_publish(b"after", routing_key="orders.q1", properties=persistent)
+        assert await ch.queue_delete("orders.q1", if_empty=True, nowait=True) is None
+        try:
+            await ch.queue_declare("orders.q1", passive=True)
+            refusal = "none"
+        except aiormq.exceptions.AMQPError as e:
+            refusal = type(e).__name__
+        check = await conn.channel()  # the connection stays open
+        depth = (await check.queue_declare("orders.q1", passive=True)).message_count
+        return refusal, depth
+    finally:
+        await conn.close()
+
+
+def test_a_nowait_purge_and_a_refused_nowait_delete_replicate_what_the_broker_did(
+    site_a: LocalSite, listener_a: ListenerThread
+) -> None:
+    """The broker refused the delete (the queue is not empty): the standby
+    must not drop the queue's messages either. The purge came before the
+    second publish at the broker, and comes before it in the events."""
+    setup_vpn(site_a)
+    enable_vpn(listener_a, site_a, "orders", queues=(r"orders\.q1",))
+    code, depth = asyncio.run(_nowait_purge_then_refused_nowait_delete(listener_a.url("orders")))
+    assert (code, depth) == ("ChannelPreconditionFailed", 1)
+    events = [e for e in listener_a.sink.events if isinstance(e, Published | Purged)]
+    assert [(type(e).__name__, getattr(e, "body", None)) for e in events] == [
+        ("Published", b"before"),
+        ("Purged", None),
+        ("Published", b"after"),
+    ]
+    purged = events[1]
+    assert isinstance(purged, Purged) and purged.queue == "orders.q1" and not purged.deleted
 
 
 def test_standby_vhost_refuses_clients_with_530(site_a: LocalSite, listener_a: ListenerThread):

@@ -1022,6 +1022,8 @@ def test_wrong_protocol_header_gets_ours_then_eof(
 KNOWN_IDS = sorted((i >> 16, i & 0xFFFF) for i in C.INDEX_MAPPING)
 
 short_names = st.sampled_from(["", "q", "work", "amq.direct", "amq.topic", "nope", "fuzz.x"])
+#: queues a fuzzed purge or delete may hit (not those other clients rely on)
+scratch_names = st.sampled_from(["fuzz.x", "nope"])
 channels = st.one_of(st.sampled_from([0, 1, 2, PROBE_CHANNEL - 1]), st.integers(0, 65535))
 channels_not_0 = st.one_of(st.sampled_from([1, 2, PROBE_CHANNEL - 1]), st.integers(1, 65535))
 frame_types = st.one_of(st.sampled_from([1, 2, 3, 8]), st.integers(0, 255))
@@ -1048,6 +1050,16 @@ channel_methods = st.one_of(
     ),
     st.builds(C.Basic.Qos, prefetch_count=st.integers(0, 65535)),
     st.sampled_from([C.Confirm.Select(), C.Tx.Select(), C.Tx.Commit(), C.Tx.Rollback()]),
+    # nowait or not, refused or not (another connection's exclusive queue, a
+    # queue that does not exist): the listener turns nowait ones synchronous
+    st.builds(C.Queue.Purge, queue=scratch_names, nowait=st.booleans()),
+    st.builds(
+        C.Queue.Delete,
+        queue=scratch_names,
+        if_unused=st.booleans(),
+        if_empty=st.booleans(),
+        nowait=st.booleans(),
+    ),
 )
 
 

@@ -866,13 +866,106 @@ def test_a_nowait_exclusive_declare_of_a_queue_that_exists_does_not_make_it_ours
     assert len(other.client_data(publish(1, b"still replicated")).events) == 1
 
 
-def test_a_nowait_purge_is_an_event_at_once_and_an_unreplicated_vhost_makes_none() -> None:
+def test_a_nowait_purge_goes_synchronous_and_the_channels_later_frames_wait_for_it() -> None:
+    """The broker may refuse a purge or a delete; with nowait the listener
+    would never learn of it, and the standby would drop messages the active
+    keeps. So it asks for the answer itself, swallows the -ok the client
+    did not ask for, and holds the channel's later frames until then: the
+    purge stays ahead of the publish that followed it."""
     s = make_session()
     open_session(s)
-    out = s.client_data(m(C.Queue.Purge(queue="other", nowait=True), 1))
-    assert [e for e, _ in out.events] == [Purged("orders", "other", (), deleted=False)]
+    out = s.client_data(m(C.Queue.Purge(queue="q", nowait=True), 1) + publish(1, b"after"))
+    assert [(c, v.name, v.nowait) for c, v in decode_all(out.to_broker)] == [
+        (1, "Queue.Purge", False)
+    ]
+    assert out.events == [] and out.to_client == []
+    out = s.client_data(m(C.Basic.Ack(delivery_tag=7), 1))  # still waiting
+    assert out.to_broker == [] and out.events == []
+    out = s.broker_data(m(C.Queue.PurgeOk(message_count=3), 1))
+    assert out.to_client == []
+    kinds = [type(e).__name__ for e, _ in out.events]
+    assert kinds == ["Purged", "Published"]
+    assert [v.name for _, v in decode_all(out.to_broker)] == [
+        "Basic.Publish",
+        "ContentHeader",
+        "ContentBody",
+        "Basic.Ack",
+    ]
+    out = s.client_data(publish(1, b"relayed at once"))
+    assert len(out.events) == 1 and len(decode_all(out.to_broker)) == 3
+
+
+def test_a_refused_nowait_delete_changes_nothing_on_either_site() -> None:
+    s = make_session()
+    open_session(s)
+    assert s.vpn is not None
+    out = s.client_data(
+        m(C.Queue.Delete(queue="q", if_empty=True, nowait=True), 1) + publish(1, b"too late")
+    )
+    assert [v.name for _, v in decode_all(out.to_broker)] == ["Queue.Delete"]
+    refused = C.Channel.Close(
+        reply_code=406, reply_text="PRECONDITION_FAILED", class_id=50, method_id=40
+    )
+    out = s.broker_data(m(refused, 1))
+    assert out.events == []
+    assert [v.name for _, v in decode_all(out.to_client)] == ["Channel.Close"]
+    # the broker gets what it would have got, and discards it (the channel closes)
+    assert [v.name for _, v in decode_all(out.to_broker)][0] == "Basic.Publish"
+    assert "q" in s.vpn.topology.queues
+    out = s.client_data(m(C.Channel.CloseOk(), 1))
+    assert [v.name for _, v in decode_all(out.to_broker)] == ["Channel.CloseOk"]
+    s.client_data(m(C.Channel.Open(), 1))
+    s.broker_data(m(C.Channel.OpenOk(), 1))
+    assert len(s.client_data(publish(1, b"still replicated")).events) == 1
+
+
+def test_a_refused_nowait_exchange_delete_keeps_the_exchange() -> None:
+    s = make_session()
+    open_session(s)
+    assert s.vpn is not None
+    s.vpn.topology.declare_exchange("x", "topic", {})
+    s.client_data(m(C.Exchange.Delete(exchange="x", if_unused=True, nowait=True), 1))
+    refused = C.Channel.Close(
+        reply_code=406, reply_text="PRECONDITION_FAILED", class_id=40, method_id=20
+    )
+    s.broker_data(m(refused, 1))
+    assert "x" in s.vpn.topology.exchanges
+    s.client_data(m(C.Channel.CloseOk(), 1))
+    s.client_data(m(C.Channel.Open(), 1))
+    s.broker_data(m(C.Channel.OpenOk(), 1))
+    s.client_data(m(C.Exchange.Delete(exchange="x", nowait=True), 1))
+    assert s.broker_data(m(C.Exchange.DeleteOk(), 1)).to_client == []
+    assert "x" not in s.vpn.topology.exchanges
+
+
+def test_frames_held_for_a_nowait_delete_join_our_close_of_the_channel() -> None:
+    """A refused transaction closes the channel from our side while the
+    client's frames wait for a nowait delete: they go into the close
+    handshake, so the client's close-ok is not held for ever."""
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Tx.Select(), 1))
+    s.broker_data(m(C.Tx.SelectOk(), 1))
+    s.client_data(publish(1, b"in the transaction"))
+    out = s.client_data(
+        m(C.Tx.Commit(), 1) + m(C.Queue.Delete(queue="other", nowait=True), 1) + publish(1, b"x")
+    )
+    assert [v.name for _, v in decode_all(out.to_broker)] == ["Queue.Delete"]
+    out = s.transaction_prepared(1, refused="the standby did not prepare in time")
+    assert [v.name for _, v in decode_all(out.to_client)] == ["Channel.Close"]
+    out = s.broker_data(m(C.Queue.DeleteOk(message_count=0), 1))  # on a closing channel
+    out = s.client_data(m(C.Channel.CloseOk(), 1))
+    s.broker_data(m(C.Channel.CloseOk(), 1))
+    out = s.client_data(m(C.Channel.Open(), 1))
+    assert [v.name for _, v in decode_all(out.to_broker)] == ["Channel.Open"]
+
+
+def test_an_unreplicated_vhost_relays_a_nowait_purge_untouched() -> None:
     plain = make_session()
     open_session(plain, vhost="plain")
+    request = m(C.Queue.Purge(queue="q", nowait=True), 1) + publish(1, b"next")
+    out = plain.client_data(request)
+    assert b"".join(out.to_broker) == request and out.events == []
     plain.client_data(m(C.Queue.Purge(queue="q"), 1))
     assert plain.broker_data(m(C.Queue.PurgeOk(message_count=0), 1)).events == []
 

@@ -142,12 +142,26 @@ def _browse(ch: Any) -> set[str]:
 
 
 def _sweep(ch: Any, wanted: set[str]) -> int:
+    """Ack the drained markers of ``wanted``, requeue the others: one
+    ``multiple`` ack or nack per run of like markers (the drained tags
+    ascend and the earlier runs are settled, so ``multiple`` at a run's
+    last tag settles exactly that run), not a frame and a flush per marker."""
     removed = 0
+    run: tuple[bool, int] | None = None  # (remove?, last tag) of the run unsettled
     for tag, txid in _drain(ch, SWEEP_LIMIT):
-        if txid in wanted:
-            ch.basic_ack(tag)
-            removed += 1
-        else:
-            ch.basic_nack(tag, requeue=True)
+        remove = txid in wanted
+        removed += remove
+        if run is not None and run[0] != remove:
+            _settle(ch, *run)
+        run = (remove, tag)
+    if run is not None:
+        _settle(ch, *run)
     ch.queue_declare(MARKER_QUEUE, passive=True)  # the requeued ones are back
     return removed
+
+
+def _settle(ch: Any, remove: bool, tag: int) -> None:
+    if remove:
+        ch.basic_ack(tag, multiple=True)
+    else:
+        ch.basic_nack(tag, multiple=True, requeue=True)

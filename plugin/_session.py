@@ -170,9 +170,7 @@ class _Channel:
     routing_keys: dict[int, str] = field(default_factory=dict)
     #: the topology change of each request awaiting its -ok, and whether that
     #: -ok is ours to swallow (a nowait request we made synchronous)
-    topology_ops: deque[tuple[Callable[[Any], None] | None, bool]] = field(
-        default_factory=deque
-    )
+    topology_ops: deque[tuple[Callable[[Any], None] | None, bool]] = field(default_factory=deque)
     #: the client's frames after a nowait request we made synchronous: they
     #: wait for the broker's verdict on it (see Session._topology)
     held: list[bytes] | None = None

@@ -107,18 +107,18 @@ class Replicator(ReplicationSink):
             self._timer = None
 
     def _wait(self, gate: SyncGate, index: int, resolve: Callable[[bool], None]) -> None:
-        """``gate.wait``, with the deadline check armed for it."""
+        """``gate.wait``, with the deadline check armed for it (the gate's
+        earliest deadline, a heap's top: no scan of the gates per publish)."""
         loop = asyncio.get_running_loop()
         gate.wait(index, loop.time(), resolve)
-        self._arm(loop)
+        deadline = gate.next_deadline()
+        if deadline is not None:
+            self._arm(loop, deadline)
 
-    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Schedule the deadline check for the earliest deadline of any gate
-        (at least a tick from now, so a burst of deadlines is one wake-up)."""
-        deadlines = [d for gate in self.gates.values() if (d := gate.next_deadline()) is not None]
-        if not deadlines:
-            return
-        when = max(min(deadlines), loop.time() + _TICK)
+    def _arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """Make sure the deadline check runs by ``deadline`` (at least a tick
+        from now, so a burst of deadlines is one wake-up)."""
+        when = max(deadline, loop.time() + _TICK)
         if self._timer is not None:
             if self._timer.when() <= when:
                 return
@@ -133,7 +133,9 @@ class Replicator(ReplicationSink):
                 gate.expire(now)
             except Exception:
                 log.exception("VPN %s: applying the sync timeout failed", gate.vpn)
-        self._arm(loop)
+            deadline = gate.next_deadline()
+            if deadline is not None:
+                self._arm(loop, deadline)
 
     # -- ReplicationSink ------------------------------------------------------
 

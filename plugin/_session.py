@@ -453,8 +453,10 @@ class Session:
         return b""  # nothing of ours reaches the other side any more
 
     def _reopen(self, held: bytes) -> None:
-        """The client's frames on a channel number it reused before the
-        broker closed the old channel: relayed now, as if they came now."""
+        """Relay client frames held back, now, as if they came now: those on
+        a channel number the client reused before the broker closed the old
+        channel (``reopening``), or those that waited for the broker's answer
+        to a nowait request made synchronous (:meth:`_release_held`)."""
         buf, frames, _ = FrameSplitter(0).feed(held)  # whole frames: no fault
         self._from_client(buf, frames)
 

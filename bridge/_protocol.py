@@ -1332,7 +1332,9 @@ class BridgeConnection:
             raise self._illegal(sending, f"{name} in state {stream.state.value}", frame.vpn)
         if not isinstance(frame, Error):
             self._check_epoch(frame, new, sending=sending)
-        after, accepted = self._advance(frame, replace(stream, state=new), sending=sending)
+        if new is not stream.state:  # most frames keep the state: no copy for them
+            stream = replace(stream, state=new)
+        after, accepted = self._advance(frame, stream, sending=sending)
         self._streams[frame.vpn] = after
         if not isinstance(frame, Error):
             self._epochs[frame.vpn] = max(self.known_epoch(frame.vpn), frame.epoch)

@@ -299,30 +299,51 @@ class StandbyApplier:
         """The common batch of a sync-mode transaction's group, applied ahead
         already at these same indexes, right after the applied index: the
         applied index moves and the rows of the groups it ends settle, in
-        one statement. False (nothing written) when it is anything else:
-        :meth:`apply_batch` then checks and applies it as usual."""
+        one statement (:meth:`passed_ahead_statement`). False (nothing
+        written) when it is anything else: :meth:`apply_batch` then checks
+        and applies it as usual."""
+        statement = self.passed_ahead_statement(vpn, entries)
+        if statement is None:
+            return False
+        with self._session() as conn:
+            if conn.execute(*statement).fetchone() is None:
+                return False
+        self.passed_ahead(vpn, entries)
+        return True
+
+    def passed_ahead_statement(
+        self, vpn: str, entries: Sequence[LedgerEntry]
+    ) -> tuple[str, tuple[Any, ...]] | None:
+        """The one statement (SQL, parameters) that settles ``entries`` when
+        they are the stream's copy of groups applied ahead at these same
+        indexes; None when they are anything else. It returns a row only if
+        its gate held (the applied index right before them, this site still
+        standby), and it may run on any connection to this database — the
+        bridge runs it on its event loop; :meth:`passed_ahead` then."""
         ahead = self._ahead.get(vpn)
         if not ahead or not entries:
-            return False
+            return None
         settled: list[str] = []
         epoch = entries[0].epoch
         for i, entry in enumerate(entries):
             found = ahead.get(entry.encoded)
             if found is None or found.index != entry.index:
-                return False
+                return None
             if entry.index != entries[0].index + i or entry.epoch < epoch:
-                return False
+                return None
             epoch = entry.epoch
             if found.last:
                 settled.append(found.txid)
         first, last = entries[0], entries[-1]
         params = (vpn, first.index - 1, first.epoch, settled, last.index, last.epoch, vpn)
-        with self._session() as conn:
-            if conn.execute(_SKIP_AHEAD_BATCH, params).fetchone() is None:
-                return False
+        return _SKIP_AHEAD_BATCH, params
+
+    def passed_ahead(self, vpn: str, entries: Sequence[LedgerEntry]) -> None:
+        """Record that :meth:`passed_ahead_statement`'s statement settled
+        ``entries``: they are not awaited any more."""
+        ahead = self._ahead.get(vpn, {})
         for entry in entries:
             ahead.pop(entry.encoded, None)
-        return True
 
     def apply_prepared(
         self,

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import ssl
@@ -60,7 +61,7 @@ import urllib.request
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
 import psycopg
@@ -127,7 +128,7 @@ from ._tls import describe_tls_error, make_client_context, make_server_context
 
 if TYPE_CHECKING:
     from txn._coordinator import Coordinator
-    from txn._participant import Participant
+    from txn._participant import Participant, Voted
 
 __all__ = [
     "CONNECTED",
@@ -144,6 +145,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: ``bridge_state`` values, as ``vpnrepl status`` shows them.
 CONNECTED: Final = "connected"  # live: the replay is over, events stream in real time
@@ -1676,14 +1678,23 @@ class BridgeClient:
             self._ready.pop(frame.txid, None)
             await self.participant.outcome(frame.vpn, frame.txid, frame.commit)
             return
-        voted = await self.participant.prepare(frame.vpn, frame.txid, frame.events)
+        voted = await self.participant.prepare(
+            frame.vpn, frame.txid, frame.events, functools.partial(self._get_ready, frame)
+        )
+        if not voted:
+            self._ready.pop(frame.txid, None)
         epoch = session.link.conn.known_epoch(frame.vpn)
         session.link.try_send(TxnVote(frame.vpn, epoch, frame.txid, voted is not None))
-        if voted and self._applier is not None:
-            # the commit ahead's statement, built while the active commits the broker
-            self._ready[frame.txid] = self._applier.ready_ahead(frame.vpn, frame.txid, voted)
-            if len(self._ready) > READY_KEPT:
-                self._ready.popitem(last=False)
+
+    def _get_ready(self, frame: TxnPrepare, voted: Voted) -> None:
+        """The commit ahead's statement, built while the participant's row
+        is written (for a yes vote; a no drops it), so the active's broker
+        commit is not kept waiting for it."""
+        if not voted or self._applier is None:
+            return
+        self._ready[frame.txid] = self._applier.ready_ahead(frame.vpn, frame.txid, voted)
+        if len(self._ready) > READY_KEPT:
+            self._ready.popitem(last=False)
 
     async def _ask_in_doubt(self, session: _Session, vpn: str) -> None:
         """After a (re)sync: ask the active how our prepared transactions ended."""
@@ -1927,7 +1938,9 @@ class BridgeClient:
             entries.extend(more.entries)
         vpn = inbound.vpn
         try:
-            applied = await asyncio.to_thread(self._applier.apply_batch, vpn, entries)
+            applied = await self._skip_ahead(vpn, entries)
+            if applied is None:
+                applied = await asyncio.to_thread(self._applier.apply_batch, vpn, entries)
         except Gap as e:
             log.warning("bridge: %s; resyncing from the applied index", e)
             await self._request_sync(session, inbound)
@@ -1978,8 +1991,46 @@ class BridgeClient:
         session.link.try_send(TxnApplied(vpn, epoch, txid, last is not None))
 
     async def _run_ahead(self, statement: GuardedApply) -> bool:
-        """Run a commit ahead's one statement on this standby's own
-        connection for it; True if its guard let it apply."""
+        """Run a commit ahead's one statement on this loop; True if its
+        guard let it apply."""
+        found = await self._on_own_conn(
+            statement.vpn, lambda conn: run_guarded_async(conn, statement)
+        )
+        return found is not None
+
+    async def _skip_ahead(self, vpn: str, entries: list[LedgerEntry]) -> int | None:
+        """The stream's copy of groups applied ahead, settled by one
+        statement on this loop (no thread hop); returns the new applied
+        index. None when ``entries`` are anything else, or the statement's
+        gate did not hold, or it failed: :meth:`StandbyApplier.apply_batch`
+        then checks them against what is stored and applies them as usual."""
+        assert self._applier is not None  # noqa: S101 - run() created it
+        statement = self._applier.passed_ahead_statement(vpn, entries)
+        if statement is None:
+            return None
+
+        async def run(conn: psycopg.AsyncConnection[Any]) -> Any:
+            cur = await conn.execute(*statement)
+            return await cur.fetchone()
+
+        try:
+            if await self._on_own_conn(vpn, run) is None:
+                return None
+        except psycopg.Error as e:
+            log.debug("bridge: VPN %s: applied-ahead groups left to the batch: %s", vpn, e)
+            return None
+        self._applier.passed_ahead(vpn, entries)
+        return entries[-1].index
+
+    async def _on_own_conn(
+        self, vpn: str, run: Callable[[psycopg.AsyncConnection[Any]], Awaitable[_T]]
+    ) -> _T:
+        """``run`` on the standby's own connection for the statements it
+        runs on this loop (commits ahead, and the stream's copies of them),
+        connected at first use. When the outcome is unknown (a lost
+        connection, or cancelled mid-statement) the connection is dropped
+        and the VPN's applied-ahead events are read from the database again
+        before its next batch, so nothing is applied twice."""
         conn = self._ahead_conn
         if conn is None or conn.closed or conn.broken:
             self._ahead_conn = None
@@ -1988,14 +2039,13 @@ class BridgeClient:
             )
             self._ahead_conn = conn
         try:
-            return await run_guarded_async(conn, statement) is not None
+            return await run(conn)
         except BaseException as e:
             if isinstance(e, psycopg.Error) and not isinstance(e, psycopg.OperationalError):
                 raise  # refused by the database: nothing committed, the connection is fine
-            # the outcome is unknown (a lost connection, or cancelled mid-statement)
             self._ahead_conn = None
             assert self._applier is not None  # noqa: S101 - run() created it
-            self._applier.forget_ahead(statement.vpn)
+            self._applier.forget_ahead(vpn)
             with contextlib.suppress(Exception):
                 await conn.close()
             raise

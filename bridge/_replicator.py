@@ -80,9 +80,12 @@ class Replicator(ReplicationSink):
         gate = self.gates.get(vpn)
         if gate is not None:
             gate.acked(index)
-            if self._timer is not None and not any(g.waiting for g in self.gates.values()):
-                self._timer.cancel()  # nothing left to time out
-                self._timer = None
+            self._disarm_if_idle()
+
+    def _disarm_if_idle(self) -> None:
+        if self._timer is not None and not any(g.waiting for g in self.gates.values()):
+            self._timer.cancel()  # nothing left to time out
+            self._timer = None
 
     def wait_standby(self, vpn: str, index: int, resolve: Callable[[bool], None]) -> bool:
         """Resolve once the standby acknowledged ``index`` (or the sync
@@ -93,6 +96,13 @@ class Replicator(ReplicationSink):
             return False
         self._wait(gate, index, resolve)
         return True
+
+    def withdraw(self, vpn: str, index: int) -> None:
+        """Stop a :meth:`wait_standby` for ``index`` (it never resolves)."""
+        gate = self.gates.get(vpn)
+        if gate is not None:
+            gate.withdraw(index)
+            self._disarm_if_idle()
 
     def sync_eligible(self, vpn: str) -> bool:
         gate = self.gates.get(vpn)

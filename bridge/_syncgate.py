@@ -92,6 +92,14 @@ class SyncGate:
             self.eligible = True
             log.info("VPN %s: standby caught up at index %d; sync-eligible again", self.vpn, index)
 
+    def withdraw(self, index: int) -> None:
+        """Stop waiting for ``index`` without resolving it: its owner learned
+        another way that the standby has it (a transaction the standby
+        committed ahead of the stream). Its deadline is no timeout any more."""
+        if self._waiting.pop(index, None) is not None and not self._waiting:
+            self._by_index.clear()
+            self._deadlines.clear()
+
     def expire(self, now: float) -> None:
         """Apply the timeout policy to every waiter whose own deadline passed.
 

@@ -110,6 +110,24 @@ def test_deadlines_of_acknowledged_waiters_are_dropped_when_nothing_waits() -> N
     assert gate.next_deadline() is None  # no wake-up is due for answered publishes
 
 
+def test_a_withdrawn_waiter_never_resolves_and_its_deadline_is_no_timeout() -> None:
+    """A transaction the standby committed ahead of the stream leaves the
+    gate when that answer comes: its late acknowledgement is no timeout."""
+    for policy in (DEGRADE, REJECT):
+        gate, out = SyncGate("v", 250, policy), Outcomes()
+        gate.wait(1, 1.0, out.resolver(1))
+        gate.wait(2, 1.1, out.resolver(2))
+        gate.withdraw(1)
+        assert gate.waiting == 1 and gate.next_deadline() is not None  # 2 still waits
+        gate.expire(1.3)  # past 1's deadline, not 2's
+        assert out == {} and gate.eligible
+        assert gate.degradations == gate.rejections == 0
+        gate.withdraw(2)
+        assert gate.next_deadline() is None  # nothing to wake up for
+        gate.acked(2)
+        assert out == {}  # withdrawn: resolved by no one
+
+
 def _replicator(timeout_ms: int, policy: SyncTimeoutPolicy) -> Replicator:
     # wait_standby() never touches the ledger writer
     replicator = Replicator(cast(LedgerWriter, None))

@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from bridge._entry import encode_event
 from bridge._ledger import LedgerWriter
+from bridge._replicator import Replicator
 from plugin._events import IdSource, LocalTransaction, Published, TransactionRefused
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
@@ -33,6 +34,9 @@ trace.set_tracer_provider(_provider)
 class NoStandby:
     def wait_standby(self, vpn: str, index: int, resolve: object) -> bool:
         return False  # an async VPN: nothing to wait for
+
+    def withdraw(self, vpn: str, index: int) -> None:
+        raise AssertionError("nothing waits")
 
 
 def txn(ids: IdSource, sequence: int) -> LocalTransaction:
@@ -55,6 +59,16 @@ def active_site(site: LocalSite) -> str:
         enable_vpn(conn, VpnSettings.from_args("v", "active"))
     site.rabbit.add_vhost("v")
     return dsn
+
+
+async def opened(dsn: str) -> tuple[TxnLog, LedgerWriter]:
+    """The active site's transaction log and ledger writer, VPN ``v`` open."""
+    log = TxnLog(dsn)
+    await log.open()
+    writer = LedgerWriter(dsn)
+    await writer.start()
+    await writer.open_vpn("v")
+    return log, writer
 
 
 def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
@@ -169,11 +183,7 @@ def test_commit_soon_answers_once_the_decision_is_recorded(site_a: LocalSite) ->
     unknown, t1, t2 = (txn(ids, n) for n in range(1, 4))
 
     async def scenario() -> None:
-        log = TxnLog(dsn)
-        await log.open()
-        writer = LedgerWriter(dsn)
-        await writer.start()
-        await writer.open_vpn("v")
+        log, writer = await opened(dsn)
         c = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, NoStandby())
         c.configure(VpnSettings.from_args("v", "active"))
         answers: list[BaseException | None] = []
@@ -205,22 +215,31 @@ def test_a_participants_yes_vote_returns_the_events_it_was_for(site_a: LocalSite
     with connect(dsn) as conn:
         enable_vpn(conn, VpnSettings.from_args("v", "standby"))
     ids = IdSource(12)
-    t1 = txn(ids, 1)
+    t1, t2 = txn(ids, 1), txn(ids, 2)
 
     async def scenario() -> None:
         log = TxnLog(dsn)
         await log.open()
         p = Participant(log)
-        voted = await p.prepare("v", t1.txid, encode_events(t1.events))
+        seen: list[tuple[tuple[bytes, object], ...]] = []
+        voted = await p.prepare("v", t1.txid, encode_events(t1.events), seen.append)
         assert voted is not None
         assert [event for _, event in voted] == list(t1.events)
         assert [data for data, _ in voted] == [encode_event(e) for e in t1.events]
-        assert await p.prepare("v", "unreadable", b"\x00\x00\x00\x09abc") is None
+        assert seen == [voted]  # what the caller makes ready meanwhile gets the same events
+
+        def fails(voted: object) -> None:
+            raise ValueError("not this one")
+
+        # the caller's own failure does not change the vote
+        assert await p.prepare("v", t2.txid, encode_events(t2.events), fails) is not None
+        assert await p.prepare("v", "unreadable", b"\x00\x00\x00\x09abc", seen.append) is None
+        assert len(seen) == 1  # nothing made ready for unreadable events
         await p.close()
         await log.close()
 
     asyncio.run(scenario())
-    assert states(dsn) == {t1.txid: "prepared", "unreadable": "aborted"}
+    assert states(dsn) == {t1.txid: "prepared", t2.txid: "prepared", "unreadable": "aborted"}
 
 
 def test_the_participant_records_commits_together_and_aborts_at_once(site_a: LocalSite) -> None:
@@ -260,3 +279,121 @@ def test_the_participant_records_commits_together_and_aborts_at_once(site_a: Loc
         "committed",
         "prepared",
     ]
+
+
+class RecordingStandby:
+    """The bridge's side as the coordinator sees it, for a sync VPN whose
+    standby votes yes and applies ahead the transactions in ``ahead``;
+    every call lands in ``calls`` (with the client's answers)."""
+
+    def __init__(self, ahead: set[str], calls: list[tuple[str, str]]) -> None:
+        self.ahead, self.calls = ahead, calls
+
+    def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> asyncio.Future[bool]:
+        vote: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        vote.set_result(True)
+        return vote
+
+    def commit_ahead(self, vpn: str, txid: str, first: int, on_applied: object) -> bool:
+        if txid in self.ahead:
+            asyncio.get_running_loop().call_soon(on_applied)  # type: ignore[arg-type]
+        return True
+
+    def outcome(self, vpn: str, txid: str, commit: bool) -> None:
+        self.calls.append(("outcome", txid))
+
+    def wait_standby(self, vpn: str, index: int, resolve: object) -> bool:
+        asyncio.get_running_loop().call_soon(resolve, True)  # type: ignore[arg-type]
+        return True  # the stream's acknowledgement, for one not applied ahead
+
+    def withdraw(self, vpn: str, index: int) -> None:
+        self.calls.append(("withdraw", str(index)))
+
+
+def test_a_commit_applied_ahead_sends_the_standby_no_outcome(site_a: LocalSite) -> None:
+    """The standby settles a transaction it applied ahead by itself (with
+    the stream's copy of its group); one it applied from the stream learns
+    its outcome — after the client's answer, never before it."""
+    dsn = active_site(site_a)
+    ids = IdSource(17)
+    ahead, streamed = txn(ids, 1), txn(ids, 2)
+    calls: list[tuple[str, str]] = []
+
+    async def scenario() -> None:
+        log, writer = await opened(dsn)
+        standby = RecordingStandby({ahead.txid}, calls)
+        c = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, standby, standby)
+        c.configure(VpnSettings.from_args("v", "active", "sync"))
+        for t in (ahead, streamed):
+            await c.prepare(t)
+            answered: asyncio.Future[BaseException | None] = asyncio.Future()
+
+            def answer(
+                error: BaseException | None,
+                t: LocalTransaction = t,
+                answered: asyncio.Future[BaseException | None] = answered,
+            ) -> None:
+                calls.append(("answer", t.txid))
+                answered.set_result(error)
+
+            c.commit_soon(t, answer)
+            assert await asyncio.wait_for(answered, 10) is None
+        await c.close()
+        await writer.close()
+        await log.close()
+
+    asyncio.run(scenario())
+    assert calls == [("answer", ahead.txid), ("answer", streamed.txid), ("outcome", streamed.txid)]
+    assert states(dsn) == {ahead.txid: "committed", streamed.txid: "committed"}
+
+
+class LateAnswer(RecordingStandby):
+    """A standby that commits every transaction ahead, answering ``after``
+    seconds after ``TxnCommit`` — once the active's ledger group is durable
+    and waits in the sync gate — and whose stream acknowledges nothing."""
+
+    def __init__(self, after: float) -> None:
+        super().__init__(set(), [])
+        self.after = after
+
+    def commit_ahead(self, vpn: str, txid: str, first: int, on_applied: object) -> bool:
+        asyncio.get_running_loop().call_later(self.after, on_applied)  # type: ignore[arg-type]
+        return True
+
+
+def test_a_commit_applied_ahead_is_no_sync_timeout_later(site_a: LocalSite) -> None:
+    """When the ledger is durable before the standby's answer, the group
+    waits in the VPN's sync gate; the answer settles the transaction and
+    takes it out of the gate, so the stream's acknowledgement coming after
+    the sync timeout (or not at all) does not mark the standby as fallen
+    behind: the VPN stays sync-eligible."""
+    dsn = active_site(site_a)
+    ids = IdSource(19)
+    t = txn(ids, 1)
+
+    async def scenario() -> None:
+        log, writer = await opened(dsn)
+        settings = VpnSettings.from_args("v", "active", "sync", sync_timeout_ms=300)
+        replicator = Replicator(writer)
+        replicator.configure(settings, acked_index=0)
+        c = Coordinator(
+            log, MarkerStore(site_a.rabbit.amqp_url()), writer, replicator, LateAnswer(0.1)
+        )
+        c.configure(settings)
+        gate = replicator.gates["v"]
+        await c.prepare(t)
+        answered: asyncio.Future[BaseException | None] = asyncio.Future()
+        c.commit_soon(t, answered.set_result)
+        await asyncio.sleep(0.05)
+        assert gate.waiting == 1  # durable here, waiting for the standby
+        assert await asyncio.wait_for(answered, 10) is None
+        assert gate.waiting == 0
+        await asyncio.sleep(0.4)  # past the sync timeout
+        assert gate.eligible and gate.degradations == 0
+        assert c.stats.outcomes[("v", "committed")] == 1
+        await replicator.close()
+        await c.close()
+        await writer.close()
+        await log.close()
+
+    asyncio.run(scenario())

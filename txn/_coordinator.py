@@ -39,12 +39,18 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
    it, recognised by its events, not by its index (``bridge._standby``).
    The client's ``tx.commit-ok`` waits for the durable group here and for
    ``TxnApplied`` or the acknowledgement, so it is sent only when prepare
-   and commit are durable on both sites. Then the
+   and commit are durable on both sites. (A group durable here before the
+   answer waits in the VPN's sync gate; a yes takes it out again, so the
+   stream's later acknowledgement is never counted as a sync timeout.)
+   Then the
    bookkeeping, in batches rather than a database commit per transaction
-   on the client's path: the participant's rows are marked committed (its
-   outcomes are flushed together, :class:`txn._participant.Participant`),
-   the coordinator's rows end in the sweep once the standby's acknowledged
-   index has passed their groups, and the markers are removed.
+   on the client's path: a participant's row applied ahead is marked
+   committed with the stream's copy of its group; any other learns its
+   outcome from ``TxnOutcome``, sent after the client's answer (the
+   participant flushes outcomes together,
+   :class:`txn._participant.Participant`); the coordinator's rows end in
+   the sweep once the standby's acknowledged index has passed their
+   groups, and the markers are removed.
 
 **Recovery** (either node, at start, before clients are accepted): every
 coordinator row still ``prepared`` is resolved — its group in the ledger
@@ -163,6 +169,9 @@ class SyncWait(Protocol):
     def wait_standby(self, vpn: str, index: int, resolve: Callable[[bool], None]) -> bool:
         """Call ``resolve(acked)`` once the standby acknowledged ``index`` or the
         sync timeout passed; False when the VPN has no sync gate."""
+
+    def withdraw(self, vpn: str, index: int) -> None:
+        """Stop a :meth:`wait_standby` for ``index``; ``resolve`` is never called."""
 
 
 @dataclass
@@ -461,6 +470,12 @@ class Coordinator:
         live.ahead = True
         self.stats.applied_ahead[live.txn.vpn] += 1
         if live.durable:
+            if not live.settled:
+                # the ledger was durable first, so the group waits in the
+                # sync gate: the stream's acknowledgement may come after the
+                # VPN's sync timeout, which would count as the standby
+                # falling behind
+                self.sync.withdraw(live.txn.vpn, live.last_index)
             self._standby_applied(live, True)
 
     def _decision_durable(self, live: _Live, ok: bool) -> None:
@@ -511,13 +526,17 @@ class Coordinator:
                 )
             )
         release = Action.RELEASE_COMMIT_OK in live.machine.feed(Input.DECISION_DURABLE)
-        if self.link is not None:  # a participant that voted late settles too
-            self.link.outcome(txn.vpn, txn.txid, commit=True)
         # decided and recorded: its marker is not needed any more (the row
         # ends in the sweep, once the standby's acknowledged index passed it)
         self._decided.setdefault(txn.vpn, set()).add(txn.txid)
         if release:
             self._release(live, True)
+        if self.link is not None and not live.ahead:
+            # After the client's answer: the outcome is bookkeeping. A
+            # participant that applied ahead needs none (its row left
+            # 'prepared' in that commit, and settles with the stream's
+            # copy); one that applied from the stream, or voted late, does.
+            self.link.outcome(txn.vpn, txn.txid, commit=True)
 
     async def abort(self, txn: LocalTransaction) -> None:
         """The broker commit will not happen (the client left, or rolled back)."""

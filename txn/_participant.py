@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import psycopg
 
@@ -54,14 +55,24 @@ class Participant:
         self._flusher: asyncio.Task[None] | None = None
         self._failing = False  # the last flush did not reach the database
 
-    async def prepare(self, vpn: str, txid: str, events: bytes) -> Voted | None:
+    async def prepare(
+        self,
+        vpn: str,
+        txid: str,
+        events: bytes,
+        meanwhile: Callable[[Voted], object] | None = None,
+    ) -> Voted | None:
         """Persist ``txid`` as prepared. A yes vote returns the events it
         was for (encoding and event, for the standby to commit it ahead of
         the stream without reading them back); None is a no.
 
         The events are decoded while the database writes the row (the
         insert goes out first): a vote for unreadable events would be
-        worthless, so they vote no and their row is aborted at once."""
+        worthless, so they vote no and their row is aborted at once.
+        ``meanwhile(voted)`` runs then too, before the vote is known: what
+        the caller prepares for a yes is ready when the vote goes out, and
+        nothing runs between the vote and the active's next step (on one
+        machine, the active's node waits for the CPU this one holds)."""
         write = asyncio.ensure_future(self.log.prepare(txid, vpn, PARTICIPANT, events))
         try:
             await asyncio.sleep(0)  # the insert is sent
@@ -75,6 +86,11 @@ class Participant:
                     if await write:  # a row no yes vote stands behind
                         await self.log.move(txid, "aborted", leaving=("prepared",))
                 return None
+            if meanwhile is not None:
+                try:
+                    meanwhile(voted)
+                except Exception:  # its own affair: the vote does not depend on it
+                    log.exception("VPN %s: transaction %s: not made ready to commit", vpn, txid)
             try:
                 await write
             except psycopg.Error as e:

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 import re
+import select
 import shutil
 import socket
 import struct
@@ -31,7 +32,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from pamqp import base, body, commands, frame, header
 
@@ -109,7 +110,7 @@ class _LeanConnection(asyncio.Protocol):
         self._done: asyncio.Future[float] | None = None
 
     @classmethod
-    async def connect(cls, port: int, vhost: str, queue: str, **kwargs: Any) -> Any:
+    async def connect(cls, port: int, vhost: str, queue: str, **kwargs: Any) -> Self:
         loop = asyncio.get_running_loop()
         _, proto = await loop.create_connection(lambda: cls(queue, **kwargs), "127.0.0.1", port)
         await proto._handshake(vhost)
@@ -639,6 +640,20 @@ def add_publisher_options(p: argparse.ArgumentParser, messages: int) -> None:
 
 
 # ---------------------------------------------------------------- site processes
+
+
+def start_ready(argv: list[str], what: str) -> subprocess.Popen[bytes]:
+    """Start a helper process (a floor writer) with pipes to its stdin and
+    stdout, and wait up to two minutes for it to print ``ready``: its work
+    is built before any clock starts."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # noqa: S603
+    assert proc.stdout is not None  # noqa: S101 - PIPE
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    line = proc.stdout.readline().strip() if ready else b""
+    if line != b"ready":
+        proc.kill()
+        raise BenchError(f"{what} did not start: {line!r}")
+    return proc
 
 
 def vpnrepl_exe() -> str:

@@ -48,11 +48,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import signal
 import statistics
 import struct
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -60,7 +58,15 @@ from pathlib import Path
 
 import psycopg
 import uvloop
-from _common import BenchError, LeanConsumer, LeanPublisher, beam_pid, tree_cpu, vpnrepl
+from _common import (
+    BenchError,
+    LeanConsumer,
+    LeanPublisher,
+    beam_pid,
+    start_ready,
+    tree_cpu,
+    vpnrepl,
+)
 
 from plugin._localsites import HarnessError, LocalSites
 
@@ -210,42 +216,21 @@ class Writer:
     def __init__(
         self, site: str, dsn: str, phase: str, first: int, ids_from: int, opts: Options
     ) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--writer",
-                site,
-                dsn,
-                phase,
-                str(first),
-                str(ids_from),
-                str(opts.messages),
-                str(opts.size),
-                str(opts.batch),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
-        line = self.proc.stdout.readline().strip() if ready else ""
-        if line != "ready":
-            self.proc.kill()
-            raise BenchError(f"writer {site} did not start: {line!r}")
+        argv = [sys.executable, __file__, "--writer", site, dsn, phase, str(first)]
+        argv += [str(ids_from), str(opts.messages), str(opts.size), str(opts.batch)]
+        self.proc = start_ready(argv, f"writer {site}")
 
     def go(self) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
+        self.proc.stdin.write(b"go\n")
         self.proc.stdin.flush()
 
     def finished_at(self) -> float:
-        assert self.proc.stdout is not None
         out, _ = self.proc.communicate(timeout=600)
-        if self.proc.returncode != 0 or not out.startswith("done "):
-            raise BenchError(f"writer failed (exit {self.proc.returncode}): {out!r}")
-        return float(out.split()[1])
+        text = out.decode()
+        if self.proc.returncode != 0 or not text.startswith("done "):
+            raise BenchError(f"writer failed (exit {self.proc.returncode}): {text!r}")
+        return float(text.split()[1])
 
 
 # ---------------------------------------------------------------- the rounds

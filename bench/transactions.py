@@ -50,11 +50,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import select
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -68,6 +66,7 @@ from _common import (
     beam_pid,
     process_cpu,
     start_py_spy,
+    start_ready,
     summarise_py_spy,
     tree_cpu,
     vpnrepl,
@@ -162,14 +161,9 @@ class Writer:
     def __init__(self, site: str, dsn: str, opts: argparse.Namespace, first: int) -> None:
         argv = [sys.executable, __file__, "--writer", site, dsn]
         argv += [str(opts.txns), str(opts.per_txn), str(opts.size), str(first)]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = start_ready(argv, f"floor writer {site}")
         assert self.proc.stdin is not None and self.proc.stdout is not None  # noqa: S101
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
-        ready, _, _ = select.select([self.stdout], [], [], 120)
-        line = self.stdout.readline().strip() if ready else b""
-        if line != b"ready":
-            self.proc.kill()
-            raise BenchError(f"floor writer {site} did not start: {line!r}")
 
     def tell(self, step: str, n: int) -> None:
         self.stdin.write(f"{step} {n}\n".encode())

@@ -25,6 +25,11 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 log = logging.getLogger("vpnrepl")
 
+#: Libraries that log every connection's open and close at INFO (pika: the
+#: demo's client): noise around the demo's story; their warnings still
+#: show, and ``-v`` shows everything.
+_CHATTY = ("pika",)
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line and exit status 2."""
@@ -215,6 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _build_parser().parse_args(argv)
         if args.verbose:
             logging.getLogger().setLevel(logging.DEBUG)
+        else:
+            for name in _CHATTY:
+                logging.getLogger(name).setLevel(logging.WARNING)
         run: Callable[[Any, argparse.Namespace], int] = args.run
         cfg = None
         if getattr(args, "needs_config", True):

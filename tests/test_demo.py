@@ -17,3 +17,5 @@ def test_demo_replicates_a_workload_and_is_honest_about_promotion(tmp_path: Path
     # promotion has not landed: no fake success
     assert "`vpnrepl promote` is not implemented yet" in out
     assert result.returncode == 1
+    # the story, not the AMQP client's connection chatter
+    assert " INFO pika" not in result.stderr

@@ -86,8 +86,7 @@ class SyncGate:
             waiter = self._waiting.pop(heapq.heappop(self._by_index), None)
             if waiter is not None:
                 waiter.resolve(True)
-        if not self._waiting:  # the deadlines left are of acknowledged waiters
-            self._deadlines.clear()
+        self._forget_if_idle()
         if not self.eligible and index >= self._catch_up_to:
             self.eligible = True
             log.info("VPN %s: standby caught up at index %d; sync-eligible again", self.vpn, index)
@@ -96,7 +95,13 @@ class SyncGate:
         """Stop waiting for ``index`` without resolving it: its owner learned
         another way that the standby has it (a transaction the standby
         committed ahead of the stream). Its deadline is no timeout any more."""
-        if self._waiting.pop(index, None) is not None and not self._waiting:
+        if self._waiting.pop(index, None) is not None:
+            self._forget_if_idle()
+
+    def _forget_if_idle(self) -> None:
+        """With nothing waiting, the heaps hold only entries of waiters that
+        were acknowledged or withdrawn: drop them (no deadline is left)."""
+        if not self._waiting:
             self._by_index.clear()
             self._deadlines.clear()
 

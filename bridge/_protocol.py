@@ -126,7 +126,9 @@ __all__ = [
 ]
 
 MAGIC: Final = 0xBD
-PROTOCOL_VERSION: Final = 3  # 2: TxnCommit / TxnApplied; 3: TxnApplied answers every TxnCommit
+#: 2: TxnCommit / TxnApplied; 3: TxnApplied answers every TxnCommit;
+#: 4: VpnResource carries expose_id
+PROTOCOL_VERSION: Final = 4
 #: RabbitMQ (3.8+) accepts messages up to 128 MiB by default, and one event
 #: must fit in one frame; 8 MiB on top for properties and framing.
 DEFAULT_MAX_FRAME_SIZE: Final = 136 * 2**20
@@ -322,6 +324,7 @@ class VpnResource:
     queue_patterns: tuple[str, ...]
     topic_filters: tuple[TopicFilter, ...]
     definitions_json: bytes
+    expose_id: bool = False
 
     def __post_init__(self) -> None:
         _check_text("VPN name", self.name)
@@ -351,6 +354,7 @@ class VpnResource:
             settings.queue_patterns,
             settings.topic_filters,
             definitions_json,
+            settings.expose_id,
         )
 
     def payload(self) -> bytes:
@@ -365,6 +369,7 @@ class VpnResource:
                 _U16.pack(len(self.topic_filters)),
                 *(_str16(t.exchange) + _str16(t.pattern) for t in self.topic_filters),
                 _bytes32(self.definitions_json),
+                _U8.pack(1 if self.expose_id else 0),
             )
         )
 
@@ -379,7 +384,8 @@ class VpnResource:
             TopicFilter(r.text("topic exchange"), r.text("topic pattern"))
             for _ in range(r.u16("topic_filters"))
         )
-        return cls(name, epoch, mode, timeout, policy, patterns, topics, r.blob("definitions"))
+        definitions, expose_id = r.blob("definitions"), r.flag("expose_id")
+        return cls(name, epoch, mode, timeout, policy, patterns, topics, definitions, expose_id)
 
 
 @dataclass(frozen=True, slots=True)

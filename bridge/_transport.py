@@ -507,7 +507,7 @@ async def _reset_states(
 
 _ACTIVE_VPNS = """
 SELECT c.name, c.epoch, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
-       c.queue_patterns, c.topic_filters
+       c.queue_patterns, c.topic_filters, c.expose_id
 FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
 WHERE c.enabled AND c.role = 'active' AND NOT s.fenced
 ORDER BY c.name
@@ -1084,11 +1084,11 @@ class BridgeServer:
         except psycopg.OperationalError as e:
             raise LedgerError(f"the site database is unavailable: {_describe(e)}") from e
         out = []
-        for name, epoch, mode, timeout, policy, queues, topics in rows:
+        for name, epoch, mode, timeout, policy, queues, topics, expose_id in rows:
             if name in self.replicator.fenced:
                 continue
             settings = VpnSettings.from_args(
-                name, "active", mode, timeout, policy, tuple(queues), tuple(topics)
+                name, "active", mode, timeout, policy, tuple(queues), tuple(topics), expose_id
             )
             out.append((settings, int(epoch)))
         return out
@@ -1324,8 +1324,8 @@ class BridgeServer:
 _LOCK_VPN = "SELECT role, enabled, epoch FROM vpn_config WHERE name = %s FOR UPDATE"
 _ADD_STANDBY = """
 INSERT INTO vpn_config (name, enabled, role, epoch, mode, sync_timeout_ms, on_sync_timeout,
-                        queue_patterns, topic_filters)
-VALUES (%s, true, 'standby', %s, %s, %s, %s, %s, %s)
+                        queue_patterns, topic_filters, expose_id)
+VALUES (%s, true, 'standby', %s, %s, %s, %s, %s, %s, %s)
 """
 _RAISE_EPOCH = "UPDATE vpn_config SET epoch = %s, updated_at = now() WHERE name = %s AND epoch < %s"
 
@@ -1892,6 +1892,7 @@ class BridgeClient:
                         resource.on_sync_timeout.value,
                         list(resource.queue_patterns),
                         [str(t) for t in resource.topic_filters],
+                        resource.expose_id,
                     ),
                 )
                 await conn.execute(

@@ -26,6 +26,7 @@ from pamqp import base, commands, frame
 
 __all__ = [
     "AMQPError",
+    "AccessRefused",
     "CommandInvalid",
     "FrameError",
     "FrameSplitter",
@@ -49,6 +50,7 @@ _U16 = struct.Struct(">H")
 _CONTENT_HEAD = struct.Struct(">HHQH")
 
 # (class id, method id) of the methods the session looks at.
+CONNECTION_START_OK = (10, 11)
 CONNECTION_TUNE_OK = (10, 31)
 CONNECTION_OPEN = (10, 40)
 CONNECTION_OPEN_OK = (10, 41)
@@ -132,6 +134,10 @@ class ConnectionForced(AMQPError):
     reply_code, reply_name = 320, "CONNECTION_FORCED"
 
 
+class AccessRefused(AMQPError):
+    reply_code, reply_name = 403, "ACCESS_REFUSED"
+
+
 REPLY_CODES: dict[int, type[AMQPError]] = {
     cls.reply_code: cls
     for cls in (
@@ -141,6 +147,7 @@ REPLY_CODES: dict[int, type[AMQPError]] = {
         UnexpectedFrame,
         NotAllowed,
         ConnectionForced,
+        AccessRefused,
         AMQPError,
     )
 }
@@ -570,19 +577,46 @@ def splice_header(payload: bytes, layout: PropertyLayout, key: str, value: bytes
 def find_header(payload: bytes, layout: PropertyLayout, key: str) -> bytes | None:
     """The encoded field value (type octet and data) of ``key`` in the
     headers, or None (absent, or a headers table that does not parse)."""
+    at = header_entry(payload, layout, key)
+    if at is None:
+        return None
+    return payload[at[0] + len(_entry_prefix(key)) : at[1]]
+
+
+def header_entry(payload: bytes, layout: PropertyLayout, key: str) -> tuple[int, int] | None:
+    """Where ``key``'s entry (name and value) sits in ``payload``, as
+    ``(start, end)`` offsets, or None (absent, or a table that does not
+    parse). The table is walked entry by entry, so a value that merely
+    contains the key's bytes is never taken for it."""
     if not layout.flags & _FLAG_HEADERS:
         return None
-    body = payload[layout.headers_at + 4 : layout.headers_end]
-    prefix = _entry_prefix(key)
-    if prefix not in body:
+    body_at = layout.headers_at + 4
+    body = payload[body_at : layout.headers_end]
+    if _entry_prefix(key) not in body:
         return None
     try:
         for k, s, e in _table_entries(body):
             if k == key:
-                return body[s + len(prefix) : e]
+                return body_at + s, body_at + e
     except (ValueError, IndexError, struct.error):
         return None
     return None
+
+
+def without_entry(
+    payload: bytes, layout: PropertyLayout, start: int, end: int, *, drop_empty: bool
+) -> bytes:
+    """``payload`` with the headers-table entry at ``start:end`` cut out:
+    the table's length is fixed and every other byte is kept as it was (no
+    value is decoded or re-encoded). With ``drop_empty``, a table left empty
+    goes too, and its property flag with it: the header as it was before
+    :func:`splice_header` added a table of its own."""
+    if drop_empty and end - start == layout.headers_end - layout.headers_at - 4:
+        flags = _U16.pack(layout.flags & ~_FLAG_HEADERS)
+        return payload[:12] + flags + payload[14 : layout.headers_at] + payload[end:]
+    size = _U32.pack(layout.headers_end - layout.headers_at - 4 - (end - start))
+    at = layout.headers_at
+    return b"".join((payload[:at], size, payload[at + 4 : start], payload[end:]))
 
 
 def decode_headers(payload: bytes, layout: PropertyLayout) -> dict[str, object]:

@@ -94,6 +94,7 @@ def _cmd_vpn_enable(cfg: SiteConfig, args: argparse.Namespace) -> int:
         on_sync_timeout=args.on_sync_timeout,
         queues=tuple(args.queues),
         topics=tuple(args.topics),
+        expose_id=args.expose_id,
     )
     with connect(cfg.store_dsn) as conn:
         created = enable_vpn(conn, settings)
@@ -188,6 +189,11 @@ def _build_parser() -> _Parser:
         default=[],
         metavar="EXCHANGE:PATTERN",
         help="replicate publishes to EXCHANGE matching PATTERN (repeatable)",
+    )
+    e.add_argument(
+        "--expose-id",
+        action="store_true",
+        help="let consumers see the x-vpnrepl-id header (tracing); hidden by default",
     )
     e.set_defaults(run=_cmd_vpn_enable)
     d = vsub.add_parser("disable", help="stop replicating VPN")

@@ -24,6 +24,8 @@ class VpnView:
     role: Role
     scope: ReplicationScope
     topology: Topology
+    #: consumers see our id header (``vpn enable --expose-id``)
+    expose_id: bool = False
 
     @property
     def replicated(self) -> bool:

@@ -33,6 +33,7 @@ __all__ = [
     "ReplicationSink",
     "TransactionRefused",
     "future_callback",
+    "id_in_header",
 ]
 
 #: The message header carrying a replication id (our own: JMS clients do not
@@ -47,6 +48,12 @@ __all__ = [
 #: with the integer (+26 bytes); a client already past 64 bytes pays that
 #: cost whatever we add. Messages carrying the hex form (published by an
 #: earlier version) are still recognised.
+#:
+#: Consumers never see it (unless the VPN exposes it): the listener cuts it
+#: out of every message it hands a client. When the publisher sent no
+#: headers table at all, the table is ours alone and must go too; the value
+#: then says so by being negative (the wire form complemented), since an
+#: empty table the publisher did send looks the same once our entry is out.
 REPLICATION_HEADER = "x-vpnrepl-id"
 #: An id is an incarnation (one per node start, from the site database) and a
 #: counter; in the header they share one positive int64.
@@ -59,6 +66,8 @@ RENEW_MARGIN = 1 << 32
 
 
 _U64 = struct.Struct(">Q").pack
+_I64 = struct.Struct(">q").pack
+_I64_FROM = struct.Struct(">q").unpack_from
 _new_id = object.__new__
 _set = object.__setattr__
 
@@ -120,6 +129,22 @@ class ReplicationId:
         return self.hex
 
 
+def id_in_header(value: bytes) -> tuple[ReplicationId, bool] | None:
+    """The replication id in our header's encoded field value (type octet
+    and data), and whether the headers table is ours alone; None when the
+    value is not one of ours. An int64 (negative: the table is ours alone),
+    or the 32 hex digits of messages published by an earlier version."""
+    try:
+        if len(value) == 9 and value[0] == ord("l"):
+            wire = _I64_FROM(value, 1)[0]
+            return ReplicationId.from_wire(~wire if wire < 0 else wire), wire < 0
+        if len(value) == 5 + 32 and value[0] == ord("S"):
+            return ReplicationId.from_hex(value[5:].decode("ascii")), False
+    except ValueError:  # incl. UnicodeDecodeError: not one of ours
+        return None
+    return None
+
+
 class IdSource:
     """Hands out replication ids for one process incarnation.
 
@@ -164,15 +189,22 @@ class IdSource:
     def next(self) -> ReplicationId:
         return self.next_with_wire()[0]
 
-    def next_with_wire(self) -> tuple[ReplicationId, bytes]:
+    def next_with_wire(self, alone: bool = False) -> tuple[ReplicationId, bytes]:
         """The next id and its header value as 8 big-endian bytes (the
-        listener's hot path: cheaper than :attr:`ReplicationId.wire`)."""
+        listener's hot path: cheaper than :attr:`ReplicationId.wire`).
+
+        ``alone``: the header goes into a headers table the publisher did
+        not send; the value is then the id's wire form complemented (a
+        negative int64), which tells the listener to remove the whole table
+        again on delivery (:func:`id_in_header`)."""
         n = next(self._counter)
         if n >= self._low_at:
             self._running_low(n)
         # 16 bytes by construction: skip the validating __init__ (hot path)
         rid = _new_id(ReplicationId)
         _set(rid, "value", self._prefix + _U64(n))
+        if alone:
+            return rid, _I64(~(self._base | n))
         return rid, _U64(self._base | n)
 
     def _running_low(self, n: int) -> None:

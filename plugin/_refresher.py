@@ -120,11 +120,13 @@ class DirectoryRefresher:
                     fresh = Topology(name)
                 else:
                     view.role, view.scope = s.role, ReplicationScope.of(s)
+                    view.expose_id = s.expose_id
                     continue
             if view is None:
-                self.directory.put(VpnView(name, s.role, ReplicationScope.of(s), fresh))
+                view = VpnView(name, s.role, ReplicationScope.of(s), fresh, s.expose_id)
+                self.directory.put(view)
                 continue
-            view.role, view.scope = s.role, ReplicationScope.of(s)
+            view.role, view.scope, view.expose_id = s.role, ReplicationScope.of(s), s.expose_id
             try:
                 gone = await self._reconcile_missing(name, view.topology, fresh)
             except PluginError as e:

@@ -58,6 +58,7 @@ from ._events import (
     Published,
     Purged,
     ReplicationId,
+    id_in_header,
 )
 
 __all__ = ["MARKER_QUEUE", "BrokerUnavailable", "Output", "Session", "commit_marker"]
@@ -198,6 +199,8 @@ _BASIC_NO_WEIGHT = bytes((0, 60, 0, 0))
 #: stands for the id while a header template is made (an int64, like an id)
 _ID_PLACEHOLDER = amqp.long_field(0)
 _ID_SIZE = 8  # the placeholder's data, replaced per message
+#: our entry's name as it stands in a headers table (length octet and name)
+_ID_ENTRY_PREFIX = 1 + len(REPLICATION_HEADER)
 _WIRE = struct.Struct(">q")
 _BODY_SIZE = struct.Struct(">Q")
 _HEADER_FRAME_HEAD = struct.Struct(">BHI")
@@ -205,11 +208,14 @@ _HEADER_FRAME_HEAD = struct.Struct(">BHI")
 
 class _HeaderTemplate(NamedTuple):
     """A checked content header's layout and its property bytes with our id
-    header spliced in: ``before_id + id (int64) + after_id``."""
+    header spliced in: ``before_id + id (int64) + after_id``; ``alone``: the
+    headers table is ours alone (the id's value says so, see
+    :data:`REPLICATION_HEADER`)."""
 
     layout: amqp.PropertyLayout
     before_id: bytes
     after_id: bytes
+    alone: bool
 
 
 class Session:
@@ -245,6 +251,8 @@ class Session:
         self._received: dict[int, int] = {}  # channel -> body bytes received so far
         #: ``replicated``, fixed at connection.open (settings apply to new connections)
         self._replicating = False
+        #: the VPN shows consumers our id header (``vpn enable --expose-id``)
+        self._expose_id = False
         self.closing = False  # a connection.close is on its way
         self.client_done = False  # nothing more will come from / go to the client
         self.broker_done = False
@@ -505,6 +513,10 @@ class Session:
         (b"" drops it). Frames before a fault are still relayed; after we have
         closed the connection, frames only go to ``closing``.
 
+        Order is kept: what a handler itself adds to ``out`` (a released
+        confirm, our close) goes after every frame that came before the one
+        it handled, never ahead of them.
+
         With ``fused`` (client frames: :meth:`_publish_whole` on a replicated
         connection, :meth:`_publish_checked` on another), a ``basic.publish``
         whose header and single body frame follow in the same read is handled
@@ -526,12 +538,15 @@ class Session:
                     f = frames[i]  # the header frame is the one replaced
                     i += 2
             if replacement is _Declined.DECLINED:
+                mark = len(out)
                 try:
                     replacement = handle(buf, f)
                 except AMQPError as e:
-                    if f.start > run:
-                        out.append(buf[run : f.start])
+                    run = _behind_frame(out, mark, buf, run, f, b"")  # f is not relayed
                     fail(e)
+                    continue
+                if len(out) > mark:
+                    run = _behind_frame(out, mark, buf, run, f, replacement)
                     continue
             if replacement is None:
                 continue
@@ -657,7 +672,7 @@ class Session:
         queues = self._replicated_queues(p.exchange, p.routing_key, payload, template.layout)
         if not queues:
             return None
-        p.repl_id, wire = self._ids.next_with_wire()
+        p.repl_id, wire = self._ids.next_with_wire(template.alone)
         p.queues = queues
         p.properties, header = _with_id(template, payload, channel, wire)
         return header
@@ -726,7 +741,7 @@ class Session:
         if not queues:
             return None
         assert self.vpn is not None  # noqa: S101 - queues are only found when replicated
-        repl_id, wire = self._ids.next_with_wire()
+        repl_id, wire = self._ids.next_with_wire(template.alone)
         properties, header = _with_id(template, payload, channel, wire)
         # tuple.__new__: Published's own __new__ is a Python function (hot path)
         event: Published = _new_tuple(
@@ -761,7 +776,8 @@ class Session:
         # our entry ends the headers table; what follows the table is unchanged
         end = len(spliced) - (len(payload) - layout.headers_end)
         at = end - _ID_SIZE
-        template = _HeaderTemplate(layout, spliced[12:at], spliced[end:])
+        alone = not layout.flags & 0x2000 and not self._expose_id
+        template = _HeaderTemplate(layout, spliced[12:at], spliced[end:], alone)
         if len(self._templates) >= _TEMPLATES_LIMIT:
             self._templates.clear()
         self._templates[payload[12:]] = template
@@ -849,6 +865,20 @@ class Session:
 
     # client methods ------------------------------------------------------
 
+    def _c_start_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        """EXTERNAL authentication is refused: the client's certificate ends
+        at the listener, which terminates TLS, and the broker would judge
+        the listener's own connection instead of the client."""
+        m = amqp.decode_method(buf, f)
+        assert isinstance(m, commands.Connection.StartOk)  # noqa: S101
+        if m.mechanism == "EXTERNAL":
+            raise amqp.AccessRefused(
+                "EXTERNAL authentication (a client certificate) cannot pass through the "
+                "vpnrepl listener; log in with a user name and password (PLAIN or AMQPLAIN)",
+                amqp.CONNECTION_START_OK,
+            )
+        return None
+
     def _c_tune_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         m = amqp.decode_method(buf, f)
         assert isinstance(m, commands.Connection.TuneOk)  # noqa: S101
@@ -861,6 +891,7 @@ class Session:
         self.vhost = m.virtual_host
         self.vpn = self._directory.lookup(m.virtual_host)
         self._replicating = self.vpn is not None and self.vpn.replicated
+        self._expose_id = self.vpn is not None and self.vpn.expose_id
         if self.vpn is not None and not self.vpn.replicated:
             raise amqp.NotAllowed(
                 f"vhost '{m.virtual_host}' is a replication standby; connect to the active site",
@@ -1157,27 +1188,46 @@ class Session:
             ids = amqp.method_id(buf, f)
             handler = _BROKER_METHODS.get(ids)
             return handler(self, f.channel, buf, f) if handler is not None else None
-        if f.type == amqp.FRAME_HEADER:
-            if ch is not None and ch.incoming is not None:
-                self._broker_content_header(ch, buf, f)
+        if f.type == amqp.FRAME_HEADER and ch is not None and ch.incoming is not None:
+            return self._broker_content_header(ch, buf, f)
         return None
 
-    def _broker_content_header(self, ch: _Channel, buf: bytes, f: Frame) -> None:
+    def _broker_content_header(self, ch: _Channel, buf: bytes, f: Frame) -> bytes | None:
+        """The content header of a message on its way to the client (deliver,
+        get-ok, return): the delivery is mapped to its replication id, and
+        our id header is cut out of it (unless the VPN exposes it), so the
+        consumer sees the properties exactly as the publisher encoded them.
+        The entry's bytes are spliced out; nothing else is re-encoded."""
         inc, ch.incoming = ch.incoming, None
         assert inc is not None  # noqa: S101 - caller checked
-        if inc.is_return or inc.queue is None or self.vpn is None:
-            return
         payload = buf[f.payload_start : f.payload_end]
-        layout = amqp.property_layout(payload)
-        repl_id = _id_in(amqp.find_header(payload, layout, REPLICATION_HEADER))
-        if repl_id is None:
-            return  # not one of ours
-        if inc.no_ack:
-            self._out.events.append((Consumed(self.vpn.name, repl_id, inc.queue), None))
+        try:
+            layout = amqp.property_layout(payload)
+        except AMQPError:
+            return None  # not a header we made: the broker's to deliver as it is
+        at = amqp.header_entry(payload, layout, REPLICATION_HEADER)
+        if at is None:
+            return None
+        start, end = at
+        found = id_in_header(payload[start + _ID_ENTRY_PREFIX : end])
+        if found is None:
+            return None  # a header of that name that is not one of ours
+        repl_id, alone = found
+        vpn = self.vpn
+        if vpn is not None and inc.queue is not None and not inc.is_return:
+            if inc.no_ack:
+                self._out.events.append((Consumed(vpn.name, repl_id, inc.queue), None))
+            else:
+                ch.deliveries[inc.delivery_tag] = (repl_id, inc.queue)
+                if inc.routing_key is not None:
+                    ch.routing_keys[inc.delivery_tag] = inc.routing_key
+        if not self._expose_id:
+            payload = amqp.without_entry(payload, layout, start, end, drop_empty=alone)
+        elif alone:  # published before the VPN exposed ids: show the plain id
+            payload = payload[: end - _ID_SIZE] + _WIRE.pack(repl_id.wire) + payload[end:]
         else:
-            ch.deliveries[inc.delivery_tag] = (repl_id, inc.queue)
-            if inc.routing_key is not None:
-                ch.routing_keys[inc.delivery_tag] = inc.routing_key
+            return None
+        return _header_frame(f.channel, payload)
 
     def _b_open_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         self.open = True
@@ -1212,6 +1262,8 @@ class Session:
             queue, no_ack = consumer
             key = None if no_ack else self._routing_key_kept(queue, buf, f)
             ch.incoming = _Incoming(queue, delivery_tag, no_ack, routing_key=key)
+        else:  # a consumer we do not know: its header is still ours to cut
+            ch.incoming = _Incoming(None, delivery_tag, True)
         return None
 
     def _b_get_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -1222,6 +1274,8 @@ class Session:
             queue, no_ack = ch.gets.popleft()
             key = None if no_ack else self._routing_key_kept(queue, buf, f)
             ch.incoming = _Incoming(queue, amqp.decode_get_ok(buf, f), no_ack, routing_key=key)
+        else:
+            ch.incoming = _Incoming(None, 0, True)
         return None
 
     def _b_get_empty(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -1424,26 +1478,19 @@ def _with_id(
     return properties, header
 
 
+def _header_frame(channel: int, payload: bytes) -> bytes:
+    """A content header frame around ``payload`` (class, weight, body size
+    and properties)."""
+    return b"".join(
+        (_HEADER_FRAME_HEAD.pack(amqp.FRAME_HEADER, channel, len(payload)), payload, b"\xce")
+    )
+
+
 def _forget_tx_acks(ch: _Channel) -> None:
     """The transaction's acks are committed: their deliveries are settled."""
     for tag in ch.tx_acked:
         ch.routing_keys.pop(tag, None)
     ch.tx_acked.clear()
-
-
-def _id_in(value: bytes | None) -> ReplicationId | None:
-    """The replication id in our header's encoded field value: an int64, or
-    the 32 hex digits of messages published by an earlier version."""
-    if value is None:
-        return None
-    try:
-        if len(value) == 1 + _ID_SIZE and value[0] == ord("l"):
-            return ReplicationId.from_wire(_WIRE.unpack_from(value, 1)[0])
-        if len(value) == 5 + 32 and value[0] == ord("S"):
-            return ReplicationId.from_hex(value[5:].decode("ascii"))
-    except ValueError:  # incl. UnicodeDecodeError: not one of ours
-        return None
-    return None
 
 
 #: the queue, in every replicated vhost, that holds commit markers
@@ -1469,6 +1516,26 @@ def commit_marker(channel: int, txid: str) -> bytes:
             frame.marshal(ContentBody(body), channel),
         )
     )
+
+
+def _behind_frame(
+    out: list[bytes], mark: int, buf: bytes, run: int, f: Frame, replacement: bytes | None
+) -> int:
+    """A handler of frame ``f`` added frames of its own to ``out`` (from
+    ``mark`` on: confirms it released), or failed: put them behind ``f`` (or
+    its replacement; b"" drops it), and so behind every untouched frame
+    before it, which ``_relay`` had not written yet. Returns where the next
+    untouched run starts."""
+    made = out[mark:]
+    del out[mark:]
+    if f.start > run:
+        out.append(buf[run : f.start])
+    if replacement is None:
+        out.append(buf[f.start : f.end])
+    elif replacement:
+        out.append(replacement)
+    out.extend(made)
+    return f.end
 
 
 def _relay_rest(buf: bytes, run: int, end: int, out: list[bytes]) -> None:
@@ -1560,6 +1627,7 @@ def _delete_queue(a: tuple[VpnView, Any, Session], name: str) -> None:
 
 
 _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
+    amqp.CONNECTION_START_OK: Session._c_start_ok,
     amqp.CONNECTION_TUNE_OK: Session._c_tune_ok,
     amqp.CONNECTION_OPEN: Session._c_open,
     amqp.CONNECTION_CLOSE: Session._c_close,

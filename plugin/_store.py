@@ -56,15 +56,17 @@ def enable_vpn(conn: psycopg.Connection[dict[str, Any]], s: VpnSettings) -> bool
     conn.execute(
         """
         INSERT INTO vpn_config AS c (name, enabled, role, mode, sync_timeout_ms,
-                                     on_sync_timeout, queue_patterns, topic_filters)
+                                     on_sync_timeout, queue_patterns, topic_filters,
+                                     expose_id)
         VALUES (%(name)s, true, %(role)s, %(mode)s, %(timeout)s, %(policy)s,
-                %(queues)s, %(topics)s)
+                %(queues)s, %(topics)s, %(expose_id)s)
         ON CONFLICT (name) DO UPDATE SET
             enabled = true, role = EXCLUDED.role, mode = EXCLUDED.mode,
             sync_timeout_ms = EXCLUDED.sync_timeout_ms,
             on_sync_timeout = EXCLUDED.on_sync_timeout,
             queue_patterns = EXCLUDED.queue_patterns,
             topic_filters = EXCLUDED.topic_filters,
+            expose_id = EXCLUDED.expose_id,
             updated_at = now()
         """,
         {
@@ -75,6 +77,7 @@ def enable_vpn(conn: psycopg.Connection[dict[str, Any]], s: VpnSettings) -> bool
             "policy": s.on_sync_timeout.value,
             "queues": list(s.queue_patterns),
             "topics": [str(t) for t in s.topic_filters],
+            "expose_id": s.expose_id,
         },
     )
     conn.execute("INSERT INTO vpn_state (vpn) VALUES (%s) ON CONFLICT DO NOTHING", (s.name,))
@@ -93,7 +96,7 @@ def disable_vpn(conn: psycopg.Connection[dict[str, Any]], name: str) -> None:
 
 _STATUS_SQL = """
 SELECT c.name, c.role, c.epoch, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
-       c.queue_patterns, c.topic_filters,
+       c.queue_patterns, c.topic_filters, c.expose_id,
        s.sync_eligible, s.fenced, s.bridge_state, s.ledger_index, s.applied_index,
        s.unknown_acks,
        COALESCE(EXTRACT(EPOCH FROM (now() - s.applied_at)), 0)::float8 AS since_applied,
@@ -148,6 +151,7 @@ def status(conn: psycopg.Connection[dict[str, Any]], site: str) -> dict[str, Any
                 "sync_timeout_ms": r["sync_timeout_ms"],
                 "on_sync_timeout": r["on_sync_timeout"],
                 "scope": {"queues": r["queue_patterns"], "topics": r["topic_filters"]},
+                "expose_id": r["expose_id"],
                 "sync_eligible": r["sync_eligible"],
                 "fenced": r["fenced"],
                 "bridge": r["bridge_state"],

@@ -71,6 +71,9 @@ class VpnSettings:
     on_sync_timeout: SyncTimeoutPolicy = SyncTimeoutPolicy.DEGRADE
     queue_patterns: tuple[str, ...] = ()
     topic_filters: tuple[TopicFilter, ...] = ()
+    #: consumers see the ``x-vpnrepl-id`` header (tracing); by default the
+    #: listener removes it from every message it hands a client
+    expose_id: bool = False
 
     @classmethod
     def from_args(
@@ -82,6 +85,7 @@ class VpnSettings:
         on_sync_timeout: str = SyncTimeoutPolicy.DEGRADE,
         queues: tuple[str, ...] = (),
         topics: tuple[str, ...] = (),
+        expose_id: bool = False,
     ) -> VpnSettings:
         """Validate admin input; every fault names the option at fault."""
         if not name or len(name.encode()) > 255:
@@ -101,6 +105,7 @@ class VpnSettings:
             on_sync_timeout=_enum(SyncTimeoutPolicy, on_sync_timeout, "--on-sync-timeout"),
             queue_patterns=tuple(queues),
             topic_filters=tuple(TopicFilter.parse(t) for t in topics),
+            expose_id=expose_id,
         )
 
 

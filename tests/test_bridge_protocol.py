@@ -91,7 +91,7 @@ def batch(first: int, last: int, epoch: int = 3, vpn: str = VPN) -> Events:
     return Events(vpn, epoch, entries(first, last, epoch, vpn))
 
 
-def resource(name: str = VPN, epoch: int = 3) -> VpnResource:
+def resource(name: str = VPN, epoch: int = 3, expose_id: bool = False) -> VpnResource:
     return VpnResource(
         name,
         epoch,
@@ -101,6 +101,7 @@ def resource(name: str = VPN, epoch: int = 3) -> VpnResource:
         ("orders\\..*",),
         (TopicFilter("amq.topic", "eu.#"), TopicFilter("x:y", "*.z")),
         b'{"queues": [{"name": "orders.q1"}]}',
+        expose_id,
     )
 
 
@@ -113,7 +114,7 @@ SAMPLES: list[Frame] = [
     Hello("zürich-ä", 7, Role.ACTIVE),
     GetAllResources(),
     ResourceList(()),
-    ResourceList((resource(), resource("billing", 9))),
+    ResourceList((resource(), resource("billing", 9, expose_id=True))),
     SyncRequest(VPN, 3, 0, 0),
     SyncRequest(VPN, 3, 1042, 2),
     SyncAccepted(VPN, 3, 1043),

@@ -25,10 +25,10 @@ def test_help_lists_every_contract_command(tmp_path: Path) -> None:
 def test_init_creates_the_schema_and_is_idempotent(vpnrepl_a: Vpnrepl, site_a: LocalSite) -> None:
     first = vpnrepl_a("init")
     assert first.returncode == 0, first.stderr
-    assert "upgraded from empty to revision 0005" in first.stdout
+    assert "upgraded from empty to revision 0006" in first.stdout
     second = vpnrepl_a("init")
     assert second.returncode == 0, second.stderr
-    assert "schema is current (revision 0005)" in second.stdout
+    assert "schema is current (revision 0006)" in second.stdout
     with psycopg.connect(site_a.pg.dsn()) as conn:
         tables = {
             r[0]
@@ -91,6 +91,7 @@ def test_enable_then_status_json_shows_role_and_mode(vpnrepl_a: Vpnrepl) -> None
         assert key in orders, key
     assert orders["in_doubt_txns"] == 0 and orders["queues"] == {}
     assert (by_name["audit"]["role"], by_name["audit"]["mode"]) == ("standby", "async")
+    assert orders["expose_id"] is False  # consumers do not see the id header by default
 
     text = vpnrepl_a("status")
     assert text.returncode == 0
@@ -107,6 +108,10 @@ def test_reenable_updates_settings_but_refuses_a_role_change(vpnrepl_a: Vpnrepl)
     assert "already enabled as active" in flip.stderr and "promote" in flip.stderr
     doc = json.loads(vpnrepl_a("status", "--json").stdout)
     assert [(v["role"], v["mode"]) for v in doc["vpns"]] == [("active", "sync")]
+    exposed = vpnrepl_a("vpn", "enable", "orders", "--role", "active", "--expose-id")
+    assert exposed.returncode == 0, exposed.stderr
+    doc = json.loads(vpnrepl_a("status", "--json").stdout)
+    assert [(v["mode"], v["expose_id"]) for v in doc["vpns"]] == [("async", True)]
 
 
 def test_disable_removes_the_vpn_from_status(vpnrepl_a: Vpnrepl) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
+import aio_pika.patterns
 import pika
 import pika.exceptions
 import pytest
@@ -259,6 +260,17 @@ def test_pika_tx_rollback_discards_publish_and_undoes_ack(connect: Connect, queu
     method, _, body = plain.basic_get(queue, auto_ack=True)
     assert (body, method.redelivered) == (b"held", True)
     assert plain.basic_get(queue) == (None, None, None)
+
+
+def test_pika_consumer_sees_no_table_where_none_was_sent(connect: Connect, queue: str) -> None:
+    conn = connect()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(queue, durable=True)
+    for headers in (None, {}, {"k": 1}):
+        ch.basic_publish("", queue, b"m", _persistent(headers=headers))
+    got = [props.headers for _, props, _ in _consume(conn.channel(), queue, 3)]
+    assert got == [None, {}, {"k": 1}]
 
 
 @dataclass
@@ -575,6 +587,109 @@ def test_aio_pika_confirms_consume_and_transaction(amqp_endpoint: Endpoint, queu
     assert seen["left"] == 0
     assert (seen["before_commit"], seen["after_commit"], seen["after_rollback"]) == (0, 1, 1)
     assert (seen["got"], seen["then"]) == (b"t1", None)
+
+
+async def _aio_pika_returns(url: str, queue: str) -> dict[str, Any]:
+    """aiormq settles a confirm-mode publish on the broker's basic.ack and
+    drops a basic.return that comes after it: an endpoint that lets the ack
+    overtake the return turns an unroutable publish into a silent success."""
+    seen: dict[str, Any] = {}
+    connection = await aio_pika.connect(url)
+    async with connection:
+        # publisher confirms on; a returned publish raises instead of being handed
+        # to the return callbacks
+        channel = await connection.channel(on_return_raises=True)
+        await channel.declare_queue(queue, durable=True)
+        nowhere = f"{queue}.nowhere"
+        try:
+            await channel.default_exchange.publish(
+                aio_pika.Message(b"lost", delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                routing_key=nowhere,
+                mandatory=True,
+                timeout=10,
+            )
+            seen["unroutable"] = "confirmed"
+        except aio_pika.exceptions.DeliveryError as e:  # aio-pika 10: its PublishError
+            seen["unroutable"] = ("returned", e.message.routing_key)
+        # an RPC call to a queue nobody declared: the request comes back at once
+        rpc = await aio_pika.patterns.RPC.create(channel)
+        try:
+            await asyncio.wait_for(rpc.call(f"{queue}.no-such-method", kwargs={}), 10)
+            seen["rpc"] = "answered"
+        except (aio_pika.exceptions.DeliveryError, aio_pika.exceptions.MessageProcessError):
+            seen["rpc"] = "returned"
+        except TimeoutError:
+            seen["rpc"] = "hung"
+        finally:
+            await rpc.close()
+        # routed publishes still confirm, after the returned one
+        await channel.default_exchange.publish(
+            aio_pika.Message(b"kept", delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+            routing_key=queue,
+            mandatory=True,
+        )
+        q = await channel.declare_queue(queue, durable=True)
+        got = await q.get(no_ack=True, fail=False)
+        seen["kept"] = None if got is None else got.body
+    return seen
+
+
+def test_aio_pika_unroutable_mandatory_publish_raises_delivery_error(
+    amqp_endpoint: Endpoint, queue: str
+) -> None:
+    seen = asyncio.run(_aio_pika_returns(amqp_endpoint.url(), queue))
+    assert seen["unroutable"] == ("returned", f"{queue}.nowhere")
+    assert seen["rpc"] == "returned"
+    assert seen["kept"] == b"kept"
+
+
+#: headers of every AMQP field type a client commonly sends, as aio-pika
+#: encodes them; None is a message without a headers table at all
+_HEADER_CASES: list[dict[str, Any] | None] = [
+    None,
+    {},
+    {"n": 7},
+    {"big": 2**40, "neg": -3, "small": 1, "f": 1.5, "yes": True, "no": False},
+    {"s": "text", "nested": {"a": 1, "b": ["x", 2]}, "list": [1, "2"]},
+    {"x-vpnrepl-like": "not ours", "": "empty key"},
+]
+
+
+async def _aio_pika_headers(url: str, queue: str) -> list[Any]:
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        q = await channel.declare_queue(queue, durable=True)
+        for i, headers in enumerate(_HEADER_CASES):
+            message = aio_pika.Message(
+                b"h%d" % i, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, message_id=str(i)
+            )
+            message.headers = headers  # type: ignore[assignment] - None: no table at all
+            await channel.default_exchange.publish(message, routing_key=queue)
+        got = []
+        for _ in _HEADER_CASES:
+            incoming = await q.get(timeout=10)
+            got.append((incoming.message_id, incoming.properties.headers))
+            await incoming.ack()
+        # a message redelivered after a requeue is cut the same way
+        await channel.default_exchange.publish(
+            aio_pika.Message(b"again", delivery_mode=2, headers={"k": "v"}), routing_key=queue
+        )
+        first = await q.get(timeout=10)
+        await first.reject(requeue=True)
+        second = await q.get(timeout=10)
+        got.append(("again", first.properties.headers, second.properties.headers))
+        await second.ack()
+    return got
+
+
+def test_aio_pika_consumer_sees_the_publishers_headers(amqp_endpoint: Endpoint, queue: str) -> None:
+    got = asyncio.run(_aio_pika_headers(amqp_endpoint.url(), queue))
+    # aio-pika shows a message without a headers table as {} (pika: None,
+    # checked in test_pika_consumer_sees_no_table_where_none_was_sent)
+    expected: list[Any] = [(str(i), h or {}) for i, h in enumerate(_HEADER_CASES)]
+    expected.append(("again", {"k": "v"}, {"k": "v"}))
+    assert got == expected
 
 
 # --- RabbitMQ Java client ---------------------------------------------------

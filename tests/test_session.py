@@ -120,7 +120,9 @@ def test_replicated_publish_carries_an_id_and_yields_one_event(confirming: Sessi
     sent = decode_all(out.to_broker)
     hdr = sent[1][1]
     assert isinstance(hdr, header.ContentHeader)
-    assert hdr.properties.headers == {"x-vpnrepl-id": event.repl_id.wire}
+    # the publisher sent no headers: the table is ours alone, and the value
+    # (the id's wire form complemented) says so
+    assert hdr.properties.headers == {"x-vpnrepl-id": ~event.repl_id.wire}
     assert hdr.properties.app_id == "shop"
     assert (
         event.properties
@@ -201,18 +203,26 @@ def deliver(
     channel: int = 1,
     routing_key: str = "q",
 ):
-    """A delivery whose id header holds ``repl``: an id (its int64 wire form),
-    or a raw header value (an earlier version's hex digits, a foreign int)."""
+    """A delivery whose id header holds ``repl``: an id (its int64 wire form,
+    appended to the publisher's own empty table), or a raw header value (an
+    earlier version's hex digits, a foreign value)."""
     value = repl.wire if isinstance(repl, ReplicationId) else repl
     headers = {"x-vpnrepl-id": value} if value is not None else None
-    data = m(
+    method = m(
         C.Basic.Deliver(
             consumer_tag=consumer, delivery_tag=tag, exchange="", routing_key=routing_key
         ),
         channel,
-    ) + content(channel, b"body", headers=headers, delivery_mode=2)
+    )
+    data = method + content(channel, b"body", headers=headers, delivery_mode=2)
     out = s.broker_data(data)
-    assert b"".join(out.to_client) == data  # deliveries are relayed untouched
+    ours = isinstance(repl, ReplicationId) or (
+        isinstance(repl, str) and len(repl) == 32 and set(repl) <= set("0123456789abcdef")
+    )
+    # our header is cut out, so the consumer gets the publisher's (empty)
+    # table; any other value is relayed untouched
+    expected = method + content(channel, b"body", headers={}, delivery_mode=2) if ours else data
+    assert b"".join(out.to_client) == expected
     return out
 
 
@@ -271,6 +281,17 @@ def test_id_headers_that_are_not_ours_make_no_event(value: object) -> None:
     s.client_data(m(C.Basic.Consume(queue="q", consumer_tag="mine", no_ack=True), 1))
     s.broker_data(m(C.Basic.ConsumeOk(consumer_tag="mine"), 1))
     assert deliver(s, 1, "mine", value).events == []  # type: ignore[arg-type]
+
+
+def test_external_authentication_is_refused_with_403() -> None:
+    s = make_session()
+    s.client_data(amqp.PROTOCOL_HEADER)
+    s.broker_data(m(C.Connection.Start(mechanisms="PLAIN EXTERNAL", locales="en_US")))
+    out = s.client_data(m(C.Connection.StartOk(mechanism="EXTERNAL", response="")))
+    assert out.to_broker == [] and out.drop_broker  # the broker never sees it
+    [(_, close)] = decode_all(out.to_client)
+    assert isinstance(close, C.Connection.Close) and close.reply_code == 403
+    assert "EXTERNAL" in close.reply_text and "PLAIN" in close.reply_text
 
 
 def test_standby_vhost_is_refused_with_530() -> None:

@@ -11,7 +11,11 @@ enabled on site A, and a ``vpnrepl node`` process per site (A active, B its
 standby over the bridge). Site A's broker has the vhosts
 
 * ``orders`` — enabled ``--role active`` (async mode), every queue in scope;
-* ``orders-sync`` — enabled ``--role active --mode sync`` with the same scope.
+* ``orders-sync`` — enabled ``--role active --mode sync`` with the same scope;
+* ``orders-exposed`` — like ``orders`` but enabled ``--expose-id``: the
+  listener leaves the replication id header in the messages it delivers
+  instead of cutting it out, so its consume+ack beside ``orders``'s, round by
+  round, is what hiding the header costs consumers.
 
 The sync mode is measured on its own VPN rather than by switching
 ``orders`` with ``vpnrepl vpn enable orders --mode sync``: the node reads
@@ -130,18 +134,20 @@ from _common import (
 from plugin._localsites import HarnessError, LocalNode, LocalSites
 
 QUEUE = "bench.bridge"
-VPN, SYNC_VPN = "orders", "orders-sync"
-TARGETS = ("direct", "async", "sync")
-VHOSTS = {"direct": VPN, "async": VPN, "sync": SYNC_VPN}
+VPN, SYNC_VPN, EXPOSED_VPN = "orders", "orders-sync", "orders-exposed"
+TARGETS = ("direct", "async", "sync", "exposed")
+VHOSTS = {"direct": VPN, "async": VPN, "sync": SYNC_VPN, "exposed": EXPOSED_VPN}
 PUBLISH_LABELS = {
     "direct": "publish direct",
     "async": "publish async VPN",
     "sync": "publish sync VPN",
+    "exposed": "publish async, id kept",
 }
 CONSUME_LABELS = {
     "direct": "consume+ack direct",
     "async": "consume+ack async VPN",
     "sync": "consume+ack sync VPN",
+    "exposed": "consume+ack async, id kept",
 }
 #: the issue's bars, as a fraction of the direct rate
 PUBLISH_BARS = {"async": 0.70, "sync": 0.60}
@@ -173,7 +179,7 @@ class Deployment:
         self.sites.start()
         print(f"two RabbitMQ nodes + two PostgreSQL clusters up in {time.monotonic() - t0:.0f} s")
         rabbit = self.a.rabbit
-        for vhost in (VPN, SYNC_VPN):
+        for vhost in (VPN, SYNC_VPN, EXPOSED_VPN):
             rabbit.add_vhost(vhost)
             rabbit.api("PUT", f"queues/{quote(vhost, safe='')}/{QUEUE}", {"durable": True})
         base = self.sites.base
@@ -186,6 +192,7 @@ class Deployment:
             *("vpn", "enable", SYNC_VPN, "--role", "active", "--mode", "sync"),
             *("--sync-timeout-ms", str(self.sync_timeout_ms)),
         )
+        vpnrepl(cfg_a, "vpn", "enable", EXPOSED_VPN, "--role", "active", "--expose-id")
         vpnrepl(cfg_b, "init")
         t0 = time.monotonic()
         self.nodes["a"] = LocalNode(self.a, cfg_a, base / "node-a.log", name="a")
@@ -198,7 +205,8 @@ class Deployment:
         print(
             f"nodes up, standby connected in {time.monotonic() - t0:.1f} s "
             f"(node A pid {self.nodes['a'].pid}, node B pid {self.nodes['b'].pid}); "
-            f"VPNs {VPN} (async), {SYNC_VPN} (sync, timeout {self.sync_timeout_ms} ms)"
+            f"VPNs {VPN} (async), {SYNC_VPN} (sync, timeout {self.sync_timeout_ms} ms), "
+            f"{EXPOSED_VPN} (async, --expose-id)"
         )
 
     def _wait_connected(self, timeout: float = 90.0) -> None:
@@ -210,7 +218,7 @@ class Deployment:
                 " JOIN vpn_state s ON s.vpn = c.name WHERE c.enabled"
             ).fetchall()
             ready = {r[0] for r in rows if r[1] == "standby" and r[2] == "connected"}
-            if ready >= {VPN, SYNC_VPN}:
+            if ready >= {VPN, SYNC_VPN, EXPOSED_VPN}:
                 return
             self.check_nodes()
             if time.monotonic() > deadline:
@@ -414,7 +422,8 @@ async def rounds(dep: Deployment, opts: Options, results: Results) -> None:
             await publish_run(dep, target, opts.warmup, opts.inflight, opts.size)
             await consume_run(dep, target, opts, opts.warmup)
     for rnd in range(opts.rounds):
-        order = TARGETS[rnd % 3 :] + TARGETS[: rnd % 3]
+        turn = rnd % len(TARGETS)
+        order = TARGETS[turn:] + TARGETS[:turn]
         line = []
         for target in order:
             p = await publish_run(dep, target, opts.messages, opts.inflight, opts.size)
@@ -682,6 +691,12 @@ def report(results: Results, opts: Options) -> bool:
     met &= _ratio_line("sync publish / direct ", pub["sync"], pub["direct"], PUBLISH_BARS["sync"])
     met &= _ratio_line("consume+ack async VPN / direct", con["async"], con["direct"], CONSUME_BAR)
     _ratio_line("consume+ack sync VPN / direct ", con["sync"], con["direct"], None)
+    _ratio_line(
+        "consume+ack async VPN, id header cut / kept (--expose-id)",
+        con["async"],
+        con["exposed"],
+        None,
+    )
     _sustained_consume(con)
     p50 = {t: _median([r.latency(0.5) for r in pub[t]]) * 1e3 for t in TARGETS}
     print(

@@ -16,6 +16,11 @@ else, so a certificate that chains to it *is* a peer site, whatever name it
 carries. Bridge addresses, on the other hand, are often IPs, NAT or load
 balancer names that nobody puts in a certificate, and a hostname mismatch
 there would only teach admins to switch verification off altogether.
+
+The AMQPS listener (``plugin/_tls_server.py``) builds its context with
+:func:`make_server_context` from the site's ``[client_tls]`` section: the
+same floor and the same rule, a client certificate required and verified
+against ``ca`` only when ``ca`` is set.
 """
 
 from __future__ import annotations

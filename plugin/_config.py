@@ -44,7 +44,8 @@ class HostPort:
 
 @dataclass(frozen=True, slots=True)
 class TlsConfig:
-    """Bridge TLS material; mutual TLS when ``ca`` is set."""
+    """TLS material of one server or link (``[tls]`` for the bridge,
+    ``[client_tls]`` for AMQPS clients); mutual TLS when ``ca`` is set."""
 
     cert: Path
     key: Path
@@ -72,6 +73,13 @@ class SiteConfig:
     topology_refresh_seconds: int = 30
     #: an OTLP/HTTP traces endpoint for the transaction spans (None: off)
     otlp_traces_url: str | None = None
+    #: where AMQPS clients connect (None: no TLS listener); needs client_tls
+    listen_amqps: HostPort | None = None
+    #: the AMQPS listener's certificate, key and, for client certificates, CA
+    client_tls: TlsConfig | None = None
+    #: the CA that signed the broker's certificate, for an ``amqps://`` amqp_url
+    #: (None: the system's trusted CAs)
+    broker_ca: Path | None = None
 
 
 _REQUIRED = object()
@@ -118,9 +126,11 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
         "amqp_url": (str, _REQUIRED, _url("amqp", "amqps")),
         "management_url": (str, _REQUIRED, _url("http", "https")),
         "topology_refresh_seconds": (int, 30, _positive),
+        "ca": (str, None, _file),
     },
     "listen": {
         "amqp": (str, _REQUIRED, HostPort.parse),
+        "amqps": (str, None, HostPort.parse),
         "bridge": (str, _REQUIRED, HostPort.parse),
         "admin": (str, "127.0.0.1:9480", HostPort.parse),
     },
@@ -133,8 +143,13 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
         "key": (str, _REQUIRED, _file),
         "ca": (str, None, _file),
     },
+    "client_tls": {
+        "cert": (str, _REQUIRED, _file),
+        "key": (str, _REQUIRED, _file),
+        "ca": (str, None, _file),
+    },
 }
-_OPTIONAL_SECTIONS = {"peer", "tls", "replication", "telemetry"}
+_OPTIONAL_SECTIONS = {"peer", "tls", "client_tls", "replication", "telemetry"}
 
 
 def _parse_override(path: str, item: str) -> tuple[str, str, object]:
@@ -197,6 +212,24 @@ def _validated(path: str, raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
+def _existing_file(path: str, dotted: str, value: str | None) -> Path | None:
+    """A file key's value resolved against the config file's directory; it
+    must exist now, so a typo stops the command rather than the handshake."""
+    if value is None:
+        return None
+    file = Path(path).resolve().parent / value
+    if not file.is_file():
+        raise ConfigError(path, dotted, f"file not found: {file}")
+    return file
+
+
+def _tls_config(path: str, section: str, values: Mapping[str, str | None]) -> TlsConfig:
+    files = {key: _existing_file(path, f"{section}.{key}", value) for key, value in values.items()}
+    cert, key_file = files["cert"], files["key"]
+    assert cert is not None and key_file is not None  # noqa: S101 - required keys
+    return TlsConfig(cert=cert, key=key_file, ca=files["ca"])
+
+
 def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
     """Read ``path``, apply ``SECTION.KEY=VALUE`` overrides, validate, freeze.
 
@@ -211,16 +244,15 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
             raise ConfigError(path, section, "expected a [section] table")
         table[key] = value
     v = _validated(path, raw)
-    tls = None
-    if "tls" in v:
-        base = Path(path).resolve().parent
-        files = {k: (base / p if p is not None else None) for k, p in v["tls"].items()}
-        for key, file in files.items():
-            if file is not None and not file.is_file():
-                raise ConfigError(path, f"tls.{key}", f"file not found: {file}")
-        cert, key_file = files["cert"], files["key"]
-        assert cert is not None and key_file is not None  # noqa: S101 - required keys
-        tls = TlsConfig(cert=cert, key=key_file, ca=files["ca"])
+    tls = _tls_config(path, "tls", v["tls"]) if "tls" in v else None
+    client_tls = _tls_config(path, "client_tls", v["client_tls"]) if "client_tls" in v else None
+    listen_amqps = v["listen"]["amqps"]
+    if listen_amqps is not None and client_tls is None:
+        raise ConfigError(path, "listen.amqps", "requires a [client_tls] section (cert, key)")
+    if client_tls is not None and listen_amqps is None:
+        raise ConfigError(path, "client_tls", "is only used with listen.amqps, which is not set")
+    if v["broker"]["ca"] is not None and urlsplit(v["broker"]["amqp_url"]).scheme != "amqps":
+        raise ConfigError(path, "broker.ca", "is only used with an amqps:// broker.amqp_url")
     return SiteConfig(
         path=path,
         site_name=v["site"]["name"],
@@ -237,6 +269,9 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         ),
         topology_refresh_seconds=v["broker"]["topology_refresh_seconds"],
         otlp_traces_url=v["telemetry"]["otlp_traces_url"] if "telemetry" in v else None,
+        listen_amqps=listen_amqps,
+        client_tls=client_tls,
+        broker_ca=_existing_file(path, "broker.ca", v["broker"]["ca"]),
     )
 
 

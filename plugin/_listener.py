@@ -8,6 +8,11 @@ task switch. Backpressure is TCP's: when one side's write buffer fills, the
 other side stops being read (``pause_writing`` → ``pause_reading``), and a
 publishing client is not read while the replication sink's backlog is over its
 limit. Foreign errors (``OSError`` from connect) are translated here.
+
+Clients may also connect over TLS (AMQPS, :meth:`Listener.start_tls`): TLS
+ends here, in :class:`~plugin._tls_server.TlsServer`, and from the completed
+handshake on such a client is served exactly like a plain one. Whether the
+upstream connection uses TLS depends only on ``broker.amqp_url``.
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ import socket
 import ssl
 from collections.abc import Awaitable, Coroutine, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+from bridge._tls import describe_tls_error
+
+from ._config import TlsConfig
 from ._directory import VpnDirectory
 from ._events import (
     EVENT_KINDS,
@@ -36,8 +45,9 @@ from ._events import (
 )
 from ._metrics import ListenerStats
 from ._session import BrokerUnavailable, Output, Session
+from ._tls_server import TLS_SHUTDOWN_TIMEOUT, TlsServer
 
-__all__ = ["BrokerAddress", "Listener"]
+__all__ = ["BrokerAddress", "Listener", "broker_context"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +70,21 @@ class BrokerAddress:
         return cls(parts.hostname or "127.0.0.1", parts.port or (5671 if tls else 5672), tls)
 
 
+def broker_context(ca: Path | None = None) -> ssl.SSLContext:
+    """The client context for an ``amqps://`` broker: TLS 1.2 or later; the
+    broker's certificate verified against ``ca`` alone when given, else
+    against the system's trusted CAs; and always matched against the URL's
+    host (an IP address must be among the certificate's IP addresses).
+
+    Why hostname checking stays on with a private ``ca``: unlike the bridge's
+    pinned peer CA, a broker's CA is typically an organisation's CA signing
+    many servers, and only the name tells the site's broker from the others.
+    """
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
 def _nodelay(transport: asyncio.BaseTransport) -> None:
     sock = transport.get_extra_info("socket")
     if sock is not None:
@@ -78,11 +103,13 @@ class _BrokerSide(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it
         self.transport = cast(asyncio.Transport, transport)
         _nodelay(transport)
+        self.conn.listener._transport_opened()
 
     def data_received(self, data: bytes) -> None:
         self.conn.apply(self.conn.session.broker_data(data))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.conn.listener._transport_lost()
         self.conn.broker_lost(exc)
 
     def pause_writing(self) -> None:
@@ -114,6 +141,7 @@ class _ClientSide(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it
         self.transport = cast(asyncio.Transport, transport)
         _nodelay(transport)
+        self.listener._transport_opened()
         self.listener.connections.add(self)
         stats = self.listener.stats
         stats.connections_open += 1
@@ -135,6 +163,7 @@ class _ClientSide(asyncio.Protocol):
             self._spawn(self._wait_for_sink())
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.listener._transport_lost()
         self.session.client_done = True
         self.close()
 
@@ -164,11 +193,13 @@ class _ClientSide(asyncio.Protocol):
                     addr.host,
                     addr.port,
                     ssl=self.listener.broker_ssl if addr.tls else None,
+                    ssl_shutdown_timeout=TLS_SHUTDOWN_TIMEOUT if addr.tls else None,
                 ),
                 CONNECT_TIMEOUT,
             )
         except (OSError, TimeoutError) as e:
-            reason = f"{addr.host}:{addr.port}: {getattr(e, 'strerror', None) or 'timed out'}"
+            why = describe_tls_error(e) if isinstance(e, ssl.SSLError) else e.strerror
+            reason = f"{addr.host}:{addr.port}: {why or 'timed out'}"
             log.warning("broker unreachable for a client connection: %s", reason)
             self.refusal = BrokerUnavailable(reason)
             early, self._early = self._early, []
@@ -347,11 +378,24 @@ class Listener:
         self.directory = directory
         self.ids = ids
         self.sink = sink
-        self.broker_ssl = broker_ssl or (ssl.create_default_context() if broker.tls else None)
+        self.broker_ssl = broker_ssl or (broker_context() if broker.tls else None)
         self.connections: set[_ClientSide] = set()
         self.stats = ListenerStats()
         self._idle: asyncio.Event | None = None  # set when the last one closed
+        #: client and broker transports not yet lost: a TLS one is lost only
+        #: after the close_notify exchange, some loop turns after close()
+        self._transports = 0
+        self._released: asyncio.Event | None = None  # set when none is left
         self._server: asyncio.Server | None = None
+        self._tls_server: TlsServer | None = None
+
+    def _transport_opened(self) -> None:
+        self._transports += 1
+
+    def _transport_lost(self) -> None:
+        self._transports -= 1
+        if not self._transports and self._released is not None:
+            self._released.set()
 
     def sessions(self) -> Iterator[Session]:
         """The sessions of every open client connection."""
@@ -366,16 +410,33 @@ class Listener:
         except OSError as e:
             raise OSError(e.errno, f"cannot listen for AMQP on {host}:{port}: {e.strerror}") from e
 
+    async def start_tls(self, host: str, port: int, tls: TlsConfig) -> None:
+        """Also accept AMQPS clients on ``host:port``, with the certificate
+        and key of ``tls`` (a client certificate signed by ``tls.ca`` required
+        when it is set); raises TlsSetupError naming an unusable file."""
+        server = TlsServer("AMQPS listener", tls, lambda: _ClientSide(self))
+        await server.start(host, port)
+        self._tls_server = server
+
     @property
     def port(self) -> int:
         assert self._server is not None  # noqa: S101 - after start()
         return int(self._server.sockets[0].getsockname()[1])
 
+    @property
+    def tls_port(self) -> int:
+        assert self._tls_server is not None  # noqa: S101 - after start_tls()
+        return self._tls_server.port
+
     async def close(self, grace: float = 3.0) -> None:
-        """Stop accepting, close every client connection with AMQP (320), and
-        drop what has not finished closing after ``grace`` seconds."""
+        """Stop accepting, close every client connection with AMQP (320),
+        drop what has not finished closing after ``grace`` seconds, and wait
+        until every transport is gone (a loop closed before that would leave
+        sockets open; uvloop's ``loop.close()`` fails or waits on them)."""
         if self._server is not None:
             self._server.close()
+        if self._tls_server is not None:
+            self._tls_server.close()
         self._idle = asyncio.Event()
         for conn in list(self.connections):
             conn.shutdown()
@@ -384,8 +445,14 @@ class Listener:
                 await asyncio.wait_for(self._idle.wait(), grace)
         for conn in list(self.connections):
             conn.close()
+        if self._transports:
+            self._released = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._released.wait(), TLS_SHUTDOWN_TIMEOUT + 1.0)
         if self._server is not None:
             await self._server.wait_closed()
+        if self._tls_server is not None:
+            await self._tls_server.wait_closed()
 
 
 def _write_joined(transport: asyncio.WriteTransport, chunks: list[bytes]) -> None:

@@ -37,6 +37,7 @@ from urllib.parse import quote
 
 import psycopg
 
+from ._config import TlsConfig
 from ._errors import PluginError
 
 __all__ = [
@@ -141,22 +142,36 @@ def _wait_dead(pid: int, timeout: float = 30.0) -> None:
 
 
 class RabbitNode:
-    """One RabbitMQ node with the management plugin, private to this process."""
+    """One RabbitMQ node with the management plugin, private to this process;
+    with ``tls``, it also accepts AMQPS on :attr:`amqps_port` with that
+    certificate and key (client certificates are not asked for)."""
 
-    def __init__(self, name: str, base: Path) -> None:
+    def __init__(self, name: str, base: Path, tls: TlsConfig | None = None) -> None:
         self.name = name
         self.nodename = f"{name}@localhost"
         self.base = base
         self.amqp_port, self.management_port, self.dist_port = free_port(), free_port(), free_port()
+        self.amqps_port = free_port() if tls is not None else None
         self._proc: subprocess.Popen[bytes] | None = None
         for sub in ("mnesia", "log", "home"):
             (base / sub).mkdir(parents=True, exist_ok=True)
-        (base / "rabbitmq.conf").write_text(
+        conf = (
             f"listeners.tcp.1 = 127.0.0.1:{self.amqp_port}\n"
             f"management.tcp.ip = 127.0.0.1\n"
             f"management.tcp.port = {self.management_port}\n"
             "disk_free_limit.absolute = 50MB\n"
         )
+        if tls is not None:
+            conf += (
+                f"listeners.ssl.1 = 127.0.0.1:{self.amqps_port}\n"
+                f"ssl_options.certfile = {tls.cert}\n"
+                f"ssl_options.keyfile = {tls.key}\n"
+                "ssl_options.verify = verify_none\n"
+                "ssl_options.fail_if_no_peer_cert = false\n"
+            )
+            if tls.ca is not None:
+                conf += f"ssl_options.cacertfile = {tls.ca}\n"
+        (base / "rabbitmq.conf").write_text(conf)
         (base / "enabled_plugins").write_text("[rabbitmq_management].\n")
         (base / "rabbitmq-env.conf").write_text("")
 
@@ -183,6 +198,11 @@ class RabbitNode:
 
     def amqp_url(self, vhost: str = "/") -> str:
         return f"amqp://guest:guest@127.0.0.1:{self.amqp_port}/{quote(vhost, safe='')}"
+
+    def amqps_url(self, vhost: str = "/") -> str:
+        if self.amqps_port is None:
+            raise HarnessError(f"RabbitMQ {self.nodename} was made without TLS")
+        return f"amqps://guest:guest@127.0.0.1:{self.amqps_port}/{quote(vhost, safe='')}"
 
     @property
     def management_url(self) -> str:

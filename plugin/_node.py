@@ -6,7 +6,8 @@ replication sink with the transaction coordinator, the VPN directory
 (settings from the database, topology from the management API, refreshed
 every ``[broker] topology_refresh_seconds``), the recovery of transactions a
 crash left in doubt (txn/_coordinator.py; before any client is accepted), the AMQP
-listener on ``listen.amqp`` and the admin endpoint on ``listen.admin``. It
+listener on ``listen.amqp`` (and ``listen.amqps`` over TLS) and the admin endpoint
+on ``listen.admin``. It
 stops on SIGTERM or SIGINT in reverse order: clients first, then the ledger
 after committing what it holds.
 """
@@ -17,7 +18,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 from psycopg.rows import dict_row
@@ -31,7 +34,7 @@ from tenacity import (
 from bridge._errors import BridgeError
 from bridge._ledger import LedgerError, LedgerWriter
 from bridge._replicator import Replicator
-from bridge._tls import TlsSetupError
+from bridge._tls import TlsSetupError, describe_tls_error
 from bridge._transport import BridgeClient, BridgeServer
 from txn import _failpoints as failpoints
 from txn._coordinator import Coordinator
@@ -44,7 +47,7 @@ from ._config import SiteConfig, redact_url
 from ._directory import VpnDirectory, VpnView
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable
 from ._events import INCARNATION_LIMIT, IdSource, Purged
-from ._listener import BrokerAddress, Listener
+from ._listener import BrokerAddress, Listener, broker_context
 from ._metrics import Metrics
 from ._refresher import DirectoryRefresher, ManagementAPI
 from ._store import add_broker_depths, connect, status
@@ -61,7 +64,7 @@ ELIGIBILITY_SECONDS = 0.5
 
 _SETTINGS = """
 SELECT c.name, c.role, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
-       c.queue_patterns, c.topic_filters, s.applied_index
+       c.queue_patterns, c.topic_filters, c.expose_id, s.applied_index
 FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
 WHERE c.enabled ORDER BY c.name
 """
@@ -92,6 +95,25 @@ async def _incarnation(cfg: SiteConfig) -> int:
     return incarnation
 
 
+def _broker_ssl(cfg: SiteConfig) -> ssl.SSLContext | None:
+    """The context verifying an ``amqps://`` broker (``broker.ca``, else the
+    system's trusted CAs); None for a plain ``amqp://`` one."""
+    if urlsplit(cfg.amqp_url).scheme != "amqps":
+        return None
+    try:
+        return broker_context(cfg.broker_ca)
+    except (ssl.SSLError, OSError) as e:
+        reason = describe_tls_error(e) if isinstance(e, ssl.SSLError) else e.strerror
+        raise ConfigError(cfg.path, "broker.ca", f"not a usable CA file: {reason}") from e
+
+
+def _amqps_note(cfg: SiteConfig) -> str:
+    if cfg.listen_amqps is None or cfg.client_tls is None:
+        return ""
+    certs = "client certificates required" if cfg.client_tls.ca else "no client certificates"
+    return f", AMQPS on {cfg.listen_amqps} ({certs})"
+
+
 class Node:
     """The running site process."""
 
@@ -104,8 +126,9 @@ class Node:
         self.writer = LedgerWriter(cfg.store_dsn)
         self.replicator = Replicator(self.writer)
         self.txn_log = TxnLog(cfg.store_dsn)
+        self.broker_ssl = _broker_ssl(cfg)
         self.coordinator = Coordinator(
-            self.txn_log, MarkerStore(cfg.amqp_url), self.writer, self.replicator
+            self.txn_log, MarkerStore(cfg.amqp_url, self.broker_ssl), self.writer, self.replicator
         )
         self.replicator.coordinator = self.coordinator
         self.participant = Participant(self.txn_log)
@@ -138,6 +161,7 @@ class Node:
                 r["on_sync_timeout"],
                 tuple(r["queue_patterns"]),
                 tuple(r["topic_filters"]),
+                r["expose_id"],
             )
             if s.role is Role.ACTIVE:
                 await self.writer.open_vpn(s.name)
@@ -194,11 +218,22 @@ class Node:
         self.coordinator.start()
         self.ids = IdSource(incarnation, on_low=self._renew_incarnation)
         self.listener = Listener(
-            BrokerAddress.from_url(cfg.amqp_url), self.directory, self.ids, self.replicator
+            BrokerAddress.from_url(cfg.amqp_url),
+            self.directory,
+            self.ids,
+            self.replicator,
+            broker_ssl=self.broker_ssl,
         )
         self.metrics.observe_listener(self.listener.stats)
         self.metrics.observe_txn(self.coordinator.stats)
         await self.listener.start(cfg.listen_amqp.host, cfg.listen_amqp.port)
+        if cfg.listen_amqps is not None and cfg.client_tls is not None:
+            try:
+                await self.listener.start_tls(
+                    cfg.listen_amqps.host, cfg.listen_amqps.port, cfg.client_tls
+                )
+            except TlsSetupError as e:
+                raise ConfigError(cfg.path, "client_tls", str(e)) from e
         self.admin = AdminServer(self.status, self.metrics.prometheus_text)
         await self.admin.start(cfg.listen_admin.host, cfg.listen_admin.port)
         await self.bridge_server.start(cfg.listen_bridge.host, cfg.listen_bridge.port)
@@ -209,10 +244,11 @@ class Node:
         self._tasks.append(asyncio.create_task(self._record_eligibility(), name="eligibility"))
         vpns = [v for n in self.directory.names() if (v := self.directory.lookup(n))]
         log.info(
-            "site %s up (incarnation %d): AMQP on %s, bridge on %s%s, admin on %s, VPNs: %s",
+            "site %s up (incarnation %d): AMQP on %s%s, bridge on %s%s, admin on %s, VPNs: %s",
             cfg.site_name,
             incarnation,
             cfg.listen_amqp,
+            _amqps_note(cfg),
             cfg.listen_bridge,
             f" (standby of {cfg.peer_bridge})" if cfg.peer_bridge else "",
             cfg.listen_admin,

@@ -7,6 +7,7 @@ loop runs in its own thread (uvloop, as in production).
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -15,6 +16,7 @@ from urllib.parse import quote
 import pytest
 import uvloop
 
+from plugin._config import TlsConfig
 from plugin._directory import VpnDirectory, VpnView
 from plugin._events import IdSource, MemorySink, ReplicationSink
 from plugin._listener import BrokerAddress, Listener
@@ -26,7 +28,18 @@ T = TypeVar("T")
 
 
 class ListenerThread:
-    def __init__(self, broker_port: int, sink: ReplicationSink | None = None) -> None:
+    """``client_tls``: also serve AMQPS on :attr:`tls_port`; ``broker``
+    and ``broker_ssl``: an upstream other than plain AMQP on ``broker_port``."""
+
+    def __init__(
+        self,
+        broker_port: int,
+        sink: ReplicationSink | None = None,
+        *,
+        client_tls: TlsConfig | None = None,
+        broker: BrokerAddress | None = None,
+        broker_ssl: ssl.SSLContext | None = None,
+    ) -> None:
         self.directory = VpnDirectory()
         self.sink = sink if sink is not None else MemorySink()
         self.loop = uvloop.new_event_loop()
@@ -35,10 +48,17 @@ class ListenerThread:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.listener = Listener(
-            BrokerAddress("127.0.0.1", broker_port), self.directory, IdSource(7), self.sink
+            broker or BrokerAddress("127.0.0.1", broker_port),
+            self.directory,
+            IdSource(7),
+            self.sink,
+            broker_ssl=broker_ssl,
         )
         self.run(self.listener.start("127.0.0.1", 0))
         self.port = self.listener.port
+        if client_tls is not None:
+            self.run(self.listener.start_tls("127.0.0.1", 0, client_tls))
+            self.tls_port = self.listener.tls_port
 
     def run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
@@ -69,6 +89,7 @@ def enable_vpn(
     role: Role = Role.ACTIVE,
     queues: tuple[str, ...] = (),
     topics: tuple[str, ...] = (),
+    expose_id: bool = False,
 ) -> VpnView:
     """Put ``vhost`` into the listener's directory with its current topology."""
     definitions = site.rabbit.api("GET", f"definitions/{quote(vhost, safe='')}")
@@ -77,6 +98,7 @@ def enable_vpn(
         role=role,
         scope=ReplicationScope(queues, tuple(TopicFilter.parse(t) for t in topics)),
         topology=Topology.from_definitions(vhost, definitions),
+        expose_id=expose_id,
     )
     lt.call(lambda: lt.directory.put(view))
     return view

@@ -1,5 +1,6 @@
-"""A throwaway PKI for TLS tests: a CA signing sites a and b, and a rogue CA
-signing a third certificate (made with the `openssl` command line tool)."""
+"""A throwaway PKI for TLS tests: a CA signing sites a and b and an AMQP
+client, and a rogue CA signing a fourth certificate (made with the `openssl`
+command line tool)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    """A throwaway CA signing two site certificates, and a rogue CA signing one."""
+    """A throwaway CA signing two site certificates and a client's, and a
+    rogue CA signing one."""
     d = tmp_path_factory.mktemp("pki")
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     for ca in ("ca", "rogue-ca"):
@@ -42,7 +44,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
         "extendedKeyUsage=serverAuth,clientAuth\n"
     )
-    for name, ca in (("a", "ca"), ("b", "ca"), ("rogue", "rogue-ca")):
+    for name, ca in (("a", "ca"), ("b", "ca"), ("client", "ca"), ("rogue", "rogue-ca")):
         _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
                  "-subj", f"/CN=site-{name}", cwd=d)  # fmt: skip
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",

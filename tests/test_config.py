@@ -120,3 +120,97 @@ def test_trace_export_is_off_unless_an_http_endpoint_is_given(tmp_path: Path) ->
 def test_redact_url_hides_the_password_only() -> None:
     assert redact_url("amqp://guest:secret@host:5672/v") == "amqp://guest:***@host:5672/v"
     assert redact_url("postgresql://u@h/db") == "postgresql://u@h/db"
+
+
+def _pem_files(tmp_path: Path, *names: str) -> None:
+    for name in names:
+        (tmp_path / name).write_text("x")
+
+
+def test_amqps_listener_takes_its_tls_files_relative_to_the_config(tmp_path: Path) -> None:
+    _pem_files(tmp_path, "c.pem", "k.pem", "clients-ca.pem")
+    text = GOOD.replace('amqp = "0.0.0.0:5673"', 'amqp = "0.0.0.0:5673"\namqps = "0.0.0.0:5674"')
+    text += '\n[client_tls]\ncert = "c.pem"\nkey = "k.pem"\nca = "clients-ca.pem"\n'
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.listen_amqps == HostPort("0.0.0.0", 5674)
+    assert cfg.client_tls is not None
+    assert (cfg.client_tls.cert, cfg.client_tls.key, cfg.client_tls.ca) == (
+        tmp_path / "c.pem",
+        tmp_path / "k.pem",
+        tmp_path / "clients-ca.pem",
+    )
+    assert cfg.tls is None  # the bridge's TLS is a separate section
+    plain = load_config(write(tmp_path, GOOD))
+    assert (plain.listen_amqps, plain.client_tls, plain.broker_ca) == (None, None, None)
+
+
+def test_broker_ca_is_resolved_for_an_amqps_broker(tmp_path: Path) -> None:
+    _pem_files(tmp_path, "broker-ca.pem")
+    text = GOOD.replace("amqp://guest:secret@127.0.0.1:5672/", "amqps://guest:secret@mq:5671/")
+    text = text.replace("[listen]", 'ca = "broker-ca.pem"\n[listen]')
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.broker_ca == tmp_path / "broker-ca.pem"
+
+
+AMQPS = 'amqps = "0.0.0.0:5674"\n[store]'
+CLIENT_TLS = '\n[client_tls]\ncert = "c.pem"\nkey = "k.pem"\n'
+
+
+@pytest.mark.parametrize(
+    ("edit", "key", "problem"),
+    [
+        (lambda t: t.replace("[store]", AMQPS), "listen.amqps", "requires a [client_tls] section"),
+        (lambda t: t + CLIENT_TLS, "client_tls", "only used with listen.amqps"),
+        (
+            lambda t: t.replace("[store]", AMQPS) + '\n[client_tls]\ncert = "c.pem"\n',
+            "client_tls.key",
+            "required key is missing",
+        ),
+        (
+            lambda t: t.replace("[store]", AMQPS) + CLIENT_TLS.replace("c.pem", "absent.pem"),
+            "client_tls.cert",
+            "file not found",
+        ),
+        (
+            lambda t: t.replace("[store]", AMQPS) + CLIENT_TLS + 'ca = "absent.pem"\n',
+            "client_tls.ca",
+            "file not found",
+        ),
+        (
+            lambda t: t.replace("[store]", 'amqps = "nowhere"\n[store]') + CLIENT_TLS,
+            "listen.amqps",
+            "expected HOST:PORT",
+        ),
+        (
+            lambda t: t.replace("[listen]", 'ca = "c.pem"\n[listen]'),
+            "broker.ca",
+            "only used with an amqps:// broker.amqp_url",
+        ),
+        (
+            lambda t: t.replace("amqp://", "amqps://").replace("[listen]", 'ca = "x"\n[listen]'),
+            "broker.ca",
+            "file not found",
+        ),
+    ],
+)
+def test_bad_tls_listener_config_names_the_key(tmp_path: Path, edit, key, problem) -> None:
+    _pem_files(tmp_path, "c.pem", "k.pem")
+    path = write(tmp_path, edit(GOOD))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.key == key
+    assert problem in info.value.problem
+    assert str(info.value).startswith(f"{path}: {key}: ")
+
+
+def test_amqps_listener_can_be_set_by_overrides(tmp_path: Path) -> None:
+    _pem_files(tmp_path, "c.pem", "k.pem")
+    path = write(tmp_path, GOOD)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ("listen.amqps=127.0.0.1:6001",))
+    assert info.value.key == "listen.amqps"
+    cfg = load_config(
+        path, ("listen.amqps=127.0.0.1:6001", 'client_tls.cert="c.pem"', 'client_tls.key="k.pem"')
+    )
+    assert cfg.listen_amqps == HostPort("127.0.0.1", 6001)
+    assert cfg.client_tls is not None and cfg.client_tls.ca is None

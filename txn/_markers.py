@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import threading
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
@@ -55,8 +56,10 @@ class MarkerError(RuntimeError):
 class MarkerStore:
     """Markers of every vhost of one broker (``amqp_url`` without a vhost path)."""
 
-    def __init__(self, amqp_url: str) -> None:
+    def __init__(self, amqp_url: str, ssl_context: ssl.SSLContext | None = None) -> None:
         self.amqp_url = amqp_url
+        #: verifies an ``amqps://`` broker (None: pika's default, the system's CAs)
+        self.ssl_context = ssl_context
         self._declared: set[str] = set()
         self._lock = threading.Lock()  # one read of the markers at a time
 
@@ -64,6 +67,8 @@ class MarkerStore:
         parts = urlsplit(self.amqp_url)
         url = urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
         params = pika.URLParameters(url)
+        if params.ssl_options is not None and self.ssl_context is not None:
+            params.ssl_options = pika.SSLOptions(self.ssl_context, parts.hostname)
         params.connection_attempts = 2
         params.socket_timeout = 10
         return params

@@ -11,6 +11,9 @@
   queue not done is emptied and materialised again on a re-run: clients are
   not admitted before the promotion finishes, so the queue holds only what
   the promotion put there, and nothing is lost or duplicated.
+* ``vpn_config.definitions``: on a standby, the RabbitMQ definitions (with
+  the users and permissions) the active sent last, so a promotion imports
+  the newest topology even when the active is gone.
 * ``operator_request``: a command (promote, demote, switchover, ...) the CLI
   hands the running node through the database (LISTEN/NOTIFY on
   ``vpnrepl_request``); the node answers in the same row.
@@ -29,6 +32,8 @@ branch_labels = None
 depends_on = None
 
 _UPGRADE = """
+ALTER TABLE vpn_config ADD COLUMN definitions bytea;
+
 CREATE TABLE vpn_epoch (
     vpn               text NOT NULL REFERENCES vpn_config(name) ON DELETE CASCADE,
     epoch             bigint NOT NULL CHECK (epoch >= 1),
@@ -83,6 +88,7 @@ DROP TABLE operator_request;
 DROP TABLE promotion_queue;
 DROP TABLE promotion;
 DROP TABLE vpn_epoch;
+ALTER TABLE vpn_config DROP COLUMN definitions;
 """
 
 

@@ -1,4 +1,7 @@
-"""The admin HTTP endpoint on ``listen.admin``: health, status JSON, metrics.
+"""The admin HTTP endpoint on ``listen.admin``: health, status JSON, metrics,
+and which VPNs this site serves (``/vpns/VPN/active``, for a load balancer's or
+a DNS health check: 200 where the VPN is active and admits clients, 503
+elsewhere).
 
 A deliberately tiny HTTP/1.1 server (GET only, ``Connection: close``) on
 asyncio streams: three read-only resources do not justify a web framework,
@@ -12,6 +15,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote
 
 __all__ = ["AdminServer"]
 
@@ -27,9 +31,12 @@ class AdminServer:
         self,
         status: Callable[[], Awaitable[dict[str, Any]]],
         metrics: Callable[[], str],
+        serves: Callable[[str], bool] | None = None,
     ) -> None:
+        """``serves(vpn)``: the VPN is active here and admits clients."""
         self._status = status
         self._metrics = metrics
+        self._serves = serves
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -86,4 +93,13 @@ class AdminServer:
             return "200 OK", "application/json", json.dumps(doc).encode()
         if path == "/metrics":
             return "200 OK", "text/plain; version=0.0.4", self._metrics().encode()
-        return "404 Not Found", "text/plain", b"try /health, /status or /metrics\n"
+        if path.startswith("/vpns/") and path.endswith("/active") and self._serves is not None:
+            vpn = unquote(path[len("/vpns/") : -len("/active")])
+            if vpn and self._serves(vpn):
+                return "200 OK", "text/plain", f"{vpn}: active here\n".encode()
+            return "503 Service Unavailable", "text/plain", f"{vpn}: not active here\n".encode()
+        return (
+            "404 Not Found",
+            "text/plain",
+            b"try /health, /status, /metrics or /vpns/VPN/active\n",
+        )

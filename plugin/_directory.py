@@ -26,6 +26,9 @@ class VpnView:
     topology: Topology
     #: consumers see our id header (``vpn enable --expose-id``)
     expose_id: bool = False
+    #: why clients are refused (530) although the VPN is active here: its
+    #: promotion is still running, or a newer epoch took it over (fenced)
+    refusal: str | None = None
 
     @property
     def replicated(self) -> bool:

@@ -31,8 +31,9 @@ from urllib.parse import urlsplit
 
 from bridge._tls import describe_tls_error
 
-from ._config import TlsConfig
+from ._config import SiteConfig, TlsConfig
 from ._directory import VpnDirectory
+from ._errors import ConfigError
 from ._events import (
     EVENT_KINDS,
     ConfirmKey,
@@ -47,7 +48,7 @@ from ._metrics import ListenerStats
 from ._session import BrokerUnavailable, Output, Session
 from ._tls_server import TLS_SHUTDOWN_TIMEOUT, TlsServer
 
-__all__ = ["BrokerAddress", "Listener", "broker_context"]
+__all__ = ["BrokerAddress", "Listener", "broker_context", "site_broker_ssl"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,18 @@ def broker_context(ca: Path | None = None) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=ca)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
+
+
+def site_broker_ssl(cfg: SiteConfig) -> ssl.SSLContext | None:
+    """The context verifying an ``amqps://`` broker (``broker.ca``, else the
+    system's trusted CAs); None for a plain ``amqp://`` one."""
+    if urlsplit(cfg.amqp_url).scheme != "amqps":
+        return None
+    try:
+        return broker_context(cfg.broker_ca)
+    except (ssl.SSLError, OSError) as e:
+        reason = describe_tls_error(e) if isinstance(e, ssl.SSLError) else e.strerror
+        raise ConfigError(cfg.path, "broker.ca", f"not a usable CA file: {reason}") from e
 
 
 def _nodelay(transport: asyncio.BaseTransport) -> None:
@@ -400,6 +413,14 @@ class Listener:
     def sessions(self) -> Iterator[Session]:
         """The sessions of every open client connection."""
         return (c.session for c in self.connections)
+
+    def close_vpn(self, vpn: str, reason: str) -> int:
+        """Close every client connection to ``vpn`` with 320 and ``reason``
+        (the VPN was fenced, or is switching over); returns how many."""
+        closing = [c for c in self.connections if c.session.vhost == vpn]
+        for conn in closing:
+            conn.apply(conn.session.shutdown(reason))
+        return len(closing)
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()

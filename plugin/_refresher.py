@@ -95,12 +95,20 @@ class DirectoryRefresher:
         load_settings: Callable[[], Awaitable[Sequence[VpnSettings]]],
         interval: float = 30.0,
         on_gone: Callable[[VpnView, list[str]], Awaitable[None]] | None = None,
+        refusal: Callable[[str], str | None] | None = None,
     ) -> None:
+        """``refusal(vpn)``: why the VPN's clients are refused although it
+        is active here (None: admitted)."""
         self.directory = directory
         self.api = api
         self.load_settings = load_settings
         self.interval = interval
         self.on_gone = on_gone
+        self.refusal = refusal
+
+    def _settle(self, view: VpnView, s: VpnSettings) -> None:
+        view.role, view.scope, view.expose_id = s.role, ReplicationScope.of(s), s.expose_id
+        view.refusal = self.refusal(s.name) if self.refusal is not None else None
 
     async def refresh(self) -> None:
         """One pass; a VPN whose definitions cannot be read keeps its old view."""
@@ -119,14 +127,14 @@ class DirectoryRefresher:
                 if view is None:
                     fresh = Topology(name)
                 else:
-                    view.role, view.scope = s.role, ReplicationScope.of(s)
-                    view.expose_id = s.expose_id
+                    self._settle(view, s)
                     continue
             if view is None:
-                view = VpnView(name, s.role, ReplicationScope.of(s), fresh, s.expose_id)
+                view = VpnView(name, s.role, ReplicationScope.of(s), fresh)
+                self._settle(view, s)
                 self.directory.put(view)
                 continue
-            view.role, view.scope, view.expose_id = s.role, ReplicationScope.of(s), s.expose_id
+            self._settle(view, s)
             try:
                 gone = await self._reconcile_missing(name, view.topology, fresh)
             except PluginError as e:

@@ -892,6 +892,8 @@ class Session:
         self.vpn = self._directory.lookup(m.virtual_host)
         self._replicating = self.vpn is not None and self.vpn.replicated
         self._expose_id = self.vpn is not None and self.vpn.expose_id
+        if self.vpn is not None and self.vpn.refusal is not None:
+            raise amqp.NotAllowed(self.vpn.refusal, amqp.CONNECTION_OPEN)
         if self.vpn is not None and not self.vpn.replicated:
             raise amqp.NotAllowed(
                 f"vhost '{m.virtual_host}' is a replication standby; connect to the active site",

@@ -38,7 +38,7 @@ def connect(dsn: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
         raise StateError("the site database has no schema: run `vpnrepl init` first") from e
 
 
-def enable_vpn(conn: psycopg.Connection[dict[str, Any]], s: VpnSettings) -> bool:
+def enable_vpn(conn: psycopg.Connection[dict[str, Any]], s: VpnSettings, site: str = "") -> bool:
     """Store ``s``; returns True when the VPN was newly enabled.
 
     Re-enabling an enabled VPN updates its mode, timeout, policy and scope. Its
@@ -81,6 +81,11 @@ def enable_vpn(conn: psycopg.Connection[dict[str, Any]], s: VpnSettings) -> bool
         },
     )
     conn.execute("INSERT INTO vpn_state (vpn) VALUES (%s) ON CONFLICT DO NOTHING", (s.name,))
+    conn.execute(  # the epoch history starts with this site holding it active
+        "INSERT INTO vpn_epoch (vpn, epoch, site) SELECT name, epoch, %s FROM vpn_config"
+        " WHERE name = %s AND role = 'active' ON CONFLICT DO NOTHING",
+        (site, s.name),
+    )
     return row is None or not row["enabled"]
 
 
@@ -139,6 +144,23 @@ def status(conn: psycopg.Connection[dict[str, Any]], site: str) -> dict[str, Any
         "SELECT vpn, queue, count(*) AS n FROM live_message GROUP BY vpn, queue ORDER BY 1, 2"
     ):
         queues.setdefault(row["vpn"], {})[row["queue"]] = row["n"]
+    promotions = {
+        row["vpn"]: {
+            "state": row["state"],
+            "materialised": row["materialised"],
+            "total": row["total"],
+            "epoch": row["epoch"],
+            "txns_committed": row["txns_committed"],
+        }
+        for row in conn.execute(
+            "SELECT vpn, state, materialised, total, epoch, txns_committed FROM promotion"
+        )
+    }
+    epochs: dict[str, list[dict[str, Any]]] = {}
+    for row in conn.execute("SELECT vpn, epoch, site, since FROM vpn_epoch ORDER BY vpn, epoch"):
+        epochs.setdefault(row["vpn"], []).append(
+            {"epoch": row["epoch"], "site": row["site"], "since": row["since"].isoformat()}
+        )
     vpns = []
     for r in conn.execute(_STATUS_SQL):
         lag = max(r["ledger_index"] - r["applied_index"], 0) if r["role"] == "active" else 0
@@ -163,6 +185,10 @@ def status(conn: psycopg.Connection[dict[str, Any]], site: str) -> dict[str, Any
                 "degraded_txns": r["degraded_txns"],
                 "unknown_acks": r["unknown_acks"],
                 "queues": queues.get(r["name"], {}),
+                "promotion": promotions.get(
+                    r["name"], {"state": "none", "materialised": 0, "total": 0}
+                ),
+                "epochs": epochs.get(r["name"], []),
             }
         )
     return {"site": site, "vpns": vpns}

@@ -1,0 +1,234 @@
+"""A VPN's role changes in the site database: promotion, and fencing.
+
+Invariant: a VPN's epoch only rises, and exactly one step raises it on a
+site — the promotion's first transaction — before anything else of the
+promotion happens. Why that is enough:
+
+* :func:`begin_promotion` locks the VPN's ``vpn_config`` and ``vpn_state``
+  rows, then in one transaction raises the epoch, makes the role ``active``
+  and records the promotion as ``running``. Every standby apply path locks
+  ``vpn_state`` and refuses a VPN that is not ``standby`` here
+  (``NotStandby``), so the old active's stream stops at a batch boundary:
+  no event of the old epoch is applied after the new epoch exists.
+* The node admits no client of a VPN whose promotion is ``running`` (the
+  listener refuses it with 530), so the broker's queues hold only what the
+  materialisation put there until :func:`finish_promotion`; a re-run after
+  a crash resumes (same epoch) instead of raising the epoch again.
+* A former active learns of a higher epoch from its peer's listing and
+  records itself fenced (:func:`record_fenced`); a fenced VPN is never
+  listed to a standby, confirms nothing and admits no client.
+
+Local transactions the standby holds without a decision are resolved here,
+in the promotion's first transaction (see :func:`_resolve_in_doubt`).
+
+Blocking (psycopg's synchronous API); asyncio callers use a thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from ._apply import apply_entries
+from ._entry import LedgerEntry, decode_event, split_events
+from ._errors import BridgeError
+
+__all__ = [
+    "PromotionStart",
+    "RoleError",
+    "begin_promotion",
+    "fail_promotion",
+    "finish_promotion",
+    "record_fenced",
+]
+
+
+class RoleError(BridgeError):
+    """A role change that the VPN's state does not allow (not enabled, not a
+    standby, fenced); the text says what to do instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromotionStart:
+    """What the promotion's first step found and did."""
+
+    vpn: str
+    epoch: int
+    #: a promotion interrupted earlier is resumed (the epoch was raised then)
+    resumed: bool
+    #: in-doubt transactions committed / prepared rows already applied ahead
+    txns_committed: int
+    txns_applied_ahead: int
+    #: the standby's applied index: the new active's ledger continues after it
+    ledger_index: int
+
+
+_LOCK = """
+SELECT c.role, c.enabled, c.epoch, s.fenced, s.applied_index, p.state, p.epoch
+FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
+LEFT JOIN promotion p ON p.vpn = c.name
+WHERE c.name = %s
+FOR UPDATE OF c, s
+"""
+_PREPARED = """
+SELECT txid, state, events FROM txn_log
+WHERE vpn = %s AND side = 'participant' AND state IN ('prepared', 'applied')
+ORDER BY created_at, txid
+FOR UPDATE
+"""
+_SETTLE = "UPDATE txn_log SET state = 'committed', updated_at = now() WHERE txid = ANY(%s)"
+_BECOME_ACTIVE = """
+UPDATE vpn_config SET role = 'active', epoch = %s, updated_at = now() WHERE name = %s
+"""
+# On the active, applied_index is what its standby acknowledged: nothing yet.
+_ACTIVE_STATE = """
+UPDATE vpn_state SET ledger_index = %s, applied_index = 0, applied_epoch = 0, applied_at = NULL,
+    fenced = false, sync_eligible = true, bridge_state = 'disconnected', updated_at = now()
+WHERE vpn = %s
+"""
+_LIVE_INDEX = """
+INSERT INTO vpn_live_state (vpn, live_index) VALUES (%s, %s)
+ON CONFLICT (vpn) DO UPDATE SET live_index = EXCLUDED.live_index
+"""
+_EPOCH = """
+INSERT INTO vpn_epoch (vpn, epoch, site) VALUES (%s, %s, %s)
+ON CONFLICT (vpn, epoch) DO UPDATE SET site = EXCLUDED.site
+"""
+# Replication ids are (incarnation, counter); each site numbers its own
+# incarnations, so the new active must hand out only incarnations above every
+# one in the state it took over, or it could repeat an id the old active made.
+_INCARNATIONS_PAST = """
+SELECT setval(pg_get_serial_sequence('node_incarnation', 'incarnation'), GREATEST(
+    nextval(pg_get_serial_sequence('node_incarnation', 'incarnation')),
+    (SELECT COALESCE(max(('x' || encode(substring(repl_id FROM 1 FOR 8), 'hex'))::bit(64)::bigint),
+                     0) FROM live_message)))
+"""
+_RUNNING = """
+INSERT INTO promotion (vpn, epoch, state, txns_committed) VALUES (%s, %s, 'running', %s)
+ON CONFLICT (vpn) DO UPDATE SET epoch = EXCLUDED.epoch, state = 'running', materialised = 0,
+    total = 0, txns_committed = EXCLUDED.txns_committed, txns_aborted = 0, error = NULL,
+    started_at = now(), finished_at = NULL
+"""
+
+
+def begin_promotion(conn: psycopg.Connection[Any], vpn: str, site: str) -> PromotionStart:
+    """Make ``vpn`` active here with its epoch raised by one (or find the
+    promotion an interrupted run began), in one transaction."""
+    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(_LOCK, (vpn,))
+        row = cur.fetchone()
+        if row is None:
+            raise RoleError(f"VPN {vpn!r} is not known on this site", vpn)
+        role, enabled, epoch, fenced, applied, running, running_epoch = row
+        if not enabled:
+            raise RoleError(f"replication of VPN {vpn!r} is disabled on this site", vpn)
+        if role == "active":
+            if running in ("running", "failed") and running_epoch == epoch:
+                cur.execute("SELECT ledger_index FROM vpn_state WHERE vpn = %s", (vpn,))
+                (ledger_index,) = cur.fetchone() or (0,)
+                return PromotionStart(vpn, int(epoch), True, 0, 0, int(ledger_index))
+            if fenced:
+                raise RoleError(
+                    f"VPN {vpn!r} is a fenced former active here: `vpnrepl demote {vpn}` "
+                    "makes it a standby of the new active",
+                    vpn,
+                )
+            raise RoleError(f"VPN {vpn!r} is already active on this site", vpn)
+        new_epoch = int(epoch) + 1
+        committed, ahead, ledger_index = _resolve_in_doubt(conn, vpn, new_epoch, int(applied))
+        cur.execute(_BECOME_ACTIVE, (new_epoch, vpn))
+        cur.execute(_ACTIVE_STATE, (ledger_index, vpn))
+        cur.execute(_LIVE_INDEX, (vpn, ledger_index))
+        # a standby keeps no ledger; rows left from an earlier time as active
+        # would collide with the indexes the new ledger hands out
+        cur.execute("DELETE FROM ledger WHERE vpn = %s", (vpn,))
+        cur.execute(_EPOCH, (vpn, new_epoch, site))
+        cur.execute(_INCARNATIONS_PAST)
+        cur.execute(_RUNNING, (vpn, new_epoch, committed + ahead))
+        cur.execute("DELETE FROM promotion_queue WHERE vpn = %s", (vpn,))
+    return PromotionStart(vpn, new_epoch, False, committed, ahead, ledger_index)
+
+
+def _resolve_in_doubt(
+    conn: psycopg.Connection[Any], vpn: str, epoch: int, applied: int
+) -> tuple[int, int, int]:
+    """Commit every local transaction the standby voted yes on and holds
+    without a decision; returns (committed now, applied ahead before, the
+    index the applied state reaches).
+
+    Why commit (presumed commit), not abort: the standby voted yes, so the
+    active was free to commit, and a client can have been told committed
+    without the standby learning it — a sync-mode ``tx.commit`` whose
+    standby stopped answering after the broker committed gets
+    ``tx.commit-ok`` once the sync timeout passes, under either policy.
+    Aborting such a transaction would lose what a client was told is
+    committed. The price: a transaction whose client was *not* told
+    committed (its connection dropped during the commit, or its vote came
+    after the timeout under ``reject``) is applied too; its client never saw
+    ``tx.commit-ok`` and must treat the outcome as unknown anyway. Rows
+    ``applied`` ahead of the stream are in the live state already.
+
+    A prepared row's group never reached this standby (else the stream
+    would have settled the row), so its events go right after the applied
+    index, as the group would have come next."""
+    with conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(_PREPARED, (vpn,))
+        rows = cur.fetchall()
+    committed: list[str] = []
+    ahead: list[str] = []
+    index = applied
+    for txid, state, events in rows:
+        if state == "applied":
+            ahead.append(txid)
+            continue
+        encoded = split_events(bytes(events))
+        entries = [
+            LedgerEntry(vpn, epoch, index + 1 + i, decode_event(data, vpn), data)
+            for i, data in enumerate(encoded)
+        ]
+        if entries:
+            apply_entries(conn, vpn, entries)
+            index += len(entries)
+        committed.append(txid)
+    if committed or ahead:
+        conn.execute(_SETTLE, (committed + ahead,))
+    return len(committed), len(ahead), index
+
+
+def finish_promotion(
+    conn: psycopg.Connection[Any], vpn: str, epoch: int, materialised: int
+) -> None:
+    """The live messages are in the broker: the promotion is done."""
+    with conn.transaction():
+        conn.execute(
+            "UPDATE promotion SET state = 'done', materialised = %s, finished_at = now()"
+            " WHERE vpn = %s AND epoch = %s",
+            (materialised, vpn, epoch),
+        )
+
+
+def fail_promotion(conn: psycopg.Connection[Any], vpn: str, error: str) -> None:
+    """Record why the promotion stopped; a re-run resumes it."""
+    with conn.transaction():
+        conn.execute(
+            "UPDATE promotion SET state = 'failed', error = %s WHERE vpn = %s AND state <> 'done'",
+            (error, vpn),
+        )
+
+
+def record_fenced(conn: psycopg.Connection[Any], vpn: str, epoch: int, site: str) -> bool:
+    """The peer ``site`` holds ``vpn`` active at the higher ``epoch``: this
+    site's active VPN is fenced. True when it was not fenced before."""
+    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(
+            "UPDATE vpn_state s SET fenced = true, updated_at = now() FROM vpn_config c"
+            " WHERE s.vpn = c.name AND c.name = %s AND c.role = 'active' AND c.epoch < %s"
+            " AND NOT s.fenced",
+            (vpn, epoch),
+        )
+        newly = cur.rowcount == 1
+        cur.execute(_EPOCH, (vpn, epoch, site))
+    return newly

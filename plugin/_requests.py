@@ -1,0 +1,261 @@
+"""Operator commands reach a site through its database.
+
+``vpnrepl promote`` (and demote, switchover, ...) must act through the
+site's running node when there is one — the node holds the listener, the
+ledger and the bridge, and must change them in step with the database —
+and must still work when no node runs (after a disaster the standby's node
+may be down too). One way serves both, with no port to open:
+
+* A running node holds the site's advisory lock (:data:`SITE_LOCK`) on a
+  connection of its own for as long as it runs, LISTENs on
+  :data:`REQUESTS`, and carries out ``operator_request`` rows: it claims a
+  pending row (``FOR UPDATE SKIP LOCKED``), runs its handler, writes the
+  progress, the result or the error into the row, and NOTIFYs
+  :data:`ANSWERS`.
+* The CLI tries the same lock. Taken: no node runs, and none can start
+  while the CLI holds it (a node waits for the lock at start), so the CLI
+  does the work itself. Not taken: a node runs; the CLI inserts a request,
+  NOTIFYs, and follows the row until it is answered. If the lock comes free
+  while the row is unanswered, the node stopped mid-command: the CLI says
+  so (the command is meant to be re-run).
+
+So the node and a CLI never both act on a site.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from ._errors import PluginError, StateError, StoreUnavailable
+
+__all__ = ["ANSWERS", "REQUESTS", "SITE_LOCK", "RequestServer", "Progress", "run_command"]
+
+log = logging.getLogger(__name__)
+
+#: the advisory lock a running node holds (``vpnrepl`` in ASCII)
+SITE_LOCK = 0x76706E7265706C
+REQUESTS = "vpnrepl_request"
+ANSWERS = "vpnrepl_request_done"
+#: how often a waiting side looks at the row even without a notification
+POLL_SECONDS = 1.0
+#: progress is written to the row at most this often
+PROGRESS_SECONDS = 0.5
+
+#: ``progress(done, total)``
+Progress = Callable[[int, int], None]
+#: a command: ``(vpn, args, progress) -> result``
+Handler = Callable[[str, Mapping[str, Any], Progress], Awaitable[dict[str, Any]]]
+
+
+async def _connect(dsn: str) -> psycopg.AsyncConnection[dict[str, Any]]:
+    try:
+        return await psycopg.AsyncConnection.connect(
+            dsn, autocommit=True, connect_timeout=10, row_factory=dict_row
+        )
+    except psycopg.OperationalError as e:
+        raise StoreUnavailable(f"the site database is unreachable: {e}") from e
+
+
+async def _try_lock(conn: psycopg.AsyncConnection[dict[str, Any]]) -> bool:
+    row = await (
+        await conn.execute("SELECT pg_try_advisory_lock(%s) AS got", (SITE_LOCK,))
+    ).fetchone()
+    return bool(row and row["got"])
+
+
+async def run_command(
+    dsn: str,
+    command: str,
+    vpn: str,
+    args: Mapping[str, Any],
+    local: Callable[[Progress], Awaitable[dict[str, Any]]],
+    progress: Progress,
+) -> dict[str, Any]:
+    """Run ``command`` on the site: through its running node, or with
+    ``local`` when no node runs (holding the site lock meanwhile)."""
+    conn = await _connect(dsn)
+    try:
+        if await _try_lock(conn):
+            try:
+                return await local(progress)
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    await conn.execute("SELECT pg_advisory_unlock(%s)", (SITE_LOCK,))
+        return await _through_node(conn, command, vpn, args, progress)
+    finally:
+        await conn.close()
+
+
+async def _through_node(
+    conn: psycopg.AsyncConnection[dict[str, Any]],
+    command: str,
+    vpn: str,
+    args: Mapping[str, Any],
+    progress: Progress,
+) -> dict[str, Any]:
+    await conn.execute(f"LISTEN {ANSWERS}")
+    row = await (
+        await conn.execute(
+            "INSERT INTO operator_request (command, vpn, args) VALUES (%s, %s, %s) RETURNING id",
+            (command, vpn, json.dumps(dict(args))),
+        )
+    ).fetchone()
+    assert row is not None  # noqa: S101 - RETURNING
+    request = int(row["id"])
+    await conn.execute("SELECT pg_notify(%s, %s)", (REQUESTS, str(request)))
+    log.info("%s %s: handed to the site's running node (request %d)", command, vpn, request)
+    while True:
+        state = await (
+            await conn.execute(
+                "SELECT state, progress, result, error FROM operator_request WHERE id = %s",
+                (request,),
+            )
+        ).fetchone()
+        assert state is not None  # noqa: S101 - our own row
+        if state["progress"]:
+            progress(int(state["progress"]["done"]), int(state["progress"]["total"]))
+        if state["state"] == "done":
+            return dict(state["result"] or {})
+        if state["state"] == "failed":
+            raise StateError(str(state["error"]))
+        if await _try_lock(conn):
+            await conn.execute("SELECT pg_advisory_unlock(%s)", (SITE_LOCK,))
+            raise PluginError(
+                f"the site's node stopped while it ran {command} {vpn} (request {request}); "
+                f"run `vpnrepl {command} {vpn}` again"
+            )
+        gen = conn.notifies(timeout=POLL_SECONDS, stop_after=1)
+        async for _ in gen:
+            pass
+
+
+class RequestServer:
+    """The running node's side: holds the site lock, carries out requests."""
+
+    def __init__(self, dsn: str, handlers: Mapping[str, Handler]) -> None:
+        self._dsn = dsn
+        self._handlers = dict(handlers)
+        self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, wait_log_seconds: float = 10.0) -> None:
+        """Take the site lock (waiting while an operator command run by the
+        CLI holds it), fail what a stopped node left running, start serving."""
+        conn = await _connect(self._dsn)
+        while not await _try_lock(conn):
+            log.warning(
+                "the site is locked by an operator command run without a node (or by another "
+                "node of this site): waiting for it"
+            )
+            await asyncio.sleep(wait_log_seconds)
+        await conn.execute(
+            "UPDATE operator_request SET state = 'failed', finished_at = now(),"
+            " error = 'the node stopped while running it; run the command again'"
+            " WHERE state = 'running'"
+        )
+        await conn.execute(f"LISTEN {REQUESTS}")
+        self._conn = conn
+        self._task = asyncio.create_task(self._serve(), name="operator-requests")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._conn is not None:
+            await self._conn.close()  # the lock goes with the session
+
+    async def _serve(self) -> None:
+        assert self._conn is not None  # noqa: S101 - start() set it
+        while True:
+            while await self._claim_one():
+                pass
+            async for _ in self._conn.notifies(timeout=POLL_SECONDS * 5, stop_after=1):
+                pass
+
+    async def _claim_one(self) -> bool:
+        async with await _connect(self._dsn) as conn:
+            row = await (
+                await conn.execute(
+                    "UPDATE operator_request SET state = 'running' WHERE id = ("
+                    " SELECT id FROM operator_request WHERE state = 'pending'"
+                    " ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)"
+                    " RETURNING id, command, vpn, args"
+                )
+            ).fetchone()
+            if row is None:
+                return False
+            await self._run(conn, int(row["id"]), str(row["command"]), str(row["vpn"]), row["args"])
+            return True
+
+    async def _run(
+        self,
+        conn: psycopg.AsyncConnection[dict[str, Any]],
+        request: int,
+        command: str,
+        vpn: str,
+        args: Mapping[str, Any],
+    ) -> None:
+        handler = self._handlers.get(command)
+        loop = asyncio.get_running_loop()
+        last = 0.0
+        pending: asyncio.Task[None] | None = None
+
+        def progress(done: int, total: int) -> None:
+            nonlocal last, pending
+            now = loop.time()
+            if now - last < PROGRESS_SECONDS and done < total:
+                return
+            last = now
+            if pending is None or pending.done():
+                pending = asyncio.ensure_future(self._progress(request, done, total))
+
+        log.info("operator request %d: %s %s", request, command, vpn)
+        try:
+            if handler is None:
+                raise StateError(f"this node does not know the command {command!r}")
+            result = await handler(vpn, args, progress)
+        except PluginError as e:
+            await self._answer(conn, request, "failed", None, str(e))
+            return
+        except Exception as e:  # the CLI must hear why, and the node keeps serving
+            log.exception("operator request %d failed", request)
+            await self._answer(conn, request, "failed", None, f"{type(e).__name__}: {e}")
+            return
+        finally:
+            if pending is not None:
+                with contextlib.suppress(Exception):
+                    await pending
+        await self._answer(conn, request, "done", result, None)
+
+    async def _progress(self, request: int, done: int, total: int) -> None:
+        with contextlib.suppress(psycopg.Error, StoreUnavailable):
+            async with await _connect(self._dsn) as conn:
+                await conn.execute(
+                    "UPDATE operator_request SET progress = %s WHERE id = %s",
+                    (json.dumps({"done": done, "total": total}), request),
+                )
+                await conn.execute("SELECT pg_notify(%s, %s)", (ANSWERS, str(request)))
+
+    async def _answer(
+        self,
+        conn: psycopg.AsyncConnection[dict[str, Any]],
+        request: int,
+        state: str,
+        result: dict[str, Any] | None,
+        error: str | None,
+    ) -> None:
+        await conn.execute(
+            "UPDATE operator_request SET state = %s, result = %s, error = %s, finished_at = now()"
+            " WHERE id = %s",
+            (state, json.dumps(result) if result is not None else None, error, request),
+        )
+        await conn.execute("SELECT pg_notify(%s, %s)", (ANSWERS, str(request)))

@@ -1,0 +1,136 @@
+"""A VPN's role changes in the site database: the promotion's first step and
+fencing (bridge/_roles.py), against a real PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from bridge._roles import (
+    RoleError,
+    begin_promotion,
+    fail_promotion,
+    finish_promotion,
+    record_fenced,
+)
+from bridge._standby import NotStandby, StandbyApplier
+from plugin._localsites import LocalSite
+from plugin._store import connect, status
+from tests.test_standby_apply import ack, keys, numbered, prepare, pub
+from txn._log import encode_events
+
+VPN = "orders"
+
+
+def one(dsn: str, sql: str, *params: Any) -> tuple[Any, ...]:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(sql, params).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def prepared_txn(dsn: str, txid: str, events: list[Any], state: str = "prepared") -> None:
+    with psycopg.connect(dsn) as conn:
+        conn.execute(
+            "INSERT INTO txn_log (txid, vpn, side, state, events)"
+            " VALUES (%s, %s, 'participant', %s, %s)",
+            (txid, VPN, state, encode_events(events)),
+        )
+
+
+@pytest.fixture
+def standby(site_a: LocalSite) -> str:
+    """Site A's database holding ``orders`` as a standby at epoch 3 that has
+    applied five events (messages 1-4 published, 2 consumed)."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, **{VPN: "standby"})
+    events = [pub(VPN, 1, "q1"), pub(VPN, 2, "q1"), pub(VPN, 3, "q1", "q2"), ack(VPN, 2, "q1")]
+    events.append(pub(VPN, 4, "q2"))
+    with StandbyApplier(dsn) as applier:
+        applier.apply_batch(VPN, numbered(events, epoch=3))
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE vpn_config SET epoch = 3 WHERE name = %s", (VPN,))
+    return dsn
+
+
+def test_promotion_raises_the_epoch_and_makes_the_vpn_active_in_one_step(standby: str) -> None:
+    with connect(standby) as conn:
+        start = begin_promotion(conn, VPN, "b")
+    assert (start.epoch, start.resumed, start.ledger_index) == (4, False, 5)
+    assert one(standby, "SELECT role, epoch FROM vpn_config WHERE name = %s", VPN) == ("active", 4)
+    assert one(
+        standby,
+        "SELECT ledger_index, applied_index, fenced FROM vpn_state WHERE vpn = %s",
+        VPN,
+    ) == (5, 0, False)
+    assert one(standby, "SELECT live_index FROM vpn_live_state WHERE vpn = %s", VPN) == (5,)
+    assert one(standby, "SELECT state, epoch FROM promotion WHERE vpn = %s", VPN) == ("running", 4)
+    assert one(standby, "SELECT site FROM vpn_epoch WHERE vpn = %s AND epoch = 4", VPN) == ("b",)
+    # the old active's stream is refused from now on
+    with StandbyApplier(standby) as applier, pytest.raises(NotStandby):
+        applier.apply_batch(VPN, numbered([pub(VPN, 9, "q1")], start=6, epoch=3))
+
+
+def test_a_rerun_resumes_the_promotion_without_raising_the_epoch_again(standby: str) -> None:
+    with connect(standby) as conn:
+        begin_promotion(conn, VPN, "b")
+        fail_promotion(conn, VPN, "broker unreachable")
+        again = begin_promotion(conn, VPN, "b")
+        assert (again.epoch, again.resumed) == (4, True)
+        finish_promotion(conn, VPN, 4, 4)
+        with pytest.raises(RoleError, match="already active"):
+            begin_promotion(conn, VPN, "b")
+        doc = status(conn, "b")
+    [vpn] = doc["vpns"]
+    assert vpn["promotion"]["state"] == "done" and vpn["promotion"]["materialised"] == 4
+    assert [(e["epoch"], e["site"]) for e in vpn["epochs"]] == [(4, "b")]
+
+
+def test_in_doubt_transactions_are_committed_after_what_was_applied(standby: str) -> None:
+    prepared_txn(standby, "t-prepared", [pub(VPN, 10, "q1"), ack(VPN, 1, "q1")])
+    prepared_txn(standby, "t-ahead", [pub(VPN, 11, "q2")], state="applied")
+    with connect(standby) as conn:
+        start = begin_promotion(conn, VPN, "b")
+    assert (start.txns_committed, start.txns_applied_ahead) == (1, 1)
+    # the prepared transaction's events came right after the applied index
+    assert start.ledger_index == 7
+    assert keys(standby, VPN) == {("q1", 3, 3), ("q2", 3, 3), ("q2", 4, 5), ("q1", 10, 6)}
+    assert one(standby, "SELECT count(*) FROM txn_log WHERE state = 'committed'") == (2,)
+    assert one(standby, "SELECT txns_committed FROM promotion WHERE vpn = %s", VPN) == (2,)
+
+
+def test_the_new_active_hands_out_incarnations_above_those_it_took_over(standby: str) -> None:
+    # the standby's rows carry incarnation 9 (tests/test_standby_apply.py's ids)
+    with connect(standby) as conn:
+        begin_promotion(conn, VPN, "b")
+    [incarnation] = one(
+        standby, "INSERT INTO node_incarnation (site) VALUES ('b') RETURNING incarnation"
+    )
+    assert incarnation > 9
+
+
+def test_only_an_enabled_standby_can_be_promoted(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, **{VPN: "active", "audit": "standby"})
+    with connect(dsn) as conn:
+        with pytest.raises(RoleError, match="already active"):
+            begin_promotion(conn, VPN, "a")
+        with pytest.raises(RoleError, match="not known"):
+            begin_promotion(conn, "nowhere", "a")
+        conn.execute("UPDATE vpn_config SET enabled = false WHERE name = 'audit'")
+        with pytest.raises(RoleError, match="disabled"):
+            begin_promotion(conn, "audit", "a")
+
+
+def test_a_fenced_former_active_is_told_to_demote(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    prepare(dsn, **{VPN: "active"})
+    with connect(dsn) as conn:
+        assert record_fenced(conn, VPN, 2, "b")
+        assert not record_fenced(conn, VPN, 2, "b")  # once
+        with pytest.raises(RoleError, match="demote"):
+            begin_promotion(conn, VPN, "a")
+    assert one(dsn, "SELECT fenced FROM vpn_state WHERE vpn = %s", VPN) == (True,)
+    assert one(dsn, "SELECT site FROM vpn_epoch WHERE vpn = %s AND epoch = 2", VPN) == ("b",)

@@ -73,7 +73,14 @@ from ._ledger import (
 from ._standby import LiveRow, NotStandby, StandbyApplier, StandbyError, StandbyUnavailable
 
 # isort: split
-# Bridge transport: TLS contexts, the active's server, the standby's client.
+# Bridge transport: TLS contexts, config-sync, the active's server, the standby's client.
+from ._configsync import (
+    ConfigSyncAPI,
+    ConfigSyncError,
+    import_vpn_definitions,
+    reimport,
+    vpn_definitions,
+)
 from ._tls import TlsSetupError, describe_tls_error, make_client_context, make_server_context
 from ._transport import (
     CONNECTED,
@@ -81,13 +88,31 @@ from ._transport import (
     SYNCING,
     BridgeClient,
     BridgeServer,
-    ConfigSyncAPI,
     LinkClosed,
     LinkError,
     PeerSilent,
     PeerUnreachable,
     TlsRefused,
 )
+
+# isort: split
+# Promotion: materialisation, and the AMQP client it publishes with.
+from ._amqp_client import BrokerPublisher
+from ._amqp_wire import (
+    REPLY_CODES,
+    AccessRefused,
+    AmqpEndpoint,
+    BrokerError,
+    BrokerProtocolError,
+    BrokerRefused,
+    BrokerUnreachable,
+    ConnectionForced,
+    NotAllowed,
+    NotFound,
+    PreconditionFailed,
+    PublishRejected,
+)
+from ._materialise import MaterialiseError, MaterialiseResult, materialise
 
 __all__: list[str] = []
 
@@ -174,9 +199,33 @@ __all__ += [
     "BridgeClient",
     "BridgeServer",
     "ConfigSyncAPI",
+    "ConfigSyncError",
+    "import_vpn_definitions",
+    "reimport",
+    "vpn_definitions",
     "LinkClosed",
     "LinkError",
     "PeerSilent",
     "PeerUnreachable",
     "TlsRefused",
+]
+
+# Promotion.
+__all__ += [
+    "BrokerPublisher",
+    "REPLY_CODES",
+    "AccessRefused",
+    "AmqpEndpoint",
+    "BrokerError",
+    "BrokerProtocolError",
+    "BrokerRefused",
+    "BrokerUnreachable",
+    "ConnectionForced",
+    "NotAllowed",
+    "NotFound",
+    "PreconditionFailed",
+    "PublishRejected",
+    "MaterialiseError",
+    "MaterialiseResult",
+    "materialise",
 ]

@@ -40,8 +40,11 @@ What is persisted: on the active, ``vpn_state.applied_index/applied_epoch/
 applied_at`` (the standby's last acknowledgement, coalesced to at most one
 write per ``ack_flush_interval``), ``fenced`` and ``bridge_state``; on the
 standby, ``bridge_state`` and, through the applier, the applied index; a VPN
-the active lists is enabled on the standby as ``standby`` with the active's
-epoch and settings if the standby does not have it yet.
+the active lists is enabled on the standby as ``standby`` if the standby does
+not have it yet, and at every listing its settings follow the active's, its
+epoch is raised to the active's (never lowered) and the definitions the
+active sent are kept (``vpn_config.definitions``) and imported into the
+local broker, users and permissions included (``bridge._configsync``).
 
 Limits: the standby holds a checkpoint's rows in memory until its last chunk
 arrived (the applier installs it in one transaction); a VPN is streamed to
@@ -53,16 +56,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import ssl
-import urllib.error
-import urllib.request
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, TypeVar
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import psycopg
 from psycopg.rows import tuple_row
@@ -72,11 +72,12 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from plugin._config import HostPort, SiteConfig, TlsConfig
 from plugin._errors import ConfigError, PluginError
 from plugin._events import Published, ReplicationId
-from plugin._refresher import ManagementAPI, ManagementUnavailable
+from plugin._refresher import ManagementAPI
 from plugin._vpn import Role, VpnSettings
 from txn._failpoints import failpoint
 
 from ._apply import GuardedApply, run_guarded_async
+from ._configsync import ConfigSyncAPI, ConfigSyncError, import_vpn_definitions, vpn_definitions
 from ._entry import LedgerEntry
 from ._errors import (
     BridgeError,
@@ -136,7 +137,6 @@ __all__ = [
     "SYNCING",
     "BridgeClient",
     "BridgeServer",
-    "ConfigSyncAPI",
     "LinkClosed",
     "LinkError",
     "PeerSilent",
@@ -196,69 +196,6 @@ def _address(writer: asyncio.StreamWriter) -> str:
     if isinstance(peer, tuple) and len(peer) >= 2:
         return str(HostPort(str(peer[0]), int(peer[1])))
     return str(peer or "?")
-
-
-# ---------------------------------------------------------------- management API
-
-
-class ConfigSyncAPI(ManagementAPI):
-    """:class:`ManagementAPI` plus the writes config-sync needs: create a
-    vhost, import a vhost's definitions (blocking; run in a thread)."""
-
-    def __init__(self, url: str, timeout: float = 10.0) -> None:
-        super().__init__(url, timeout)
-        self._user = unquote(urlsplit(url).username or "guest")
-
-    def _call(self, method: str, path: str, body: bytes | None) -> bytes:
-        req = urllib.request.Request(  # noqa: S310 - admin-configured URL
-            f"{self._base}/api/{path}", data=body, method=method
-        )
-        req.add_header("Authorization", self._auth)
-        req.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(req, timeout=self._timeout) as resp:  # noqa: S310
-                return bytes(resp.read())
-        except urllib.error.HTTPError as e:
-            reason = ""
-            with contextlib.suppress(Exception):
-                reason = str(json.loads(e.read()).get("reason", ""))
-            detail = f": {reason}" if reason else ""
-            raise ManagementUnavailable(
-                f"{self._display}: {method} /api/{path}: HTTP {e.code}{detail}"
-            ) from e
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ManagementUnavailable(f"{self._display}: {method} /api/{path}: {e}") from e
-
-    def post(self, path: str, body: bytes) -> None:
-        self._call("POST", path, body)
-
-    def put(self, path: str, body: bytes) -> None:
-        self._call("PUT", path, body)
-
-    def vhost_exists(self, vhost: str) -> bool:
-        try:
-            self._call("GET", f"vhosts/{quote(vhost, safe='')}", None)
-        except ManagementUnavailable as e:
-            cause = e.__cause__
-            if isinstance(cause, urllib.error.HTTPError) and cause.code == 404:
-                return False
-            raise
-        return True
-
-    def import_definitions(self, vhost: str, definitions_json: bytes) -> bool:
-        """Create ``vhost`` if needed (granting the API user access to it, as
-        ``rabbitmqctl add_vhost`` plus ``set_permissions`` would), then import
-        the definitions; returns True when the vhost was created."""
-        name = quote(vhost, safe="")
-        created = not self.vhost_exists(vhost)
-        if created:
-            self.put(f"vhosts/{name}", b"{}")
-            everything = {"configure": ".*", "write": ".*", "read": ".*"}
-            self.put(
-                f"permissions/{name}/{quote(self._user, safe='')}", json.dumps(everything).encode()
-            )
-        self.post(f"definitions/{name}", definitions_json)
-        return created
 
 
 # ---------------------------------------------------------------- one link
@@ -510,6 +447,7 @@ SELECT c.name, c.epoch, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
        c.queue_patterns, c.topic_filters, c.expose_id
 FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
 WHERE c.enabled AND c.role = 'active' AND NOT s.fenced
+  AND NOT EXISTS (SELECT 1 FROM promotion p WHERE p.vpn = c.name AND p.state <> 'done')
 ORDER BY c.name
 """
 _LIVE_ROWS = """
@@ -1094,17 +1032,19 @@ class BridgeServer:
         return out
 
     async def _definitions(self, vpn: str) -> bytes:
+        """The VPN's definitions with the users and permissions that let its
+        clients log in (``bridge._configsync``), or b"" when not readable."""
         if self._api is None:
             return b""
         try:
-            found = await asyncio.to_thread(self._api.definitions, vpn)
-        except ManagementUnavailable as e:
+            found = await asyncio.to_thread(vpn_definitions, self._api, vpn)
+        except ConfigSyncError as e:
             if self._definitions_failures.get(vpn) != str(e):  # once per cause, not per relist
                 log.warning("bridge: VPN %s: definitions not sent (no config-sync): %s", vpn, e)
             self._definitions_failures[vpn] = str(e)
             return b""
         self._definitions_failures.pop(vpn, None)
-        return json.dumps(found).encode()
+        return found
 
     # -- one VPN stream --------------------------------------------------------
 
@@ -1328,6 +1268,28 @@ INSERT INTO vpn_config (name, enabled, role, epoch, mode, sync_timeout_ms, on_sy
 VALUES (%s, true, 'standby', %s, %s, %s, %s, %s, %s, %s)
 """
 _RAISE_EPOCH = "UPDATE vpn_config SET epoch = %s, updated_at = now() WHERE name = %s AND epoch < %s"
+#: a standby VPN's settings, which follow the active's at every listing
+_FOLLOWED = "mode sync_timeout_ms on_sync_timeout queue_patterns topic_filters expose_id".split()
+_STANDBY_SETTINGS = """
+SELECT mode, sync_timeout_ms, on_sync_timeout, queue_patterns, topic_filters, expose_id
+FROM vpn_config WHERE name = %s
+"""
+_FOLLOW_SETTINGS = """
+UPDATE vpn_config SET mode = %s, sync_timeout_ms = %s, on_sync_timeout = %s, queue_patterns = %s,
+                      topic_filters = %s, expose_id = %s, updated_at = now()
+WHERE name = %s
+"""
+_KEEP_DEFINITIONS = """
+UPDATE vpn_config SET definitions = %s WHERE name = %s AND definitions IS DISTINCT FROM %s
+"""
+_FENCE_HERE = """
+UPDATE vpn_state s SET fenced = true, updated_at = now() FROM vpn_config c
+WHERE s.vpn = c.name AND c.name = %s AND c.role = 'active' AND c.epoch < %s AND NOT s.fenced
+"""
+_EPOCH_SEEN = """
+INSERT INTO vpn_epoch (vpn, epoch, site) VALUES (%s, %s, %s)
+ON CONFLICT (vpn, epoch) DO UPDATE SET site = EXCLUDED.site
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1393,6 +1355,7 @@ class BridgeClient:
         peer: HostPort,
         *,
         management_url: str | None = None,
+        keep_users: tuple[str, ...] = (),
         tls: TlsConfig | None = None,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
@@ -1405,7 +1368,7 @@ class BridgeClient:
         self.site = site
         self._dsn = dsn
         self.peer = peer
-        self._api = ConfigSyncAPI(management_url) if management_url else None
+        self._api = ConfigSyncAPI(management_url, keep_users=keep_users) if management_url else None
         self._ssl = make_client_context(tls) if tls is not None else None
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -1432,6 +1395,13 @@ class BridgeClient:
         #: txid -> its voted events made ready to commit ahead, until the commit or the outcome
         self._ready: OrderedDict[str, ReadyAhead] = OrderedDict()
         self._txn_tasks: set[asyncio.Task[None]] = set()
+        #: set once the peer's first listing was handled (its epochs are known)
+        self.listed = asyncio.Event()
+        #: the peer's site name, from its Hello
+        self.peer_site = ""
+        #: ``(vpn, epoch, site)``: the peer holds a VPN that is active here at
+        #: a higher epoch; this site's VPN was recorded fenced (set by the node)
+        self.on_fenced: Callable[[str, int, str], None] | None = None
 
     @classmethod
     def from_config(cls, cfg: SiteConfig, **kwargs: Any) -> BridgeClient:
@@ -1442,6 +1412,8 @@ class BridgeClient:
             cfg.store_dsn,
             cfg.peer_bridge,
             management_url=cfg.management_url,
+            # the user this site's node logs in to its broker with
+            keep_users=(unquote(urlsplit(cfg.amqp_url).username or "guest"),),
             tls=cfg.tls,
             **kwargs,
         )
@@ -1620,6 +1592,7 @@ class BridgeClient:
         if not isinstance(answer, Hello):  # pragma: no cover - the protocol allows nothing else
             raise PeerFailure(f"expected Hello, got {type(answer).__name__}")
         log.info("bridge: connected to active site %r at %s", answer.site, self.peer)
+        self.peer_site = answer.site
         link.send(GetAllResources())
 
     def _hung_up(self, text: str) -> LinkError:
@@ -1772,6 +1745,27 @@ class BridgeClient:
                 )
                 session.streams[resource.name] = inbound
             await inbound.queue.put(_Relisted(resource))
+        await self._fence_check(listing)
+        self.listed.set()
+
+    async def _fence_check(self, listing: ResourceList) -> None:
+        """Settle at once, not in the VPNs' workers, which of the listed VPNs
+        are active here at a lower epoch (fenced): a starting node waits for
+        this before it admits clients (:attr:`listed`)."""
+        assert self._pool is not None  # noqa: S101 - run() opened it
+        names = [r.name for r in listing.vpns]
+        if not names:
+            return
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(
+                "SELECT name, epoch FROM vpn_config WHERE name = ANY(%s) AND enabled"
+                " AND role = 'active' FOR UPDATE",
+                (names,),
+            )
+            here = {str(name): int(epoch) for name, epoch in await cur.fetchall()}
+            for resource in listing.vpns:
+                if resource.name in here:
+                    await self._active_here(conn, resource, here[resource.name])
 
     # -- one VPN's apply worker ------------------------------------------------
 
@@ -1839,9 +1833,10 @@ class BridgeClient:
         self._set_state(vpn, SYNCING)
 
     async def _config_sync(self, resource: VpnResource) -> bool:
-        """Enable the VPN here as standby if it is new, and import its
-        definitions into the local broker; False when it must not be
-        replicated here (enabled as active, or disabled by the admin)."""
+        """Enable the VPN here as standby if it is new, follow the active's
+        settings and keep its definitions (``_adopt``), and import them, users
+        and permissions included, into the local broker; False when it must
+        not be replicated here (enabled as active, or disabled by the admin)."""
         vpn = resource.name
         why = await self._adopt(resource)
         if why is not None:
@@ -1858,9 +1853,9 @@ class BridgeClient:
             return True
         try:
             created = await asyncio.to_thread(
-                self._api.import_definitions, vpn, resource.definitions_json
+                import_vpn_definitions, self._api, vpn, resource.definitions_json
             )
-        except ManagementUnavailable as e:
+        except ConfigSyncError as e:
             self._config_sync_failed(vpn, str(e))
             return True
         if created:
@@ -1874,6 +1869,35 @@ class BridgeClient:
         if self._config_sync_failures.get(vpn) != why:
             log.warning("bridge: VPN %s: broker config not synced: %s", vpn, why)
         self._config_sync_failures[vpn] = why
+
+    async def _follow_active(
+        self, conn: psycopg.AsyncConnection[Any], resource: VpnResource
+    ) -> None:
+        """Make a standby VPN's stored settings the active's (a change is
+        logged once, when it arrives) and keep the definitions it sent last,
+        so a promotion can import them again with the active gone."""
+        vpn = resource.name
+        listed = (
+            resource.mode.value,
+            resource.sync_timeout_ms,
+            resource.on_sync_timeout.value,
+            list(resource.queue_patterns),
+            [str(t) for t in resource.topic_filters],
+            resource.expose_id,
+        )
+        cur = await conn.execute(_STANDBY_SETTINGS, (vpn,))
+        stored = await cur.fetchone()
+        changes = [
+            f"{name} {old!r} -> {new!r}"
+            for name, old, new in zip(_FOLLOWED, stored or listed, listed, strict=True)
+            if old != new
+        ]
+        if changes:
+            await conn.execute(_FOLLOW_SETTINGS, (*listed, vpn))
+            log.info("bridge: VPN %s: settings follow the active: %s", vpn, ", ".join(changes))
+        if resource.definitions_json:
+            data = resource.definitions_json
+            await conn.execute(_KEEP_DEFINITIONS, (data, vpn, data))
 
     async def _adopt(self, resource: VpnResource) -> str | None:
         assert self._pool is not None  # noqa: S101 - run() opened it
@@ -1899,14 +1923,42 @@ class BridgeClient:
                     "INSERT INTO vpn_state (vpn) VALUES (%s) ON CONFLICT DO NOTHING", (vpn,)
                 )
                 log.info("bridge: VPN %s enabled here as standby (epoch %d)", vpn, resource.epoch)
+                await self._follow_active(conn, resource)
                 return None
-            role, enabled, _ = found
+            role, enabled, epoch = found
             if role == Role.ACTIVE.value and enabled:
-                return "it is enabled as active on this site too (demote one of the two)"
+                return await self._active_here(conn, resource, int(epoch))
             if not enabled:
                 return "replication of it is disabled on this site"
             await conn.execute(_RAISE_EPOCH, (resource.epoch, vpn, resource.epoch))
+            await self._follow_active(conn, resource)
         return None
+
+    async def _active_here(
+        self, conn: psycopg.AsyncConnection[Any], resource: VpnResource, epoch: int
+    ) -> str:
+        """The peer lists a VPN that is active on this site too: the higher
+        epoch wins. A higher one on the peer (it was promoted) fences this
+        site's VPN; a lower one is the peer's own to learn (from this site's
+        listing); the same epoch on both is a conflict the admin must settle.
+        Returns why the VPN is not replicated from the peer."""
+        vpn, site = resource.name, self.peer_site
+        if resource.epoch > epoch:
+            cur = await conn.execute(_FENCE_HERE, (vpn, resource.epoch))
+            await conn.execute(_EPOCH_SEEN, (vpn, resource.epoch, site))
+            if cur.rowcount and self.on_fenced is not None:
+                asyncio.get_running_loop().call_soon(self.on_fenced, vpn, resource.epoch, site)
+            return (
+                f"site {site!r} holds it active at epoch {resource.epoch}, newer than this "
+                f"site's {epoch}: this site's VPN is fenced (`vpnrepl demote {vpn}` makes it "
+                "a standby)"
+            )
+        if resource.epoch < epoch:
+            return (
+                f"this site took it over at epoch {epoch}; site {site!r} still lists epoch "
+                f"{resource.epoch} and is fenced as soon as it lists this site's VPNs"
+            )
+        return "it is enabled as active on this site too, at the same epoch (demote one of the two)"
 
     async def _install(self, session: _Session, inbound: _Inbound, last: Checkpoint) -> None:
         assert self._applier is not None  # noqa: S101 - run() created it

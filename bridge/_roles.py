@@ -198,15 +198,14 @@ def _resolve_in_doubt(
     return len(committed), len(ahead), index
 
 
-def finish_promotion(
-    conn: psycopg.Connection[Any], vpn: str, epoch: int, materialised: int
-) -> None:
-    """The live messages are in the broker: the promotion is done."""
+def finish_promotion(conn: psycopg.Connection[Any], vpn: str, epoch: int) -> None:
+    """The live messages are in the broker (the materialiser kept the
+    counts): the promotion is done."""
     with conn.transaction():
         conn.execute(
-            "UPDATE promotion SET state = 'done', materialised = %s, finished_at = now()"
+            "UPDATE promotion SET state = 'done', finished_at = now()"
             " WHERE vpn = %s AND epoch = %s",
-            (materialised, vpn, epoch),
+            (vpn, epoch),
         )
 
 

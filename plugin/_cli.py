@@ -97,7 +97,7 @@ def _cmd_vpn_enable(cfg: SiteConfig, args: argparse.Namespace) -> int:
         expose_id=args.expose_id,
     )
     with connect(cfg.store_dsn) as conn:
-        created = enable_vpn(conn, settings)
+        created = enable_vpn(conn, settings, cfg.site_name)
     verb = "enabled" if created else "updated"
     print(f"VPN {settings.name!r} {verb}: role {settings.role}, mode {settings.mode}")
     return EXIT_OK
@@ -133,6 +133,51 @@ def _cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
             print(f"    {queue}: {count} replicated live, {broker.get(queue, '?')} at the broker")
         if v.get("broker_error"):
             print(f"    broker depths unavailable: {v['broker_error']}")
+    return EXIT_OK
+
+
+class _ProgressBar:
+    """A progress bar on stderr when it is a terminal (tqdm), else nothing:
+    a log file or a pipe gets the summary line only."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._bar: Any = None
+        self._shown = sys.stderr.isatty()
+
+    def update(self, done: int, total: int) -> None:
+        if not self._shown:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=self._what, unit="msg", file=sys.stderr)
+        self._bar.total = total
+        self._bar.n = done
+        self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _cmd_promote(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from ._listener import site_broker_ssl
+    from ._promote import PromotionSummary, promote
+    from ._requests import Progress, run_command
+
+    async def here(progress: Progress) -> dict[str, Any]:
+        summary = await promote(cfg, args.vpn, progress, site_broker_ssl(cfg))
+        return summary.as_dict()
+
+    bar = _ProgressBar(f"promoting {args.vpn}")
+    try:
+        result = asyncio.run(run_command(cfg.store_dsn, "promote", args.vpn, {}, here, bar.update))
+    finally:
+        bar.close()
+    print(PromotionSummary.from_dict(result).line())
     return EXIT_OK
 
 
@@ -203,10 +248,12 @@ def _build_parser() -> _Parser:
     s = sub.add_parser("status", help="per VPN: role, epoch, mode, lag, in-doubt txns, bridge")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(run=_cmd_status)
-    for name, text in (("promote", "standby -> active"), ("demote", "former active -> standby")):
-        c = sub.add_parser(name, help=text)
-        c.add_argument("vpn", metavar="VPN")
-        c.set_defaults(run=_not_yet(name))
+    c = sub.add_parser("promote", help="standby -> active (after a disaster, or a switchover)")
+    c.add_argument("vpn", metavar="VPN")
+    c.set_defaults(run=_cmd_promote)
+    c = sub.add_parser("demote", help="former active -> standby")
+    c.add_argument("vpn", metavar="VPN")
+    c.set_defaults(run=_not_yet("demote"))
     c = sub.add_parser("reconcile", help="full-sync reconciliation of a VPN (PySpark)")
     c.add_argument("vpn", metavar="VPN")
     c.add_argument("--master", metavar="URL", help="Spark master (default local[*])")

@@ -18,9 +18,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-import ssl
+from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 import psycopg
 from psycopg.rows import dict_row
@@ -34,7 +33,7 @@ from tenacity import (
 from bridge._errors import BridgeError
 from bridge._ledger import LedgerError, LedgerWriter
 from bridge._replicator import Replicator
-from bridge._tls import TlsSetupError, describe_tls_error
+from bridge._tls import TlsSetupError
 from bridge._transport import BridgeClient, BridgeServer
 from txn import _failpoints as failpoints
 from txn._coordinator import Coordinator
@@ -47,9 +46,11 @@ from ._config import SiteConfig, redact_url
 from ._directory import VpnDirectory, VpnView
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable
 from ._events import INCARNATION_LIMIT, IdSource, Purged
-from ._listener import BrokerAddress, Listener, broker_context
+from ._listener import BrokerAddress, Listener, site_broker_ssl
 from ._metrics import Metrics
+from ._promote import promote
 from ._refresher import DirectoryRefresher, ManagementAPI
+from ._requests import Progress, RequestServer
 from ._store import add_broker_depths, connect, status
 from ._tracing import Tracing
 from ._vpn import Role, VpnSettings
@@ -64,10 +65,23 @@ ELIGIBILITY_SECONDS = 0.5
 
 _SETTINGS = """
 SELECT c.name, c.role, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
-       c.queue_patterns, c.topic_filters, c.expose_id, s.applied_index
+       c.queue_patterns, c.topic_filters, c.expose_id, s.applied_index, s.fenced,
+       p.state AS promotion, e.epoch AS newest_epoch, e.site AS newest_site
 FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
+LEFT JOIN promotion p ON p.vpn = c.name
+LEFT JOIN LATERAL (SELECT epoch, site FROM vpn_epoch WHERE vpn = c.name
+                   ORDER BY epoch DESC LIMIT 1) e ON true
 WHERE c.enabled ORDER BY c.name
 """
+#: how long a starting node waits for its peer's listing (the epochs the
+#: peer holds) before it admits clients of its active VPNs
+PEER_EPOCH_WAIT = 5.0
+
+
+def fenced_text(vpn: str, epoch: int, site: str) -> str:
+    """What a fenced former active tells the VPN's clients (320 and 530)."""
+    where = f"site {site!r}" if site else "the other site"
+    return f"vhost '{vpn}' is now active on {where} (epoch {epoch}); connect to that site"
 
 
 async def _incarnation(cfg: SiteConfig) -> int:
@@ -95,18 +109,6 @@ async def _incarnation(cfg: SiteConfig) -> int:
     return incarnation
 
 
-def _broker_ssl(cfg: SiteConfig) -> ssl.SSLContext | None:
-    """The context verifying an ``amqps://`` broker (``broker.ca``, else the
-    system's trusted CAs); None for a plain ``amqp://`` one."""
-    if urlsplit(cfg.amqp_url).scheme != "amqps":
-        return None
-    try:
-        return broker_context(cfg.broker_ca)
-    except (ssl.SSLError, OSError) as e:
-        reason = describe_tls_error(e) if isinstance(e, ssl.SSLError) else e.strerror
-        raise ConfigError(cfg.path, "broker.ca", f"not a usable CA file: {reason}") from e
-
-
 def _amqps_note(cfg: SiteConfig) -> str:
     if cfg.listen_amqps is None or cfg.client_tls is None:
         return ""
@@ -126,7 +128,7 @@ class Node:
         self.writer = LedgerWriter(cfg.store_dsn)
         self.replicator = Replicator(self.writer)
         self.txn_log = TxnLog(cfg.store_dsn)
-        self.broker_ssl = _broker_ssl(cfg)
+        self.broker_ssl = site_broker_ssl(cfg)
         self.coordinator = Coordinator(
             self.txn_log, MarkerStore(cfg.amqp_url, self.broker_ssl), self.writer, self.replicator
         )
@@ -139,6 +141,10 @@ class Node:
         self.bridge_client: BridgeClient | None = None
         self._bridge_up = False
         self._tasks: list[asyncio.Task[None]] = []
+        self.requests = RequestServer(cfg.store_dsn, {"promote": self._promote})
+        self.refresher: DirectoryRefresher | None = None
+        #: VPN -> why its clients are refused although it is active here
+        self.refusals: dict[str, str] = {}
 
     async def _load_settings(self) -> list[VpnSettings]:
         settings = await self._read_settings()
@@ -163,11 +169,56 @@ class Node:
                 tuple(r["topic_filters"]),
                 r["expose_id"],
             )
-            if s.role is Role.ACTIVE:
+            self.refusals.pop(s.name, None)
+            if s.role is Role.ACTIVE and r["promotion"] in ("running", "failed"):
+                self.refusals[s.name] = (
+                    f"vhost '{s.name}' is being promoted to active on this site; "
+                    "connect again when the promotion has finished"
+                )
+            elif s.role is Role.ACTIVE:
+                if r["fenced"]:
+                    self.replicator.fenced.add(s.name)
+                    self.refusals[s.name] = fenced_text(
+                        s.name, r["newest_epoch"] or 0, r["newest_site"] or ""
+                    )
                 await self.writer.open_vpn(s.name)
                 self.replicator.configure(s, r["applied_index"])
             out.append(s)
         return out
+
+    def _serves(self, vpn: str) -> bool:
+        """``vpn`` is active here, admits clients and confirms publishes."""
+        view = self.directory.lookup(vpn)
+        return (
+            view is not None
+            and view.role is Role.ACTIVE
+            and view.refusal is None
+            and vpn not in self.replicator.fenced
+        )
+
+    def _fenced_by_peer(self, vpn: str, epoch: int, site: str) -> None:
+        """The peer holds ``vpn`` active at a higher epoch: stop confirming,
+        close the VPN's clients (320) and refuse new ones (530)."""
+        text = fenced_text(vpn, epoch, site)
+        log.error("VPN %s is fenced: %s", vpn, text)
+        self.replicator.fenced.add(vpn)
+        self.refusals[vpn] = text
+        view = self.directory.lookup(vpn)
+        if view is not None:
+            view.refusal = text
+        if self.listener is not None:
+            self.listener.close_vpn(vpn, text)
+
+    async def _promote(
+        self, vpn: str, args: Mapping[str, Any], progress: Progress
+    ) -> dict[str, Any]:
+        """The ``promote`` operator request, on the running node."""
+        summary = await promote(self.cfg, vpn, progress, self.broker_ssl)
+        # the promoted VPN's ids must not repeat any the old active made
+        await self._take_incarnation()
+        if self.refresher is not None:
+            await self.refresher.refresh()  # opens its ledger; the listener admits clients
+        return summary.as_dict()
 
     async def status(self) -> dict[str, Any]:
         def read() -> dict[str, Any]:
@@ -187,7 +238,9 @@ class Node:
         point = failpoints.armed()  # an unknown name stops the node here
         if point is not None:
             log.warning("failpoint %s is armed: this node kills itself there", point)
-        incarnation = await _incarnation(cfg)
+        incarnation = await _incarnation(cfg)  # checks the schema first
+        # the site lock: no operator command runs without the node meanwhile
+        await self.requests.start()
         try:
             await self.writer.start()
         except LedgerError as e:
@@ -206,13 +259,18 @@ class Node:
         self.coordinator.link = self.bridge_server
         if self.bridge_client is not None:
             self.bridge_client.participant = self.participant
+            self.bridge_client.on_fenced = self._fenced_by_peer
+            self._tasks.append(asyncio.create_task(self.bridge_client.run(), name="bridge-client"))
         refresher = DirectoryRefresher(
             self.directory,
             self.api,
             self._load_settings,
             cfg.topology_refresh_seconds,
             self._queues_gone,
+            self.refusals.get,
         )
+        self.refresher = refresher
+        await self._hear_peer_epochs()
         await refresher.refresh()
         await self._recover_transactions()
         self.coordinator.start()
@@ -234,12 +292,10 @@ class Node:
                 )
             except TlsSetupError as e:
                 raise ConfigError(cfg.path, "client_tls", str(e)) from e
-        self.admin = AdminServer(self.status, self.metrics.prometheus_text)
+        self.admin = AdminServer(self.status, self.metrics.prometheus_text, self._serves)
         await self.admin.start(cfg.listen_admin.host, cfg.listen_admin.port)
         await self.bridge_server.start(cfg.listen_bridge.host, cfg.listen_bridge.port)
         self._bridge_up = True
-        if self.bridge_client is not None:
-            self._tasks.append(asyncio.create_task(self.bridge_client.run(), name="bridge-client"))
         self._tasks.append(asyncio.create_task(refresher.run(), name="directory-refresh"))
         self._tasks.append(asyncio.create_task(self._record_eligibility(), name="eligibility"))
         vpns = [v for n in self.directory.names() if (v := self.directory.lookup(n))]
@@ -254,6 +310,25 @@ class Node:
             cfg.listen_admin,
             ", ".join(f"{v.name} ({v.role})" for v in vpns) or "none",
         )
+
+    async def _hear_peer_epochs(self) -> None:
+        """Before admitting clients, learn which VPNs the peer holds at a
+        higher epoch (a promotion there while this node was down fences them
+        here). Bounded: a peer that does not answer in time cannot be asked;
+        the node then starts as its database says (README: "Starting a site
+        whose peer is unreachable")."""
+        client = self.bridge_client
+        if client is None:
+            return
+        try:
+            await asyncio.wait_for(client.listed.wait(), PEER_EPOCH_WAIT)
+        except TimeoutError:
+            log.warning(
+                "peer %s did not list its VPNs within %.0f s: starting without knowing whether "
+                "it promoted any VPN that is active here",
+                self.cfg.peer_bridge,
+                PEER_EPOCH_WAIT,
+            )
 
     async def _queues_gone(self, view: VpnView, queues: list[str]) -> None:
         """Queues of an active VPN that the broker lost outside the listener
@@ -343,6 +418,7 @@ class Node:
                 await task
         if self.bridge_server is not None:
             await self.bridge_server.close()
+        await self.requests.close()
         await self.coordinator.close()
         await self.replicator.close()
         await self.writer.close()

@@ -179,9 +179,18 @@ def test_config_errors_exit_2_naming_file_and_key(tmp_path: Path, site_a: LocalS
     assert no_config.returncode == 2 and "--config SITE.TOML is required" in no_config.stderr
 
 
-@pytest.mark.parametrize(
-    "command", [["promote", "orders"], ["demote", "orders"], ["reconcile", "orders"]]
-)
+def test_promote_refuses_what_is_not_a_standby_with_one_line(vpnrepl_a: Vpnrepl) -> None:
+    assert vpnrepl_a("init").returncode == 0
+    assert vpnrepl_a("vpn", "enable", "orders", "--role", "active").returncode == 0
+    for vpn, why in (("orders", "is already active on this site"), ("nope", "is not known")):
+        result = vpnrepl_a("promote", vpn)
+        assert result.returncode == 1
+        [line] = [x for x in result.stderr.splitlines() if x.startswith("vpnrepl: error:")]
+        assert why in line
+    assert vpnrepl_a("promote").returncode == 2  # usage: the VPN is missing
+
+
+@pytest.mark.parametrize("command", [["demote", "orders"], ["reconcile", "orders"]])
 def test_commands_not_landed_yet_fail_honestly(vpnrepl_a: Vpnrepl, command: list[str]) -> None:
     result = vpnrepl_a(*command)
     assert result.returncode == 1

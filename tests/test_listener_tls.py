@@ -24,9 +24,8 @@ from plugin._config import TlsConfig, load_config
 from plugin._directory import VpnDirectory, VpnView
 from plugin._errors import ConfigError
 from plugin._events import Consumed, IdSource, MemorySink, Published
-from plugin._listener import BrokerAddress, Listener, broker_context
+from plugin._listener import BrokerAddress, Listener, broker_context, site_broker_ssl
 from plugin._localsites import LocalSite, LocalSites, RabbitNode, free_port
-from plugin._node import _broker_ssl
 from plugin._tls_server import TlsServer
 from plugin._topology import ReplicationScope, Topology
 from plugin._vpn import Role
@@ -299,7 +298,7 @@ def test_unusable_tls_files_are_named(pki: Pki, tmp_path: Path) -> None:
         '[store]\ndsn = "postgresql://db.example/vpnrepl"\n'
     )
     with pytest.raises(ConfigError) as info:
-        _broker_ssl(load_config(str(config)))
+        site_broker_ssl(load_config(str(config)))
     assert info.value.key == "broker.ca"
     assert "not a usable CA file" in info.value.problem
 

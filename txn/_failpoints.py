@@ -35,6 +35,10 @@ FAILPOINTS: dict[str, str] = {
     "participant.after-prepare": "the standby's prepared row is committed; no vote sent",
     "participant.after-apply-ahead": "the standby applied ahead of the stream; no answer sent",
     "participant.after-apply": "the standby applied the transaction; no ack sent",
+    # promotion (the node or the CLI running `vpnrepl promote`)
+    "promotion.after-begin": "the epoch is raised and the role active; nothing materialised",
+    "promotion.mid-materialise": "about half the live messages are in the broker",
+    "promotion.before-finish": "every live message is in the broker; not recorded done",
 }
 
 _ENV = "VPNREPL_FAILPOINT"

@@ -127,7 +127,7 @@ __all__ = [
 
 MAGIC: Final = 0xBD
 #: 2: TxnCommit / TxnApplied; 3: TxnApplied answers every TxnCommit;
-#: 4: VpnResource carries expose_id
+#: 4: VpnResource carries expose_id and the index its epoch took over at
 PROTOCOL_VERSION: Final = 4
 #: RabbitMQ (3.8+) accepts messages up to 128 MiB by default, and one event
 #: must fit in one frame; 8 MiB on top for properties and framing.
@@ -325,6 +325,9 @@ class VpnResource:
     topic_filters: tuple[TopicFilter, ...]
     definitions_json: bytes
     expose_id: bool = False
+    #: the index of the previous epoch's ledger up to which this site had
+    #: applied it when it took the VPN over (0: the VPN never changed sites)
+    taken_over_at: int = 0
 
     def __post_init__(self) -> None:
         _check_text("VPN name", self.name)
@@ -340,10 +343,11 @@ class VpnResource:
             _check_text("topic filter exchange", topic.exchange, empty=True)
             _check_text("topic filter pattern", topic.pattern)
         _check_blob("definitions", self.definitions_json)
+        _check_int("taken_over_at", self.taken_over_at, 0)
 
     @classmethod
     def from_settings(
-        cls, settings: VpnSettings, epoch: int, definitions_json: bytes
+        cls, settings: VpnSettings, epoch: int, definitions_json: bytes, taken_over_at: int = 0
     ) -> VpnResource:
         return cls(
             settings.name,
@@ -355,6 +359,7 @@ class VpnResource:
             settings.topic_filters,
             definitions_json,
             settings.expose_id,
+            taken_over_at,
         )
 
     def payload(self) -> bytes:
@@ -370,6 +375,7 @@ class VpnResource:
                 *(_str16(t.exchange) + _str16(t.pattern) for t in self.topic_filters),
                 _bytes32(self.definitions_json),
                 _U8.pack(1 if self.expose_id else 0),
+                _U64.pack(self.taken_over_at),
             )
         )
 
@@ -385,7 +391,19 @@ class VpnResource:
             for _ in range(r.u16("topic_filters"))
         )
         definitions, expose_id = r.blob("definitions"), r.flag("expose_id")
-        return cls(name, epoch, mode, timeout, policy, patterns, topics, definitions, expose_id)
+        taken_over_at = r.u64("taken_over_at")
+        return cls(
+            name,
+            epoch,
+            mode,
+            timeout,
+            policy,
+            patterns,
+            topics,
+            definitions,
+            expose_id,
+            taken_over_at,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,8 @@ from ._entry import LedgerEntry, decode_event, split_events
 from ._errors import BridgeError
 
 __all__ = [
+    "EPOCH_SQL",
+    "FENCE_SQL",
     "PromotionStart",
     "RoleError",
     "begin_promotion",
@@ -93,9 +95,10 @@ _LIVE_INDEX = """
 INSERT INTO vpn_live_state (vpn, live_index) VALUES (%s, %s)
 ON CONFLICT (vpn) DO UPDATE SET live_index = EXCLUDED.live_index
 """
-_EPOCH = """
-INSERT INTO vpn_epoch (vpn, epoch, site) VALUES (%s, %s, %s)
-ON CONFLICT (vpn, epoch) DO UPDATE SET site = EXCLUDED.site
+#: record an epoch, the site holding it, and where it took over
+EPOCH_SQL = _EPOCH = """
+INSERT INTO vpn_epoch (vpn, epoch, site, taken_over_at) VALUES (%s, %s, %s, %s)
+ON CONFLICT (vpn, epoch) DO UPDATE SET site = EXCLUDED.site, taken_over_at = EXCLUDED.taken_over_at
 """
 # Replication ids are (incarnation, counter); each site numbers its own
 # incarnations, so the new active must hand out only incarnations above every
@@ -145,7 +148,7 @@ def begin_promotion(conn: psycopg.Connection[Any], vpn: str, site: str) -> Promo
         # a standby keeps no ledger; rows left from an earlier time as active
         # would collide with the indexes the new ledger hands out
         cur.execute("DELETE FROM ledger WHERE vpn = %s", (vpn,))
-        cur.execute(_EPOCH, (vpn, new_epoch, site))
+        cur.execute(_EPOCH, (vpn, new_epoch, site, int(applied)))
         cur.execute(_INCARNATIONS_PAST)
         cur.execute(_RUNNING, (vpn, new_epoch, committed + ahead))
         cur.execute("DELETE FROM promotion_queue WHERE vpn = %s", (vpn,))
@@ -218,16 +221,21 @@ def fail_promotion(conn: psycopg.Connection[Any], vpn: str, error: str) -> None:
         )
 
 
-def record_fenced(conn: psycopg.Connection[Any], vpn: str, epoch: int, site: str) -> bool:
-    """The peer ``site`` holds ``vpn`` active at the higher ``epoch``: this
-    site's active VPN is fenced. True when it was not fenced before."""
+#: fence this site's active VPN for a higher epoch (a row changed: newly fenced)
+FENCE_SQL = """
+UPDATE vpn_state s SET fenced = true, updated_at = now() FROM vpn_config c
+WHERE s.vpn = c.name AND c.name = %s AND c.role = 'active' AND c.epoch < %s AND NOT s.fenced
+"""
+
+
+def record_fenced(
+    conn: psycopg.Connection[Any], vpn: str, epoch: int, site: str, taken_over_at: int = 0
+) -> bool:
+    """The peer ``site`` holds ``vpn`` active at the higher ``epoch`` (taken
+    over at ``taken_over_at`` of this site's ledger): this site's active VPN
+    is fenced. True when it was not fenced before."""
     with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
-        cur.execute(
-            "UPDATE vpn_state s SET fenced = true, updated_at = now() FROM vpn_config c"
-            " WHERE s.vpn = c.name AND c.name = %s AND c.role = 'active' AND c.epoch < %s"
-            " AND NOT s.fenced",
-            (vpn, epoch),
-        )
+        cur.execute(FENCE_SQL, (vpn, epoch))
         newly = cur.rowcount == 1
-        cur.execute(_EPOCH, (vpn, epoch, site))
+        cur.execute(_EPOCH, (vpn, epoch, site, taken_over_at))
     return newly

@@ -118,6 +118,7 @@ from ._protocol import (
     VpnResource,
 )
 from ._replicator import Replicator
+from ._roles import EPOCH_SQL, FENCE_SQL
 from ._standby import (
     NotStandby,
     ReadyAhead,
@@ -444,7 +445,9 @@ async def _reset_states(
 
 _ACTIVE_VPNS = """
 SELECT c.name, c.epoch, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
-       c.queue_patterns, c.topic_filters, c.expose_id
+       c.queue_patterns, c.topic_filters, c.expose_id,
+       COALESCE((SELECT taken_over_at FROM vpn_epoch e WHERE e.vpn = c.name
+                 AND e.epoch = c.epoch), 0)
 FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
 WHERE c.enabled AND c.role = 'active' AND NOT s.fenced
   AND NOT EXISTS (SELECT 1 FROM promotion p WHERE p.vpn = c.name AND p.state <> 'done')
@@ -574,6 +577,8 @@ class BridgeServer:
         self._handlers: set[asyncio.Task[Any]] = set()
         self._shown: dict[str, str] = {}
         self._definitions_failures: dict[str, str] = {}
+        #: VPN -> the index of the previous epoch's ledger it was taken over at
+        self._taken_over: dict[str, int] = {}
         self._unsubscribe: Callable[[], None] | None = None
         #: answers standbys' questions about transactions (set by the node)
         self.coordinator: Coordinator | None = None
@@ -1001,7 +1006,7 @@ class BridgeServer:
         definitions = await asyncio.gather(*(self._definitions(s.name) for s, _ in vpns))
         listing = ResourceList(
             tuple(
-                VpnResource.from_settings(s, epoch, d)
+                VpnResource.from_settings(s, epoch, d, self._taken_over.get(s.name, 0))
                 for (s, epoch), d in zip(vpns, definitions, strict=True)
             )
         )
@@ -1022,9 +1027,10 @@ class BridgeServer:
         except psycopg.OperationalError as e:
             raise LedgerError(f"the site database is unavailable: {_describe(e)}") from e
         out = []
-        for name, epoch, mode, timeout, policy, queues, topics, expose_id in rows:
+        for name, epoch, mode, timeout, policy, queues, topics, expose_id, taken_over in rows:
             if name in self.replicator.fenced:
                 continue
+            self._taken_over[name] = int(taken_over)
             settings = VpnSettings.from_args(
                 name, "active", mode, timeout, policy, tuple(queues), tuple(topics), expose_id
             )
@@ -1281,14 +1287,6 @@ WHERE name = %s
 """
 _KEEP_DEFINITIONS = """
 UPDATE vpn_config SET definitions = %s WHERE name = %s AND definitions IS DISTINCT FROM %s
-"""
-_FENCE_HERE = """
-UPDATE vpn_state s SET fenced = true, updated_at = now() FROM vpn_config c
-WHERE s.vpn = c.name AND c.name = %s AND c.role = 'active' AND c.epoch < %s AND NOT s.fenced
-"""
-_EPOCH_SEEN = """
-INSERT INTO vpn_epoch (vpn, epoch, site) VALUES (%s, %s, %s)
-ON CONFLICT (vpn, epoch) DO UPDATE SET site = EXCLUDED.site
 """
 
 
@@ -1944,8 +1942,8 @@ class BridgeClient:
         Returns why the VPN is not replicated from the peer."""
         vpn, site = resource.name, self.peer_site
         if resource.epoch > epoch:
-            cur = await conn.execute(_FENCE_HERE, (vpn, resource.epoch))
-            await conn.execute(_EPOCH_SEEN, (vpn, resource.epoch, site))
+            cur = await conn.execute(FENCE_SQL, (vpn, resource.epoch))
+            await conn.execute(EPOCH_SQL, (vpn, resource.epoch, site, resource.taken_over_at))
             if cur.rowcount and self.on_fenced is not None:
                 asyncio.get_running_loop().call_soon(self.on_fenced, vpn, resource.epoch, site)
             return (

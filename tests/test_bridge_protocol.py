@@ -91,7 +91,9 @@ def batch(first: int, last: int, epoch: int = 3, vpn: str = VPN) -> Events:
     return Events(vpn, epoch, entries(first, last, epoch, vpn))
 
 
-def resource(name: str = VPN, epoch: int = 3, expose_id: bool = False) -> VpnResource:
+def resource(
+    name: str = VPN, epoch: int = 3, expose_id: bool = False, taken_over_at: int = 0
+) -> VpnResource:
     return VpnResource(
         name,
         epoch,
@@ -102,6 +104,7 @@ def resource(name: str = VPN, epoch: int = 3, expose_id: bool = False) -> VpnRes
         (TopicFilter("amq.topic", "eu.#"), TopicFilter("x:y", "*.z")),
         b'{"queues": [{"name": "orders.q1"}]}',
         expose_id,
+        taken_over_at,
     )
 
 
@@ -114,7 +117,7 @@ SAMPLES: list[Frame] = [
     Hello("zürich-ä", 7, Role.ACTIVE),
     GetAllResources(),
     ResourceList(()),
-    ResourceList((resource(), resource("billing", 9, expose_id=True))),
+    ResourceList((resource(), resource("billing", 9, expose_id=True, taken_over_at=2**40))),
     SyncRequest(VPN, 3, 0, 0),
     SyncRequest(VPN, 3, 1042, 2),
     SyncAccepted(VPN, 3, 1043),

@@ -1,7 +1,11 @@
 """Promotion, epochs and operator requests.
 
-* ``vpn_epoch``: every epoch a VPN has had and the site that took it (``status``
-  shows the history: which site was active since when).
+* ``vpn_epoch``: every epoch a VPN has had, the site that took it (``status``
+  shows the history: which site was active since when), and the index of the
+  old epoch's ledger up to which that site had applied it when it took over
+  (a demoted former active exports what it confirmed after that index).
+* ``republished``: the replication ids ``vpnrepl republish`` has sent through
+  this (active) site, so a file is republished at most once per id.
 * ``promotion``: one row per VPN, the state of its last promotion
   (``running`` until the materialisation is done and the role flipped) and
   its counts, so ``status`` can show progress and a re-run after a crash
@@ -39,7 +43,16 @@ CREATE TABLE vpn_epoch (
     epoch             bigint NOT NULL CHECK (epoch >= 1),
     site              text NOT NULL,
     since             timestamptz NOT NULL DEFAULT now(),
+    taken_over_at     bigint NOT NULL DEFAULT 0,
     PRIMARY KEY (vpn, epoch)
+);
+
+CREATE TABLE republished (
+    vpn               text NOT NULL,
+    repl_id           bytea NOT NULL,
+    state             text NOT NULL CHECK (state IN ('sending', 'sent')),
+    at                timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (vpn, repl_id)
 );
 -- the epochs of existing VPNs: which site took them is not known any more
 INSERT INTO vpn_epoch (vpn, epoch, site, since)
@@ -85,6 +98,7 @@ CREATE INDEX operator_request_pending ON operator_request (id) WHERE state = 'pe
 
 _DOWNGRADE = """
 DROP TABLE operator_request;
+DROP TABLE republished;
 DROP TABLE promotion_queue;
 DROP TABLE promotion;
 DROP TABLE vpn_epoch;

@@ -463,6 +463,12 @@ class LedgerWriter:
         if vpn not in self._vpns:  # not opened by a concurrent call meanwhile
             self._vpns[vpn] = _VpnLedger(row[1], row[2] + 1, row[2], live)
 
+    def forget_vpn(self, vpn: str) -> None:
+        """``vpn`` is no longer active here (demoted): a later :meth:`open_vpn`
+        loads it afresh from the database instead of continuing its old
+        indexes."""
+        self._vpns.pop(vpn, None)
+
     # -- the listener's side -----------------------------------------------
 
     def append(self, event: Event, on_durable: OnDurable | None = None) -> LedgerEntry:

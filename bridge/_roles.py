@@ -1,4 +1,4 @@
-"""A VPN's role changes in the site database: promotion, and fencing.
+"""A VPN's role changes in the site database: promotion, fencing, demotion.
 
 Invariant: a VPN's epoch only rises, and exactly one step raises it on a
 site — the promotion's first transaction — before anything else of the
@@ -41,9 +41,13 @@ __all__ = [
     "FENCE_SQL",
     "PromotionStart",
     "RoleError",
+    "Tail",
+    "TailMessage",
     "begin_promotion",
+    "demote_to_standby",
     "fail_promotion",
     "finish_promotion",
+    "read_tail",
     "record_fenced",
 ]
 
@@ -239,3 +243,133 @@ def record_fenced(
         newly = cur.rowcount == 1
         cur.execute(_EPOCH, (vpn, epoch, site, taken_over_at))
     return newly
+
+
+@dataclass(frozen=True, slots=True)
+class TailMessage:
+    """A message this site confirmed that the new active never had: published
+    after the index the new active took over at, still live here."""
+
+    repl_id: bytes
+    exchange: str
+    routing_key: str
+    queues: tuple[str, ...]
+    properties: bytes
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """A fenced former active's unreplicated tail."""
+
+    vpn: str
+    #: the epoch that took the VPN over, and the index of this site's ledger
+    #: up to which the new active had applied it
+    epoch: int
+    taken_over_at: int
+    messages: tuple[TailMessage, ...]
+    #: consumptions (and purges, dead-letterings) after that index: their
+    #: messages are still live on the new active
+    other_events: int
+
+
+_FENCED = """
+SELECT c.role, c.enabled, s.fenced, s.ledger_index, l.live_index, e.epoch, e.taken_over_at
+FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
+LEFT JOIN vpn_live_state l ON l.vpn = c.name
+LEFT JOIN LATERAL (SELECT epoch, taken_over_at FROM vpn_epoch WHERE vpn = c.name
+                   ORDER BY epoch DESC LIMIT 1) e ON true
+WHERE c.name = %s
+FOR UPDATE OF c, s
+"""
+_TAIL = """
+SELECT repl_id, min(publish_index), exchange, routing_key, properties, body,
+       array_agg(queue ORDER BY queue)
+FROM live_message WHERE vpn = %s AND publish_index > %s
+GROUP BY repl_id, exchange, routing_key, properties, body
+ORDER BY 2
+"""
+
+
+def _fenced_here(cur: psycopg.Cursor[Any], vpn: str) -> tuple[int, int, int, int]:
+    """(ledger index, live index, newest epoch, its takeover index) of a
+    fenced former active; RoleError for anything else."""
+    cur.execute(_FENCED, (vpn,))
+    row = cur.fetchone()
+    if row is None:
+        raise RoleError(f"VPN {vpn!r} is not known on this site", vpn)
+    role, enabled, fenced, ledger_index, live_index, epoch, taken_over_at = row
+    if not enabled:
+        raise RoleError(f"replication of VPN {vpn!r} is disabled on this site", vpn)
+    if role != "active" or not fenced:
+        raise RoleError(
+            f"VPN {vpn!r} is {role}{'' if fenced else ' and not fenced'} here: demote turns a "
+            "fenced former active into a standby (for a controlled swap of two live sites, "
+            "run `vpnrepl switchover` on the standby)",
+            vpn,
+        )
+    return int(ledger_index), int(live_index or 0), int(epoch), int(taken_over_at)
+
+
+def read_tail(conn: psycopg.Connection[Any], vpn: str) -> Tail:
+    """The unreplicated tail of a fenced former active: what it confirmed
+    after the index the new active took over at and still holds live (its
+    live state is brought up to its whole ledger first)."""
+    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+        ledger_index, live_index, epoch, taken_over_at = _fenced_here(cur, vpn)
+        if live_index < ledger_index:
+            _catch_up_live(conn, vpn, live_index, ledger_index)
+        cur.execute(_TAIL, (vpn, taken_over_at))
+        messages = tuple(
+            TailMessage(bytes(rid), exchange, key, tuple(queues), bytes(props), bytes(body))
+            for rid, _, exchange, key, props, body, queues in cur.fetchall()
+        )
+        cur.execute(
+            "SELECT count(*) FROM ledger WHERE vpn = %s AND idx > %s AND kind <> 'published'",
+            (vpn, taken_over_at),
+        )
+        (others,) = cur.fetchone() or (0,)
+    return Tail(vpn, epoch, taken_over_at, messages, int(others))
+
+
+def _catch_up_live(conn: psycopg.Connection[Any], vpn: str, live: int, ledger_index: int) -> None:
+    """Apply the ledger entries above ``live`` to this site's live state (a
+    node stopped between a ledger commit and its apply), as the ledger
+    writer does at start."""
+    with conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(
+            "SELECT idx, epoch, event FROM ledger WHERE vpn = %s AND idx > %s ORDER BY idx",
+            (vpn, live),
+        )
+        entries = [
+            LedgerEntry(vpn, int(epoch), int(idx), decode_event(bytes(data), vpn), bytes(data))
+            for idx, epoch, data in cur.fetchall()
+        ]
+    if entries:
+        apply_entries(conn, vpn, entries)
+    conn.execute("UPDATE vpn_live_state SET live_index = %s WHERE vpn = %s", (ledger_index, vpn))
+
+
+def demote_to_standby(conn: psycopg.Connection[Any], vpn: str) -> int:
+    """Make a fenced former active a standby of the epoch that took it over,
+    with nothing applied (the new active sends it a checkpoint); returns
+    that epoch. Its ledger and live state go: they are the old epoch's."""
+    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+        _, _, epoch, _ = _fenced_here(cur, vpn)
+        cur.execute(
+            "UPDATE vpn_config SET role = 'standby', epoch = GREATEST(epoch, %s),"
+            " updated_at = now() WHERE name = %s",
+            (epoch, vpn),
+        )
+        cur.execute(
+            "UPDATE vpn_state SET ledger_index = 0, applied_index = 0, applied_epoch = 0,"
+            " applied_at = NULL, fenced = false, sync_eligible = true,"
+            " bridge_state = 'disconnected', updated_at = now() WHERE vpn = %s",
+            (vpn,),
+        )
+        cur.execute("DELETE FROM ledger WHERE vpn = %s", (vpn,))
+        cur.execute("DELETE FROM live_message WHERE vpn = %s", (vpn,))
+        cur.execute("UPDATE vpn_live_state SET live_index = 0 WHERE vpn = %s", (vpn,))
+        cur.execute("DELETE FROM promotion WHERE vpn = %s", (vpn,))
+        cur.execute("DELETE FROM promotion_queue WHERE vpn = %s", (vpn,))
+    return epoch

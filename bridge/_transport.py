@@ -1378,6 +1378,7 @@ class BridgeClient:
         self._stop = asyncio.Event()
         self._stopped = asyncio.Event()
         self._session_task: asyncio.Task[None] | None = None
+        self._link: _Link | None = None  # the current session's, while one is up
         self._states: dict[str, str] = {}
         self._writes: _VpnStateWriter | None = None
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
@@ -1519,6 +1520,7 @@ class BridgeClient:
             return
         link = await self._connect()
         session = _Session(link)
+        self._link = link
         heartbeats = asyncio.create_task(link.heartbeats(self.heartbeat_interval))
         relists = asyncio.create_task(self._relist(link))
         try:
@@ -1552,6 +1554,7 @@ class BridgeClient:
             )
             for vpn in session.streams:
                 self._set_state(vpn, DISCONNECTED)
+            self._link = None
             await link.close()
 
     async def _connect(self) -> _Link:
@@ -1600,6 +1603,12 @@ class BridgeClient:
             f"the active hung up right after the TLS handshake ({text}): it most likely "
             "refused this site's certificate (not signed by the CA it trusts)"
         )
+
+    def relist_now(self) -> None:
+        """Ask the active for its VPNs now (a VPN here changed role), not at
+        the next periodic relist."""
+        if self._link is not None:
+            self._link.try_send(GetAllResources())
 
     async def _relist(self, link: _Link) -> None:
         """Ask for the resources again now and then: new VPNs, new definitions."""

@@ -181,6 +181,49 @@ def _cmd_promote(cfg: SiteConfig, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_demote(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from ._demote import DemotionSummary, demote, export_tail
+    from ._requests import Progress, run_command
+
+    tail, path = export_tail(cfg, args.vpn, Path(args.export) if args.export else None)
+    print(
+        f"unreplicated tail of VPN {args.vpn!r}: {len(tail.messages)} messages this site "
+        f"confirmed after index {tail.taken_over_at}, where epoch {tail.epoch} took over, "
+        f"exported to {path}; `vpnrepl --config ACTIVE.toml republish {path}` publishes them "
+        "on the active site"
+    )
+    if tail.other_events:
+        print(
+            f"  {tail.other_events} acknowledgements (or purges) made here after that index "
+            "were not replicated: those messages are still on the active site"
+        )
+
+    async def here(progress: Progress) -> dict[str, Any]:
+        return (await demote(cfg, args.vpn)).as_dict()
+
+    result = asyncio.run(run_command(cfg.store_dsn, "demote", args.vpn, {}, here, _quiet))
+    print(DemotionSummary.from_dict(result).line())
+    return EXIT_OK
+
+
+def _cmd_republish(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from ._republish import read_tail_file, republish
+
+    records = read_tail_file(Path(args.file))
+    print(asyncio.run(republish(cfg, records)).line())
+    return EXIT_OK
+
+
+def _quiet(done: int, total: int) -> None:
+    """No progress to show."""
+
+
 def _not_yet(what: str) -> Callable[[SiteConfig | None, argparse.Namespace], int]:
     def run(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
         raise NotImplementedYet(f"`vpnrepl {what}` is not implemented yet")
@@ -251,9 +294,13 @@ def _build_parser() -> _Parser:
     c = sub.add_parser("promote", help="standby -> active (after a disaster, or a switchover)")
     c.add_argument("vpn", metavar="VPN")
     c.set_defaults(run=_cmd_promote)
-    c = sub.add_parser("demote", help="former active -> standby")
+    c = sub.add_parser("demote", help="fenced former active -> standby (exports its tail)")
     c.add_argument("vpn", metavar="VPN")
-    c.set_defaults(run=_not_yet("demote"))
+    c.add_argument("--export", metavar="FILE", help="where to write the unreplicated tail")
+    c.set_defaults(run=_cmd_demote)
+    c = sub.add_parser("republish", help="publish a demoted site's exported tail here")
+    c.add_argument("file", metavar="FILE")
+    c.set_defaults(run=_cmd_republish)
     c = sub.add_parser("reconcile", help="full-sync reconciliation of a VPN (PySpark)")
     c.add_argument("vpn", metavar="VPN")
     c.add_argument("--master", metavar="URL", help="Spark master (default local[*])")

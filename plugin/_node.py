@@ -43,6 +43,7 @@ from txn._participant import Participant
 
 from ._admin import AdminServer
 from ._config import SiteConfig, redact_url
+from ._demote import demote
 from ._directory import VpnDirectory, VpnView
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable
 from ._events import INCARNATION_LIMIT, IdSource, Purged
@@ -141,7 +142,9 @@ class Node:
         self.bridge_client: BridgeClient | None = None
         self._bridge_up = False
         self._tasks: list[asyncio.Task[None]] = []
-        self.requests = RequestServer(cfg.store_dsn, {"promote": self._promote})
+        self.requests = RequestServer(
+            cfg.store_dsn, {"promote": self._promote, "demote": self._demote}
+        )
         self.refresher: DirectoryRefresher | None = None
         #: VPN -> why its clients are refused although it is active here
         self.refusals: dict[str, str] = {}
@@ -310,6 +313,21 @@ class Node:
             cfg.listen_admin,
             ", ".join(f"{v.name} ({v.role})" for v in vpns) or "none",
         )
+
+    async def _demote(
+        self, vpn: str, args: Mapping[str, Any], progress: Progress
+    ) -> dict[str, Any]:
+        """The ``demote`` operator request, on the running node (the CLI has
+        exported the tail)."""
+        summary = await demote(self.cfg, vpn)
+        self.replicator.fenced.discard(vpn)
+        self.refusals.pop(vpn, None)
+        self.writer.forget_vpn(vpn)
+        if self.refresher is not None:
+            await self.refresher.refresh()  # a standby now: clients refused as for any standby
+        if self.bridge_client is not None:
+            self.bridge_client.relist_now()  # and the new active's checkpoint asked for
+        return summary.as_dict()
 
     async def _hear_peer_epochs(self) -> None:
         """Before admitting clients, learn which VPNs the peer holds at a

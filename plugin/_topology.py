@@ -1053,6 +1053,15 @@ class ReplicationScope:
                 hits.append(q)
         return queues if len(hits) == len(queues) else frozenset(hits)
 
+    def names_queue(self, queue: str) -> bool:
+        """``queue`` is in scope by its name alone (no filter at all, or a
+        ``--queues`` pattern matches it); a queue in scope only through a
+        topic filter is not (that depends on each publish)."""
+        if self.everything:
+            return True
+        hit = self._queue_memo.get(queue)
+        return self._learn_queue(queue) if hit is None else hit
+
     def _learn_queue(self, queue: str) -> bool:
         hit = any(r.fullmatch(queue) for r in self._regexes)
         if len(self._queue_memo) >= _SCOPE_MEMO_LIMIT:

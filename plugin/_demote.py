@@ -1,0 +1,165 @@
+"""``vpnrepl demote VPN``: a fenced former active becomes a standby.
+
+After a failover the old active still holds what it confirmed after the new
+active took over (the *unreplicated tail*: in async mode, and in sync mode
+what ``degrade`` confirmed without the standby). Nothing of it may vanish
+silently, so demotion goes:
+
+1. :func:`export_tail` writes the tail to a file (JSON lines: id, exchange,
+   routing key, queues, properties and body in base64) and says how many
+   messages it holds; ``vpnrepl republish FILE`` on the new active
+   publishes them there, at most once per id. The CLI does this itself,
+   whether a node runs or not: it only reads the database.
+2. :func:`demote` empties the VPN's in-scope queues on this site's broker
+   (they are the old epoch's; the new active's checkpoint refills the
+   standby's state), counts what out-of-scope queues hold (left for the
+   admin), and makes the VPN a standby with nothing applied
+   (:func:`bridge._roles.demote_to_standby`): the new active sends it a
+   checkpoint, then the live stream.
+
+Both steps can be repeated: a crash between them leaves a fenced active,
+whose tail is exported again the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from bridge._configsync import ConfigSyncAPI
+from bridge._errors import BridgeError
+from bridge._roles import Tail, demote_to_standby, read_tail
+
+from ._config import SiteConfig
+from ._errors import StateError
+from ._refresher import ManagementUnavailable
+from ._store import connect
+from ._topology import ReplicationScope
+from ._vpn import VpnSettings
+
+__all__ = ["DemotionSummary", "demote", "export_tail"]
+
+log = logging.getLogger(__name__)
+
+
+def export_tail(cfg: SiteConfig, vpn: str, path: Path | None = None) -> tuple[Tail, Path]:
+    """Write ``vpn``'s unreplicated tail to ``path`` (default: a file named
+    after the site, VPN and epoch in the current directory)."""
+    try:
+        with connect(cfg.store_dsn) as conn:
+            tail = read_tail(conn, vpn)
+    except BridgeError as e:
+        raise StateError(str(e)) from e
+    if path is None:
+        path = Path(f"vpnrepl-tail-{cfg.site_name}-{quote(vpn, safe='')}-epoch{tail.epoch}.jsonl")
+    with path.open("w", encoding="utf-8") as f:
+        for m in tail.messages:
+            record = {
+                "vpn": vpn,
+                "id": m.repl_id.hex(),
+                "exchange": m.exchange,
+                "routing_key": m.routing_key,
+                "queues": list(m.queues),
+                "properties": base64.b64encode(m.properties).decode(),
+                "body": base64.b64encode(m.body).decode(),
+            }
+            f.write(json.dumps(record) + "\n")
+    return tail, path
+
+
+@dataclass(frozen=True, slots=True)
+class DemotionSummary:
+    vpn: str
+    epoch: int
+    emptied: dict[str, int]
+    left: dict[str, int]
+
+    def line(self) -> str:
+        emptied = sum(self.emptied.values())
+        left = ", ".join(f"{q}: {n}" for q, n in sorted(self.left.items()) if n) or "none"
+        return (
+            f"VPN {self.vpn!r} is a standby of epoch {self.epoch} now: {emptied} messages "
+            f"emptied from {len(self.emptied)} in-scope queues (the new active's checkpoint "
+            f"replaces them); left in out-of-scope queues for the admin: {left}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> DemotionSummary:
+        return cls(**{k: doc[k] for k in cls.__dataclass_fields__})
+
+
+def _settings(cfg: SiteConfig, vpn: str) -> tuple[VpnSettings, set[str]]:
+    with connect(cfg.store_dsn) as conn:
+        row = conn.execute(
+            "SELECT name, role, mode, sync_timeout_ms, on_sync_timeout, queue_patterns,"
+            " topic_filters FROM vpn_config WHERE name = %s",
+            (vpn,),
+        ).fetchone()
+        held = {
+            r["queue"]
+            for r in conn.execute(
+                "SELECT DISTINCT queue FROM live_message WHERE vpn = %s", (vpn,)
+            ).fetchall()
+        }
+    if row is None:
+        raise StateError(f"VPN {vpn!r} is not known on this site")
+    settings = VpnSettings.from_args(
+        row["name"],
+        row["role"],
+        row["mode"],
+        row["sync_timeout_ms"],
+        row["on_sync_timeout"],
+        tuple(row["queue_patterns"]),
+        tuple(row["topic_filters"]),
+    )
+    return settings, held
+
+
+def _empty_queues(cfg: SiteConfig, vpn: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Empty the in-scope queues (by name, or holding replicated messages);
+    count the others."""
+    settings, held = _settings(cfg, vpn)
+    scope = ReplicationScope.of(settings)
+    api = ConfigSyncAPI(cfg.management_url)
+    name = quote(vpn, safe="")
+    queues = api.get(f"queues/{name}?columns=name,messages")
+    emptied: dict[str, int] = {}
+    left: dict[str, int] = {}
+    for q in queues if isinstance(queues, list) else []:
+        queue, count = str(q["name"]), int(q.get("messages") or 0)
+        if queue.startswith("vpnrepl."):
+            continue  # ours (commit markers)
+        if not (scope.names_queue(queue) or queue in held):
+            left[queue] = count
+            continue
+        api.delete(f"queues/{name}/{quote(queue, safe='')}/contents")
+        emptied[queue] = count
+    return emptied, left
+
+
+def _demote_in_db(cfg: SiteConfig, vpn: str) -> int:
+    with connect(cfg.store_dsn) as conn:
+        return demote_to_standby(conn, vpn)
+
+
+async def demote(cfg: SiteConfig, vpn: str) -> DemotionSummary:
+    """Steps 2 (see the module docstring); the tail must be exported first."""
+    try:
+        with connect(cfg.store_dsn) as conn:
+            read_tail(conn, vpn)  # still a fenced former active? (RoleError if not)
+        emptied, left = await asyncio.to_thread(_empty_queues, cfg, vpn)
+        epoch = await asyncio.to_thread(_demote_in_db, cfg, vpn)
+    except (BridgeError, ManagementUnavailable) as e:
+        raise StateError(f"VPN {vpn!r} not demoted: {e}") from e
+    summary = DemotionSummary(vpn, epoch, emptied, left)
+    log.info("%s", summary.line())
+    return summary

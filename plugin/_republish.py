@@ -1,0 +1,177 @@
+"""``vpnrepl republish FILE``: a demoted site's exported tail, through the active.
+
+Each message of the file (``vpnrepl demote`` wrote it) is published through
+this site's own listener, to each of its queues (the default exchange, so
+a copy lands in exactly that queue, as materialisation does), with its
+stored property bytes as they were; the listener replicates it like any
+publish, under a new replication id.
+
+At most once per replication id, however often it is run: an id is
+recorded in ``republished`` as ``sending`` before its first publish and
+``sent`` once every copy is confirmed. An id already recorded is skipped;
+one left ``sending`` by an interrupted run is reported as of unknown
+outcome (it may or may not be in the broker) and never sent again, so a
+message is never doubled; the admin decides about those few.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bridge._amqp_client import BrokerPublisher
+from bridge._amqp_wire import AmqpEndpoint
+from bridge._errors import BridgeError
+
+from ._config import SiteConfig
+from ._errors import StateError, UsageError
+from ._store import connect
+
+__all__ = ["RepublishSummary", "TailRecord", "read_tail_file", "republish"]
+
+WINDOW = 500
+
+
+@dataclass(frozen=True, slots=True)
+class TailRecord:
+    vpn: str
+    repl_id: bytes
+    queues: tuple[str, ...]
+    properties: bytes
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RepublishSummary:
+    sent: int
+    copies: int
+    already: int
+    unknown: tuple[str, ...]
+
+    def line(self) -> str:
+        text = (
+            f"republished {self.sent} messages ({self.copies} queue copies); "
+            f"{self.already} were republished before and skipped"
+        )
+        if self.unknown:
+            text += (
+                f"; {len(self.unknown)} were being sent by an interrupted run and are not sent "
+                f"again (check their queues): {', '.join(self.unknown[:10])}"
+            )
+        return text
+
+
+def read_tail_file(path: Path) -> list[TailRecord]:
+    """The file's records; a UsageError naming the line for a bad one."""
+    records = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read: {e.strerror}") from e
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+            record = TailRecord(
+                str(doc["vpn"]),
+                bytes.fromhex(doc["id"]),
+                tuple(str(q) for q in doc["queues"]),
+                base64.b64decode(doc["properties"], validate=True),
+                base64.b64decode(doc["body"], validate=True),
+            )
+        except (ValueError, KeyError, TypeError, binascii.Error) as e:
+            raise UsageError(f"{path}:{number}: not a tail record ({e})") from e
+        if len(record.repl_id) != 16 or not record.queues:
+            raise UsageError(f"{path}:{number}: not a tail record (id or queues)")
+        records.append(record)
+    return records
+
+
+def _listener_endpoint(cfg: SiteConfig) -> AmqpEndpoint:
+    """This site's listener, logged in as the node's broker user."""
+    broker = AmqpEndpoint.from_url(cfg.amqp_url)
+    host = cfg.listen_amqp.host
+    if host in ("0.0.0.0", "::", ""):  # noqa: S104 - the listen-everywhere address, not a bind
+        host = "127.0.0.1"
+    return AmqpEndpoint(host, cfg.listen_amqp.port, False, broker.username, broker.password)
+
+
+def _claim(cfg: SiteConfig, vpn: str, ids: Iterable[bytes]) -> tuple[set[bytes], int, list[str]]:
+    """Record ``ids`` as being sent; returns the ones this run sends, how
+    many were sent before, and the ones an interrupted run left."""
+    with connect(cfg.store_dsn) as conn:
+        row = conn.execute(
+            "SELECT c.role, s.fenced FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name"
+            " WHERE c.name = %s AND c.enabled",
+            (vpn,),
+        ).fetchone()
+        if row is None or row["role"] != "active" or row["fenced"]:
+            raise StateError(
+                f"VPN {vpn!r} is not active on this site: republish through the active site"
+            )
+        ids = list(ids)
+        mine = {
+            bytes(r["repl_id"])
+            for r in conn.execute(
+                "INSERT INTO republished (vpn, repl_id, state)"
+                " SELECT %s, unnest(%s::bytea[]), 'sending' ON CONFLICT DO NOTHING"
+                " RETURNING repl_id",
+                (vpn, ids),
+            ).fetchall()
+        }
+        before = conn.execute(
+            "SELECT repl_id, state FROM republished WHERE vpn = %s AND repl_id = ANY(%s)",
+            (vpn, [i for i in ids if i not in mine]),
+        ).fetchall()
+    already = sum(1 for r in before if r["state"] == "sent")
+    unknown = [bytes(r["repl_id"]).hex() for r in before if r["state"] == "sending"]
+    return mine, already, unknown
+
+
+def _sent(cfg: SiteConfig, vpn: str, ids: list[bytes]) -> None:
+    with connect(cfg.store_dsn) as conn:
+        conn.execute(
+            "UPDATE republished SET state = 'sent', at = now()"
+            " WHERE vpn = %s AND repl_id = ANY(%s)",
+            (vpn, ids),
+        )
+
+
+async def republish(cfg: SiteConfig, records: list[TailRecord]) -> RepublishSummary:
+    sent = copies = already = 0
+    unknown: list[str] = []
+    for vpn in sorted({r.vpn for r in records}):
+        mine_records = [r for r in records if r.vpn == vpn]
+        mine, before, left = _claim(cfg, vpn, [r.repl_id for r in mine_records])
+        already += before
+        unknown += left
+        todo = [r for r in mine_records if r.repl_id in mine]
+        if not todo:
+            continue
+        confirmed: set[str] = set()  # queues whose copies the broker confirmed
+        try:
+            async with await BrokerPublisher.connect(
+                _listener_endpoint(cfg), vpn, connection_name="vpnrepl republish"
+            ) as publisher:
+                for queue in sorted({q for r in todo for q in r.queues}):
+                    batch = [(r.properties, r.body) for r in todo if queue in r.queues]
+                    await publisher.publish(queue, batch, WINDOW)
+                    await publisher.wait_confirmed()
+                    confirmed.add(queue)
+                    copies += len(batch)
+        except BridgeError as e:
+            done = [r.repl_id for r in todo if set(r.queues) <= confirmed]
+            _sent(cfg, vpn, done)
+            raise StateError(
+                f"republish of VPN {vpn!r} stopped: {e}; {len(done)} messages were confirmed "
+                f"and recorded; {len(todo) - len(done)} are of unknown outcome and the next "
+                "run lists them instead of sending them twice"
+            ) from e
+        _sent(cfg, vpn, [r.repl_id for r in todo])
+        sent += len(todo)
+    return RepublishSummary(sent, copies, already, tuple(unknown))

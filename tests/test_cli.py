@@ -188,9 +188,14 @@ def test_promote_refuses_what_is_not_a_standby_with_one_line(vpnrepl_a: Vpnrepl)
         [line] = [x for x in result.stderr.splitlines() if x.startswith("vpnrepl: error:")]
         assert why in line
     assert vpnrepl_a("promote").returncode == 2  # usage: the VPN is missing
+    demote = vpnrepl_a("demote", "orders")
+    assert demote.returncode == 1
+    assert "is active and not fenced here: demote turns a fenced former active" in demote.stderr
+    missing = vpnrepl_a("republish", "/nonexistent/tail.jsonl")
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
 
 
-@pytest.mark.parametrize("command", [["demote", "orders"], ["reconcile", "orders"]])
+@pytest.mark.parametrize("command", [["reconcile", "orders"]])
 def test_commands_not_landed_yet_fail_honestly(vpnrepl_a: Vpnrepl, command: list[str]) -> None:
     result = vpnrepl_a(*command)
     assert result.returncode == 1

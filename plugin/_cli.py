@@ -220,6 +220,21 @@ def _cmd_republish(cfg: SiteConfig, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_switchover(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from ._switchover import switchover
+
+    bar = _ProgressBar(f"switching {args.vpn} over")
+    try:
+        lines = asyncio.run(switchover(cfg, args.vpn, bar.update))
+    finally:
+        bar.close()
+    for line in lines:
+        print(line)
+    return EXIT_OK
+
+
 def _quiet(done: int, total: int) -> None:
     """No progress to show."""
 
@@ -298,6 +313,9 @@ def _build_parser() -> _Parser:
     c.add_argument("vpn", metavar="VPN")
     c.add_argument("--export", metavar="FILE", help="where to write the unreplicated tail")
     c.set_defaults(run=_cmd_demote)
+    c = sub.add_parser("switchover", help="on the standby: swap roles with the live active")
+    c.add_argument("vpn", metavar="VPN")
+    c.set_defaults(run=_cmd_switchover)
     c = sub.add_parser("republish", help="publish a demoted site's exported tail here")
     c.add_argument("file", metavar="FILE")
     c.set_defaults(run=_cmd_republish)

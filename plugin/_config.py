@@ -80,6 +80,10 @@ class SiteConfig:
     #: the CA that signed the broker's certificate, for an ``amqps://`` amqp_url
     #: (None: the system's trusted CAs)
     broker_ca: Path | None = None
+    #: the peer site's database (switchover asks the active's node through
+    #: it; reconciliation reads it): a role with read access is enough for
+    #: reconciliation, switchover also writes operator requests
+    peer_store_dsn: str | None = None
 
 
 _REQUIRED = object()
@@ -135,7 +139,10 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
         "admin": (str, "127.0.0.1:9480", HostPort.parse),
     },
     "store": {"dsn": (str, _REQUIRED, _url("postgresql", "postgres"))},
-    "peer": {"bridge": (str, None, HostPort.parse)},
+    "peer": {
+        "bridge": (str, None, HostPort.parse),
+        "store_dsn": (str, None, _url("postgresql", "postgres")),
+    },
     "replication": {"ledger_retain_seconds": (int, 300, _non_negative)},
     "telemetry": {"otlp_traces_url": (str, None, _url("http", "https"))},
     "tls": {
@@ -263,6 +270,7 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         listen_admin=v["listen"]["admin"],
         store_dsn=v["store"]["dsn"],
         peer_bridge=v["peer"]["bridge"] if "peer" in v else None,
+        peer_store_dsn=v["peer"]["store_dsn"] if "peer" in v else None,
         tls=tls,
         ledger_retain_seconds=(
             v["replication"]["ledger_retain_seconds"] if "replication" in v else 300

@@ -441,7 +441,10 @@ class LocalSite:
             f'[store]\ndsn = "{self.pg.dsn()}"\n'
         )
         if peer is not None:
-            text += f'\n[peer]\nbridge = "127.0.0.1:{peer.bridge_port}"\n'
+            text += (
+                f'\n[peer]\nbridge = "127.0.0.1:{peer.bridge_port}"\n'
+                f'store_dsn = "{peer.pg.dsn()}"\n'
+            )
         return text
 
     def write_config(self, path: Path, peer: LocalSite | None = None) -> Path:

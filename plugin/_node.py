@@ -43,7 +43,7 @@ from txn._participant import Participant
 
 from ._admin import AdminServer
 from ._config import SiteConfig, redact_url
-from ._demote import demote
+from ._demote import DemotionSummary, demote, export_tail
 from ._directory import VpnDirectory, VpnView
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable
 from ._events import INCARNATION_LIMIT, IdSource, Purged
@@ -74,6 +74,8 @@ LEFT JOIN LATERAL (SELECT epoch, site FROM vpn_epoch WHERE vpn = c.name
                    ORDER BY epoch DESC LIMIT 1) e ON true
 WHERE c.enabled ORDER BY c.name
 """
+#: how long a switchover waits for the standby to acknowledge everything
+SWITCHOVER_DRAIN = 60.0
 #: how long a starting node waits for its peer's listing (the epochs the
 #: peer holds) before it admits clients of its active VPNs
 PEER_EPOCH_WAIT = 5.0
@@ -143,7 +145,14 @@ class Node:
         self._bridge_up = False
         self._tasks: list[asyncio.Task[None]] = []
         self.requests = RequestServer(
-            cfg.store_dsn, {"promote": self._promote, "demote": self._demote}
+            cfg.store_dsn,
+            {
+                "promote": self._promote,
+                "demote": self._demote,
+                "switchover-prepare": self._switchover_prepare,
+                "switchover-finish": self._switchover_finish,
+                "switchover-abort": self._switchover_abort,
+            },
         )
         self.refresher: DirectoryRefresher | None = None
         #: VPN -> why its clients are refused although it is active here
@@ -205,10 +214,7 @@ class Node:
         text = fenced_text(vpn, epoch, site)
         log.error("VPN %s is fenced: %s", vpn, text)
         self.replicator.fenced.add(vpn)
-        self.refusals[vpn] = text
-        view = self.directory.lookup(vpn)
-        if view is not None:
-            view.refusal = text
+        self._refuse(vpn, text)
         if self.listener is not None:
             self.listener.close_vpn(vpn, text)
 
@@ -328,6 +334,83 @@ class Node:
         if self.bridge_client is not None:
             self.bridge_client.relist_now()  # and the new active's checkpoint asked for
         return summary.as_dict()
+
+    def _refuse(self, vpn: str, text: str | None) -> None:
+        if text is None:
+            self.refusals.pop(vpn, None)
+        else:
+            self.refusals[vpn] = text
+        view = self.directory.lookup(vpn)
+        if view is not None:
+            view.refusal = text
+
+    async def _switchover_prepare(
+        self, vpn: str, args: Mapping[str, Any], progress: Progress
+    ) -> dict[str, Any]:
+        """Switchover, on the active: close and refuse the VPN's clients, then
+        wait until the standby acknowledged the whole ledger."""
+        if not self._serves(vpn):
+            raise StateError(f"VPN {vpn!r} is not served by this site's node")
+        text = f"switchover to site {args.get('to', '?')!r}: connect to that site"
+        self._refuse(vpn, text)
+        if self.listener is not None:
+            self.listener.close_vpn(vpn, text)
+        try:
+            index = await self._drained(vpn)
+        except StateError:
+            self._refuse(vpn, None)
+            raise
+        log.info("VPN %s: drained to index %d for a switchover", vpn, index)
+        return {"ledger_index": index}
+
+    async def _drained(self, vpn: str) -> int:
+        """The ledger index once every entry is durable and acknowledged."""
+        deadline = asyncio.get_running_loop().time() + SWITCHOVER_DRAIN
+        steady = 0
+        while True:
+            async with await psycopg.AsyncConnection.connect(
+                self.cfg.store_dsn, autocommit=True, connect_timeout=10
+            ) as conn:
+                row = await (
+                    await conn.execute(
+                        "SELECT ledger_index, applied_index FROM vpn_state WHERE vpn = %s", (vpn,)
+                    )
+                ).fetchone()
+            ledger, applied = (int(row[0]), int(row[1])) if row else (0, -1)
+            steady = steady + 1 if ledger == applied and not self.writer.pending else 0
+            if steady >= 2:
+                return ledger
+            if asyncio.get_running_loop().time() > deadline:
+                raise StateError(
+                    f"VPN {vpn!r}: the standby acknowledged index {applied} of {ledger} within "
+                    f"{SWITCHOVER_DRAIN:.0f} s; switchover abandoned, clients admitted again"
+                )
+            await asyncio.sleep(0.1)
+
+    async def _switchover_finish(
+        self, vpn: str, args: Mapping[str, Any], progress: Progress
+    ) -> dict[str, Any]:
+        """Switchover, on the former active: once fenced by the promoted
+        standby's epoch, become its standby (the tail is empty: drained)."""
+        deadline = asyncio.get_running_loop().time() + SWITCHOVER_DRAIN
+        while vpn not in self.replicator.fenced:
+            if asyncio.get_running_loop().time() > deadline:
+                raise StateError(f"VPN {vpn!r}: the promoted site's epoch did not arrive here")
+            await asyncio.sleep(0.1)
+        tail, path = await asyncio.to_thread(export_tail, self.cfg, vpn)
+        if tail.messages:  # cannot happen after a drain; never dropped silently all the same
+            log.error("VPN %s: %d messages left at switchover: %s", vpn, len(tail.messages), path)
+        else:
+            path.unlink()
+        summary = await self._demote(vpn, args, progress)
+        return {"line": DemotionSummary.from_dict(summary).line(), "tail": len(tail.messages)}
+
+    async def _switchover_abort(
+        self, vpn: str, args: Mapping[str, Any], progress: Progress
+    ) -> dict[str, Any]:
+        self._refuse(vpn, None)
+        log.warning("VPN %s: switchover abandoned; clients admitted again", vpn)
+        return {}
 
     async def _hear_peer_epochs(self) -> None:
         """Before admitting clients, learn which VPNs the peer holds at a

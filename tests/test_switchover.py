@@ -1,0 +1,84 @@
+"""A controlled switchover between two live sites, and back, under a
+publishing workload: nothing confirmed is lost, nothing is doubled."""
+
+from __future__ import annotations
+
+import threading
+from subprocess import CompletedProcess
+
+from tests.fix_cli import Vpnrepl
+from tests.test_failover import Sites, admin_active, broker_contents, sites  # noqa: F401
+from tests.two_sites import (
+    IN_SCOPE,
+    VPN,
+    Publisher,
+    assert_same_state,
+    cli_status,
+    queues_of,
+    setup_vpn,
+    until,
+    vpn_status,
+)
+
+
+class Switchover(threading.Thread):
+    def __init__(self, cli: Vpnrepl) -> None:
+        super().__init__(name="switchover", daemon=True)
+        self.cli = cli
+        self.result: CompletedProcess[str] | None = None
+
+    def run(self) -> None:
+        self.result = self.cli("switchover", VPN)
+
+
+def switch(cli: Vpnrepl, publisher: Publisher) -> CompletedProcess[str]:
+    """Run the switchover while ``publisher`` publishes; the old active
+    closes the publisher's connection (320) on the way."""
+    until(lambda: len(publisher.confirmed) >= 300, "publishing under way")
+    run = Switchover(cli)
+    run.start()
+    run.join(180)
+    assert run.result is not None, "switchover still running"
+    publisher.join()
+    return run.result
+
+
+def test_switchover_and_back_under_load_lose_and_double_nothing(
+    sites: Sites,  # noqa: F811 - the fixture imported above
+) -> None:
+    setup_vpn(sites.a.site)
+    done = sites.cli_a("vpn", "enable", VPN, "--role", "active", "--queues", r"orders\..*")
+    assert done.returncode == 0, done.stderr
+    sites.a.start()
+    sites.b.start()
+    until(lambda: vpn_status(sites.b).get("bridge") == "connected", "B to follow A")
+    confirmed: set[int] = set()
+
+    first = Publisher(sites.a.site, range(1, 100_001), window=100).start()
+    over = switch(sites.cli_b, first)
+    assert over.returncode == 0, over.stderr
+    assert "drained to index" in over.stdout and "promoted to active at epoch 2" in over.stdout
+    assert first.error is not None and "switchover to site 'b'" in first.error
+    assert not first.nacked
+    confirmed |= first.confirmed
+    assert admin_active(sites.b.site) == 200 and admin_active(sites.a.site) == 503
+    until(lambda: vpn_status(sites.a).get("bridge") == "connected", "A to follow B")
+
+    second = Publisher(sites.b.site, range(200_001, 300_001), window=100).start()
+    back = switch(sites.cli_a, second)
+    assert back.returncode == 0, back.stderr
+    assert "promoted to active at epoch 3" in back.stdout
+    assert not second.nacked
+    confirmed |= second.confirmed
+    until(lambda: vpn_status(sites.b).get("bridge") == "connected", "B to follow A again")
+
+    status = cli_status(sites.a)
+    assert (status["role"], status["epoch"]) == ("active", 3)
+    assert [(e["epoch"], e["site"]) for e in status["epochs"]][-2:] == [(2, "b"), (3, "a")]
+    for queue in IN_SCOPE:
+        got = broker_contents(sites.a.site, queue)
+        assert len(got) == len(set(got)), f"{queue}: a message twice"
+        assert got == sorted(got), f"{queue}: out of publish order"
+        lost = {n for n in confirmed if queue in queues_of(n)} - set(got)
+        assert not lost, f"{queue}: confirmed and lost: {sorted(lost)[:9]}"
+    assert_same_state(sites.a, sites.b)

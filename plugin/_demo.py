@@ -1,15 +1,18 @@
-"""``vpnrepl demo``: two local sites, a workload, and (once it lands) a promotion.
+"""``vpnrepl demo``: two local sites, a workload, a disaster, a failback.
 
 Starts private RabbitMQ and PostgreSQL servers for sites ``a`` (active) and
-``b`` (standby) in a temporary directory, runs ``vpnrepl node`` for each,
-enables replication of VPN ``orders`` on ``a``, publishes and consumes through
-``a``'s listener with an unchanged pika client, and shows both sites'
-``status`` converging. Promotion (``vpnrepl promote``) has not landed yet: the
-demo says so and exits 1 rather than pretend.
+``b`` (standby) in a temporary directory, runs ``vpnrepl node`` for each
+(each names the other as its peer), enables replication of VPN ``orders`` on
+``a``, publishes and consumes through ``a``'s listener with an unchanged pika
+client, and shows both sites' ``status`` converging. Then the disaster: ``a``'s
+node is killed, ``b`` is promoted and serves the same client; ``a`` comes back
+fenced, is demoted (its unreplicated tail exported) and follows ``b``; a
+switchover makes ``a`` the active site again. Every step prints both statuses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -21,6 +24,8 @@ from ._localsites import LocalNode, LocalSite, LocalSites
 
 __all__ = ["run_demo"]
 
+#: how old the broker's statistics (the queue depths status shows) may be
+STATS_SECONDS = 1.5
 MESSAGES = 2000
 CONSUME = 800
 
@@ -77,6 +82,47 @@ def _workload(site: LocalSite) -> None:
     conn.close()
 
 
+def _drain(site: LocalSite, queue: str, count: int) -> int:
+    """Consume and ack ``count`` messages of ``queue`` through ``site``'s
+    listener; returns how many the queue held before."""
+    import pika
+
+    conn = pika.BlockingConnection(
+        pika.URLParameters(f"amqp://guest:guest@127.0.0.1:{site.amqp_port}/orders")
+    )
+    ch = conn.channel()
+    held = int(ch.queue_declare(queue, passive=True).method.message_count)
+    for _ in range(count):
+        method, _, _ = ch.basic_get(queue)
+        ch.basic_ack(method.delivery_tag)
+    conn.close()
+    return held
+
+
+def _statuses(*configs: Path) -> None:
+    time.sleep(STATS_SECONDS)  # the broker's queue depths come from its statistics
+    for cfg in configs:
+        print(_cli(cfg, "status"), end="", flush=True)
+
+
+def _converged(active: LocalNode, standby: LocalNode, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            a_vpns = active.status()["vpns"]
+            b_vpns = standby.status()["vpns"]
+            if (
+                a_vpns
+                and b_vpns
+                and b_vpns[0]["role"] == "standby"
+                and b_vpns[0]["bridge"] == "connected"
+                and a_vpns[0]["ledger_index"] == b_vpns[0]["applied_index"]
+            ):
+                return
+        time.sleep(0.2)
+    raise PluginError("the standby did not catch up within a minute")
+
+
 def run_demo() -> int:
     with tempfile.TemporaryDirectory(prefix="vpnrepl-demo-") as tmp:
         base = Path(tmp)
@@ -87,7 +133,7 @@ def run_demo() -> int:
         try:
             _say("starting two RabbitMQ nodes and two PostgreSQL clusters")
             sites.start()
-            a_cfg = sites.a.write_config(base / "a.toml")
+            a_cfg = sites.a.write_config(base / "a.toml", peer=sites.b)
             b_cfg = sites.b.write_config(base / "b.toml", peer=sites.a)
             for cfg in (a_cfg, b_cfg):
                 _cli(cfg, "init")
@@ -108,25 +154,44 @@ def run_demo() -> int:
             for site, cfg in ((sites.a, a_cfg), (sites.b, b_cfg)):
                 nodes.append(LocalNode(site, cfg, base / f"node-{site.name}.log"))
                 nodes[-1].start()
+            node_a, node_b = nodes
             _say("site b: standby of site a (learns the VPN through config-sync)")
             _workload(sites.a)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                a_vpns = nodes[0].status()["vpns"]
-                b_vpns = nodes[1].status()["vpns"]
-                if (
-                    isinstance(a_vpns, list)
-                    and isinstance(b_vpns, list)
-                    and a_vpns
-                    and b_vpns
-                    and a_vpns[0]["ledger_index"] == b_vpns[0]["applied_index"]
-                ):
-                    break
+            _converged(node_a, node_b)
+            _statuses(a_cfg, b_cfg)
+
+            _say("disaster: site a's node is killed (SIGKILL)")
+            node_a.kill()
+            _say("site b: vpnrepl promote orders")
+            print(_cli(b_cfg, "promote", "orders"), end="", flush=True)
+            held = _drain(sites.b, "orders.created", 200)
+            _say(
+                f"the same client, pointed at site b's listener: orders.created holds {held} "
+                "messages; consumed and acked 200 of them"
+            )
+            _statuses(b_cfg)
+
+            _say("site a comes back: its node learns of epoch 2 and fences the VPN")
+            node_a.start()
+            deadline = time.monotonic() + 30
+            while not node_a.status()["vpns"][0]["fenced"] and time.monotonic() < deadline:
                 time.sleep(0.2)
-            print(_cli(a_cfg, "status"), end="", flush=True)
-            print(_cli(b_cfg, "status"), end="", flush=True)
-            _say("promotion of site b: `vpnrepl promote` is not implemented yet")
-            return 1
+            _statuses(a_cfg)
+            _say("site a: vpnrepl demote orders (exports what b never got, then follows b)")
+            print(
+                _cli(a_cfg, "demote", "orders", "--export", str(base / "tail.jsonl")),
+                end="",
+                flush=True,
+            )
+            _converged(node_b, node_a)
+            _statuses(b_cfg, a_cfg)
+
+            _say("failback: site a: vpnrepl switchover orders")
+            print(_cli(a_cfg, "switchover", "orders"), end="", flush=True)
+            _converged(node_a, node_b)
+            _statuses(a_cfg, b_cfg)
+            _say("site a is the active site again; nothing confirmed was lost")
+            return 0
         finally:
             for node in nodes:
                 node.stop()

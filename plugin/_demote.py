@@ -32,12 +32,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from bridge._amqp_client import BrokerPublisher
+from bridge._amqp_wire import AmqpEndpoint
 from bridge._configsync import ConfigSyncAPI
 from bridge._errors import BridgeError
 from bridge._roles import Tail, demote_to_standby, read_tail
 
 from ._config import SiteConfig
 from ._errors import StateError
+from ._listener import site_broker_ssl
 from ._refresher import ManagementUnavailable
 from ._store import connect
 from ._topology import ReplicationScope
@@ -124,25 +127,33 @@ def _settings(cfg: SiteConfig, vpn: str) -> tuple[VpnSettings, set[str]]:
     return settings, held
 
 
-def _empty_queues(cfg: SiteConfig, vpn: str) -> tuple[dict[str, int], dict[str, int]]:
-    """Empty the in-scope queues (by name, or holding replicated messages);
-    count the others."""
-    settings, held = _settings(cfg, vpn)
+def _queue_names(cfg: SiteConfig, vpn: str) -> list[str]:
+    names = ConfigSyncAPI(cfg.management_url).get(f"queues/{quote(vpn, safe='')}?columns=name")
+    return [str(q["name"]) for q in names] if isinstance(names, list) else []
+
+
+async def _empty_queues(cfg: SiteConfig, vpn: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Empty the in-scope queues (by name, or holding replicated messages)
+    and count what the others hold, through AMQP (exact counts; the
+    management API's lag by its statistics interval)."""
+    settings, held = await asyncio.to_thread(_settings, cfg, vpn)
     scope = ReplicationScope.of(settings)
-    api = ConfigSyncAPI(cfg.management_url)
-    name = quote(vpn, safe="")
-    queues = api.get(f"queues/{name}?columns=name,messages")
+    names = await asyncio.to_thread(_queue_names, cfg, vpn)
     emptied: dict[str, int] = {}
     left: dict[str, int] = {}
-    for q in queues if isinstance(queues, list) else []:
-        queue, count = str(q["name"]), int(q.get("messages") or 0)
-        if queue.startswith("vpnrepl."):
-            continue  # ours (commit markers)
-        if not (scope.names_queue(queue) or queue in held):
-            left[queue] = count
-            continue
-        api.delete(f"queues/{name}/{quote(queue, safe='')}/contents")
-        emptied[queue] = count
+    async with await BrokerPublisher.connect(
+        AmqpEndpoint.from_url(cfg.amqp_url),
+        vpn,
+        ssl_context=site_broker_ssl(cfg),
+        connection_name="vpnrepl demote",
+    ) as broker:
+        for queue in names:
+            if queue.startswith("vpnrepl."):
+                continue  # ours (commit markers)
+            if scope.names_queue(queue) or queue in held:
+                emptied[queue] = await broker.purge(queue)
+            else:
+                left[queue] = await broker.declare_passive(queue)
     return emptied, left
 
 
@@ -156,7 +167,7 @@ async def demote(cfg: SiteConfig, vpn: str) -> DemotionSummary:
     try:
         with connect(cfg.store_dsn) as conn:
             read_tail(conn, vpn)  # still a fenced former active? (RoleError if not)
-        emptied, left = await asyncio.to_thread(_empty_queues, cfg, vpn)
+        emptied, left = await _empty_queues(cfg, vpn)
         epoch = await asyncio.to_thread(_demote_in_db, cfg, vpn)
     except (BridgeError, ManagementUnavailable) as e:
         raise StateError(f"VPN {vpn!r} not demoted: {e}") from e

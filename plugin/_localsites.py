@@ -160,6 +160,8 @@ class RabbitNode:
             f"management.tcp.ip = 127.0.0.1\n"
             f"management.tcp.port = {self.management_port}\n"
             "disk_free_limit.absolute = 50MB\n"
+            # queue depths in the management API (status) a second old, not five
+            "collect_statistics_interval = 1000\n"
         )
         if tls is not None:
             conf += (

@@ -1401,6 +1401,9 @@ class BridgeClient:
         #: ``(vpn, epoch, site)``: the peer holds a VPN that is active here at
         #: a higher epoch; this site's VPN was recorded fenced (set by the node)
         self.on_fenced: Callable[[str, int, str], None] | None = None
+        #: ``(vpn)``: a VPN the active lists was enabled here as standby (set
+        #: by the node, whose listener must refuse its clients from now on)
+        self.on_adopted: Callable[[str], None] | None = None
 
     @classmethod
     def from_config(cls, cfg: SiteConfig, **kwargs: Any) -> BridgeClient:
@@ -1743,6 +1746,12 @@ class BridgeClient:
                 gone.task.cancel()
             log.info("bridge: VPN %s is no longer replicated by the active", vpn)
             self._set_state(vpn, DISCONNECTED)
+        # Settled here, not only in the VPNs' workers: which VPNs are standby
+        # here and which active ones are fenced. A starting node waits for
+        # this (:attr:`listed`) before it admits clients.
+        for resource in listing.vpns:
+            await self._adopt(resource)
+        self.listed.set()
         for resource in listing.vpns:
             inbound = session.streams.get(resource.name)
             if inbound is None:
@@ -1752,27 +1761,6 @@ class BridgeClient:
                 )
                 session.streams[resource.name] = inbound
             await inbound.queue.put(_Relisted(resource))
-        await self._fence_check(listing)
-        self.listed.set()
-
-    async def _fence_check(self, listing: ResourceList) -> None:
-        """Settle at once, not in the VPNs' workers, which of the listed VPNs
-        are active here at a lower epoch (fenced): a starting node waits for
-        this before it admits clients (:attr:`listed`)."""
-        assert self._pool is not None  # noqa: S101 - run() opened it
-        names = [r.name for r in listing.vpns]
-        if not names:
-            return
-        async with self._pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(
-                "SELECT name, epoch FROM vpn_config WHERE name = ANY(%s) AND enabled"
-                " AND role = 'active' FOR UPDATE",
-                (names,),
-            )
-            here = {str(name): int(epoch) for name, epoch in await cur.fetchall()}
-            for resource in listing.vpns:
-                if resource.name in here:
-                    await self._active_here(conn, resource, here[resource.name])
 
     # -- one VPN's apply worker ------------------------------------------------
 
@@ -1931,14 +1919,23 @@ class BridgeClient:
                 )
                 log.info("bridge: VPN %s enabled here as standby (epoch %d)", vpn, resource.epoch)
                 await self._follow_active(conn, resource)
-                return None
-            role, enabled, epoch = found
-            if role == Role.ACTIVE.value and enabled:
-                return await self._active_here(conn, resource, int(epoch))
-            if not enabled:
-                return "replication of it is disabled on this site"
-            await conn.execute(_RAISE_EPOCH, (resource.epoch, vpn, resource.epoch))
-            await self._follow_active(conn, resource)
+            else:
+                return await self._adopted_before(conn, resource, found)
+        if self.on_adopted is not None:  # committed: the listener must refuse its clients now
+            self.on_adopted(vpn)
+        return None
+
+    async def _adopted_before(
+        self, conn: psycopg.AsyncConnection[Any], resource: VpnResource, found: Any
+    ) -> str | None:
+        """:meth:`_adopt` of a VPN this site has a row for."""
+        role, enabled, epoch = found
+        if role == Role.ACTIVE.value and enabled:
+            return await self._active_here(conn, resource, int(epoch))
+        if not enabled:
+            return "replication of it is disabled on this site"
+        await conn.execute(_RAISE_EPOCH, (resource.epoch, resource.name, resource.epoch))
+        await self._follow_active(conn, resource)
         return None
 
     async def _active_here(

@@ -155,6 +155,7 @@ class Node:
             },
         )
         self.refresher: DirectoryRefresher | None = None
+        self._refreshing: asyncio.Task[None] | None = None
         #: VPN -> why its clients are refused although it is active here
         self.refusals: dict[str, str] = {}
 
@@ -197,6 +198,15 @@ class Node:
                 self.replicator.configure(s, r["applied_index"])
             out.append(s)
         return out
+
+    def _adopted(self, vpn: str) -> None:
+        """The peer's listing made ``vpn`` a standby VPN here: the listener
+        refuses its clients from now on, not from the next periodic refresh
+        (until then they would reach the broker unreplicated)."""
+        if self.refresher is None:
+            return
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.create_task(self.refresher.refresh(), name="refresh")
 
     def _serves(self, vpn: str) -> bool:
         """``vpn`` is active here, admits clients and confirms publishes."""
@@ -269,6 +279,7 @@ class Node:
         if self.bridge_client is not None:
             self.bridge_client.participant = self.participant
             self.bridge_client.on_fenced = self._fenced_by_peer
+            self.bridge_client.on_adopted = self._adopted
             self._tasks.append(asyncio.create_task(self.bridge_client.run(), name="bridge-client"))
         refresher = DirectoryRefresher(
             self.directory,
@@ -519,6 +530,14 @@ class Node:
                 await task
         if self.bridge_server is not None:
             await self.bridge_server.close()
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            try:
+                await self._refreshing
+            except asyncio.CancelledError:
+                pass
+            except Exception as e:  # the node is stopping: say so, stop anyway
+                log.warning("the last directory refresh failed: %s", e)
         await self.requests.close()
         await self.coordinator.close()
         await self.replicator.close()

@@ -2,10 +2,14 @@
 the active's node is killed mid-stream, the standby is promoted, and what
 the clients were told is checked against what the promoted site's broker
 holds while the old active is still down; then the old active comes back
-fenced."""
+fenced. A promotion killed at any of its steps (``promotion.*`` failpoints,
+in the CLI or in the node) is run again and loses and duplicates nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import urllib.error
 import urllib.request
@@ -15,9 +19,12 @@ from urllib.parse import quote
 
 import pika
 import pika.exceptions
+import psycopg
 import pytest
 
-from plugin._localsites import LocalSite
+from bridge._entry import decode_event
+from plugin._events import Published
+from plugin._localsites import HarnessError, LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import (
@@ -25,9 +32,14 @@ from tests.two_sites import (
     VPN,
     Publisher,
     amqp_url,
+    broker_depths,
+    caught_up,
     cli_status,
+    enable,
+    live_numbers,
     number,
     queues_of,
+    scalar,
     setup_vpn,
     until,
     vpn_status,
@@ -164,3 +176,296 @@ def test_failover_in_sync_mode_loses_nothing_a_client_was_told(sites: Sites) -> 
     with pytest.raises(pika.exceptions.AMQPConnectionError):
         pika.BlockingConnection(pika.URLParameters(amqp_url(sites.a.site)))
     assert "is now active on site 'b' (epoch 2)" in sites.a.log_text()
+
+
+# ---------------------------------------------------------------- promotion, killed and run again
+
+
+def held(site: LocalSite, queue: str) -> list[int]:
+    """The numbers in ``queue`` of the site's broker itself (no node in
+    between), in queue order; nothing is acked, so they stay."""
+    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url(VPN)))
+    try:
+        ch = conn.channel()
+        depth = ch.queue_declare(queue, passive=True).method.message_count
+        got: list[int] = []
+        if depth:
+            for method, props, payload in ch.consume(queue, inactivity_timeout=10):
+                assert method is not None, f"{queue}: {len(got)} of {depth} messages delivered"
+                assert props.message_id == f"m-{number(payload):06d}"
+                got.append(number(payload))
+                if len(got) == depth:
+                    break
+            ch.cancel()
+        return got
+    finally:
+        conn.close()
+
+
+def in_queue(numbers: set[int], queue: str) -> list[int]:
+    """What ``queue`` must hold of ``numbers``: those routed to it, in publish order."""
+    return sorted(n for n in numbers if queue in queues_of(n))
+
+
+def streamed(sites: Sites, count: int, b_failpoint: str | None = None) -> set[int]:
+    """Both nodes up, ``count`` messages published through A and every one
+    confirmed, B caught up with A; returns the confirmed numbers."""
+    setup_vpn(sites.a.site)
+    enable(sites.cli_a)
+    sites.a.start()
+    sites.b.start(failpoint=b_failpoint)
+    publisher = Publisher(sites.a.site, range(1, count + 1)).run()
+    assert publisher.error is None and not publisher.nacked
+    assert publisher.confirmed == set(range(1, count + 1))
+    caught_up(sites.a, sites.b)
+    return publisher.confirmed
+
+
+def promotion_of(node: NodeProcess) -> tuple[str, int, str, int, int]:
+    """(role, epoch, promotion state, materialised, total) in ``status``."""
+    s = cli_status(node)
+    p = s["promotion"]
+    return s["role"], s["epoch"], p["state"], p["materialised"], p["total"]
+
+
+def assert_promoted_once(node: NodeProcess, confirmed: set[int], out: str) -> None:
+    """The re-run finished the promotion at epoch 2 (the crashed run's, not
+    a third) and said how many messages the site holds."""
+    total = sum(len(in_queue(confirmed, q)) for q in IN_SCOPE)
+    line = f"VPN '{VPN}' promoted to active at epoch 2 (resumed): {total} messages into 2 queues"
+    assert line in out, out
+    assert promotion_of(node) == ("active", 2, "done", total, total)
+    epochs = [(e["epoch"], e["site"]) for e in cli_status(node)["epochs"]]
+    assert epochs[-1] == (2, "b") and len(epochs) == len(set(epochs)), epochs
+
+
+@pytest.mark.parametrize(
+    "point",
+    ["promotion.after-begin", "promotion.mid-materialise", "promotion.before-finish"],
+)
+def test_a_promotion_the_cli_ran_killed_then_run_again_loses_and_duplicates_nothing(
+    sites: Sites, point: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No node runs on B (a disaster took both): ``vpnrepl promote`` does the
+    work itself, is SIGKILLed at ``point`` and run again."""
+    confirmed = streamed(sites, 3000)
+    assert sites.a.stop() == 0 and sites.b.stop() == 0  # no node: the CLI promotes itself
+
+    with monkeypatch.context() as env:
+        env.setenv("VPNREPL_FAILPOINT", point)
+        crashed = sites.cli_b("promote", VPN)
+    assert crashed.returncode == -9, crashed.stderr
+    assert f"failpoint {point} reached" in crashed.stderr
+    role, epoch, state, materialised, total = promotion_of(sites.b)
+    assert (role, epoch, state) == ("active", 2, "running")
+    if point == "promotion.after-begin":
+        assert materialised == total == 0
+        assert sum(len(held(sites.b.site, q)) for q in IN_SCOPE) == 0
+    elif point == "promotion.mid-materialise":
+        assert 0 < materialised < total, (materialised, total)
+    else:
+        assert 0 < materialised == total
+
+    again = sites.cli_b("promote", VPN)
+    assert again.returncode == 0, again.stderr
+    assert_promoted_once(sites.b, confirmed, again.stdout)
+    for queue in IN_SCOPE:
+        assert held(sites.b.site, queue) == in_queue(confirmed, queue), queue
+
+
+def test_a_promotion_the_node_ran_killed_then_run_again_loses_and_duplicates_nothing(
+    sites: Sites,
+) -> None:
+    """B's node runs the promotion and dies halfway through materialising:
+    the CLI says so; the restarted node refuses the VPN's clients until the
+    re-run finishes it."""
+    confirmed = streamed(sites, 3000, b_failpoint="promotion.mid-materialise")
+    sites.a.kill()
+
+    crashed = sites.cli_b("promote", VPN)
+    sites.b.wait_killed()
+    assert crashed.returncode == 1, crashed.stderr
+    errors = [ln for ln in crashed.stderr.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and errors[0].startswith("vpnrepl: error: "), crashed.stderr
+    assert f"the site's node stopped while it ran promote {VPN}" in errors[0]
+    role, epoch, state, materialised, total = promotion_of(sites.b)
+    assert (role, epoch, state) == ("active", 2, "running")
+    assert 0 < materialised < total, (materialised, total)
+
+    sites.b.start()  # no failpoint: the promotion is still running, its clients refused
+    assert admin_active(sites.b.site) == 503
+    with pytest.raises(pika.exceptions.AMQPConnectionError):
+        pika.BlockingConnection(pika.URLParameters(amqp_url(sites.b.site)))
+    again = sites.cli_b("promote", VPN)
+    assert again.returncode == 0, again.stderr
+    assert_promoted_once(sites.b, confirmed, again.stdout)
+    assert admin_active(sites.b.site) == 200
+    for queue in IN_SCOPE:
+        assert broker_contents(sites.b.site, queue) == in_queue(confirmed, queue), queue
+
+
+# ---------------------------------------------------------------- after the promotion
+
+
+ALICE = ("alice", "alice-pw-7")
+
+
+@pytest.fixture
+def alice(site_a: LocalSite, site_b: LocalSite) -> Iterator[tuple[str, str]]:
+    """A client user on A's broker, with no permissions yet (the brokers'
+    reset keeps users: removed from both afterwards)."""
+    name, password = ALICE
+    site_a.rabbit.api("PUT", f"users/{name}", {"password": password, "tags": ""})
+    yield ALICE
+    for site in (site_a, site_b):
+        with contextlib.suppress(HarnessError):
+            site.rabbit.api("DELETE", f"users/{name}")
+
+
+def as_user(site: LocalSite, name: str, password: str) -> str:
+    return f"amqp://{name}:{password}@127.0.0.1:{site.amqp_port}/{VPN}"
+
+
+def test_a_client_user_of_the_old_active_consumes_her_messages_on_the_promoted_site(
+    sites: Sites, alice: tuple[str, str]
+) -> None:
+    """A user of the old active's broker (not the node's) logs in to the
+    promoted site's listener with her own password and gets her messages."""
+    name, password = alice
+    setup_vpn(sites.a.site)
+    sites.a.site.rabbit.api(  # rights on the VPN only
+        "PUT", f"permissions/{VPN}/{name}", {"configure": ".*", "write": ".*", "read": ".*"}
+    )
+    enable(sites.cli_a)
+    sites.a.start()
+    sites.b.start()
+    publisher = Publisher(sites.a.site, range(1, 501))
+    publisher.url = as_user(sites.a.site, name, password)  # hers, not guest's
+    assert publisher.run().error is None and publisher.confirmed == set(range(1, 501))
+    caught_up(sites.a, sites.b)
+    sites.a.kill()
+
+    promoted = sites.cli_b("promote", VPN)
+    assert promoted.returncode == 0, promoted.stderr
+
+    with pytest.raises(pika.exceptions.AMQPConnectionError):  # B checks her password
+        pika.BlockingConnection(pika.URLParameters(as_user(sites.b.site, name, "wrong")))
+    conn = pika.BlockingConnection(pika.URLParameters(as_user(sites.b.site, name, password)))
+    try:
+        ch = conn.channel()
+        ch.basic_qos(prefetch_count=100)
+        for queue in IN_SCOPE:
+            got: list[int] = []
+            want = in_queue(publisher.confirmed, queue)
+            for method, props, payload in ch.consume(queue, inactivity_timeout=10):
+                assert method is not None, f"{queue}: {len(got)} of {len(want)} delivered"
+                assert props.message_id == f"m-{number(payload):06d}"
+                ch.basic_ack(method.delivery_tag)
+                got.append(number(payload))
+                if len(got) == len(want):
+                    break
+            ch.cancel()
+            assert got == want, queue
+    finally:
+        conn.close()
+    assert broker_depths(sites.b.site) == dict.fromkeys(IN_SCOPE, 0)  # her acks took them
+
+
+def ledger_rows(site: LocalSite) -> dict[int, set[tuple[int, str]]]:
+    """Per ledger index of a publish: the (number, queue) rows it put into
+    in-scope queues (read from the site's database directly)."""
+    with psycopg.connect(site.pg.dsn()) as db:
+        rows = db.execute("SELECT idx, event FROM ledger WHERE vpn = %s", (VPN,)).fetchall()
+    out: dict[int, set[tuple[int, str]]] = {}
+    for idx, data in rows:
+        event = decode_event(bytes(data), VPN)
+        if isinstance(event, Published):
+            out[idx] = {(number(event.body), q) for q in event.queues}
+    return out
+
+
+def test_failover_in_async_mode_loses_only_the_tail_the_standby_had_not_applied(
+    sites: Sites,
+) -> None:
+    """In async mode a confirm does not wait for the standby: a confirmed
+    message missing on the promoted site must be one the old active's ledger
+    holds above the index the standby had applied, and the promoted site
+    holds exactly what it had applied."""
+    setup_vpn(sites.a.site)
+    enable(sites.cli_a, "--mode", "async")
+    sites.a.start()
+    sites.b.start()
+    until(lambda: vpn_status(sites.b).get("bridge") == "connected", "B to follow A")
+    publisher = Publisher(sites.a.site, range(1, 30_001), window=300).start()
+    until(lambda: len(publisher.confirmed) >= 2000, "2000 confirmed publishes")
+    # B falls behind (its node frozen): in async mode A confirms without it
+    assert sites.b.pid is not None
+    os.kill(sites.b.pid, signal.SIGSTOP)
+    behind = len(publisher.confirmed)
+    until(lambda: len(publisher.confirmed) >= behind + 2000, "A to confirm while B is frozen")
+    sites.a.kill()  # mid-stream; A's PostgreSQL stays up
+    sites.b.kill()  # never thawed: what it had applied at A's kill is all it has
+    publisher.join()
+    assert publisher.error is not None and "connection lost" in publisher.error
+    assert not publisher.nacked
+    b_applied = scalar(sites.b.site, "SELECT applied_index FROM vpn_state WHERE vpn = %s", VPN)
+    applied = live_numbers(sites.b.site)  # no consumer ran: B's live state is all it applied
+
+    promoted = sites.cli_b("promote", VPN)  # no node on B: the CLI promotes itself
+    assert promoted.returncode == 0, promoted.stderr
+    assert f"{len(applied)} messages into 2 queues" in promoted.stdout
+    holds: set[tuple[int, str]] = set()
+    for queue in IN_SCOPE:
+        got = held(sites.b.site, queue)
+        assert got == sorted({n for n, q in applied if q == queue}), f"{queue}: not as applied"
+        holds |= {(n, queue) for n in got}
+
+    ledger = ledger_rows(sites.a.site)
+    upto = set().union(*(rows for idx, rows in ledger.items() if idx <= b_applied))
+    tail = set().union(*(rows for idx, rows in ledger.items() if idx > b_applied))
+    assert holds == upto, "B holds other than A's ledger up to the index B applied"
+    told = {(n, q) for n in publisher.confirmed for q in queues_of(n)}
+    missing = told - holds
+    print(
+        f"async failover: {len(publisher.confirmed)} confirmed, B applied index {b_applied}; "
+        f"{len(missing)} confirmed queue messages not on B ({len(tail)} in A's unreplicated tail)"
+    )
+    assert missing, "B was frozen while A confirmed 2000 publishes, yet B holds them all"
+    assert missing <= tail, f"confirmed, not on B, not in A's tail: {sorted(missing)[:10]}"
+
+
+def test_a_standby_with_nothing_live_is_promoted_with_zero_messages(sites: Sites) -> None:
+    setup_vpn(sites.a.site)
+    enable(sites.cli_a)
+    sites.a.start()
+    sites.b.start()
+    caught_up(sites.a, sites.b)
+    sites.a.kill()
+    assert live_numbers(sites.b.site) == set()
+    assert admin_active(sites.b.site) == 503
+
+    promoted = sites.cli_b("promote", VPN)
+    assert promoted.returncode == 0, promoted.stderr
+    assert f"VPN '{VPN}' promoted to active at epoch 2: 0 messages into 0 queues" in (
+        promoted.stdout
+    )
+    assert promotion_of(sites.b) == ("active", 2, "done", 0, 0)
+    assert admin_active(sites.b.site) == 200
+    assert broker_depths(sites.b.site) == dict.fromkeys(IN_SCOPE, 0)
+    pika.BlockingConnection(pika.URLParameters(amqp_url(sites.b.site))).close()  # admitted
+
+
+def test_a_standby_refuses_the_vpns_clients_from_its_first_listing(sites: Sites) -> None:
+    """Until the listener knows a VPN is standby here, a client would reach
+    the standby's broker unreplicated (and a promotion empties what it finds
+    there): the node learns it from the first listing, before it admits
+    anyone, and at once when a listing brings a new VPN."""
+    setup_vpn(sites.a.site)
+    done = sites.cli_a("vpn", "enable", VPN, "--role", "active", "--queues", r"orders\..*")
+    assert done.returncode == 0, done.stderr
+    sites.a.start()
+    sites.b.start()  # returns once B's listener accepts clients
+    with pytest.raises(pika.exceptions.AMQPConnectionError) as refused:
+        pika.BlockingConnection(pika.URLParameters(amqp_url(sites.b.site)))
+    # pika reports a close during the handshake as a probable access denial
+    assert "(530)" in str(refused.value) and "is a replication standby" in str(refused.value)

@@ -32,13 +32,16 @@ from tests.two_sites import (
     VPN,
     Publisher,
     amqp_url,
+    body,
     broker_depths,
     caught_up,
     cli_status,
     enable,
     live_numbers,
     number,
+    properties,
     queues_of,
+    routing_key,
     scalar,
     setup_vpn,
     until,
@@ -122,6 +125,37 @@ class AckingConsumer(threading.Thread):
             self.error = e
 
 
+#: the numbers the transactional client publishes start here
+TX_FIRST = 500_001
+
+
+class TxPublisher(threading.Thread):
+    """Publishes numbered messages in transactions of five through the
+    site's listener; ``committed`` holds those whose ``tx.commit-ok`` came."""
+
+    def __init__(self, site: LocalSite, first: int) -> None:
+        super().__init__(name="tx-publisher", daemon=True)
+        self.site, self.first = site, first
+        self.committed: list[int] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        n = self.first
+        try:
+            conn = pika.BlockingConnection(pika.URLParameters(amqp_url(self.site)))
+            ch = conn.channel()
+            ch.tx_select()
+            while n < self.first + 100_000:
+                batch = list(range(n, n + 5))
+                for m in batch:
+                    ch.basic_publish("events", routing_key(m), body(m), properties(m))
+                ch.tx_commit()
+                self.committed += batch
+                n += 5
+        except BaseException as e:  # the node was killed: what the test expects
+            self.error = e
+
+
 def test_failover_in_sync_mode_loses_nothing_a_client_was_told(sites: Sites) -> None:
     setup_vpn(sites.a.site)
     done = sites.cli_a("vpn", "enable", VPN, "--role", "active", "--queues", r"orders\..*",
@@ -135,14 +169,19 @@ def test_failover_in_sync_mode_loses_nothing_a_client_was_told(sites: Sites) -> 
     publisher = Publisher(sites.a.site, range(1, 20_001), window=200).start()
     consumer = AckingConsumer(sites.a.site, "orders.q1")
     consumer.start()
+    transactions = TxPublisher(sites.a.site, first=TX_FIRST)
+    transactions.start()
     until(lambda: len(publisher.confirmed) >= 1500, "1500 confirmed publishes")
     until(lambda: len(consumer.acked) >= 200, "200 acked deliveries")
-    sites.a.kill()  # mid-stream: the publisher and the consumer lose their connections
+    until(lambda: len(transactions.committed) >= 50, "50 committed transactional publishes")
+    sites.a.kill()  # mid-stream: every client loses its connection
     publisher.join()
     consumer.join(60)
+    transactions.join(60)
     assert publisher.error is not None and "connection lost" in publisher.error
     assert not publisher.nacked
     assert consumer.error is not None  # its connection went with the node
+    assert transactions.error is not None
 
     # promotion on B while A is still down, through B's running node
     promoted = sites.cli_b("promote", VPN)
@@ -157,14 +196,16 @@ def test_failover_in_sync_mode_loses_nothing_a_client_was_told(sites: Sites) -> 
     for queue in IN_SCOPE:
         got = broker_contents(sites.b.site, queue)
         assert len(got) == len(set(got)), f"{queue}: a message twice"
-        assert got == sorted(got), f"{queue}: not in publish order"
-        confirmed = {n for n in publisher.confirmed if queue in queues_of(n)}
+        for source in ([n for n in got if n < TX_FIRST], [n for n in got if n >= TX_FIRST]):
+            assert source == sorted(source), f"{queue}: not in publish order"
+        told = publisher.confirmed | set(transactions.committed)
+        confirmed = {n for n in told if queue in queues_of(n)}
         missing = confirmed - set(got) - (removed if queue == "orders.q1" else set())
         assert not missing, (
             f"{queue}: confirmed and not consumed, missing on B: {sorted(missing)[:10]}"
         )
         # anything else is a publish the client was never told about (in flight at the kill)
-        assert set(got) <= set(range(1, 20_001))
+        assert {n for n in got if n < TX_FIRST} <= set(range(1, 20_001))
     # acks A had not made durable at the kill bring their messages back: counted
     back = removed & set(broker_contents(sites.b.site, "orders.q1"))
     print(f"acked on A but still on B after the promotion: {len(back)} of {len(removed)}")

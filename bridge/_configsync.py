@@ -56,6 +56,8 @@ from ._errors import BridgeError
 __all__ = [
     "ConfigSyncAPI",
     "ConfigSyncError",
+    # the plain reader, for the bridge's other modules (one import from plugin, here)
+    "ManagementAPI",
     "import_vpn_definitions",
     "reimport",
     "shape_vpn_definitions",

@@ -72,12 +72,17 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from plugin._config import HostPort, SiteConfig, TlsConfig
 from plugin._errors import ConfigError, PluginError
 from plugin._events import Published, ReplicationId
-from plugin._refresher import ManagementAPI
 from plugin._vpn import Role, VpnSettings
 from txn._failpoints import failpoint
 
 from ._apply import GuardedApply, run_guarded_async
-from ._configsync import ConfigSyncAPI, ConfigSyncError, import_vpn_definitions, vpn_definitions
+from ._configsync import (
+    ConfigSyncAPI,
+    ConfigSyncError,
+    ManagementAPI,
+    import_vpn_definitions,
+    vpn_definitions,
+)
 from ._entry import LedgerEntry
 from ._errors import (
     BridgeError,

@@ -24,8 +24,6 @@ whose tail is exported again the same.
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,6 +40,7 @@ from ._config import SiteConfig
 from ._errors import StateError
 from ._listener import site_broker_ssl
 from ._refresher import ManagementUnavailable
+from ._republish import write_tail_file
 from ._store import connect
 from ._topology import ReplicationScope
 from ._vpn import VpnSettings
@@ -61,18 +60,7 @@ def export_tail(cfg: SiteConfig, vpn: str, path: Path | None = None) -> tuple[Ta
         raise StateError(str(e)) from e
     if path is None:
         path = Path(f"vpnrepl-tail-{cfg.site_name}-{quote(vpn, safe='')}-epoch{tail.epoch}.jsonl")
-    with path.open("w", encoding="utf-8") as f:
-        for m in tail.messages:
-            record = {
-                "vpn": vpn,
-                "id": m.repl_id.hex(),
-                "exchange": m.exchange,
-                "routing_key": m.routing_key,
-                "queues": list(m.queues),
-                "properties": base64.b64encode(m.properties).decode(),
-                "body": base64.b64encode(m.body).decode(),
-            }
-            f.write(json.dumps(record) + "\n")
+    write_tail_file(path, vpn, tail.messages)
     return tail, path
 
 

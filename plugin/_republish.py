@@ -26,23 +26,23 @@ from pathlib import Path
 from bridge._amqp_client import BrokerPublisher
 from bridge._amqp_wire import AmqpEndpoint
 from bridge._errors import BridgeError
+from bridge._roles import TailMessage
 
 from ._config import SiteConfig
 from ._errors import StateError, UsageError
 from ._store import connect
 
-__all__ = ["RepublishSummary", "TailRecord", "read_tail_file", "republish"]
+__all__ = ["RepublishSummary", "TailRecord", "read_tail_file", "republish", "write_tail_file"]
 
 WINDOW = 500
 
 
 @dataclass(frozen=True, slots=True)
 class TailRecord:
+    """One line of an exported tail: the VPN and the message."""
+
     vpn: str
-    repl_id: bytes
-    queues: tuple[str, ...]
-    properties: bytes
-    body: bytes
+    message: TailMessage
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +65,22 @@ class RepublishSummary:
         return text
 
 
+def write_tail_file(path: Path, vpn: str, messages: Iterable[TailMessage]) -> None:
+    """An exported tail: one JSON object a line (what :func:`read_tail_file` reads)."""
+    with path.open("w", encoding="utf-8") as f:
+        for m in messages:
+            record = {
+                "vpn": vpn,
+                "id": m.repl_id.hex(),
+                "exchange": m.exchange,
+                "routing_key": m.routing_key,
+                "queues": list(m.queues),
+                "properties": base64.b64encode(m.properties).decode(),
+                "body": base64.b64encode(m.body).decode(),
+            }
+            f.write(json.dumps(record) + "\n")
+
+
 def read_tail_file(path: Path) -> list[TailRecord]:
     """The file's records; a UsageError naming the line for a bad one."""
     records = []
@@ -79,14 +95,18 @@ def read_tail_file(path: Path) -> list[TailRecord]:
             doc = json.loads(line)
             record = TailRecord(
                 str(doc["vpn"]),
-                bytes.fromhex(doc["id"]),
-                tuple(str(q) for q in doc["queues"]),
-                base64.b64decode(doc["properties"], validate=True),
-                base64.b64decode(doc["body"], validate=True),
+                TailMessage(
+                    bytes.fromhex(doc["id"]),
+                    str(doc["exchange"]),
+                    str(doc["routing_key"]),
+                    tuple(str(q) for q in doc["queues"]),
+                    base64.b64decode(doc["properties"], validate=True),
+                    base64.b64decode(doc["body"], validate=True),
+                ),
             )
         except (ValueError, KeyError, TypeError, binascii.Error) as e:
             raise UsageError(f"{path}:{number}: not a tail record ({e})") from e
-        if len(record.repl_id) != 16 or not record.queues:
+        if len(record.message.repl_id) != 16 or not record.message.queues:
             raise UsageError(f"{path}:{number}: not a tail record (id or queues)")
         records.append(record)
     return records
@@ -146,7 +166,7 @@ async def republish(cfg: SiteConfig, records: list[TailRecord]) -> RepublishSumm
     sent = copies = already = 0
     unknown: list[str] = []
     for vpn in sorted({r.vpn for r in records}):
-        mine_records = [r for r in records if r.vpn == vpn]
+        mine_records = [r.message for r in records if r.vpn == vpn]
         mine, before, left = _claim(cfg, vpn, [r.repl_id for r in mine_records])
         already += before
         unknown += left

@@ -158,6 +158,8 @@ class Node:
         self._refreshing: asyncio.Task[None] | None = None
         #: VPN -> why its clients are refused although it is active here
         self.refusals: dict[str, str] = {}
+        #: VPN -> the refusal of a switchover under way (kept across refreshes)
+        self.switching: dict[str, str] = {}
 
     async def _load_settings(self) -> list[VpnSettings]:
         settings = await self._read_settings()
@@ -196,6 +198,8 @@ class Node:
                     )
                 await self.writer.open_vpn(s.name)
                 self.replicator.configure(s, r["applied_index"])
+            if s.name in self.switching:
+                self.refusals[s.name] = self.switching[s.name]
             out.append(s)
         return out
 
@@ -363,12 +367,14 @@ class Node:
         if not self._serves(vpn):
             raise StateError(f"VPN {vpn!r} is not served by this site's node")
         text = f"switchover to site {args.get('to', '?')!r}: connect to that site"
+        self.switching[vpn] = text
         self._refuse(vpn, text)
         if self.listener is not None:
             self.listener.close_vpn(vpn, text)
         try:
             index = await self._drained(vpn)
         except StateError:
+            self.switching.pop(vpn, None)
             self._refuse(vpn, None)
             raise
         log.info("VPN %s: drained to index %d for a switchover", vpn, index)
@@ -413,12 +419,14 @@ class Node:
             log.error("VPN %s: %d messages left at switchover: %s", vpn, len(tail.messages), path)
         else:
             path.unlink()
+        self.switching.pop(vpn, None)
         summary = await self._demote(vpn, args, progress)
         return {"line": DemotionSummary.from_dict(summary).line(), "tail": len(tail.messages)}
 
     async def _switchover_abort(
         self, vpn: str, args: Mapping[str, Any], progress: Progress
     ) -> dict[str, Any]:
+        self.switching.pop(vpn, None)
         self._refuse(vpn, None)
         log.warning("VPN %s: switchover abandoned; clients admitted again", vpn)
         return {}

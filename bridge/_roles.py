@@ -45,6 +45,7 @@ __all__ = [
     "TailMessage",
     "begin_promotion",
     "demote_to_standby",
+    "ensure_fenced",
     "fail_promotion",
     "finish_promotion",
     "read_tail",
@@ -309,6 +310,12 @@ def _fenced_here(cur: psycopg.Cursor[Any], vpn: str) -> tuple[int, int, int, int
             vpn,
         )
     return int(ledger_index), int(live_index or 0), int(epoch), int(taken_over_at)
+
+
+def ensure_fenced(conn: psycopg.Connection[Any], vpn: str) -> None:
+    """RoleError unless ``vpn`` is a fenced former active here."""
+    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+        _fenced_here(cur, vpn)
 
 
 def read_tail(conn: psycopg.Connection[Any], vpn: str) -> Tail:

@@ -34,7 +34,7 @@ from bridge._amqp_client import BrokerPublisher
 from bridge._amqp_wire import AmqpEndpoint
 from bridge._configsync import ConfigSyncAPI
 from bridge._errors import BridgeError
-from bridge._roles import Tail, demote_to_standby, read_tail
+from bridge._roles import Tail, demote_to_standby, ensure_fenced, read_tail
 
 from ._config import SiteConfig
 from ._errors import StateError
@@ -145,6 +145,11 @@ async def _empty_queues(cfg: SiteConfig, vpn: str) -> tuple[dict[str, int], dict
     return emptied, left
 
 
+def _ensure_fenced(cfg: SiteConfig, vpn: str) -> None:
+    with connect(cfg.store_dsn) as conn:
+        ensure_fenced(conn, vpn)
+
+
 def _demote_in_db(cfg: SiteConfig, vpn: str) -> int:
     with connect(cfg.store_dsn) as conn:
         return demote_to_standby(conn, vpn)
@@ -153,8 +158,8 @@ def _demote_in_db(cfg: SiteConfig, vpn: str) -> int:
 async def demote(cfg: SiteConfig, vpn: str) -> DemotionSummary:
     """Steps 2 (see the module docstring); the tail must be exported first."""
     try:
-        with connect(cfg.store_dsn) as conn:
-            read_tail(conn, vpn)  # still a fenced former active? (RoleError if not)
+        # still a fenced former active? (RoleError if not: its queues stay)
+        await asyncio.to_thread(_ensure_fenced, cfg, vpn)
         emptied, left = await _empty_queues(cfg, vpn)
         epoch = await asyncio.to_thread(_demote_in_db, cfg, vpn)
     except (BridgeError, ManagementUnavailable) as e:

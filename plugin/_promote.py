@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -102,7 +103,7 @@ async def promote(
     cfg: SiteConfig,
     vpn: str,
     progress: Progress | None = None,
-    broker_ssl: Any = None,
+    broker_ssl: ssl.SSLContext | None = None,
 ) -> PromotionSummary:
     """Promote ``vpn`` on this site (see the module docstring)."""
     t0 = time.monotonic()

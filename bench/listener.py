@@ -66,12 +66,12 @@ from _common import (
     summarise_py_spy,
 )
 
+from bridge import ConfirmKey, Event, IdSource, LocalTransaction, Published, Role
 from plugin._directory import VpnDirectory, VpnView
-from plugin._events import ConfirmKey, Event, IdSource, LocalTransaction, Published, ReplicationSink
 from plugin._listener import BrokerAddress, Listener
 from plugin._localsites import LocalSites, RabbitNode
+from plugin._sink import ReplicationSink
 from plugin._topology import ReplicationScope, Topology
-from plugin._vpn import Role
 
 QUEUE = "bench.listener"
 TARGETS = ("direct", "plain", "replicated")

@@ -37,7 +37,7 @@ from _common import BenchError, LeanPublisher, process_cpu
 from pamqp import body, commands, frame, header
 from pamqp.common import FieldTable
 
-from plugin._events import REPLICATION_HEADER, ReplicationId
+from bridge import REPLICATION_HEADER, ReplicationId
 from plugin._localsites import HarnessError, LocalSites, RabbitNode
 
 _TYPE = "application/octet-stream"

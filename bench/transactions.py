@@ -72,9 +72,9 @@ from _common import (
     vpnrepl,
 )
 
+from bridge import VpnSettings
 from plugin._localsites import HarnessError, LocalNode, LocalSite, LocalSites
 from plugin._store import connect, enable_vpn
-from plugin._vpn import VpnSettings
 from sql import migrate
 
 VPN = "orders"

@@ -47,10 +47,10 @@ import psycopg
 from psycopg.rows import tuple_row
 from psycopg.types.numeric import Int8
 
-from plugin._events import Consumed, DeadLettered, Published, Purged, ReplicationId
-
 from ._arrays import bytea_array, int8_array, text_array
 from ._entry import LedgerEntry
+from ._events import Consumed, DeadLettered, Published, Purged
+from ._ids import ReplicationId
 
 __all__ = [
     "ApplyResult",

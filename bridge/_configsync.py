@@ -38,26 +38,19 @@ Invariants, and why they hold:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote
 
 import psycopg
 
-from plugin._refresher import ManagementAPI, ManagementUnavailable
-
 from ._errors import BridgeError
+from ._management import ManagementAPI, ManagementUnavailable
 
 __all__ = [
-    "ConfigSyncAPI",
     "ConfigSyncError",
-    # the plain reader, for the bridge's other modules (one import from plugin, here)
-    "ManagementAPI",
     "import_vpn_definitions",
     "reimport",
     "shape_vpn_definitions",
@@ -83,72 +76,6 @@ class ConfigSyncError(BridgeError):
 
 class _Reads(Protocol):
     def get(self, path: str) -> object: ...
-
-
-class ConfigSyncAPI(ManagementAPI):
-    """:class:`ManagementAPI` plus the writes config-sync needs (blocking; run
-    in a thread). ``keep_users`` are left alone by config-sync, as is the
-    user of ``url`` itself."""
-
-    def __init__(self, url: str, timeout: float = 10.0, keep_users: Iterable[str] = ()) -> None:
-        super().__init__(url, timeout)
-        self._user = unquote(urlsplit(url).username or "guest")
-        self.keep_users = frozenset({self._user, *keep_users})
-        #: VPNs for which "users left alone" was logged (once per VPN)
-        self.kept_noted: set[str] = set()
-
-    def _call(self, method: str, path: str, body: bytes | None) -> bytes:
-        req = urllib.request.Request(  # noqa: S310 - admin-configured URL
-            f"{self._base}/api/{path}", data=body, method=method
-        )
-        req.add_header("Authorization", self._auth)
-        req.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(req, timeout=self._timeout) as resp:  # noqa: S310
-                return bytes(resp.read())
-        except urllib.error.HTTPError as e:
-            reason = ""
-            with contextlib.suppress(Exception):
-                reason = str(json.loads(e.read()).get("reason", ""))
-            detail = f": {reason}" if reason else ""
-            raise ManagementUnavailable(
-                f"{self._display}: {method} /api/{path}: HTTP {e.code}{detail}"
-            ) from e
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ManagementUnavailable(f"{self._display}: {method} /api/{path}: {e}") from e
-
-    def post(self, path: str, body: bytes) -> None:
-        self._call("POST", path, body)
-
-    def put(self, path: str, body: bytes) -> None:
-        self._call("PUT", path, body)
-
-    def delete(self, path: str) -> None:
-        self._call("DELETE", path, None)
-
-    def vhost_exists(self, vhost: str) -> bool:
-        try:
-            self._call("GET", f"vhosts/{quote(vhost, safe='')}", None)
-        except ManagementUnavailable as e:
-            if _not_found(e):
-                return False
-            raise
-        return True
-
-    def import_definitions(self, vhost: str, definitions_json: bytes) -> bool:
-        """Create ``vhost`` if needed (granting the API user access to it, as
-        ``rabbitmqctl add_vhost`` plus ``set_permissions`` would), then import
-        the definitions; returns True when the vhost was created."""
-        name = quote(vhost, safe="")
-        created = not self.vhost_exists(vhost)
-        if created:
-            self.put(f"vhosts/{name}", b"{}")
-            everything = {"configure": ".*", "write": ".*", "read": ".*"}
-            self.put(
-                f"permissions/{name}/{quote(self._user, safe='')}", json.dumps(everything).encode()
-            )
-        self.post(f"definitions/{name}", definitions_json)
-        return created
 
 
 # ---------------------------------------------------------------- the document
@@ -246,17 +173,12 @@ def _records(found: object, what: str) -> list[dict[str, Any]]:
     return found
 
 
-def _not_found(e: ManagementUnavailable) -> bool:
-    cause = e.__cause__
-    return isinstance(cause, urllib.error.HTTPError) and cause.code == 404
-
-
 def _get_or_none(api: _Reads, path: str) -> dict[str, Any] | None:
     """``GET path``, or None when the broker answers 404."""
     try:
         found = api.get(path)
     except ManagementUnavailable as e:
-        if _not_found(e):
+        if e.not_found:
             return None
         raise
     if not isinstance(found, dict):
@@ -290,7 +212,7 @@ def vpn_definitions(api: _Reads, vpn: str) -> bytes:
 # ---------------------------------------------------------------- the standby
 
 
-def import_vpn_definitions(api: ConfigSyncAPI, vpn: str, definitions_json: bytes) -> bool:
+def import_vpn_definitions(api: ManagementAPI, vpn: str, definitions_json: bytes) -> bool:
     """Bring the local broker in line with the active's document for ``vpn``:
     create the vhost if needed, import its definitions, then the users with
     their password hashes, tags and limits, and their (topic) permissions on
@@ -306,7 +228,7 @@ def import_vpn_definitions(api: ConfigSyncAPI, vpn: str, definitions_json: bytes
     return created
 
 
-def _import_access(api: ConfigSyncAPI, vpn: str, access: dict[str, list[dict[str, Any]]]) -> None:
+def _import_access(api: ManagementAPI, vpn: str, access: dict[str, list[dict[str, Any]]]) -> None:
     kept = sorted({u["name"] for u in access["users"]} & api.keep_users)
     if kept and vpn not in api.kept_noted:
         api.kept_noted.add(vpn)
@@ -338,7 +260,7 @@ def _import_access(api: ConfigSyncAPI, vpn: str, access: dict[str, list[dict[str
             api.put(f"topic-permissions/{name}/{quote(user, safe='')}", json.dumps(want).encode())
 
 
-def _import_user(api: ConfigSyncAPI, vpn: str, user: dict[str, Any]) -> None:
+def _import_user(api: ManagementAPI, vpn: str, user: dict[str, Any]) -> None:
     """Create or update one user; its limits follow when the active sent them."""
     path = f"users/{quote(user['name'], safe='')}"
     here = _get_or_none(api, path)
@@ -366,7 +288,7 @@ def _import_user(api: ConfigSyncAPI, vpn: str, user: dict[str, Any]) -> None:
         api.delete(f"{limits}/{quote(key, safe='')}")
 
 
-def reimport(api: ConfigSyncAPI, vpn: str, dsn: str) -> bool:
+def reimport(api: ManagementAPI, vpn: str, dsn: str) -> bool:
     """Import the definitions the active sent last for ``vpn`` (the copy in
     ``vpn_config.definitions``) into the local broker, users and permissions
     included, as :func:`import_vpn_definitions` does; for a promotion, which

@@ -27,15 +27,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from plugin._events import (
-    EVENT_KINDS,
-    Consumed,
-    DeadLettered,
-    Event,
-    Published,
-    Purged,
-    ReplicationId,
-)
+from ._events import EVENT_KINDS, Consumed, DeadLettered, Event, Published, Purged
+from ._ids import ReplicationId
 
 __all__ = ["EventDecodeError", "LedgerEntry", "decode_event", "encode_event", "split_events"]
 

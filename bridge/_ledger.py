@@ -84,12 +84,11 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from plugin._events import DeadLettered, Event, Published
-
 from ._apply import apply_entries_async
 from ._arrays import bytea_array, int8_array, text_array
 from ._entry import LedgerEntry, decode_event, encode_event
 from ._errors import BridgeError
+from ._events import DeadLettered, Event, Published
 
 __all__ = [
     "LedgerClosed",

@@ -69,9 +69,6 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import ClassVar, Final, Self, TypeVar
 
-from plugin import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnSettings
-from plugin._events import ReplicationId
-
 from ._entry import EventDecodeError, LedgerEntry, decode_event
 from ._errors import (
     ERROR_CODES,
@@ -89,6 +86,8 @@ from ._errors import (
     UnknownVpn,
     VersionMismatch,
 )
+from ._ids import ReplicationId
+from ._settings import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnSettings
 
 __all__ = [
     "CLOSED",

@@ -17,38 +17,78 @@ publishes are nacked (the listener closes nothing; the client sees nacks and
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Protocol
 
-from plugin._events import (
+from ._events import (
     ConfirmKey,
     Consumed,
     DeadLettered,
     Event,
     LocalTransaction,
-    ReplicationSink,
     TransactionRefused,
     future_callback,
 )
-from plugin._vpn import Mode, VpnSettings
-
 from ._ledger import LedgerError, LedgerWriter, UnstorableEvent
+from ._settings import Mode, VpnSettings
 from ._syncgate import SyncGate
 
-if TYPE_CHECKING:
-    from txn._coordinator import Coordinator
-
-__all__ = ["Replicator"]
+__all__ = ["Replicator", "Transactions", "commit_in_task"]
 
 log = logging.getLogger(__name__)
 
 #: sync deadlines closer together than this are checked in one wake-up
 _TICK = 0.005
 
+#: commits under way in :func:`commit_in_task` (the loop keeps only weak
+#: references to tasks)
+_COMMITTING: set[asyncio.Task[None]] = set()
 
-class Replicator(ReplicationSink):
-    """Ledger first, then (sync mode) the standby, then the client's confirm."""
+
+def commit_in_task(
+    commit: Coroutine[Any, Any, None], done: Callable[[BaseException | None], None]
+) -> None:
+    """Run ``commit`` in a task and report its end through ``done(error)``
+    (``None``: committed): a sink's ``commit_soon`` for a sink whose commit
+    is awaited, not learnt in a callback."""
+    task = asyncio.ensure_future(commit)
+    _COMMITTING.add(task)
+
+    def finished(task: asyncio.Task[None]) -> None:
+        _COMMITTING.discard(task)
+        done(asyncio.CancelledError() if task.cancelled() else task.exception())
+
+    task.add_done_callback(finished)
+
+
+class Transactions(Protocol):
+    """What the replicator hands local transactions to: ``txn``'s
+    coordinator, which runs each as a two-phase commit over both sites."""
+
+    def configure(self, settings: VpnSettings) -> None: ...
+
+    def before_consumed(self, event: Consumed | DeadLettered) -> None: ...
+
+    def prepare(self, txn: LocalTransaction) -> Awaitable[None]: ...
+
+    async def commit(self, txn: LocalTransaction) -> None: ...
+
+    def commit_soon(
+        self, txn: LocalTransaction, done: Callable[[BaseException | None], None]
+    ) -> None: ...
+
+    async def abort(self, txn: LocalTransaction) -> None: ...
+
+    async def resolve(self, txn: LocalTransaction) -> None: ...
+
+
+class Replicator:
+    """Ledger first, then (sync mode) the standby, then the client's confirm.
+
+    The listener's replication sink (``plugin``'s ``ReplicationSink``
+    protocol, implemented structurally: this layer does not import it)."""
 
     def __init__(self, writer: LedgerWriter) -> None:
         self.writer = writer
@@ -58,9 +98,10 @@ class Replicator(ReplicationSink):
         #: publish waits for the standby (no wake-ups on an idle or async
         #: site, nor on a standby)
         self._timer: asyncio.TimerHandle | None = None
-        #: runs local transactions as two-phase commits (txn/_coordinator.py);
-        #: without one, a transaction's events are ledgered at its commit
-        self.coordinator: Coordinator | None = None
+        #: runs local transactions as two-phase commits (``txn``'s
+        #: coordinator); without one, a transaction's events are ledgered at
+        #: their commit
+        self.coordinator: Transactions | None = None
 
     def configure(self, settings: VpnSettings, acked_index: int) -> None:
         """Apply a VPN's (possibly changed) mode, timeout and policy."""
@@ -147,7 +188,7 @@ class Replicator(ReplicationSink):
             if deadline is not None:
                 self._arm(loop, deadline)
 
-    # -- ReplicationSink ------------------------------------------------------
+    # -- the listener's sink ---------------------------------------------------
 
     def append(self, event: Event, on_durable: Callable[[bool], None] | None) -> None:
         if self.coordinator is not None and isinstance(event, Consumed | DeadLettered):
@@ -180,7 +221,7 @@ class Replicator(ReplicationSink):
         confirms of the group are released together, as each would be."""
         vpn = events[0][0].vpn if events else ""
         if not events or any(event.vpn != vpn for event, _ in events):
-            super().append_many(events, on_durable)
+            self._one_by_one(events, on_durable)
             return
         keys = [key for _, key in events if key is not None]
 
@@ -203,10 +244,18 @@ class Replicator(ReplicationSink):
         try:
             last.append(self.writer.append_many([event for event, _ in events], callback).index)
         except UnstorableEvent:
-            super().append_many(events, on_durable)  # one by one: only the bad one is refused
+            self._one_by_one(events, on_durable)  # only the bad one is refused
         except LedgerError as e:
             log.error("VPN %s: %d events not replicated: %s", vpn, len(events), e)
             settle(False)
+
+    def _one_by_one(
+        self,
+        events: Sequence[tuple[Event, ConfirmKey | None]],
+        on_durable: Callable[[ConfirmKey, bool], None],
+    ) -> None:
+        for event, key in events:
+            self.append(event, None if key is None else functools.partial(on_durable, key))
 
     def _then_standby(
         self, gate: SyncGate, last: list[int], settle: Callable[[bool], None]
@@ -270,7 +319,7 @@ class Replicator(ReplicationSink):
         if self.coordinator is not None:  # it answers in the standby's callback
             self.coordinator.commit_soon(txn, done)
         else:
-            super().commit_soon(txn, done)
+            commit_in_task(self.commit(txn), done)
 
     async def abort(self, txn: LocalTransaction) -> None:
         if self.coordinator is not None:

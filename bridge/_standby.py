@@ -60,11 +60,10 @@ import psycopg
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
-from plugin._events import Event, Published
-
 from ._apply import GuardedApply, GuardedTemplate, apply_entries, guarded_template, run_guarded
 from ._entry import LedgerEntry, decode_event, split_events
 from ._errors import BridgeError, Gap, StaleEpoch, UnknownVpn
+from ._events import Event, Published
 from ._protocol import CheckpointRow
 
 __all__ = ["LiveRow", "NotStandby", "StandbyApplier", "StandbyError", "StandbyUnavailable"]

@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from plugin._vpn import SyncTimeoutPolicy
+from ._settings import SyncTimeoutPolicy
 
 __all__ = ["SyncGate"]
 

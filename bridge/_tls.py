@@ -29,9 +29,8 @@ import re
 import ssl
 from pathlib import Path
 
-from plugin._config import TlsConfig
-
 from ._errors import BridgeError
+from ._settings import TlsConfig
 
 __all__ = ["TlsSetupError", "describe_tls_error", "make_client_context", "make_server_context"]
 

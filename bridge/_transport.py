@@ -61,28 +61,15 @@ import ssl
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, TypeVar
-from urllib.parse import unquote, urlsplit
+from typing import Any, Final, Protocol, TypeVar
 
 import psycopg
 from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
-from plugin._config import HostPort, SiteConfig, TlsConfig
-from plugin._errors import ConfigError, PluginError
-from plugin._events import Published, ReplicationId
-from plugin._vpn import Role, VpnSettings
-from txn._failpoints import failpoint
-
 from ._apply import GuardedApply, run_guarded_async
-from ._configsync import (
-    ConfigSyncAPI,
-    ConfigSyncError,
-    ManagementAPI,
-    import_vpn_definitions,
-    vpn_definitions,
-)
+from ._configsync import ConfigSyncError, import_vpn_definitions, vpn_definitions
 from ._entry import LedgerEntry
 from ._errors import (
     BridgeError,
@@ -94,7 +81,11 @@ from ._errors import (
     StaleEpoch,
     UnknownVpn,
 )
+from ._events import Published, Voted
+from ._failpoints import failpoint
+from ._ids import ReplicationId
 from ._ledger import LedgerError, LedgerPruned, LedgerWriter, VpnNotOpen
+from ._management import ManagementAPI
 from ._protocol import (
     NEED_DATA,
     PROTOCOL_VERSION,
@@ -124,6 +115,7 @@ from ._protocol import (
 )
 from ._replicator import Replicator
 from ._roles import EPOCH_SQL, FENCE_SQL
+from ._settings import HostPort, InvalidSettings, Role, TlsConfig, VpnSettings
 from ._standby import (
     NotStandby,
     ReadyAhead,
@@ -132,10 +124,6 @@ from ._standby import (
     StandbyUnavailable,
 )
 from ._tls import describe_tls_error, make_client_context, make_server_context
-
-if TYPE_CHECKING:
-    from txn._coordinator import Coordinator
-    from txn._participant import Participant, Voted
 
 __all__ = [
     "CONNECTED",
@@ -151,6 +139,31 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+class TxnOutcomes(Protocol):
+    """How the active answers a standby's question about its prepared
+    transactions: ``txn``'s coordinator."""
+
+    async def outcomes_for(self, txids: Sequence[str]) -> dict[str, bool | None]: ...
+
+
+class TxnParticipant(Protocol):
+    """The standby's part of a local transaction: ``txn``'s participant."""
+
+    async def prepare(
+        self,
+        vpn: str,
+        txid: str,
+        events: bytes,
+        meanwhile: Callable[[Voted], object] | None = None,
+    ) -> Voted | None: ...
+
+    async def outcome(self, vpn: str, txid: str, commit: bool) -> None: ...
+
+    async def in_doubt(self, vpn: str) -> list[str]: ...
+
+
 _T = TypeVar("_T")
 
 #: ``bridge_state`` values, as ``vpnrepl status`` shows them.
@@ -192,7 +205,7 @@ def _describe(e: BaseException) -> str:
     if isinstance(e, psycopg.Error):
         text = e.diag.message_primary or (str(e).strip().splitlines() or [""])[0]
         return f"database: {text or type(e).__name__}"
-    if isinstance(e, BridgeError | PluginError):
+    if isinstance(e, BridgeError):
         return str(e)
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
@@ -586,7 +599,7 @@ class BridgeServer:
         self._taken_over: dict[str, int] = {}
         self._unsubscribe: Callable[[], None] | None = None
         #: answers standbys' questions about transactions (set by the node)
-        self.coordinator: Coordinator | None = None
+        self.coordinator: TxnOutcomes | None = None
         self._votes: dict[str, asyncio.Future[bool]] = {}
         #: txid -> what to run when the standby says it applied the transaction ahead
         #: txid -> (called if the standby applied it ahead, the answer it holds the stream for)
@@ -595,20 +608,6 @@ class BridgeServer:
         self._prune_due: dict[str, int] = {}  # vpn -> newest acknowledged index
         self._pruner: asyncio.Task[None] | None = None
         self._pruned_at = -PRUNE_INTERVAL
-
-    @classmethod
-    def from_config(
-        cls, cfg: SiteConfig, writer: LedgerWriter, replicator: Replicator, **kwargs: Any
-    ) -> BridgeServer:
-        return cls(
-            cfg.site_name,
-            cfg.store_dsn,
-            writer,
-            replicator,
-            management_url=cfg.management_url,
-            tls=cfg.tls,
-            **kwargs,
-        )
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -846,7 +845,7 @@ class BridgeServer:
         except RemoteProtocolError as e:
             log.error("bridge: standby %s broke the protocol: %s; closing", peer.name, e)
             link.fail(e)
-        except (psycopg.Error, LedgerError, PluginError) as e:
+        except (psycopg.Error, LedgerError, InvalidSettings) as e:
             log.error("bridge: serving standby %s failed: %s; closing", peer.name, _describe(e))
             link.fail(PeerFailure(f"the active failed: {_describe(e)}"))
         finally:
@@ -1371,7 +1370,7 @@ class BridgeClient:
         self.site = site
         self._dsn = dsn
         self.peer = peer
-        self._api = ConfigSyncAPI(management_url, keep_users=keep_users) if management_url else None
+        self._api = ManagementAPI(management_url, keep_users=keep_users) if management_url else None
         self._ssl = make_client_context(tls) if tls is not None else None
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -1395,7 +1394,7 @@ class BridgeClient:
         #: Established sessions so far (tests and status).
         self.sessions = 0
         #: the standby's side of local transactions (set by the node)
-        self.participant: Participant | None = None
+        self.participant: TxnParticipant | None = None
         #: txid -> its voted events made ready to commit ahead, until the commit or the outcome
         self._ready: OrderedDict[str, ReadyAhead] = OrderedDict()
         self._txn_tasks: set[asyncio.Task[None]] = set()
@@ -1409,21 +1408,6 @@ class BridgeClient:
         #: ``(vpn)``: a VPN the active lists was enabled here as standby (set
         #: by the node, whose listener must refuse its clients from now on)
         self.on_adopted: Callable[[str], None] | None = None
-
-    @classmethod
-    def from_config(cls, cfg: SiteConfig, **kwargs: Any) -> BridgeClient:
-        if cfg.peer_bridge is None:
-            raise ConfigError(cfg.path, "peer.bridge", "a standby site needs the active's address")
-        return cls(
-            cfg.site_name,
-            cfg.store_dsn,
-            cfg.peer_bridge,
-            management_url=cfg.management_url,
-            # the user this site's node logs in to its broker with
-            keep_users=(unquote(urlsplit(cfg.amqp_url).username or "guest"),),
-            tls=cfg.tls,
-            **kwargs,
-        )
 
     def bridge_state(self, vpn: str) -> str:
         return self._states.get(vpn, DISCONNECTED)
@@ -1508,7 +1492,7 @@ class BridgeClient:
         error = state.outcome.exception() if state.outcome is not None else None
         delay = state.next_action.sleep if state.next_action is not None else 0.0
         if error is not None and not isinstance(
-            error, BridgeError | StandbyError | psycopg.Error | PluginError | OSError
+            error, BridgeError | StandbyError | psycopg.Error | InvalidSettings | OSError
         ):
             log.error("bridge: unexpected failure", exc_info=error)
         log.warning(

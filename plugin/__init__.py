@@ -1,30 +1,34 @@
-"""What the broker admin and clients touch.
+"""What the broker admin and clients touch: the ``vpnrepl`` command line, the
+site configuration, the AMQP listener and the node that wires a site.
 
-Seams: the site configuration (:func:`load_config`), per-VPN replication
-settings (:class:`VpnSettings`), the admin CLI (:func:`main`), and the error
-taxonomy rooted at :class:`PluginError`.
+The top layer (``plugin`` → ``txn`` → ``bridge``). Its public API: the site
+configuration (:func:`load_config`), the admin CLI (:func:`main`), and the
+error taxonomy rooted at :class:`PluginError`. The listener's sans-IO
+session and the topology are private modules; importing this package loads
+none of the node's I/O (the CLI is imported when :func:`main` runs).
 """
 
-from ._cli import main
-from ._config import HostPort, SiteConfig, TlsConfig, load_config, redact_url
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._config import SiteConfig, load_config
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
-from ._vpn import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnSettings
 
 __all__ = [
     "ConfigError",
-    "HostPort",
-    "Mode",
     "PluginError",
-    "Role",
     "SiteConfig",
     "StateError",
     "StoreUnavailable",
-    "SyncTimeoutPolicy",
-    "TlsConfig",
-    "TopicFilter",
     "UsageError",
-    "VpnSettings",
     "load_config",
     "main",
-    "redact_url",
 ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``vpnrepl``: run the admin's command line (see ``plugin._cli``)."""
+    from ._cli import main as run
+
+    return run(argv)

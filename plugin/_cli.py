@@ -13,11 +13,20 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from bridge import (
+    DEFAULT_SYNC_TIMEOUT_MS,
+    BridgeError,
+    InvalidSettings,
+    ManagementAPI,
+    Mode,
+    Role,
+    SyncTimeoutPolicy,
+    VpnSettings,
+)
+
 from ._config import SiteConfig, load_config
 from ._errors import PluginError, UsageError
-from ._refresher import ManagementAPI
 from ._store import add_broker_depths, connect, disable_vpn, enable_vpn, status
-from ._vpn import DEFAULT_SYNC_TIMEOUT_MS, Mode, Role, SyncTimeoutPolicy, VpnSettings
 
 __all__ = ["main"]
 
@@ -348,10 +357,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UsageError("vpnrepl: --config SITE.TOML is required for this command")
             cfg = load_config(args.config, tuple(args.overrides))
         return run(cfg, args)
-    except UsageError as e:
+    except (UsageError, InvalidSettings) as e:
         print(f"vpnrepl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except PluginError as e:
+    except (PluginError, BridgeError) as e:
         print(f"vpnrepl: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:

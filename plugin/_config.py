@@ -14,42 +14,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
+
+from bridge import HostPort, TlsConfig
 
 from ._errors import ConfigError
 
-__all__ = ["HostPort", "SiteConfig", "TlsConfig", "load_config", "redact_url"]
-
-
-@dataclass(frozen=True, slots=True)
-class HostPort:
-    """A ``host:port`` listen or connect address."""
-
-    host: str
-    port: int
-
-    @classmethod
-    def parse(cls, text: str) -> HostPort:
-        host, sep, port_text = text.rpartition(":")
-        if not sep or not host or not port_text.isdigit():
-            raise ValueError(f"expected HOST:PORT, got {text!r}")
-        port = int(port_text)
-        if not 0 <= port <= 65535:
-            raise ValueError(f"port {port} is outside 0..65535")
-        return cls(host.strip("[]"), port)
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
-@dataclass(frozen=True, slots=True)
-class TlsConfig:
-    """TLS material of one server or link (``[tls]`` for the bridge,
-    ``[client_tls]`` for AMQPS clients); mutual TLS when ``ca`` is set."""
-
-    cert: Path
-    key: Path
-    ca: Path | None
+__all__ = ["SiteConfig", "load_config"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,14 +252,3 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         client_tls=client_tls,
         broker_ca=_existing_file(path, "broker.ca", v["broker"]["ca"]),
     )
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced, fit for a log line."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username}:***@{parts.hostname}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))

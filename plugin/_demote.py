@@ -30,20 +30,25 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from bridge._amqp_client import BrokerPublisher
-from bridge._amqp_wire import AmqpEndpoint
-from bridge._configsync import ConfigSyncAPI
-from bridge._errors import BridgeError
-from bridge._roles import Tail, demote_to_standby, ensure_fenced, read_tail
+from bridge import (
+    AmqpEndpoint,
+    BridgeError,
+    BrokerPublisher,
+    ManagementAPI,
+    ManagementUnavailable,
+    Tail,
+    VpnSettings,
+    demote_to_standby,
+    ensure_fenced,
+    read_tail,
+)
 
 from ._config import SiteConfig
 from ._errors import StateError
 from ._listener import site_broker_ssl
-from ._refresher import ManagementUnavailable
 from ._republish import write_tail_file
 from ._store import connect
 from ._topology import ReplicationScope
-from ._vpn import VpnSettings
 
 __all__ = ["DemotionSummary", "demote", "export_tail"]
 
@@ -116,7 +121,7 @@ def _settings(cfg: SiteConfig, vpn: str) -> tuple[VpnSettings, set[str]]:
 
 
 def _queue_names(cfg: SiteConfig, vpn: str) -> list[str]:
-    names = ConfigSyncAPI(cfg.management_url).get(f"queues/{quote(vpn, safe='')}?columns=name")
+    names = ManagementAPI(cfg.management_url).get(f"queues/{quote(vpn, safe='')}?columns=name")
     return [str(q["name"]) for q in names] if isinstance(names, list) else []
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bridge import Role
+
 from ._topology import ReplicationScope, Topology
-from ._vpn import Role
 
 __all__ = ["VpnDirectory", "VpnView"]
 

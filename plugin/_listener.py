@@ -29,23 +29,24 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from bridge._tls import describe_tls_error
-
-from ._config import SiteConfig, TlsConfig
-from ._directory import VpnDirectory
-from ._errors import ConfigError
-from ._events import (
+from bridge import (
     EVENT_KINDS,
     ConfirmKey,
     Event,
     IdSource,
     LocalTransaction,
     Published,
-    ReplicationSink,
+    TlsConfig,
     TransactionRefused,
+    describe_tls_error,
 )
+
+from ._config import SiteConfig
+from ._directory import VpnDirectory
+from ._errors import ConfigError
 from ._metrics import ListenerStats
 from ._session import BrokerUnavailable, Output, Session
+from ._sink import ReplicationSink
 from ._tls_server import TLS_SHUTDOWN_TIMEOUT, TlsServer
 
 __all__ = ["BrokerAddress", "Listener", "broker_context", "site_broker_ssl"]

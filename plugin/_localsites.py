@@ -37,7 +37,8 @@ from urllib.parse import quote
 
 import psycopg
 
-from ._config import TlsConfig
+from bridge import TlsConfig
+
 from ._errors import PluginError
 
 __all__ = [

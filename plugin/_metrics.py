@@ -18,7 +18,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import Gauge, InMemoryMetricReader, Sum
 
-from txn._coordinator import TxnStats
+from txn import TxnStats
 
 __all__ = ["ListenerStats", "Metrics"]
 

@@ -20,6 +20,7 @@ import logging
 import signal
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import psycopg
 from psycopg.rows import dict_row
@@ -30,31 +31,38 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from bridge._errors import BridgeError
-from bridge._ledger import LedgerError, LedgerWriter
-from bridge._replicator import Replicator
-from bridge._tls import TlsSetupError
-from bridge._transport import BridgeClient, BridgeServer
-from txn import _failpoints as failpoints
-from txn._coordinator import Coordinator
-from txn._log import TxnLog
-from txn._markers import MarkerError, MarkerStore
-from txn._participant import Participant
+from bridge import (
+    INCARNATION_LIMIT,
+    BridgeClient,
+    BridgeError,
+    BridgeServer,
+    IdSource,
+    LedgerError,
+    LedgerWriter,
+    ManagementAPI,
+    Purged,
+    Replicator,
+    Role,
+    TlsSetupError,
+    UnknownFailpoint,
+    VpnSettings,
+    armed,
+    redact_url,
+)
+from txn import Coordinator, MarkerError, MarkerStore, Participant, TxnLog
 
 from ._admin import AdminServer
-from ._config import SiteConfig, redact_url
+from ._config import SiteConfig
 from ._demote import DemotionSummary, demote, export_tail
 from ._directory import VpnDirectory, VpnView
-from ._errors import ConfigError, PluginError, StateError, StoreUnavailable
-from ._events import INCARNATION_LIMIT, IdSource, Purged
+from ._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
 from ._listener import BrokerAddress, Listener, site_broker_ssl
 from ._metrics import Metrics
 from ._promote import promote
-from ._refresher import DirectoryRefresher, ManagementAPI
+from ._refresher import DirectoryRefresher
 from ._requests import Progress, RequestServer
 from ._store import add_broker_depths, connect, status
 from ._tracing import Tracing
-from ._vpn import Role, VpnSettings
 
 __all__ = ["run_node"]
 
@@ -258,7 +266,10 @@ class Node:
 
     async def start(self) -> None:
         cfg = self.cfg
-        point = failpoints.armed()  # an unknown name stops the node here
+        try:
+            point = armed()  # an unknown name stops the node here
+        except UnknownFailpoint as e:
+            raise UsageError(str(e)) from e
         if point is not None:
             log.warning("failpoint %s is armed: this node kills itself there", point)
         incarnation = await _incarnation(cfg)  # checks the schema first
@@ -271,11 +282,25 @@ class Node:
         self.replicator.start()
         await self.txn_log.open()
         try:
-            self.bridge_server = BridgeServer.from_config(
-                cfg, self.writer, self.replicator, retain_seconds=cfg.ledger_retain_seconds
+            self.bridge_server = BridgeServer(
+                cfg.site_name,
+                cfg.store_dsn,
+                self.writer,
+                self.replicator,
+                management_url=cfg.management_url,
+                tls=cfg.tls,
+                retain_seconds=cfg.ledger_retain_seconds,
             )
             if cfg.peer_bridge is not None:
-                self.bridge_client = BridgeClient.from_config(cfg)
+                self.bridge_client = BridgeClient(
+                    cfg.site_name,
+                    cfg.store_dsn,
+                    cfg.peer_bridge,
+                    management_url=cfg.management_url,
+                    # the user this site's node logs in to its broker with
+                    keep_users=(unquote(urlsplit(cfg.amqp_url).username or "guest"),),
+                    tls=cfg.tls,
+                )
         except TlsSetupError as e:
             raise ConfigError(cfg.path, "tls", str(e)) from e
         self.bridge_server.coordinator = self.coordinator

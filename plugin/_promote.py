@@ -33,15 +33,21 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from bridge._configsync import ConfigSyncAPI, reimport
-from bridge._errors import BridgeError
-from bridge._materialise import materialise
-from bridge._roles import PromotionStart, begin_promotion, fail_promotion, finish_promotion
-from txn._failpoints import failpoint
+from bridge import (
+    BridgeError,
+    ManagementAPI,
+    ManagementUnavailable,
+    PromotionStart,
+    begin_promotion,
+    fail_promotion,
+    failpoint,
+    finish_promotion,
+    materialise,
+    reimport,
+)
 
 from ._config import SiteConfig
 from ._errors import StateError
-from ._refresher import ManagementUnavailable
 from ._requests import Progress
 from ._store import connect
 
@@ -96,7 +102,7 @@ def _fail(cfg: SiteConfig, vpn: str, error: str) -> None:
 
 def _reimport(cfg: SiteConfig, vpn: str) -> bool:
     node_user = unquote(urlsplit(cfg.amqp_url).username or "guest")
-    return reimport(ConfigSyncAPI(cfg.management_url, keep_users=(node_user,)), vpn, cfg.store_dsn)
+    return reimport(ManagementAPI(cfg.management_url, keep_users=(node_user,)), vpn, cfg.store_dsn)
 
 
 async def promote(

@@ -24,65 +24,18 @@ is handed to ``on_gone`` (the node replicates the deletion).
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import logging
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Callable, Sequence
-from urllib.parse import quote, urlsplit
 
-from ._config import redact_url
+from bridge import ManagementAPI, ManagementUnavailable, Role, VpnSettings
+
 from ._directory import VpnDirectory, VpnView
 from ._errors import PluginError
 from ._topology import DestinationKind, ReplicationScope, Topology
-from ._vpn import Role, VpnSettings
 
-__all__ = ["DirectoryRefresher", "ManagementAPI", "ManagementUnavailable"]
+__all__ = ["DirectoryRefresher"]
 
 log = logging.getLogger(__name__)
-
-
-class ManagementUnavailable(PluginError):
-    """The broker's management API could not be read."""
-
-
-class ManagementAPI:
-    """The few management HTTP API calls the node needs (blocking; run in a thread)."""
-
-    def __init__(self, url: str, timeout: float = 10.0) -> None:
-        parts = urlsplit(url)
-        self._base = (
-            f"{parts.scheme}://{parts.hostname}:{parts.port or 15672}{parts.path.rstrip('/')}"
-        )
-        self._display = redact_url(url)
-        user, password = parts.username or "guest", parts.password or "guest"
-        self._auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-        self._timeout = timeout
-
-    def get(self, path: str) -> object:
-        req = urllib.request.Request(f"{self._base}/api/{path}")  # noqa: S310 - admin-configured URL
-        req.add_header("Authorization", self._auth)
-        try:
-            with urllib.request.urlopen(req, timeout=self._timeout) as resp:  # noqa: S310
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            raise ManagementUnavailable(f"{self._display}: GET /api/{path}: HTTP {e.code}") from e
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ManagementUnavailable(f"{self._display}: GET /api/{path}: {e}") from e
-
-    def definitions(self, vhost: str) -> object:
-        return self.get(f"definitions/{quote(vhost, safe='')}")
-
-    def queue_exists(self, vhost: str, queue: str) -> bool:
-        """Whether the broker has ``queue`` (exclusive ones included)."""
-        try:
-            self.get(f"queues/{quote(vhost, safe='')}/{quote(queue, safe='')}")
-        except ManagementUnavailable as e:
-            if isinstance(e.__cause__, urllib.error.HTTPError) and e.__cause__.code == 404:
-                return False
-            raise
-        return True
 
 
 class DirectoryRefresher:
@@ -122,7 +75,7 @@ class DirectoryRefresher:
             try:
                 raw = await asyncio.to_thread(self.api.definitions, name)
                 fresh = Topology.from_definitions(name, raw)  # type: ignore[arg-type]
-            except PluginError as e:
+            except (PluginError, ManagementUnavailable) as e:
                 log.warning("VPN %s: topology not refreshed: %s", name, e)
                 if view is None:
                     fresh = Topology(name)
@@ -137,7 +90,7 @@ class DirectoryRefresher:
             self._settle(view, s)
             try:
                 gone = await self._reconcile_missing(name, view.topology, fresh)
-            except PluginError as e:
+            except (PluginError, ManagementUnavailable) as e:
                 log.warning("VPN %s: topology not refreshed: %s", name, e)
                 continue
             if view.topology.generation == generation:
@@ -164,5 +117,5 @@ class DirectoryRefresher:
             await asyncio.sleep(self.interval)
             try:
                 await self.refresh()
-            except PluginError as e:
+            except (PluginError, ManagementUnavailable) as e:
                 log.warning("directory refresh failed: %s", e)

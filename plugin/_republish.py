@@ -23,10 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge._amqp_client import BrokerPublisher
-from bridge._amqp_wire import AmqpEndpoint
-from bridge._errors import BridgeError
-from bridge._roles import TailMessage
+from bridge import AmqpEndpoint, BridgeError, BrokerPublisher, TailMessage
 
 from ._config import SiteConfig
 from ._errors import StateError, UsageError

@@ -44,10 +44,8 @@ from typing import Any, NamedTuple
 from pamqp import base, commands, frame, header
 from pamqp.body import ContentBody
 
-from . import _amqp as amqp
-from ._amqp import AMQPError, Frame, FrameSplitter
-from ._directory import VpnDirectory, VpnView
-from ._events import (
+from bridge import (
+    MARKER_QUEUE,
     REPLICATION_HEADER,
     ConfirmKey,
     Consumed,
@@ -61,7 +59,11 @@ from ._events import (
     id_in_header,
 )
 
-__all__ = ["MARKER_QUEUE", "BrokerUnavailable", "Output", "Session", "commit_marker"]
+from . import _amqp as amqp
+from ._amqp import AMQPError, Frame, FrameSplitter
+from ._directory import VpnDirectory, VpnView
+
+__all__ = ["BrokerUnavailable", "Output", "Session", "commit_marker"]
 
 log = logging.getLogger(__name__)
 
@@ -1496,7 +1498,6 @@ def _forget_tx_acks(ch: _Channel) -> None:
 
 
 #: the queue, in every replicated vhost, that holds commit markers
-MARKER_QUEUE = "vpnrepl.txn-markers"
 
 
 def commit_marker(channel: int, txid: str) -> bytes:

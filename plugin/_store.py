@@ -16,9 +16,9 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.rows import dict_row
 
-from ._config import redact_url
+from bridge import VpnSettings, redact_url
+
 from ._errors import StateError, StoreUnavailable
-from ._vpn import VpnSettings
 
 __all__ = ["add_broker_depths", "connect", "disable_vpn", "enable_vpn", "status"]
 
@@ -126,7 +126,7 @@ def add_broker_depths(doc: dict[str, Any], api: Any) -> None:
     """
     from urllib.parse import quote
 
-    from ._refresher import ManagementUnavailable
+    from bridge import ManagementUnavailable
 
     for vpn in doc["vpns"]:
         try:

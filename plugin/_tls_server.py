@@ -35,9 +35,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from bridge._tls import describe_tls_error, make_server_context
-
-from ._config import HostPort, TlsConfig
+from bridge import HostPort, TlsConfig, describe_tls_error, make_server_context
 
 __all__ = ["TlsServer"]
 

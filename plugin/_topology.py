@@ -84,8 +84,9 @@ from functools import lru_cache
 from types import MappingProxyType
 from typing import Any
 
+from bridge import TopicFilter, VpnSettings
+
 from ._errors import PluginError, UsageError
-from ._vpn import TopicFilter, VpnSettings
 
 __all__ = [
     "Binding",

@@ -28,7 +28,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from ._config import SiteConfig, redact_url
+from bridge import redact_url
+
+from ._config import SiteConfig
 
 __all__ = ["Tracing"]
 

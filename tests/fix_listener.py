@@ -16,13 +16,12 @@ from urllib.parse import quote
 import pytest
 import uvloop
 
-from plugin._config import TlsConfig
+from bridge import IdSource, Role, TlsConfig, TopicFilter
 from plugin._directory import VpnDirectory, VpnView
-from plugin._events import IdSource, MemorySink, ReplicationSink
 from plugin._listener import BrokerAddress, Listener
 from plugin._localsites import LocalSite
+from plugin._sink import MemorySink, ReplicationSink
 from plugin._topology import ReplicationScope, Topology
-from plugin._vpn import Role, TopicFilter
 
 T = TypeVar("T")
 

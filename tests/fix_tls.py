@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin._config import TlsConfig
+from bridge import TlsConfig
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ from bridge import (
     BridgeError,
     Checkpoint,
     CheckpointRow,
+    Consumed,
+    DeadLettered,
     Error,
     Events,
     Fenced,
@@ -40,15 +42,22 @@ from bridge import (
     Heartbeat,
     Hello,
     LocalProtocolError,
+    Mode,
     PeerFailure,
     Phase,
+    Published,
+    Purged,
     RemoteProtocolError,
+    ReplicationId,
     ResourceList,
+    Role,
     RoleConflict,
     StaleEpoch,
     SyncAccepted,
     SyncFinished,
     SyncRequest,
+    SyncTimeoutPolicy,
+    TopicFilter,
     TxnApplied,
     TxnCommit,
     TxnOutcome,
@@ -59,14 +68,13 @@ from bridge import (
     UnknownVpn,
     VersionMismatch,
     VpnResource,
+    VpnSettings,
     VpnState,
     decode_frame,
 )
 from bridge import _errors as codes
 from bridge._entry import EventDecodeError, LedgerEntry, decode_event, encode_event
 from bridge._protocol import FRAME_TYPES, MAGIC
-from plugin import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnSettings
-from plugin._events import Consumed, DeadLettered, Published, Purged, ReplicationId
 
 ACTIVE_SITE, STANDBY_SITE = "nyc", "ldn"
 VPN = "orders"

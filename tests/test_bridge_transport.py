@@ -28,32 +28,37 @@ from bridge import (
     BridgeClient,
     BridgeConnection,
     BridgeServer,
+    Consumed,
     Error,
+    Event,
     Events,
     Frame,
     GetAllResources,
     Heartbeat,
     Hello,
+    HostPort,
     LedgerWriter,
+    Published,
+    ReplicationId,
     ResourceList,
+    Role,
     StaleEpoch,
     StandbyApplier,
     SyncAccepted,
     SyncFinished,
     SyncRequest,
+    TlsConfig,
     TlsSetupError,
     VpnResource,
+    VpnSettings,
     _transport,
     make_client_context,
     make_server_context,
 )
 from bridge._entry import LedgerEntry
 from bridge._replicator import Replicator
-from plugin._config import HostPort, TlsConfig
-from plugin._events import Consumed, Event, Published, ReplicationId
 from plugin._localsites import LocalSite
 from plugin._store import connect, disable_vpn, enable_vpn, status
-from plugin._vpn import Role, VpnSettings
 from sql import migrate
 from tests.fix_tls import Pki
 from txn._log import encode_events

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from plugin import ConfigError, HostPort, load_config, redact_url
+from bridge import HostPort, redact_url
+from plugin import ConfigError, load_config
 
 GOOD = """
 [site]

@@ -9,18 +9,21 @@ are in ``test_two_sites_config_sync.py``.
 
 from __future__ import annotations
 
-import email.message
 import json
 import logging
-import urllib.error
 from typing import Any
 from urllib.parse import unquote
 
 import pytest
 
-from bridge import ConfigSyncAPI, ConfigSyncError, import_vpn_definitions, vpn_definitions
+from bridge import (
+    ConfigSyncError,
+    ManagementAPI,
+    ManagementUnavailable,
+    import_vpn_definitions,
+    vpn_definitions,
+)
 from bridge._configsync import shape_vpn_definitions, split_vpn_definitions
-from plugin._refresher import ManagementUnavailable
 
 VPN = "orders"
 HASH_A = "aGFzaC1vZi1hbGljZS1vbi10aGUtYWN0aXZl"
@@ -42,7 +45,7 @@ def topic(name: str, vhost: str = VPN, exchange: str = "amq.topic") -> dict[str,
     return {"user": name, "vhost": vhost, "exchange": exchange, "write": "eu.*", "read": ".*"}
 
 
-class FakeBroker(ConfigSyncAPI):
+class FakeBroker(ManagementAPI):
     """A management API in memory: users, vhosts, (topic) permissions and the
     definitions imported per vhost; records every write."""
 
@@ -58,10 +61,7 @@ class FakeBroker(ConfigSyncAPI):
         self.reads: list[str] = []
 
     def _missing(self, method: str, path: str) -> ManagementUnavailable:
-        error = urllib.error.HTTPError(path, 404, "Not Found", email.message.Message(), None)
-        found = ManagementUnavailable(f"{method} /api/{path}: HTTP 404")
-        found.__cause__ = error
-        return found
+        return ManagementUnavailable(f"{method} /api/{path}: HTTP 404", 404)
 
     def get(self, path: str) -> object:
         self.reads.append(path)
@@ -77,7 +77,7 @@ class FakeBroker(ConfigSyncAPI):
                 return json.loads(json.dumps(self.users[name]))
         raise self._missing("GET", path)
 
-    def _call(self, method: str, path: str, body: bytes | None) -> bytes:
+    def _call(self, method: str, path: str, body: bytes | None = None) -> bytes:
         if method == "GET":
             parts = path.split("/")
             if parts[0] == "vhosts" and unquote(parts[1]) in self.vhosts:
@@ -305,9 +305,9 @@ def test_keep_users_are_never_touched() -> None:
 
 def test_a_broker_that_fails_mid_import_is_a_config_sync_error() -> None:
     class Failing(FakeBroker):
-        def _call(self, method: str, path: str, body: bytes | None) -> bytes:
+        def _call(self, method: str, path: str, body: bytes | None = None) -> bytes:
             if path.startswith("users/"):
-                raise ManagementUnavailable(f"{method} /api/{path}: HTTP 500")
+                raise ManagementUnavailable(f"{method} /api/{path}: HTTP 500", 500)
             return super()._call(method, path, body)
 
     with pytest.raises(ConfigSyncError, match="HTTP 500"):

@@ -22,8 +22,8 @@ import pika.exceptions
 import psycopg
 import pytest
 
+from bridge import Published
 from bridge._entry import decode_event
-from plugin._events import Published
 from plugin._localsites import HarnessError, LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess

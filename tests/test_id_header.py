@@ -16,12 +16,11 @@ from hypothesis import strategies as st
 from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
+from bridge import REPLICATION_HEADER, IdSource, Published, ReplicationId, Role
 from plugin import _amqp as amqp
 from plugin._directory import VpnDirectory, VpnView
-from plugin._events import REPLICATION_HEADER, IdSource, Published, ReplicationId
 from plugin._session import Session
 from plugin._topology import ReplicationScope, Topology
-from plugin._vpn import Role
 from tests.test_session import decode_all, m, open_session
 
 C = commands

@@ -6,14 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plugin._events import (
-    COUNTER_LIMIT,
-    INCARNATION_LIMIT,
-    RENEW_MARGIN,
-    IdsExhausted,
-    IdSource,
-    ReplicationId,
-)
+from bridge import IdsExhausted, IdSource, ReplicationId
+from bridge._ids import COUNTER_LIMIT, INCARNATION_LIMIT, RENEW_MARGIN
 
 incarnations = st.integers(1, INCARNATION_LIMIT - 1)
 counters = st.integers(0, COUNTER_LIMIT - 1)

@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from bridge import Consumed, DeadLettered, Event, Published, ReplicationId, VpnSettings
 from bridge._apply import apply_entries_async
 from bridge._entry import LedgerEntry, decode_event, encode_event
 from bridge._ledger import (
@@ -19,10 +20,8 @@ from bridge._ledger import (
     UnstorableEvent,
     VpnNotOpen,
 )
-from plugin._events import Consumed, DeadLettered, Event, Published, ReplicationId
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
-from plugin._vpn import VpnSettings
 from sql import migrate
 
 

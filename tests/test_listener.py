@@ -16,16 +16,9 @@ from pika.exceptions import (
     ProbableAuthenticationError,
 )
 
-from plugin._events import (
-    Consumed,
-    LocalTransaction,
-    MemorySink,
-    Published,
-    Purged,
-    TransactionRefused,
-)
+from bridge import Consumed, LocalTransaction, Published, Purged, Role, TransactionRefused
 from plugin._localsites import LocalSite, free_port
-from plugin._vpn import Role
+from plugin._sink import MemorySink
 from tests.fix_listener import ListenerThread, enable_vpn
 from tests.two_sites import setup_vpn
 

@@ -56,9 +56,10 @@ from pamqp import commands as C
 from pamqp import frame, header
 from pamqp.body import ContentBody
 
-from plugin._events import REPLICATION_HEADER, Consumed, MemorySink, Published
+from bridge import REPLICATION_HEADER, Consumed, Published
 from plugin._listener import CLOSE_TIMEOUT
 from plugin._localsites import LocalSite
+from plugin._sink import MemorySink
 from tests.fix_listener import ListenerThread, enable_vpn
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"

@@ -19,16 +19,16 @@ import pytest
 import uvloop
 from pika.exceptions import AMQPConnectionError, ProbableAuthenticationError
 
+from bridge import Consumed, IdSource, Published, Role, TlsConfig
 from bridge._tls import TlsSetupError
-from plugin._config import TlsConfig, load_config
+from plugin._config import load_config
 from plugin._directory import VpnDirectory, VpnView
 from plugin._errors import ConfigError
-from plugin._events import Consumed, IdSource, MemorySink, Published
 from plugin._listener import BrokerAddress, Listener, broker_context, site_broker_ssl
 from plugin._localsites import LocalSite, LocalSites, RabbitNode, free_port
+from plugin._sink import MemorySink
 from plugin._tls_server import TlsServer
 from plugin._topology import ReplicationScope, Topology
-from plugin._vpn import Role
 from tests.fix_cli import Vpnrepl
 from tests.fix_listener import ListenerThread, enable_vpn
 from tests.fix_node import NodeProcess

@@ -27,11 +27,10 @@ import uvloop
 from pamqp import base, commands, frame, header
 from pamqp import body as body_frame
 
-from bridge import MaterialiseError, MaterialiseResult, materialise
+from bridge import MaterialiseError, MaterialiseResult, VpnSettings, materialise
 from bridge._amqp_wire import persistent_properties
 from plugin._localsites import LocalSite, LocalSites, RabbitNode
 from plugin._store import connect, enable_vpn
-from plugin._vpn import VpnSettings
 from sql import migrate
 from tests.fix_tls import Pki
 

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 from pika.exceptions import NackError
 
-from plugin._events import INCARNATION_LIMIT
+from bridge._ids import INCARNATION_LIMIT
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess

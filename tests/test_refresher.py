@@ -6,10 +6,10 @@ import asyncio
 
 import pika
 
+from bridge import ManagementAPI, Role, VpnSettings
 from plugin._directory import VpnDirectory, VpnView
 from plugin._localsites import LocalSite
-from plugin._refresher import DirectoryRefresher, ManagementAPI
-from plugin._vpn import Role, VpnSettings
+from plugin._refresher import DirectoryRefresher
 
 
 def _declare(site: LocalSite, vhost: str, queue: str, exchange: str = "events") -> None:

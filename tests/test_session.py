@@ -10,23 +10,22 @@ from hypothesis import strategies as st
 from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
-from plugin import _amqp as amqp
-from plugin._directory import VpnDirectory, VpnView
-from plugin._events import (
-    COUNTER_LIMIT,
-    INCARNATION_LIMIT,
+from bridge import (
+    MARKER_QUEUE,
     Consumed,
     DeadLettered,
     IdSource,
-    MemorySink,
     Published,
     Purged,
     ReplicationId,
-    ReplicationSink,
+    Role,
 )
-from plugin._session import MARKER_QUEUE, Session
+from bridge._ids import COUNTER_LIMIT, INCARNATION_LIMIT
+from plugin import _amqp as amqp
+from plugin._directory import VpnDirectory, VpnView
+from plugin._session import Session
+from plugin._sink import MemorySink, ReplicationSink
 from plugin._topology import Policy, ReplicationScope, Topology
-from plugin._vpn import Role
 
 C = commands
 

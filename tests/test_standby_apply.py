@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg_pool import ConnectionPool
 
+from bridge import Consumed, DeadLettered, Event, Published, Purged, ReplicationId, VpnSettings
 from bridge._apply import _DELETE, apply_entries, guarded_apply, run_guarded, run_guarded_async
 from bridge._arrays import bytea_array, text_array
 from bridge._entry import LedgerEntry, encode_event
@@ -22,10 +23,8 @@ from bridge._errors import Gap, StaleEpoch, UnknownVpn
 from bridge._ledger import LedgerWriter
 from bridge._protocol import CheckpointRow
 from bridge._standby import NotStandby, StandbyApplier, StandbyUnavailable
-from plugin._events import Consumed, DeadLettered, Event, Published, Purged, ReplicationId
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
-from plugin._vpn import VpnSettings
 from sql import migrate
 from txn._log import encode_events
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
+from bridge import SyncTimeoutPolicy, VpnSettings
 from bridge._ledger import LedgerWriter
 from bridge._replicator import Replicator
 from bridge._syncgate import SyncGate
-from plugin._vpn import SyncTimeoutPolicy, VpnSettings
 
 DEGRADE, REJECT = SyncTimeoutPolicy.DEGRADE, SyncTimeoutPolicy.REJECT
 

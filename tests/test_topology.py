@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bridge import TopicFilter, VpnSettings
 from plugin._errors import UsageError
 from plugin._topology import (
     Binding,
@@ -24,7 +25,6 @@ from plugin._topology import (
     Topology,
     topic_matches,
 )
-from plugin._vpn import TopicFilter, VpnSettings
 
 
 def topo(*queues: str) -> Topology:

@@ -12,13 +12,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bridge import IdSource, LocalTransaction, Published, TransactionRefused, VpnSettings
 from bridge._entry import encode_event
 from bridge._ledger import LedgerWriter
 from bridge._replicator import Replicator
-from plugin._events import IdSource, LocalTransaction, Published, TransactionRefused
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
-from plugin._vpn import VpnSettings
 from sql import migrate
 from txn._coordinator import Coordinator
 from txn._log import TxnLog, encode_events

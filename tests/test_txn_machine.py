@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from txn._failpoints import FAILPOINTS
+from bridge import FAILPOINTS
 from txn._machine import Action, Input, Phase, TxnMachine, TxnProtocolError
 
 

@@ -18,6 +18,7 @@ import pika
 import pika.exceptions
 import pytest
 
+from bridge import FAILPOINTS
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
@@ -40,7 +41,6 @@ from tests.two_sites import (
     until,
     vpn_status,
 )
-from txn._failpoints import FAILPOINTS
 from txn._markers import MARKER_QUEUE
 
 SEEDED = [n for n in range(1, 61) if n % 5]  # 48 messages in orders.q1 and orders.q2

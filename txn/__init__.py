@@ -1,6 +1,72 @@
-"""The internal two-phase (XA) coordinator and participant, with recovery.
+"""Local transactions as an internal two-phase (XA) commit over both sites.
 
-The public API is listed in ``__all__`` as each capability lands.
+The middle layer (``plugin`` → ``txn`` → ``bridge``). Its public API is
+listed here once: the sans-IO step table (:class:`TxnMachine`) is imported
+with the package; the coordinator, the participant, the transaction log and
+the commit-marker store, which need asyncio, psycopg or pika, are imported
+on first use of their names (:data:`_IO_BOUND`).
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from ._machine import TRANSITIONS, Action, Input, Phase, TxnMachine, TxnProtocolError
+
+if TYPE_CHECKING:
+    from ._coordinator import (
+        Coordinator as Coordinator,
+    )
+    from ._coordinator import (
+        GroupLedger as GroupLedger,
+    )
+    from ._coordinator import (
+        StandbyLink as StandbyLink,
+    )
+    from ._coordinator import (
+        TxnStats as TxnStats,
+    )
+    from ._log import (
+        TxnLog as TxnLog,
+    )
+    from ._log import (
+        TxnRow as TxnRow,
+    )
+    from ._log import (
+        decode_events as decode_events,
+    )
+    from ._log import (
+        encode_events as encode_events,
+    )
+    from ._markers import MarkerError as MarkerError
+    from ._markers import MarkerStore as MarkerStore
+    from ._participant import Participant as Participant
+
+#: module -> the names it exports through this package, imported on first use
+_IO_BOUND: dict[str, tuple[str, ...]] = {
+    "._coordinator": ("Coordinator", "GroupLedger", "StandbyLink", "TxnStats"),
+    "._log": ("TxnLog", "TxnRow", "decode_events", "encode_events"),
+    "._markers": ("MarkerError", "MarkerStore"),
+    "._participant": ("Participant",),
+}
+_LAZY = {name: module for module, names in _IO_BOUND.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """An I/O-bound name, imported on first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_LAZY[name], __name__), name)
+
+
+__all__ = [
+    "TRANSITIONS",
+    "Action",
+    "Input",
+    "Phase",
+    "TxnMachine",
+    "TxnProtocolError",
+    # the I/O-bound parts
+]
+__all__ += _LAZY

@@ -101,19 +101,21 @@ import psycopg
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
-from bridge._ledger import LedgerError
-from plugin._events import (
+from bridge import (
     Consumed,
     DeadLettered,
     Event,
+    LedgerError,
     LocalTransaction,
+    Mode,
     Published,
+    SyncTimeoutPolicy,
     TransactionRefused,
+    VpnSettings,
+    failpoint,
     future_callback,
 )
-from plugin._vpn import Mode, SyncTimeoutPolicy, VpnSettings
 
-from ._failpoints import failpoint
 from ._log import COORDINATOR, TxnLog, TxnRow, encode_events
 from ._machine import Action, Input, Phase, TxnMachine
 from ._markers import MarkerError, MarkerStore

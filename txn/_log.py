@@ -22,8 +22,7 @@ from psycopg import AsyncConnection
 from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool
 
-from bridge._entry import decode_event, encode_event, split_events
-from plugin._events import Event
+from bridge import Event, decode_event, encode_event, split_events
 
 __all__ = ["TxnLog", "TxnRow", "decode_events", "encode_events"]
 

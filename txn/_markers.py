@@ -40,9 +40,9 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import pika
 import pika.exceptions
 
-from plugin._session import MARKER_QUEUE
+from bridge import MARKER_QUEUE
 
-__all__ = ["MARKER_QUEUE", "MarkerError", "MarkerStore"]
+__all__ = ["MarkerError", "MarkerStore"]
 
 log = logging.getLogger(__name__)
 

@@ -32,10 +32,8 @@ from collections.abc import Callable
 
 import psycopg
 
-from bridge._entry import EventDecodeError, decode_event, split_events
-from plugin._events import Event
+from bridge import EventDecodeError, Voted, decode_event, failpoint, split_events
 
-from ._failpoints import failpoint
 from ._log import PARTICIPANT, TxnLog
 
 __all__ = ["Participant"]
@@ -44,8 +42,6 @@ log = logging.getLogger(__name__)
 
 #: how long commit outcomes gather before they are recorded together
 OUTCOME_FLUSH_SECONDS = 0.05
-#: a yes vote's events: each one's encoding and the event
-Voted = tuple[tuple[bytes, Event], ...]
 
 
 class Participant:

@@ -1,4 +1,10 @@
-"""Per-VPN replication settings as a validated value object.
+"""The settings the replication core is given, as validated value objects.
+
+Per VPN: role, mode, sync timeout and policy, scope (:class:`VpnSettings`).
+Per site: the addresses and TLS material of links (:class:`HostPort`,
+:class:`TlsConfig`). The site configuration file and the admin's command
+line (``plugin``) build these; every layer reads them.
+
 
 A VPN is a RabbitMQ vhost. Its replication scope is the union of two filters:
 queue-name regexes (``--queues``, matched with :func:`re.fullmatch`) and
@@ -13,16 +19,32 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
-from ._errors import UsageError
-
-__all__ = ["Mode", "Role", "SyncTimeoutPolicy", "TopicFilter", "VpnSettings"]
+__all__ = [
+    "DEFAULT_SYNC_TIMEOUT_MS",
+    "HostPort",
+    "InvalidSettings",
+    "Mode",
+    "Role",
+    "SyncTimeoutPolicy",
+    "TlsConfig",
+    "TopicFilter",
+    "VpnSettings",
+    "redact_url",
+]
 
 _E = TypeVar("_E", bound=StrEnum)
 
 DEFAULT_SYNC_TIMEOUT_MS = 2000
 MAX_SYNC_TIMEOUT_MS = 3_600_000
+
+
+class InvalidSettings(ValueError):
+    """A setting the admin gave is invalid; the message names the option
+    (``--mode``, ``--topics``), so the command line can answer with it."""
 
 
 class Role(StrEnum):
@@ -51,9 +73,9 @@ class TopicFilter:
     def parse(cls, text: str) -> TopicFilter:
         exchange, sep, pattern = text.partition(":")
         if not sep or not pattern:
-            raise UsageError(f"--topics {text!r}: expected EXCHANGE:PATTERN")
+            raise InvalidSettings(f"--topics {text!r}: expected EXCHANGE:PATTERN")
         if any(w not in ("*", "#") and ("*" in w or "#" in w) for w in pattern.split(".")):
-            raise UsageError(f"--topics {text!r}: '*' and '#' must stand alone between dots")
+            raise InvalidSettings(f"--topics {text!r}: '*' and '#' must stand alone between dots")
         return cls(exchange, pattern)
 
     def __str__(self) -> str:
@@ -89,14 +111,14 @@ class VpnSettings:
     ) -> VpnSettings:
         """Validate admin input; every fault names the option at fault."""
         if not name or len(name.encode()) > 255:
-            raise UsageError("VPN name must be 1..255 bytes")
+            raise InvalidSettings("VPN name must be 1..255 bytes")
         if not 1 <= sync_timeout_ms <= MAX_SYNC_TIMEOUT_MS:
-            raise UsageError(f"--sync-timeout-ms must be 1..{MAX_SYNC_TIMEOUT_MS}")
+            raise InvalidSettings(f"--sync-timeout-ms must be 1..{MAX_SYNC_TIMEOUT_MS}")
         for regex in queues:
             try:
                 re.compile(regex)
             except re.error as e:
-                raise UsageError(f"--queues {regex!r}: not a valid regex: {e}") from e
+                raise InvalidSettings(f"--queues {regex!r}: not a valid regex: {e}") from e
         return cls(
             name=name,
             role=_enum(Role, role, "--role"),
@@ -114,4 +136,46 @@ def _enum(kind: type[_E], value: str, option: str) -> _E:
         return kind(value)
     except ValueError as e:
         allowed = "|".join(m.value for m in kind)
-        raise UsageError(f"{option} {value!r}: expected {allowed}") from e
+        raise InvalidSettings(f"{option} {value!r}: expected {allowed}") from e
+
+
+@dataclass(frozen=True, slots=True)
+class HostPort:
+    """A ``host:port`` listen or connect address."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> HostPort:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host or not port_text.isdigit():
+            raise ValueError(f"expected HOST:PORT, got {text!r}")
+        port = int(port_text)
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port {port} is outside 0..65535")
+        return cls(host.strip("[]"), port)
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """TLS material of one server or link (``[tls]`` for the bridge,
+    ``[client_tls]`` for AMQPS clients); mutual TLS when ``ca`` is set."""
+
+    cert: Path
+    key: Path
+    ca: Path | None
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced, fit for a log line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.hostname}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))

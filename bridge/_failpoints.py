@@ -17,8 +17,6 @@ import logging
 import os
 import signal
 
-from plugin._errors import UsageError
-
 __all__ = ["FAILPOINTS", "UnknownFailpoint", "armed", "failpoint"]
 
 log = logging.getLogger(__name__)
@@ -44,8 +42,9 @@ FAILPOINTS: dict[str, str] = {
 _ENV = "VPNREPL_FAILPOINT"
 
 
-class UnknownFailpoint(UsageError):
-    """``VPNREPL_FAILPOINT`` names no failpoint."""
+class UnknownFailpoint(ValueError):
+    """``VPNREPL_FAILPOINT`` names no failpoint (the node answers it as a
+    usage error)."""
 
 
 def _parse() -> tuple[str | None, UnknownFailpoint | None]:

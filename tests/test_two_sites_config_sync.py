@@ -19,7 +19,7 @@ import pika.exceptions
 import psycopg
 import pytest
 
-from bridge import ConfigSyncAPI, reimport
+from bridge import ManagementAPI, reimport
 from plugin._localsites import HarnessError, LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
@@ -191,7 +191,7 @@ def test_a_client_user_logs_in_to_the_standby_broker_now_and_after_a_reimport(
     b.api("DELETE", f"vhosts/{VPN}")
     b.api("DELETE", "users/alice")
     assert not logs_in(site_b, "alice", "alice-pw-2")
-    assert reimport(ConfigSyncAPI(b.management_url), VPN, site_b.pg.dsn()) is True
+    assert reimport(ManagementAPI(b.management_url), VPN, site_b.pg.dsn()) is True
     assert logs_in(site_b, "alice", "alice-pw-2")
     assert {q["name"] for q in b.api("GET", f"queues/{VPN}")} == {"orders.q1", "orders.q2", "audit"}
-    assert reimport(ConfigSyncAPI(b.management_url), "no-such-vpn", site_b.pg.dsn()) is False
+    assert reimport(ManagementAPI(b.management_url), "no-such-vpn", site_b.pg.dsn()) is False

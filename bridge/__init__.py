@@ -67,22 +67,10 @@ from ._events import (
     future_callback,
 )
 from ._failpoints import FAILPOINTS, UnknownFailpoint, armed, failpoint
-from ._ids import (
-    INCARNATION_LIMIT,
-    REPLICATION_HEADER,
-    IdsExhausted,
-    IdSource,
-    ReplicationId,
-    id_in_header,
-)
-from ._protocol import (
-    CLOSED,
+from ._frames import (
     DEFAULT_MAX_FRAME_SIZE,
-    NEED_DATA,
     PROTOCOL_VERSION,
-    TRANSITIONS,
     Ack,
-    BridgeConnection,
     Checkpoint,
     CheckpointRow,
     Error,
@@ -92,9 +80,7 @@ from ._protocol import (
     GetAllResources,
     Heartbeat,
     Hello,
-    Phase,
     ResourceList,
-    Sentinel,
     SyncAccepted,
     SyncFinished,
     SyncRequest,
@@ -105,9 +91,17 @@ from ._protocol import (
     TxnQuery,
     TxnVote,
     VpnResource,
-    VpnState,
     decode_frame,
 )
+from ._ids import (
+    INCARNATION_LIMIT,
+    REPLICATION_HEADER,
+    IdsExhausted,
+    IdSource,
+    ReplicationId,
+    id_in_header,
+)
+from ._protocol import CLOSED, NEED_DATA, TRANSITIONS, BridgeConnection, Phase, Sentinel, VpnState
 from ._settings import (
     DEFAULT_SYNC_TIMEOUT_MS,
     HostPort,
@@ -122,6 +116,7 @@ from ._settings import (
 )
 
 if TYPE_CHECKING:
+    from ._active import BridgeServer as BridgeServer
     from ._amqp_client import BrokerPublisher as BrokerPublisher
     from ._apply import (
         ApplyResult as ApplyResult,
@@ -131,6 +126,15 @@ if TYPE_CHECKING:
     )
     from ._apply import (
         apply_entries_async as apply_entries_async,
+    )
+    from ._bridgestate import (
+        CONNECTED as CONNECTED,
+    )
+    from ._bridgestate import (
+        DISCONNECTED as DISCONNECTED,
+    )
+    from ._bridgestate import (
+        SYNCING as SYNCING,
     )
     from ._configsync import (
         ConfigSyncError as ConfigSyncError,
@@ -171,6 +175,21 @@ if TYPE_CHECKING:
     from ._ledger import (
         WriterStats as WriterStats,
     )
+    from ._link import (
+        LinkClosed as LinkClosed,
+    )
+    from ._link import (
+        LinkError as LinkError,
+    )
+    from ._link import (
+        PeerSilent as PeerSilent,
+    )
+    from ._link import (
+        PeerUnreachable as PeerUnreachable,
+    )
+    from ._link import (
+        TlsRefused as TlsRefused,
+    )
     from ._management import (
         ManagementAPI as ManagementAPI,
     )
@@ -186,6 +205,7 @@ if TYPE_CHECKING:
     from ._materialise import (
         materialise as materialise,
     )
+    from ._receiver import BridgeClient as BridgeClient
     from ._replicator import (
         Replicator as Replicator,
     )
@@ -252,41 +272,13 @@ if TYPE_CHECKING:
     from ._tls import (
         make_server_context as make_server_context,
     )
-    from ._transport import (
-        CONNECTED as CONNECTED,
-    )
-    from ._transport import (
-        DISCONNECTED as DISCONNECTED,
-    )
-    from ._transport import (
-        SYNCING as SYNCING,
-    )
-    from ._transport import (
-        BridgeClient as BridgeClient,
-    )
-    from ._transport import (
-        BridgeServer as BridgeServer,
-    )
-    from ._transport import (
-        LinkClosed as LinkClosed,
-    )
-    from ._transport import (
-        LinkError as LinkError,
-    )
-    from ._transport import (
-        PeerSilent as PeerSilent,
-    )
-    from ._transport import (
-        PeerUnreachable as PeerUnreachable,
-    )
-    from ._transport import (
-        TlsRefused as TlsRefused,
-    )
 
 #: module -> the names it exports through this package, imported on first use
 _IO_BOUND: dict[str, tuple[str, ...]] = {
+    "._active": ("BridgeServer",),
     "._amqp_client": ("BrokerPublisher",),
     "._apply": ("ApplyResult", "apply_entries", "apply_entries_async"),
+    "._bridgestate": ("CONNECTED", "DISCONNECTED", "SYNCING"),
     "._configsync": ("ConfigSyncError", "import_vpn_definitions", "reimport", "vpn_definitions"),
     "._ledger": (
         "LedgerClosed",
@@ -299,8 +291,10 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
         "VpnNotOpen",
         "WriterStats",
     ),
+    "._link": ("LinkClosed", "LinkError", "PeerSilent", "PeerUnreachable", "TlsRefused"),
     "._management": ("ManagementAPI", "ManagementUnavailable"),
     "._materialise": ("MaterialiseError", "MaterialiseResult", "materialise"),
+    "._receiver": ("BridgeClient",),
     "._replicator": ("Replicator", "Transactions", "commit_in_task"),
     "._roles": (
         "PromotionStart",
@@ -316,18 +310,6 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
     ),
     "._standby": ("LiveRow", "NotStandby", "StandbyApplier", "StandbyError", "StandbyUnavailable"),
     "._tls": ("TlsSetupError", "describe_tls_error", "make_client_context", "make_server_context"),
-    "._transport": (
-        "CONNECTED",
-        "DISCONNECTED",
-        "SYNCING",
-        "BridgeClient",
-        "BridgeServer",
-        "LinkClosed",
-        "LinkError",
-        "PeerSilent",
-        "PeerUnreachable",
-        "TlsRefused",
-    ),
 }
 _LAZY = {name: module for module, names in _IO_BOUND.items() for name in names}
 

@@ -64,7 +64,7 @@ from ._apply import GuardedApply, GuardedTemplate, apply_entries, guarded_templa
 from ._entry import LedgerEntry, decode_event, split_events
 from ._errors import BridgeError, Gap, StaleEpoch, UnknownVpn
 from ._events import Event, Published
-from ._protocol import CheckpointRow
+from ._frames import CheckpointRow
 
 __all__ = ["LiveRow", "NotStandby", "StandbyApplier", "StandbyError", "StandbyUnavailable"]
 
@@ -451,7 +451,7 @@ class StandbyApplier:
         """Make ``rows`` the VPN's whole live state as of ledger ``index``.
 
         Rows are tuples in ``live_message`` column order or the bridge's
-        :class:`~bridge._protocol.CheckpointRow` frames' rows.
+        :class:`~bridge.CheckpointRow` frames' rows.
         """
         if index < 0 or epoch < 1:
             raise ValueError(f"checkpoint at index {index}, epoch {epoch}")

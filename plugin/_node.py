@@ -303,10 +303,10 @@ class Node:
                 )
         except TlsSetupError as e:
             raise ConfigError(cfg.path, "tls", str(e)) from e
-        self.bridge_server.coordinator = self.coordinator
-        self.coordinator.link = self.bridge_server
+        self.bridge_server.txn_link.coordinator = self.coordinator
+        self.coordinator.link = self.bridge_server.txn_link
         if self.bridge_client is not None:
-            self.bridge_client.participant = self.participant
+            self.bridge_client.txn_link.participant = self.participant
             self.bridge_client.on_fenced = self._fenced_by_peer
             self.bridge_client.on_adopted = self._adopted
             self._tasks.append(asyncio.create_task(self.bridge_client.run(), name="bridge-client"))

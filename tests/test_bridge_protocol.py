@@ -74,7 +74,7 @@ from bridge import (
 )
 from bridge import _errors as codes
 from bridge._entry import EventDecodeError, LedgerEntry, decode_event, encode_event
-from bridge._protocol import FRAME_TYPES, MAGIC
+from bridge._frames import FRAME_TYPES, MAGIC
 
 ACTIVE_SITE, STANDBY_SITE = "nyc", "ldn"
 VPN = "orders"

@@ -51,7 +51,7 @@ from bridge import (
     TlsSetupError,
     VpnResource,
     VpnSettings,
-    _transport,
+    _outbound,
     make_client_context,
     make_server_context,
 )
@@ -554,7 +554,8 @@ def test_a_fenced_active_is_refused_and_the_standby_waits(
         assert applied(b_dsn) == 0 and live(b_dsn) == []
 
     run(scenario)
-    fenced = [r for r in caplog.records if r.name == "bridge._transport" and "fenced" in r.message]
+    bridge_ends = ("bridge._active", "bridge._receiver")  # the two ends of the link
+    fenced = [r for r in caplog.records if r.name in bridge_ends and "fenced" in r.message]
     assert any("refuses its publishes" in r.message for r in fenced), fenced
     assert [r.levelno for r in fenced if "not replicating from it" in r.message] == [logging.ERROR]
 
@@ -612,11 +613,11 @@ class HeldStandby(BridgeClient):
         self.gate = asyncio.Event()
         self.stream_at: list[int | None] = []
 
-    async def _apply_ahead(self, session: Any, inbound: Any, frame: Any) -> None:
+    async def _commit_early(self, session: Any, worker: Any, frame: Any) -> None:
         await self.gate.wait()
         self.stream_at.append(session.link.conn.next_index(frame.vpn))
         if not self.silent:
-            await super()._apply_ahead(session, inbound, frame)
+            await super()._commit_early(session, worker, frame)
 
 
 @contextlib.asynccontextmanager
@@ -639,7 +640,7 @@ def commit_group(a: Active, txid: str, group: list[Event], applied_ahead: list[s
     the group, then tell the standby (returns the group's first index)."""
     last = a.writer.append_group(group, None)
     first = last - len(group) + 1
-    assert a.server.commit_ahead(VPN, txid, first, lambda: applied_ahead.append(txid))
+    assert a.server.txn_link.commit_ahead(VPN, txid, first, lambda: applied_ahead.append(txid))
     return first
 
 
@@ -649,7 +650,7 @@ def test_a_group_committed_ahead_streams_once_the_standby_answered(
     """The stream holds a group the standby was asked to commit ahead until
     it answers — yes (it skips the copy) or no (it applies the copy) — and
     the two sites end equal either way."""
-    monkeypatch.setattr(_transport, "ANSWER_WAIT", 60.0)  # only an answer releases it
+    monkeypatch.setattr(_outbound, "ANSWER_WAIT", 60.0)  # only an answer releases it
     a_dsn, b_dsn = prepare(site_a, orders="active"), prepare(site_b)
 
     async def scenario() -> None:
@@ -692,7 +693,7 @@ def test_a_group_whose_commit_ahead_is_not_answered_streams_after_a_wait(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(_transport, "ANSWER_WAIT", 0.5)
+    monkeypatch.setattr(_outbound, "ANSWER_WAIT", 0.5)
     monkeypatch.setattr(HeldStandby, "silent", True)
     a_dsn, b_dsn = prepare(site_a, orders="active"), prepare(site_b)
 

@@ -28,6 +28,8 @@ SANS_IO = (
     "plugin._topology",
     "plugin._amqp",
     "bridge._protocol",
+    "bridge._frames",
+    "bridge._inbound",
     "bridge._entry",
     "txn._machine",
 )

@@ -15,13 +15,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg_pool import ConnectionPool
 
-from bridge import Consumed, DeadLettered, Event, Published, Purged, ReplicationId, VpnSettings
+from bridge import (
+    CheckpointRow,
+    Consumed,
+    DeadLettered,
+    Event,
+    Published,
+    Purged,
+    ReplicationId,
+    VpnSettings,
+)
 from bridge._apply import _DELETE, apply_entries, guarded_apply, run_guarded, run_guarded_async
 from bridge._arrays import bytea_array, text_array
 from bridge._entry import LedgerEntry, encode_event
 from bridge._errors import Gap, StaleEpoch, UnknownVpn
 from bridge._ledger import LedgerWriter
-from bridge._protocol import CheckpointRow
 from bridge._standby import NotStandby, StandbyApplier, StandbyUnavailable
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn

@@ -1,0 +1,540 @@
+"""The active site's end of the bridge: serves every standby that dials in.
+
+Per standby (:class:`~bridge._outbound.StandbyPeer`): answers ``Hello`` and
+``GetAllResources`` (the site's enabled, unfenced active VPNs with their
+settings and epoch from the database and their definitions from the
+management API), and per ``SyncRequest`` runs the VPN's stream
+(:class:`~bridge._outbound.OutboundStream`: replay, checkpoint, live
+feed). Acknowledgements release sync-mode confirms
+(:meth:`Replicator.standby_acked`), are recorded in ``vpn_state`` and let
+the ledger be pruned behind them once older than ``retain_seconds``; the
+transaction frames go to :class:`~bridge._txnlink.ActiveTxnLink`.
+
+Invariant: nothing confirmed on the active is lost or applied twice on a
+standby, whatever the link does — the streams' own invariant
+(``bridge._outbound``) plus the ledger's: it is pruned only behind an
+acknowledgement, keeping the acknowledged entry itself, so a standby that
+reconnects after a quiet period can still prove it follows the ledger and
+needs no checkpoint. Fencing is the protocol's: a standby that knows a
+higher epoch makes the active raise :class:`~bridge.Fenced`; the active
+then refuses the VPN's publishes (``Replicator.fenced``) and records
+``vpn_state.fenced``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from ._bridgestate import (
+    CONNECTED,
+    DISCONNECTED,
+    SYNCING,
+    BridgeStateWriter,
+    Pool,
+    open_pool,
+    reset_states,
+)
+from ._configsync import ConfigSyncError, vpn_definitions
+from ._entry import LedgerEntry
+from ._errors import (
+    BridgeError,
+    Fenced,
+    LocalProtocolError,
+    PeerFailure,
+    RemoteProtocolError,
+    StaleEpoch,
+    UnknownVpn,
+)
+from ._frames import (
+    PROTOCOL_VERSION,
+    Ack,
+    Error,
+    GetAllResources,
+    Hello,
+    ResourceList,
+    SyncRequest,
+    TxnApplied,
+    TxnQuery,
+    TxnVote,
+    VpnResource,
+)
+from ._ledger import LedgerError, LedgerWriter
+from ._link import (
+    Link,
+    LinkClosed,
+    LinkError,
+    describe_error,
+    peer_address,
+    server_handshake,
+)
+from ._management import ManagementAPI
+from ._outbound import OutboundStream, StandbyPeer, StreamLimits
+from ._protocol import BridgeConnection, Phase
+from ._replicator import Replicator
+from ._settings import HostPort, InvalidSettings, Role, TlsConfig, VpnSettings
+from ._tls import make_server_context
+from ._txnlink import ActiveTxnLink
+
+__all__ = ["PRUNE_INTERVAL", "BridgeServer"]
+
+log = logging.getLogger(__name__)
+
+#: the active prunes its ledger at most this often (seconds)
+PRUNE_INTERVAL = 1.0
+_MIB = 2**20
+
+_ACTIVE_VPNS = """
+SELECT c.name, c.epoch, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
+       c.queue_patterns, c.topic_filters, c.expose_id,
+       COALESCE((SELECT taken_over_at FROM vpn_epoch e WHERE e.vpn = c.name
+                 AND e.epoch = c.epoch), 0)
+FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
+WHERE c.enabled AND c.role = 'active' AND NOT s.fenced
+  AND NOT EXISTS (SELECT 1 FROM promotion p WHERE p.vpn = c.name AND p.state <> 'done')
+ORDER BY c.name
+"""
+
+
+class BridgeServer:
+    """The active site's end of the bridge (module docstring)."""
+
+    def __init__(
+        self,
+        site: str,
+        dsn: str,
+        writer: LedgerWriter,
+        replicator: Replicator,
+        *,
+        management_url: str | None = None,
+        tls: TlsConfig | None = None,
+        retain_seconds: float = 300.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        handshake_timeout: float = 10.0,
+        batch_size: int = 500,
+        checkpoint_chunk_bytes: int = 4 * _MIB,
+        max_queued_bytes: int = 64 * _MIB,
+        ack_flush_interval: float = 0.05,
+    ) -> None:
+        self.site = site
+        self._dsn = dsn
+        self.writer = writer
+        self.replicator = replicator
+        self._api = ManagementAPI(management_url) if management_url else None
+        self._ssl = make_server_context(tls) if tls is not None else None
+        self._tls = tls
+        self.retain_seconds = retain_seconds
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.handshake_timeout = handshake_timeout
+        self.limits = StreamLimits(batch_size, checkpoint_chunk_bytes)
+        self.max_queued_bytes = max_queued_bytes
+        self._ack_flush_interval = ack_flush_interval
+        self._server: asyncio.Server | None = None
+        self._pool: Pool | None = None
+        self._states: BridgeStateWriter | None = None
+        self._peers: set[StandbyPeer] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._shown: dict[str, str] = {}
+        self._definitions_failures: dict[str, str] = {}
+        #: VPN -> the index of the previous epoch's ledger it was taken over at
+        self._taken_over: dict[str, int] = {}
+        self._unsubscribe: Callable[[], None] | None = None
+        #: the coordinator's StandbyLink (the node wires the two together)
+        self.txn_link = ActiveTxnLink(self._standby_of)
+        self._prune_due: dict[str, int] = {}  # vpn -> newest acknowledged index
+        self._pruner: asyncio.Task[None] | None = None
+        self._pruned_at = -PRUNE_INTERVAL
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen on ``host:port``; the ledger writer must be started."""
+        self._pool = open_pool(self._dsn, "bridge-active")
+        await self._pool.open(wait=False)
+        await reset_states(self._pool, Role.ACTIVE)
+        self._states = BridgeStateWriter(self._pool, self._ack_flush_interval, self._prune)
+        self._states.start()
+        self._unsubscribe = self.writer.subscribe(self._on_durable)
+        try:
+            self._server = await asyncio.start_server(self._handle, host, port)
+        except OSError as e:
+            await self.close()
+            raise LinkError(f"cannot listen for standbys on {HostPort(host, port)}: {e}") from e
+        log.info(
+            "bridge: listening for standbys on %s (%s)",
+            HostPort(host, port),
+            "mutual TLS" if self._tls and self._tls.ca else "TLS" if self._tls else "plain TCP",
+        )
+
+    @property
+    def port(self) -> int:
+        """The port listened on (useful after ``start(host, 0)``)."""
+        if self._server is None or not self._server.sockets:
+            raise LinkError("the bridge server is not listening")
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        """Stop listening, drop every standby, record their state."""
+        if self._server is not None:
+            self._server.close()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        if self._states is not None:
+            await self._states.close()
+            self._states = None
+        if self._pruner is not None:
+            self._pruner.cancel()
+            await asyncio.gather(self._pruner, return_exceptions=True)
+            self._pruner = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    def bridge_state(self, vpn: str) -> str:
+        """``connected`` when some standby streams ``vpn`` live, ``syncing``
+        while one catches up, else ``disconnected``."""
+        best = DISCONNECTED
+        for peer in self._peers:
+            out = peer.streams.get(vpn)
+            if out is not None:
+                if out.state == CONNECTED:
+                    return CONNECTED
+                best = SYNCING
+        return best
+
+    async def relist(self) -> None:
+        """Send every standby a fresh ResourceList (after VPNs were enabled,
+        disabled or changed): new VPNs get synced, dropped ones stop."""
+        for peer in list(self._peers):
+            if peer.link.conn.phase is Phase.READY:
+                try:
+                    await self._send_resources(peer)
+                except (BridgeError, psycopg.Error) as e:
+                    log.warning(
+                        "bridge: cannot relist VPNs to %s: %s", peer.name, describe_error(e)
+                    )
+
+    # -- state -----------------------------------------------------------------
+
+    def _state_changed(self, vpn: str) -> None:
+        state = self.bridge_state(vpn)
+        if self._shown.get(vpn, DISCONNECTED) != state:
+            self._shown[vpn] = state
+            log.info("bridge: VPN %s is %s", vpn, state)
+            if self._states is not None:
+                self._states.bridge_state(vpn, state)
+
+    def _acked(self, vpn: str, index: int, epoch: int) -> None:
+        """The standby holds ``vpn`` durably up to ``index``."""
+        self.replicator.standby_acked(vpn, index)
+        if self._states is not None:
+            self._states.acked(vpn, index, epoch)
+
+    def _fence(self, vpn: str, reason: BridgeError) -> None:
+        if vpn not in self.replicator.fenced:
+            log.error(
+                "bridge: VPN %s is fenced: a standby knows a newer epoch (%s); "
+                "this site refuses its publishes from now on",
+                vpn,
+                reason.text,
+            )
+        self.replicator.fenced.add(vpn)
+        if self._states is not None:
+            self._states.fenced(vpn)
+
+    async def _prune(self, acked: Mapping[str, int]) -> None:
+        """Acknowledgements were recorded: prune the ledger behind them, at
+        most once per :data:`PRUNE_INTERVAL` (acks are recorded every 50 ms
+        under load; a prune that often was a DELETE and a wait for the live
+        state per flush, for entries kept ``retain_seconds`` anyway) and off
+        the recording loop. The newest index always gets its prune."""
+        for vpn, index in acked.items():
+            self._prune_due[vpn] = max(index, self._prune_due.get(vpn, 0))
+        if self._pruner is None or self._pruner.done():
+            self._pruner = asyncio.create_task(self._prune_soon(), name="bridge-ledger-prune")
+
+    async def _prune_soon(self) -> None:
+        while self._prune_due:
+            wait = self._pruned_at + PRUNE_INTERVAL - asyncio.get_running_loop().time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            due, self._prune_due = self._prune_due, {}
+            self._pruned_at = asyncio.get_running_loop().time()
+            for vpn, index in due.items():
+                # Keep the acknowledged entry itself: a standby reconnecting later
+                # proves with its epoch that it follows this ledger (no checkpoint).
+                if index <= 1:
+                    continue
+                try:
+                    await self.writer.prune(vpn, index - 1, self.retain_seconds)
+                except LedgerError as e:
+                    log.warning("bridge: VPN %s: ledger not pruned: %s", vpn, e)
+
+    def _on_durable(self, entries: Sequence[LedgerEntry]) -> None:
+        """Ledger subscriber: queue live entries per stream; never blocks."""
+        by_vpn: dict[str, list[LedgerEntry]] = {}
+        for entry in entries:
+            by_vpn.setdefault(entry.vpn, []).append(entry)
+        for peer in list(self._peers):
+            if peer.failure is not None:
+                continue
+            for vpn, items in by_vpn.items():
+                out = peer.stream_live(vpn)
+                if out is None:
+                    continue
+                out.push(items)
+                if out.queued_bytes > self.max_queued_bytes:
+                    log.warning(
+                        "bridge: standby %s is too slow (%d MiB of VPN %s queued); "
+                        "dropping it, it will resync from its applied index",
+                        peer.name,
+                        out.queued_bytes // _MIB,
+                        vpn,
+                    )
+                    peer.failure = LinkError(
+                        f"too slow: over {self.max_queued_bytes // _MIB} MiB of VPN {vpn} queued"
+                    )
+                    peer.link.abort()
+                    break
+
+    # -- one standby -------------------------------------------------------------
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None  # noqa: S101 - always inside a task
+        self._handlers.add(task)
+        address = peer_address(writer)
+        try:
+            if self._ssl is not None:
+                refusal = await server_handshake(
+                    writer, self._ssl, self.handshake_timeout, self._tls.ca if self._tls else None
+                )
+                if refusal is not None:
+                    log.warning("bridge: %s", refusal)
+                    return
+            conn = BridgeConnection(Role.ACTIVE, self.site)
+            peer = StandbyPeer(Link(conn, reader, writer, address, self.heartbeat_timeout))
+            self._peers.add(peer)
+            try:
+                await self._serve(peer)
+            finally:
+                self._peers.discard(peer)
+                for out in peer.streams.values():
+                    if out.task is not None:
+                        out.task.cancel()
+                await asyncio.gather(
+                    *(o.task for o in peer.streams.values() if o.task), return_exceptions=True
+                )
+                for vpn in list(peer.streams):
+                    self._state_changed(vpn)
+                self.txn_link.gone(peer)
+                await peer.link.close()
+        except asyncio.CancelledError:
+            # Only close() cancels a handler. Returning (not re-raising) keeps
+            # asyncio's stream callback from logging the cancellation as an
+            # error when the node stops with a standby connected.
+            return
+        except Exception:
+            log.exception("bridge: serving %s failed", address)
+        finally:
+            if not writer.is_closing():
+                writer.close()
+            self._handlers.discard(task)
+
+    async def _serve(self, peer: StandbyPeer) -> None:
+        link = peer.link
+        heartbeats = asyncio.create_task(link.heartbeats(self.heartbeat_interval))
+        try:
+            await self._converse(peer)
+        except LinkError as e:
+            cause = peer.failure or e
+            log.warning("bridge: standby %s lost: %s", peer.name, describe_error(cause))
+        except RemoteProtocolError as e:
+            log.error("bridge: standby %s broke the protocol: %s; closing", peer.name, e)
+            link.fail(e)
+        except (psycopg.Error, LedgerError, InvalidSettings) as e:
+            log.error(
+                "bridge: serving standby %s failed: %s; closing", peer.name, describe_error(e)
+            )
+            link.fail(PeerFailure(f"the active failed: {describe_error(e)}"))
+        finally:
+            heartbeats.cancel()
+            await asyncio.gather(heartbeats, return_exceptions=True)
+
+    async def _converse(self, peer: StandbyPeer) -> None:
+        link = peer.link
+        while True:
+            item = await link.next_frame()
+            if item is None:
+                if peer.failure is not None:
+                    raise LinkClosed(describe_error(peer.failure))
+                log.info("bridge: standby %s closed the link", peer.name)
+                return
+            if isinstance(item, RemoteProtocolError):
+                self._vpn_fault(peer, item)
+            elif isinstance(item, Hello):
+                link.send(Hello(self.site, PROTOCOL_VERSION, Role.ACTIVE))
+                log.info("bridge: standby site %r connected from %s", item.site, link.peer)
+            elif isinstance(item, GetAllResources):
+                await self._send_resources(peer)
+            elif isinstance(item, SyncRequest):
+                self._start_stream(peer, item)
+            elif isinstance(item, Ack):
+                self._acked(item.vpn, item.index, item.epoch)
+            elif isinstance(item, TxnVote | TxnQuery | TxnApplied):
+                self.txn_link.received(peer, item)
+            elif isinstance(item, Error):
+                if item.closes_connection:
+                    log.warning(
+                        "bridge: standby %s closed the link: %s", peer.name, item.exception()
+                    )
+                    return
+                self._abandoned(peer, item)
+
+    def _standby_of(self, vpn: str) -> StandbyPeer | None:
+        for peer in self._peers:
+            if vpn in peer.epochs and peer.failure is None:
+                return peer
+        return None
+
+    def _vpn_fault(self, peer: StandbyPeer, fault: RemoteProtocolError) -> None:
+        if isinstance(fault, StaleEpoch):
+            # A stale SyncRequest still owes an answer; a stale Ack needs none.
+            if peer.link.try_send(Error.from_exception(fault)):
+                log.warning(
+                    "bridge: refused a sync of VPN %s from %s: %s", fault.vpn, peer.name, fault
+                )
+        elif isinstance(fault, UnknownVpn):
+            log.debug("bridge: %s: %s", peer.name, fault)
+        else:
+            log.warning("bridge: %s: %s", peer.name, fault)
+
+    def _abandoned(self, peer: StandbyPeer, error: Error) -> None:
+        exc = error.exception()
+        log.warning("bridge: standby %s abandoned VPN %s: %s", peer.name, error.vpn, exc)
+        out = peer.streams.pop(error.vpn, None)
+        if out is not None and out.task is not None:
+            out.task.cancel()
+        if isinstance(exc, StaleEpoch):
+            self._fence(error.vpn, exc)
+        self._state_changed(error.vpn)
+
+    async def _send_resources(self, peer: StandbyPeer) -> None:
+        vpns = await self._load_vpns()
+        definitions = await asyncio.gather(*(self._definitions(s.name) for s, _ in vpns))
+        listing = ResourceList(
+            tuple(
+                VpnResource.from_settings(s, epoch, d, self._taken_over.get(s.name, 0))
+                for (s, epoch), d in zip(vpns, definitions, strict=True)
+            )
+        )
+        peer.link.send(listing)
+        peer.epochs = {s.name: epoch for s, epoch in vpns}
+        for vpn in [v for v in peer.streams if v not in peer.epochs]:
+            out = peer.streams.pop(vpn)
+            if out.task is not None:
+                out.task.cancel()
+            self._state_changed(vpn)
+
+    async def _load_vpns(self) -> list[tuple[VpnSettings, int]]:
+        assert self._pool is not None  # noqa: S101 - started
+        try:
+            async with self._pool.connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
+                await cur.execute(_ACTIVE_VPNS)
+                rows = await cur.fetchall()
+        except psycopg.OperationalError as e:
+            raise LedgerError(f"the site database is unavailable: {describe_error(e)}") from e
+        out = []
+        for name, epoch, mode, timeout, policy, queues, topics, expose_id, taken_over in rows:
+            if name in self.replicator.fenced:
+                continue
+            self._taken_over[name] = int(taken_over)
+            settings = VpnSettings.from_args(
+                name, "active", mode, timeout, policy, tuple(queues), tuple(topics), expose_id
+            )
+            out.append((settings, int(epoch)))
+        return out
+
+    async def _definitions(self, vpn: str) -> bytes:
+        """The VPN's definitions with the users and permissions that let its
+        clients log in (``bridge._configsync``), or b"" when not readable."""
+        if self._api is None:
+            return b""
+        try:
+            found = await asyncio.to_thread(vpn_definitions, self._api, vpn)
+        except ConfigSyncError as e:
+            if self._definitions_failures.get(vpn) != str(e):  # once per cause, not per relist
+                log.warning("bridge: VPN %s: definitions not sent (no config-sync): %s", vpn, e)
+            self._definitions_failures[vpn] = str(e)
+            return b""
+        self._definitions_failures.pop(vpn, None)
+        return found
+
+    # -- one VPN stream --------------------------------------------------------
+
+    def _start_stream(self, peer: StandbyPeer, request: SyncRequest) -> None:
+        vpn = request.vpn
+        old = peer.streams.pop(vpn, None)
+        if old is not None and old.task is not None:
+            old.task.cancel()
+        out = OutboundStream(vpn, peer.epochs.get(vpn, request.epoch))
+        out.task = asyncio.create_task(self._stream(peer, out, request, old), name=f"bridge-{vpn}")
+        peer.streams[vpn] = out
+        self._state_changed(vpn)
+
+    async def _stream(
+        self,
+        peer: StandbyPeer,
+        out: OutboundStream,
+        request: SyncRequest,
+        old: OutboundStream | None,
+    ) -> None:
+        if old is not None and old.task is not None:
+            await asyncio.wait([old.task])  # cancelled: it sends nothing more
+        assert self._pool is not None  # noqa: S101 - started
+        try:
+            await out.serve(
+                peer.link,
+                request,
+                self.writer,
+                self._pool,
+                self.limits,
+                self._acked,
+                self._state_changed,
+            )
+        except Fenced as e:
+            self._fence(out.vpn, e)
+            if peer.streams.get(out.vpn) is out:
+                del peer.streams[out.vpn]
+            self._state_changed(out.vpn)
+            # An Error answers a pending SyncRequest; a live stream is ended
+            # by listing the VPNs without it (fenced ones are not listed).
+            if not peer.link.try_send(Error.from_exception(e)):
+                with contextlib.suppress(BridgeError, psycopg.Error):
+                    await self._send_resources(peer)
+        except (LinkError, LocalProtocolError) as e:
+            # The link went, or the stream was superseded (a resync, a relist).
+            log.debug("bridge: VPN %s stream to %s ended: %s", out.vpn, peer.name, e)
+        except (LedgerError, psycopg.Error, BridgeError) as e:
+            log.error(
+                "bridge: VPN %s: serving %s failed: %s; closing the link (it will resync)",
+                out.vpn,
+                peer.name,
+                describe_error(e),
+            )
+            peer.fail(e)

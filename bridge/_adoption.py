@@ -1,0 +1,218 @@
+"""What a standby does with each VPN the active lists, before it replicates it.
+
+A VPN the active lists is enabled here as ``standby`` if this site does not
+have it yet; at every listing its settings follow the active's, its epoch is
+raised to the active's (never lowered), the definitions the active sent are
+kept (``vpn_config.definitions``, for a promotion with the active gone) and
+imported into the local broker, users and permissions included
+(``bridge._configsync``).
+
+Invariant: a VPN is replicated from the peer only if this site holds it as
+an enabled standby, and the higher epoch always wins. A VPN the peer lists
+that is *active* here is compared by epoch: a higher one on the peer (it
+was promoted) fences this site's VPN; a lower one is the peer's to learn
+from this site's listing; the same epoch on both is a conflict the admin
+must settle. The role check, the epoch raise and the fencing happen under
+the VPN's row lock (``SELECT ... FOR UPDATE``), so an operator's role
+change cannot interleave with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from ._bridgestate import Pool
+from ._configsync import ConfigSyncError, import_vpn_definitions
+from ._frames import VpnResource
+from ._management import ManagementAPI
+from ._roles import EPOCH_SQL, FENCE_SQL
+from ._settings import Role
+
+__all__ = ["VpnAdoption"]
+
+log = logging.getLogger(__name__)
+
+_LOCK_VPN = "SELECT role, enabled, epoch FROM vpn_config WHERE name = %s FOR UPDATE"
+_ADD_STANDBY = """
+INSERT INTO vpn_config (name, enabled, role, epoch, mode, sync_timeout_ms, on_sync_timeout,
+                        queue_patterns, topic_filters, expose_id)
+VALUES (%s, true, 'standby', %s, %s, %s, %s, %s, %s, %s)
+"""
+_RAISE_EPOCH = "UPDATE vpn_config SET epoch = %s, updated_at = now() WHERE name = %s AND epoch < %s"
+#: a standby VPN's settings, which follow the active's at every listing
+_FOLLOWED = "mode sync_timeout_ms on_sync_timeout queue_patterns topic_filters expose_id".split()
+_STANDBY_SETTINGS = """
+SELECT mode, sync_timeout_ms, on_sync_timeout, queue_patterns, topic_filters, expose_id
+FROM vpn_config WHERE name = %s
+"""
+_FOLLOW_SETTINGS = """
+UPDATE vpn_config SET mode = %s, sync_timeout_ms = %s, on_sync_timeout = %s, queue_patterns = %s,
+                      topic_filters = %s, expose_id = %s, updated_at = now()
+WHERE name = %s
+"""
+_KEEP_DEFINITIONS = """
+UPDATE vpn_config SET definitions = %s WHERE name = %s AND definitions IS DISTINCT FROM %s
+"""
+
+
+class VpnAdoption:
+    """Settles each listed VPN on the standby site (module docstring)."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        api: ManagementAPI | None,
+        on_fenced: Callable[[str, int, str], None] | None = None,
+        on_adopted: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_fenced(vpn, epoch, site)``: the peer holds a VPN that is
+        active here at a higher epoch, and this site's VPN was recorded
+        fenced; ``on_adopted(vpn)``: a VPN the active lists was enabled here
+        as standby (committed)."""
+        self._pool = pool
+        self._api = api
+        self._on_fenced = on_fenced
+        self._on_adopted = on_adopted
+        self._skipped: dict[str, str] = {}  # VPN -> why it is not replicated (logged once)
+        self._config_sync_failures: dict[str, str] = {}  # VPN -> why (logged once)
+
+    async def config_sync(self, resource: VpnResource, peer_site: str) -> bool:
+        """Enable the VPN here as standby if it is new, follow the active's
+        settings and keep its definitions (:meth:`adopt`), and import them,
+        users and permissions included, into the local broker; False when it
+        must not be replicated here (enabled as active, or disabled by the
+        admin)."""
+        vpn = resource.name
+        why = await self.adopt(resource, peer_site)
+        if why is not None:
+            if self._skipped.get(vpn) != why:
+                log.error("bridge: VPN %s is not replicated here: %s", vpn, why)
+            self._skipped[vpn] = why
+            return False
+        self._skipped.pop(vpn, None)
+        if self._api is None:
+            return True
+        if not resource.definitions_json:
+            self._config_sync_failed(vpn, "the active sent no definitions")
+            return True
+        try:
+            created = await asyncio.to_thread(
+                import_vpn_definitions, self._api, vpn, resource.definitions_json
+            )
+        except ConfigSyncError as e:
+            self._config_sync_failed(vpn, str(e))
+            return True
+        if created:
+            log.info("bridge: VPN %s: vhost created on the local broker", vpn)
+        if self._config_sync_failures.pop(vpn, None) is not None:
+            log.info("bridge: VPN %s: config-sync works again", vpn)
+        return True
+
+    def _config_sync_failed(self, vpn: str, why: str) -> None:
+        """Log once per cause: the same failure comes back at every relist."""
+        if self._config_sync_failures.get(vpn) != why:
+            log.warning("bridge: VPN %s: broker config not synced: %s", vpn, why)
+        self._config_sync_failures[vpn] = why
+
+    async def adopt(self, resource: VpnResource, peer_site: str) -> str | None:
+        """Settle the VPN's row for the listing of site ``peer_site``;
+        returns why the VPN is not replicated from it (None: it is)."""
+        vpn = resource.name
+        async with self._pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(_LOCK_VPN, (vpn,))
+            found = await cur.fetchone()
+            if found is None:
+                await conn.execute(
+                    _ADD_STANDBY,
+                    (
+                        vpn,
+                        resource.epoch,
+                        resource.mode.value,
+                        resource.sync_timeout_ms,
+                        resource.on_sync_timeout.value,
+                        list(resource.queue_patterns),
+                        [str(t) for t in resource.topic_filters],
+                        resource.expose_id,
+                    ),
+                )
+                await conn.execute(
+                    "INSERT INTO vpn_state (vpn) VALUES (%s) ON CONFLICT DO NOTHING", (vpn,)
+                )
+                log.info("bridge: VPN %s enabled here as standby (epoch %d)", vpn, resource.epoch)
+                await self._follow_active(conn, resource)
+            else:
+                return await self._adopted_before(conn, resource, found, peer_site)
+        if self._on_adopted is not None:  # committed: the listener must refuse its clients now
+            self._on_adopted(vpn)
+        return None
+
+    async def _follow_active(
+        self, conn: psycopg.AsyncConnection[Any], resource: VpnResource
+    ) -> None:
+        """Make a standby VPN's stored settings the active's (a change is
+        logged once, when it arrives) and keep the definitions it sent last,
+        so a promotion can import them again with the active gone."""
+        vpn = resource.name
+        listed = (
+            resource.mode.value,
+            resource.sync_timeout_ms,
+            resource.on_sync_timeout.value,
+            list(resource.queue_patterns),
+            [str(t) for t in resource.topic_filters],
+            resource.expose_id,
+        )
+        cur = await conn.execute(_STANDBY_SETTINGS, (vpn,))
+        stored = await cur.fetchone()
+        changes = [
+            f"{name} {old!r} -> {new!r}"
+            for name, old, new in zip(_FOLLOWED, stored or listed, listed, strict=True)
+            if old != new
+        ]
+        if changes:
+            await conn.execute(_FOLLOW_SETTINGS, (*listed, vpn))
+            log.info("bridge: VPN %s: settings follow the active: %s", vpn, ", ".join(changes))
+        if resource.definitions_json:
+            data = resource.definitions_json
+            await conn.execute(_KEEP_DEFINITIONS, (data, vpn, data))
+
+    async def _adopted_before(
+        self, conn: psycopg.AsyncConnection[Any], resource: VpnResource, found: Any, site: str
+    ) -> str | None:
+        """:meth:`adopt` of a VPN this site has a row for."""
+        role, enabled, epoch = found
+        if role == Role.ACTIVE.value and enabled:
+            return await self._active_here(conn, resource, int(epoch), site)
+        if not enabled:
+            return "replication of it is disabled on this site"
+        await conn.execute(_RAISE_EPOCH, (resource.epoch, resource.name, resource.epoch))
+        await self._follow_active(conn, resource)
+        return None
+
+    async def _active_here(
+        self, conn: psycopg.AsyncConnection[Any], resource: VpnResource, epoch: int, site: str
+    ) -> str:
+        """The peer lists a VPN that is active on this site too: the higher
+        epoch wins (module docstring). Returns why the VPN is not replicated
+        from the peer."""
+        vpn = resource.name
+        if resource.epoch > epoch:
+            cur = await conn.execute(FENCE_SQL, (vpn, resource.epoch))
+            await conn.execute(EPOCH_SQL, (vpn, resource.epoch, site, resource.taken_over_at))
+            if cur.rowcount and self._on_fenced is not None:
+                asyncio.get_running_loop().call_soon(self._on_fenced, vpn, resource.epoch, site)
+            return (
+                f"site {site!r} holds it active at epoch {resource.epoch}, newer than this "
+                f"site's {epoch}: this site's VPN is fenced (`vpnrepl demote {vpn}` makes it "
+                "a standby)"
+            )
+        if resource.epoch < epoch:
+            return (
+                f"this site took it over at epoch {epoch}; site {site!r} still lists epoch "
+                f"{resource.epoch} and is fenced as soon as it lists this site's VPNs"
+            )
+        return "it is enabled as active on this site too, at the same epoch (demote one of the two)"

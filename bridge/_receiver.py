@@ -1,0 +1,604 @@
+"""The standby site's end of the bridge: keeps a link to the active up and
+applies each VPN's stream.
+
+:meth:`BridgeClient.run` connects (TLS when configured), retries with
+exponential back-off and jitter, and per VPN the active lists: settles it
+here (:class:`~bridge._adoption.VpnAdoption`: enabled as standby,
+settings, epoch, config-sync), sends ``SyncRequest`` from the applied
+index, then installs the checkpoint and applies the events, each
+acknowledged once durable. Each VPN has a worker of its own, fed in
+arrival order through a queue; what the worker follows of its stream is
+the sans-IO :class:`~bridge._inbound.InboundStream`.
+
+Invariant: nothing confirmed on the active is lost or applied twice here,
+whatever the link does. The worker applies every batch with
+:meth:`StandbyApplier.apply_batch`, which stores the applied index in the
+same transaction as the effects, and acknowledges only after that commit.
+Every (re)synchronisation starts from that stored index (never from what
+was merely received), so a link cut at any byte, a standby killed
+mid-apply, or a gap resumes exactly after the last durable entry; replayed
+duplicates are skipped by index.
+
+Limits: the standby holds a checkpoint's rows in memory until its last
+chunk arrived (the applier installs it in one transaction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+import psycopg
+from psycopg.rows import tuple_row
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
+
+from ._adoption import VpnAdoption
+from ._bridgestate import (
+    CONNECTED,
+    DISCONNECTED,
+    SYNCING,
+    BridgeStateWriter,
+    Pool,
+    open_pool,
+    reset_states,
+)
+from ._errors import (
+    BridgeError,
+    Gap,
+    LocalProtocolError,
+    PeerFailure,
+    RemoteProtocolError,
+    StaleEpoch,
+    UnknownVpn,
+)
+from ._failpoints import failpoint
+from ._frames import (
+    PROTOCOL_VERSION,
+    Ack,
+    Checkpoint,
+    Error,
+    Events,
+    GetAllResources,
+    Hello,
+    ResourceList,
+    SyncAccepted,
+    SyncFinished,
+    SyncRequest,
+    TxnCommit,
+    TxnOutcome,
+    TxnPrepare,
+    VpnResource,
+)
+from ._inbound import InboundStream
+from ._link import Link, LinkClosed, LinkError, TlsRefused, describe_error, dial
+from ._management import ManagementAPI
+from ._protocol import BridgeConnection
+from ._settings import HostPort, InvalidSettings, Role, TlsConfig
+from ._standby import NotStandby, StandbyApplier, StandbyError
+from ._tls import make_client_context
+from ._txnlink import StandbyTxnLink
+
+__all__ = ["BridgeClient"]
+
+log = logging.getLogger(__name__)
+
+#: items a VPN's worker queue holds before the reader waits for it
+_QUEUE_SIZE: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _Relisted:
+    """Worker item: the active (re)listed the VPN."""
+
+    resource: VpnResource
+
+
+@dataclass(frozen=True, slots=True)
+class _Resync:
+    """Worker item: resynchronise from the applied index (after a Gap)."""
+
+    reason: str
+
+
+_Item = _Relisted | _Resync | SyncAccepted | Checkpoint | Events | SyncFinished | TxnCommit
+
+
+@dataclass(eq=False)
+class _Worker:
+    """One VPN's apply worker: its queue, its task, and its view of the stream."""
+
+    stream: InboundStream
+    queue: asyncio.Queue[_Item] = field(default_factory=lambda: asyncio.Queue(_QUEUE_SIZE))
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def vpn(self) -> str:
+        return self.stream.vpn
+
+
+@dataclass(eq=False)
+class _Session:
+    link: Link
+    workers: dict[str, _Worker] = field(default_factory=dict)
+    established: bool = False
+    failure: BaseException | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+        reason = exc if isinstance(exc, BridgeError) else PeerFailure(describe_error(exc))
+        self.link.fail(reason)
+
+
+class BridgeClient:
+    """The standby site's end of the bridge (module docstring)."""
+
+    def __init__(
+        self,
+        site: str,
+        dsn: str,
+        peer: HostPort,
+        *,
+        management_url: str | None = None,
+        keep_users: tuple[str, ...] = (),
+        tls: TlsConfig | None = None,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        connect_timeout: float = 10.0,
+        min_backoff: float = 0.2,
+        max_backoff: float = 10.0,
+        relist_interval: float = 30.0,
+        max_apply_batch: int = 5000,
+    ) -> None:
+        self.site = site
+        self._dsn = dsn
+        self.peer = peer
+        self._api = ManagementAPI(management_url, keep_users=keep_users) if management_url else None
+        self._ssl = make_client_context(tls) if tls is not None else None
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.connect_timeout = connect_timeout
+        self.min_backoff = min_backoff
+        self.max_backoff = max_backoff
+        self.relist_interval = relist_interval
+        self.max_apply_batch = max_apply_batch
+        self._stop = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._session_task: asyncio.Task[None] | None = None
+        self._link: Link | None = None  # the current session's, while one is up
+        self._states: dict[str, str] = {}
+        self._writes: BridgeStateWriter | None = None
+        self._pool: Pool | None = None
+        self._applier: StandbyApplier | None = None
+        self._adoption: VpnAdoption | None = None
+        #: Established sessions so far (tests and status).
+        self.sessions = 0
+        #: the transaction link: the participant's prepares and outcomes, and
+        #: early commits (the node sets its participant)
+        self.txn_link = StandbyTxnLink(dsn)
+        #: set once the peer's first listing was handled (its epochs are known)
+        self.listed = asyncio.Event()
+        #: the peer's site name, from its Hello
+        self.peer_site = ""
+        #: ``(vpn, epoch, site)``: the peer holds a VPN that is active here at
+        #: a higher epoch; this site's VPN was recorded fenced (set by the node)
+        self.on_fenced: Callable[[str, int, str], None] | None = None
+        #: ``(vpn)``: a VPN the active lists was enabled here as standby (set
+        #: by the node, whose listener must refuse its clients from now on)
+        self.on_adopted: Callable[[str], None] | None = None
+
+    def bridge_state(self, vpn: str) -> str:
+        return self._states.get(vpn, DISCONNECTED)
+
+    def _set_state(self, vpn: str, state: str) -> None:
+        if self._states.get(vpn, DISCONNECTED) != state:
+            log.info("bridge: VPN %s is %s", vpn, state)
+            if self._writes is not None:
+                self._writes.bridge_state(vpn, state)
+        self._states[vpn] = state
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connect and replicate until :meth:`close`; a lost link is redialled
+        after a back-off that grows from ``min_backoff`` to ``max_backoff``
+        (with full jitter) and restarts when a session got established."""
+        self._stop.clear()
+        self._stopped.clear()
+        self._pool = open_pool(self._dsn, "bridge-standby")
+        self._applier = StandbyApplier(self._dsn)
+        self.txn_link.applier = self._applier
+        self._adoption = VpnAdoption(self._pool, self._api, self.on_fenced, self.on_adopted)
+        try:
+            await self._pool.open(wait=False)
+            await reset_states(self._pool, Role.STANDBY)
+            self._writes = BridgeStateWriter(self._pool, 0.05)
+            self._writes.start()
+            while not self._stop.is_set():
+                retrying = AsyncRetrying(
+                    retry=retry_if_exception_type(Exception),
+                    wait=wait_random_exponential(multiplier=self.min_backoff, max=self.max_backoff),
+                    sleep=self._sleep,
+                    before_sleep=self._log_retry,
+                    reraise=True,
+                )
+                async for attempt in retrying:
+                    with attempt:
+                        await self._attempt()
+                await self._sleep(self.min_backoff)
+        finally:
+            for vpn in list(self._states):
+                self._set_state(vpn, DISCONNECTED)
+            if self._writes is not None:
+                await self._writes.close()
+                self._writes = None
+            await self._pool.close()
+            await self.txn_link.close()
+            await asyncio.to_thread(self._applier.close)
+            self._stopped.set()
+
+    async def close(self) -> None:
+        """Stop :meth:`run` (dropping the link) and wait for it to return."""
+        self._stop.set()
+        if self._session_task is not None:
+            self._session_task.cancel()
+        if self._pool is not None:
+            await self._stopped.wait()
+
+    async def _attempt(self) -> None:
+        """Run one session as a task :meth:`close` can cancel, whatever it
+        is waiting for (a connect, the database, the peer)."""
+        task = asyncio.create_task(self._run_session(), name="bridge-session")
+        self._session_task = task
+        try:
+            await asyncio.wait([task])
+        finally:
+            if not task.done():  # run() itself is being cancelled
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            self._session_task = None
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stop.wait()
+
+    def _log_retry(self, state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        delay = state.next_action.sleep if state.next_action is not None else 0.0
+        if error is not None and not isinstance(
+            error, BridgeError | StandbyError | psycopg.Error | InvalidSettings | OSError
+        ):
+            log.error("bridge: unexpected failure", exc_info=error)
+        log.warning(
+            "bridge to %s: %s; retrying in %.1f s (attempt %d)",
+            self.peer,
+            describe_error(error) if error is not None else "?",
+            delay,
+            state.attempt_number,
+        )
+
+    # -- one session -------------------------------------------------------------
+
+    async def _run_session(self) -> None:
+        """One connection. Returns after an established session ended (the
+        back-off restarts); raises when it failed before that."""
+        if self._stop.is_set():
+            return
+        link = await self._connect()
+        session = _Session(link)
+        self._link = link
+        heartbeats = asyncio.create_task(link.heartbeats(self.heartbeat_interval))
+        relists = asyncio.create_task(self._relist(link))
+        try:
+            await self._converse(session)
+        except Exception as e:
+            cause = session.failure or e
+            if self._stop.is_set():
+                return
+            if not session.established:
+                if cause is e:
+                    raise
+                raise cause from e
+            log.warning("bridge to %s lost: %s; reconnecting", self.peer, describe_error(cause))
+        else:
+            if session.failure is not None and not self._stop.is_set():
+                log.warning(
+                    "bridge to %s lost: %s; reconnecting",
+                    self.peer,
+                    describe_error(session.failure),
+                )
+        finally:
+            tasks = [heartbeats, relists, *(w.task for w in session.workers.values() if w.task)]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for vpn in session.workers:
+                self._set_state(vpn, DISCONNECTED)
+            self._link = None
+            await link.close()
+
+    async def _connect(self) -> Link:
+        reader, writer = await dial(self.peer, self._ssl, self.connect_timeout)
+        epochs = await self._known_epochs()
+        conn = BridgeConnection(Role.STANDBY, self.site, known_epochs=epochs)
+        return Link(conn, reader, writer, str(self.peer), self.heartbeat_timeout)
+
+    async def _known_epochs(self) -> dict[str, int]:
+        assert self._pool is not None  # noqa: S101 - run() opened it
+        async with self._pool.connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
+            await cur.execute("SELECT name, epoch FROM vpn_config")
+            return {str(name): int(epoch) for name, epoch in await cur.fetchall()}
+
+    async def _greet(self, link: Link) -> None:
+        try:
+            link.send(Hello(self.site, PROTOCOL_VERSION, Role.STANDBY))
+            answer = await link.next_frame()
+        except LinkClosed as e:
+            raise self._hung_up(e.text) from e
+        if answer is None:
+            raise self._hung_up("it closed the link before answering Hello")
+        if isinstance(answer, Error):
+            raise answer.exception()
+        if not isinstance(answer, Hello):  # pragma: no cover - the protocol allows nothing else
+            raise PeerFailure(f"expected Hello, got {type(answer).__name__}")
+        log.info("bridge: connected to active site %r at %s", answer.site, self.peer)
+        self.peer_site = answer.site
+        link.send(GetAllResources())
+
+    def _hung_up(self, text: str) -> LinkError:
+        if self._ssl is None:
+            return LinkClosed(text)
+        return TlsRefused(
+            f"the active hung up right after the TLS handshake ({text}): it most likely "
+            "refused this site's certificate (not signed by the CA it trusts)"
+        )
+
+    def relist_now(self) -> None:
+        """Ask the active for its VPNs now (a VPN here changed role), not at
+        the next periodic relist."""
+        if self._link is not None:
+            self._link.try_send(GetAllResources())
+
+    async def _relist(self, link: Link) -> None:
+        """Ask for the resources again now and then: new VPNs, new definitions."""
+        while True:
+            await asyncio.sleep(self.relist_interval)
+            link.try_send(GetAllResources())
+
+    async def _converse(self, session: _Session) -> None:
+        link = session.link
+        await self._greet(link)
+        while True:
+            item = await link.next_frame()
+            if item is None:
+                if session.failure is None:
+                    session.failure = LinkClosed("the active closed the link")
+                return
+            if isinstance(item, RemoteProtocolError):
+                await self._vpn_fault(session, item)
+            elif isinstance(item, ResourceList):
+                if not session.established:
+                    session.established = True
+                    self.sessions += 1
+                await self._listed(session, item)
+            elif isinstance(item, SyncAccepted | Checkpoint | Events | SyncFinished | TxnCommit):
+                # a TxnCommit goes in line with the stream: it is applied
+                # after what came before it and before what comes after
+                worker = session.workers.get(item.vpn)
+                if worker is not None:
+                    await worker.queue.put(item)
+            elif isinstance(item, TxnPrepare | TxnOutcome):
+                self.txn_link.spawn(self.txn_link.received(link, item))
+            elif isinstance(item, Error):
+                if item.closes_connection:
+                    raise item.exception()
+                self._refused(session, item)
+
+    async def _vpn_fault(self, session: _Session, fault: RemoteProtocolError) -> None:
+        worker = session.workers.get(fault.vpn)
+        if isinstance(fault, Gap) and worker is not None:
+            log.warning("bridge: %s; resyncing from the applied index", fault)
+            # Queued behind what was received before the gap: the request
+            # goes out once that is applied, from the index it reached.
+            await worker.queue.put(_Resync(str(fault)))
+        elif isinstance(fault, StaleEpoch):
+            log.error(
+                "bridge: VPN %s: refused a frame from the active at %s: %s; "
+                "waiting for an active with a current epoch",
+                fault.vpn,
+                self.peer,
+                fault,
+            )
+            session.link.try_send(Error.from_exception(fault))
+            if worker is not None:
+                worker.stream.refused(stale_at=fault.known or 0)
+            self._set_state(fault.vpn, DISCONNECTED)
+        else:
+            log.debug("bridge: %s", fault)
+
+    def _refused(self, session: _Session, error: Error) -> None:
+        exc = error.exception()
+        worker = session.workers.get(error.vpn)
+        stale_at = None
+        if isinstance(exc, StaleEpoch):
+            log.error(
+                "bridge: VPN %s: the active at %s is fenced (%s); not replicating from it",
+                error.vpn,
+                self.peer,
+                exc.text,
+            )
+            stale_at = session.link.conn.known_epoch(error.vpn)
+        else:
+            log.warning("bridge: VPN %s: the active refused to sync: %s", error.vpn, exc)
+        if worker is not None:
+            worker.stream.refused(stale_at)
+        self._set_state(error.vpn, DISCONNECTED)
+
+    async def _listed(self, session: _Session, listing: ResourceList) -> None:
+        assert self._adoption is not None  # noqa: S101 - run() made it
+        listed = {r.name: r for r in listing.vpns}
+        for vpn in [v for v in session.workers if v not in listed]:
+            gone = session.workers.pop(vpn)
+            if gone.task is not None:
+                gone.task.cancel()
+            log.info("bridge: VPN %s is no longer replicated by the active", vpn)
+            self._set_state(vpn, DISCONNECTED)
+        # Settled here, not only in the VPNs' workers: which VPNs are standby
+        # here and which active ones are fenced. A starting node waits for
+        # this (:attr:`listed`) before it admits clients.
+        for resource in listing.vpns:
+            await self._adoption.adopt(resource, self.peer_site)
+        self.listed.set()
+        for resource in listing.vpns:
+            worker = session.workers.get(resource.name)
+            if worker is None:
+                worker = _Worker(InboundStream(resource.name))
+                worker.task = asyncio.create_task(
+                    self._work(session, worker), name=f"bridge-apply-{resource.name}"
+                )
+                session.workers[resource.name] = worker
+            await worker.queue.put(_Relisted(resource))
+
+    # -- one VPN's apply worker ------------------------------------------------
+
+    async def _work(self, session: _Session, worker: _Worker) -> None:
+        try:
+            held: _Item | None = None
+            while True:
+                item = held if held is not None else await worker.queue.get()
+                held = await self._handle_item(session, worker, item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            session.fail(e)
+
+    async def _handle_item(self, session: _Session, worker: _Worker, item: _Item) -> _Item | None:
+        """Apply one item; returns an item taken from the queue but not used."""
+        stream = worker.stream
+        if isinstance(item, _Relisted):
+            await self._relisted(session, worker, item.resource)
+        elif isinstance(item, _Resync):
+            await self._request_sync(session, worker)
+        elif stream.drops(item):
+            pass  # the tail of a stream this side left
+        elif isinstance(item, SyncAccepted):
+            stream.accepted()
+        elif isinstance(item, Checkpoint):
+            stream.rows.extend(item.rows)
+            if item.last:
+                await self._install(session, worker, item)
+        elif isinstance(item, Events):
+            return await self._apply(session, worker, item)
+        elif isinstance(item, TxnCommit):
+            await self._commit_early(session, worker, item)
+        elif stream.finished():  # the SyncFinished of a stream not refused meanwhile
+            self._set_state(worker.vpn, CONNECTED)
+            self.txn_link.spawn(self.txn_link.ask_in_doubt(session.link, worker.vpn))
+        return None
+
+    async def _relisted(self, session: _Session, worker: _Worker, resource: VpnResource) -> None:
+        assert self._adoption is not None  # noqa: S101 - run() made it
+        if not await self._adoption.config_sync(resource, self.peer_site):
+            self._set_state(resource.name, DISCONNECTED)
+            return
+        known = session.link.conn.known_epoch(resource.name)
+        if not worker.stream.wants_sync(resource.epoch, known):
+            return
+        await self._request_sync(session, worker)
+
+    async def _request_sync(self, session: _Session, worker: _Worker) -> None:
+        assert self._pool is not None  # noqa: S101 - run() opened it
+        vpn = worker.vpn
+        async with self._pool.connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
+            await cur.execute(
+                "SELECT applied_index, applied_epoch FROM vpn_state WHERE vpn = %s", (vpn,)
+            )
+            found = await cur.fetchone()
+        applied, applied_epoch = (int(found[0]), int(found[1])) if found else (0, 0)
+        if applied == 0:
+            applied_epoch = 0
+        epoch = max(session.link.conn.known_epoch(vpn), applied_epoch, 1)
+        try:
+            session.link.send(SyncRequest(vpn, epoch, applied, applied_epoch))
+        except LocalProtocolError as e:
+            log.debug("bridge: VPN %s: no sync request now: %s", vpn, e)
+            return
+        worker.stream.requested()
+        log.info("bridge: VPN %s: sync requested from index %d", vpn, applied + 1)
+        self._set_state(vpn, SYNCING)
+
+    async def _install(self, session: _Session, worker: _Worker, last: Checkpoint) -> None:
+        assert self._applier is not None  # noqa: S101 - run() created it
+        rows = worker.stream.take_checkpoint()
+        try:
+            await asyncio.to_thread(
+                self._applier.install_checkpoint, worker.vpn, last.epoch, last.index, rows
+            )
+        except (NotStandby, UnknownVpn) as e:
+            self._abandon(session, worker, e)
+            return
+        worker.stream.early = 0  # the checkpoint holds what was committed early
+        log.info(
+            "bridge: VPN %s: installed a checkpoint of %d live messages at index %d",
+            worker.vpn,
+            len(rows),
+            last.index,
+        )
+        self._ack(session, worker, last.index)
+
+    async def _apply(self, session: _Session, worker: _Worker, first: Events) -> _Item | None:
+        assert self._applier is not None  # noqa: S101 - run() created it
+        entries = list(first.entries)
+        held: _Item | None = None
+        while len(entries) < self.max_apply_batch and not worker.queue.empty():
+            more = worker.queue.get_nowait()
+            if not isinstance(more, Events):
+                held = more
+                break
+            entries.extend(more.entries)
+        vpn = worker.vpn
+        try:
+            applied = await self.txn_link.skip_committed(vpn, entries)
+            if applied is None:
+                applied = await asyncio.to_thread(self._applier.apply_batch, vpn, entries)
+        except Gap as e:
+            log.warning("bridge: %s; resyncing from the applied index", e)
+            await self._request_sync(session, worker)
+            return held
+        except (StaleEpoch, NotStandby, UnknownVpn) as e:
+            self._abandon(session, worker, e)
+            return held
+        failpoint("participant.after-apply")
+        self._ack(session, worker, applied)
+        return held
+
+    async def _commit_early(self, session: _Session, worker: _Worker, frame: TxnCommit) -> None:
+        """The active asks to commit a transaction early (in stream order)."""
+        await self.txn_link.commit_early(session.link, worker.stream, frame)
+
+    def _abandon(self, session: _Session, worker: _Worker, why: BridgeError) -> None:
+        """Stop applying this VPN's stream and tell the active why."""
+        log.error("bridge: VPN %s: not applying the stream: %s", worker.vpn, why.text)
+        session.link.try_send(Error.from_exception(why, vpn=worker.vpn))
+        worker.stream.abandoned(stale_at=(why.known or 0) if isinstance(why, StaleEpoch) else None)
+        self._set_state(worker.vpn, DISCONNECTED)
+
+    def _ack(self, session: _Session, worker: _Worker, index: int) -> None:
+        conn = session.link.conn
+        following = conn.next_index(worker.vpn)
+        if following is None:
+            return
+        index = min(index, following - 1)
+        stream = worker.stream
+        if index <= stream.acked:
+            return
+        if session.link.try_send(Ack(worker.vpn, conn.known_epoch(worker.vpn), index)):
+            stream.acked = index

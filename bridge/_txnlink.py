@@ -1,0 +1,374 @@
+"""The transaction link: local transactions' frames between the two sites.
+
+On the active, :class:`ActiveTxnLink` is the coordinator's ``StandbyLink``
+(``txn``): it asks the standby to prepare (``TxnPrepare`` → ``TxnVote``),
+to commit early (``TxnCommit`` → ``TxnApplied``), tells it outcomes
+(``TxnOutcome``) and answers its questions about prepared transactions
+(``TxnQuery``). On the standby, :class:`StandbyTxnLink` hands prepares and
+outcomes to the participant, commits transactions early when asked, and
+settles the stream's copies of groups committed early.
+
+*Early commit*: for a sync-mode VPN the standby commits a transaction from
+its prepared row when the coordinator's ``TxnCommit`` arrives, before the
+ledger stream brings the transaction's group; the stream's copy of an
+early-committed group is then skipped (``bridge._standby``).
+
+Invariants, and why they hold:
+
+* A vote, an answer or an outcome is never applied to another transaction:
+  each is keyed by the transaction id, and one nobody waits for any more
+  (timed out, settled) is dropped.
+* An early commit is never applied twice, nor lost: it runs in the VPN's
+  stream order (the worker takes ``TxnCommit`` from the same queue as the
+  events), on one connection of its own; when its outcome is unknown (the
+  connection broke mid-statement) the applier forgets what it believes was
+  committed early and reads it back from the database before the next
+  batch.
+* A standby that is gone answers nothing: its pending early commits count
+  as declined (the live feed stops holding their groups) and its votes as
+  no (the VPN's sync-timeout policy applies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import psycopg
+
+from ._apply import GuardedApply, run_guarded_async
+from ._entry import LedgerEntry
+from ._errors import BridgeError
+from ._events import Voted
+from ._failpoints import failpoint
+from ._frames import TxnApplied, TxnCommit, TxnOutcome, TxnPrepare, TxnQuery, TxnVote
+from ._inbound import InboundStream
+from ._link import Link, describe_error
+from ._outbound import StandbyPeer
+from ._standby import ReadyAhead, StandbyApplier, StandbyUnavailable
+
+__all__ = ["ActiveTxnLink", "StandbyTxnLink", "TxnOutcomes", "TxnParticipant"]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: voted transactions kept ready to commit early on the standby (the oldest go
+#: first; one whose commit comes later takes the checked path, reading its row)
+READY_KEPT = 1024
+
+
+class TxnOutcomes(Protocol):
+    """How the active answers a standby's question about its prepared
+    transactions: ``txn``'s coordinator."""
+
+    async def outcomes_for(self, txids: Sequence[str]) -> dict[str, bool | None]: ...
+
+
+class TxnParticipant(Protocol):
+    """The standby's part of a local transaction: ``txn``'s participant."""
+
+    async def prepare(
+        self,
+        vpn: str,
+        txid: str,
+        events: bytes,
+        meanwhile: Callable[[Voted], object] | None = None,
+    ) -> Voted | None: ...
+
+    async def outcome(self, vpn: str, txid: str, commit: bool) -> None: ...
+
+    async def in_doubt(self, vpn: str) -> list[str]: ...
+
+
+def _nothing() -> None:
+    """An ``on_applied`` that no one waits for any more."""
+
+
+class _Tasks:
+    """Fire-and-forget tasks, kept referenced until they end."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    def spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class ActiveTxnLink:
+    """The active's end: the coordinator's ``StandbyLink``.
+
+    ``standby_of(vpn)`` is the connected standby that the VPN is listed to
+    (None: none is); the server owns the connections."""
+
+    def __init__(self, standby_of: Callable[[str], StandbyPeer | None]) -> None:
+        self._standby_of = standby_of
+        #: answers standbys' questions about transactions (set by the node)
+        self.coordinator: TxnOutcomes | None = None
+        self._votes: dict[str, asyncio.Future[bool]] = {}
+        #: txid -> (called if the standby committed it early, the answer the
+        #: live feed holds the group for)
+        self._early: dict[str, tuple[Callable[[], None], asyncio.Future[bool]]] = {}
+        self._tasks = _Tasks()
+
+    def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> Awaitable[bool]:
+        """Ask the standby to prepare ``txid``: the request is sent before
+        this returns (so the caller's own prepare starts after it, the
+        standby's round being the longer); the awaitable is True once it
+        voted yes within ``within`` seconds. A standby that is not connected
+        cannot prepare: False at once (the VPN's on-sync-timeout policy then
+        applies). The awaitable is a plain future, resolved by the vote or
+        the timer: the caller wakes one event-loop turn after the vote, not
+        two (as behind a task of its own)."""
+        peer = self._standby_of(vpn)
+        loop = asyncio.get_running_loop()
+        vote: asyncio.Future[bool] = loop.create_future()
+        if peer is None or not peer.link.try_send(TxnPrepare(vpn, peer.epochs[vpn], txid, events)):
+            vote.set_result(False)
+            return vote
+        self._votes[txid] = vote
+        timer = loop.call_later(within, self._no_vote, txid, vote)
+        vote.add_done_callback(lambda _: timer.cancel())
+        return vote
+
+    def _no_vote(self, txid: str, vote: asyncio.Future[bool]) -> None:
+        """The standby did not vote in time: the vote counts as no."""
+        if self._votes.get(txid) is vote:
+            del self._votes[txid]
+        if not vote.done():
+            vote.set_result(False)
+
+    def commit_ahead(self, vpn: str, txid: str, first: int, on_applied: Callable[[], None]) -> bool:
+        """Tell the standby the broker committed ``txid`` (its group at
+        ``first`` onwards) so it may commit it early; ``on_applied()`` runs
+        if it says it did. The group's copy in the live feed waits for the
+        answer (``bridge._outbound``). False when no standby streams the
+        VPN live (nothing sent)."""
+        peer = self._standby_of(vpn)
+        out = peer.stream_live(vpn) if peer is not None else None
+        if peer is None or out is None or first < out.next_index:
+            return False
+        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._early[txid] = (on_applied, answer)
+        out.answers[first] = answer
+        if not peer.link.try_send(TxnCommit(vpn, peer.epochs[vpn], txid, first)):
+            self._early.pop(txid, None)
+            del out.answers[first]
+            return False
+        return True
+
+    def outcome(self, vpn: str, txid: str, commit: bool) -> None:
+        """Tell the standby how ``txid`` ended (if one is connected: else it
+        asks when it reconnects)."""
+        early = self._early.pop(txid, None)
+        if early is not None and not early[1].done():
+            # settled without the answer (timed out): the live feed still waits for it
+            self._early[txid] = (_nothing, early[1])
+        self._votes.pop(txid, None)  # a vote no one waits for any more
+        peer = self._standby_of(vpn)
+        if peer is not None:
+            peer.link.try_send(TxnOutcome(vpn, peer.epochs[vpn], txid, commit))
+
+    def received(self, peer: StandbyPeer, frame: TxnVote | TxnApplied | TxnQuery) -> None:
+        """A vote, an answer to an early commit, or a question from ``peer``."""
+        if isinstance(frame, TxnVote):
+            vote = self._votes.pop(frame.txid, None)
+            if vote is not None and not vote.done():
+                vote.set_result(frame.ok)
+        elif isinstance(frame, TxnApplied):
+            early = self._early.pop(frame.txid, None)
+            if early is not None:
+                on_applied, answer = early
+                if not answer.done():
+                    answer.set_result(frame.applied)
+                if frame.applied:
+                    on_applied()
+        else:
+            self._tasks.spawn(self._answer(peer, frame))
+
+    async def _answer(self, peer: StandbyPeer, query: TxnQuery) -> None:
+        if self.coordinator is None:
+            return
+        outcomes = await self.coordinator.outcomes_for(query.txids)
+        epoch = peer.epochs.get(query.vpn)
+        if epoch is None:
+            return
+        for txid, commit in outcomes.items():
+            if commit is not None:  # in flight here: its outcome follows when decided
+                peer.link.try_send(TxnOutcome(query.vpn, epoch, txid, commit))
+
+    def gone(self, peer: StandbyPeer) -> None:
+        """``peer`` is gone: its early commits will not be answered."""
+        for out in peer.streams.values():
+            out.unanswered()
+        self._early = {t: e for t, e in self._early.items() if not e[1].done()}
+
+
+class StandbyTxnLink:
+    """The standby's end: the participant's prepares and outcomes, and early
+    commits with the applier."""
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        #: the standby's side of local transactions (set by the node)
+        self.participant: TxnParticipant | None = None
+        self.applier: StandbyApplier | None = None
+        #: txid -> its voted events made ready to commit early, until the commit or the outcome
+        self._ready: OrderedDict[str, ReadyAhead] = OrderedDict()
+        #: the connection early commits (and the stream's copies of them) run on
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._tasks = _Tasks()
+
+    def spawn(self, work: Awaitable[None]) -> None:
+        self._tasks.spawn(work)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
+
+    async def received(self, link: Link, frame: TxnPrepare | TxnOutcome) -> None:
+        """The participant's part of a local transaction."""
+        if self.participant is None:
+            return
+        if isinstance(frame, TxnOutcome):
+            self._ready.pop(frame.txid, None)
+            await self.participant.outcome(frame.vpn, frame.txid, frame.commit)
+            return
+        voted = await self.participant.prepare(
+            frame.vpn, frame.txid, frame.events, functools.partial(self._get_ready, frame)
+        )
+        if not voted:
+            self._ready.pop(frame.txid, None)
+        epoch = link.conn.known_epoch(frame.vpn)
+        link.try_send(TxnVote(frame.vpn, epoch, frame.txid, voted is not None))
+
+    def _get_ready(self, frame: TxnPrepare, voted: Voted) -> None:
+        """The early commit's statement, built while the participant's row
+        is written (for a yes vote; a no drops it), so the active's broker
+        commit is not kept waiting for it."""
+        if not voted or self.applier is None:
+            return
+        self._ready[frame.txid] = self.applier.ready_ahead(frame.vpn, frame.txid, voted)
+        if len(self._ready) > READY_KEPT:
+            self._ready.popitem(last=False)
+
+    async def ask_in_doubt(self, link: Link, vpn: str) -> None:
+        """After a (re)sync: ask the active how our prepared transactions ended."""
+        if self.participant is None:
+            return
+        try:
+            txids = await self.participant.in_doubt(vpn)
+        except psycopg.Error as e:
+            log.warning("bridge: VPN %s: in-doubt transactions not read: %s", vpn, e)
+            return
+        if txids:
+            log.info(
+                "bridge: VPN %s: asking the active about %d prepared transaction(s)",
+                vpn,
+                len(txids),
+            )
+            epoch = link.conn.known_epoch(vpn)
+            link.try_send(TxnQuery(vpn, epoch, tuple(txids[:1000])))
+
+    async def commit_early(self, link: Link, stream: InboundStream, frame: TxnCommit) -> None:
+        """Commit a transaction from its prepared row before its group comes
+        with the stream (``bridge._standby``) and say so; if that is not
+        possible now, say that: the group comes with the stream (the active
+        holds it until this answer), and its ``Ack`` is what the active
+        waits for then."""
+        applier = self.applier
+        assert applier is not None  # noqa: S101 - the receiver set it
+        vpn, txid = stream.vpn, frame.txid
+        ready = self._ready.pop(txid, None)
+        last: int | None = None
+        try:
+            statement = None
+            if ready is not None:
+                statement = applier.ahead_statement(vpn, ready, frame.first, stream.early)
+            if ready is not None and statement is not None:
+                # the usual case: one statement, on this loop (no thread hop)
+                if await self._run_early(statement):
+                    last = applier.applied_ahead(vpn, ready, frame.first)
+            else:
+                last = await asyncio.to_thread(
+                    applier.apply_prepared, vpn, txid, frame.epoch, frame.first, stream.early
+                )
+        except (BridgeError, psycopg.Error, ValueError) as e:
+            if isinstance(e, StandbyUnavailable):
+                applier.forget_ahead(vpn)  # it may have committed
+            why = describe_error(e)
+            log.warning("bridge: VPN %s: transaction %s left to the stream: %s", vpn, txid, why)
+        if last is not None:
+            stream.early = last
+            failpoint("participant.after-apply-ahead")
+        epoch = link.conn.known_epoch(vpn)
+        link.try_send(TxnApplied(vpn, epoch, txid, last is not None))
+
+    async def _run_early(self, statement: GuardedApply) -> bool:
+        """Run an early commit's one statement on this loop; True if its
+        guard let it apply."""
+        found = await self._on_own_conn(
+            statement.vpn, lambda conn: run_guarded_async(conn, statement)
+        )
+        return found is not None
+
+    async def skip_committed(self, vpn: str, entries: list[LedgerEntry]) -> int | None:
+        """The stream's copy of groups committed early, settled by one
+        statement on this loop (no thread hop); returns the new applied
+        index. None when ``entries`` are anything else, or the statement's
+        gate did not hold, or it failed: :meth:`StandbyApplier.apply_batch`
+        then checks them against what is stored and applies them as usual."""
+        applier = self.applier
+        assert applier is not None  # noqa: S101 - the receiver set it
+        statement = applier.passed_ahead_statement(vpn, entries)
+        if statement is None:
+            return None
+
+        async def run(conn: psycopg.AsyncConnection[Any]) -> Any:
+            cur = await conn.execute(*statement)
+            return await cur.fetchone()
+
+        try:
+            if await self._on_own_conn(vpn, run) is None:
+                return None
+        except psycopg.Error as e:
+            log.debug("bridge: VPN %s: applied-ahead groups left to the batch: %s", vpn, e)
+            return None
+        applier.passed_ahead(vpn, entries)
+        return entries[-1].index
+
+    async def _on_own_conn(
+        self, vpn: str, run: Callable[[psycopg.AsyncConnection[Any]], Awaitable[_T]]
+    ) -> _T:
+        """``run`` on the standby's own connection for the statements it
+        runs on this loop (early commits, and the stream's copies of them),
+        connected at first use. When the outcome is unknown (a lost
+        connection, or cancelled mid-statement) the connection is dropped
+        and the VPN's early-committed events are read from the database
+        again before its next batch, so nothing is applied twice."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            self._conn = None
+            conn = await psycopg.AsyncConnection.connect(
+                self._dsn, autocommit=True, connect_timeout=10
+            )
+            self._conn = conn
+        try:
+            return await run(conn)
+        except BaseException as e:
+            if isinstance(e, psycopg.Error) and not isinstance(e, psycopg.OperationalError):
+                raise  # refused by the database: nothing committed, the connection is fine
+            self._conn = None
+            if self.applier is not None:
+                self.applier.forget_ahead(vpn)
+            with contextlib.suppress(Exception):
+                await conn.close()
+            raise

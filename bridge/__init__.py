@@ -11,8 +11,10 @@ ours. Its public API is listed here once, in two parts:
 * the **I/O-bound parts**, imported on first use of a name
   (:data:`_IO_BOUND`): the ledger writer and its live-state applier, the
   standby applier, the bridge's links (active and standby sides), config-sync
-  and the management API client, role changes, materialisation, and the
-  replication sink the listener's events go to (:class:`Replicator`).
+  and the management API client, role changes, materialisation, the
+  replication sink the listener's events go to (:class:`Replicator`), and
+  the statements on the per-VPN rows ``vpn_config`` / ``vpn_state``
+  (``_vpnstore``: every layer reads and writes them through it).
 """
 
 from __future__ import annotations
@@ -282,6 +284,168 @@ if TYPE_CHECKING:
     from ._transport import (
         TlsRefused as TlsRefused,
     )
+    from ._vpnstore import (
+        COUNT_UNKNOWN_ACKS as COUNT_UNKNOWN_ACKS,
+    )
+    from ._vpnstore import (
+        EPOCH_SQL as EPOCH_SQL,
+    )
+    from ._vpnstore import (
+        FENCE_SQL as FENCE_SQL,
+    )
+    from ._vpnstore import (
+        ActiveVpn as ActiveVpn,
+    )
+    from ._vpnstore import (
+        AppliedLock as AppliedLock,
+    )
+    from ._vpnstore import (
+        ConfigLock as ConfigLock,
+    )
+    from ._vpnstore import (
+        DemotionLock as DemotionLock,
+    )
+    from ._vpnstore import (
+        EnabledVpn as EnabledVpn,
+    )
+    from ._vpnstore import (
+        FollowedSettings as FollowedSettings,
+    )
+    from ._vpnstore import (
+        LedgerStart as LedgerStart,
+    )
+    from ._vpnstore import (
+        PromotionLock as PromotionLock,
+    )
+    from ._vpnstore import (
+        RoleState as RoleState,
+    )
+    from ._vpnstore import (
+        VpnStatus as VpnStatus,
+    )
+    from ._vpnstore import (
+        active_ledgers_async as active_ledgers_async,
+    )
+    from ._vpnstore import (
+        active_vpns_async as active_vpns_async,
+    )
+    from ._vpnstore import (
+        add_standby_vpn_async as add_standby_vpn_async,
+    )
+    from ._vpnstore import (
+        add_vpn_state as add_vpn_state,
+    )
+    from ._vpnstore import (
+        add_vpn_state_async as add_vpn_state_async,
+    )
+    from ._vpnstore import (
+        advance_ledger_indexes_async as advance_ledger_indexes_async,
+    )
+    from ._vpnstore import (
+        applied_position as applied_position,
+    )
+    from ._vpnstore import (
+        applied_position_async as applied_position_async,
+    )
+    from ._vpnstore import (
+        become_active as become_active,
+    )
+    from ._vpnstore import (
+        become_standby as become_standby,
+    )
+    from ._vpnstore import (
+        disable_replication as disable_replication,
+    )
+    from ._vpnstore import (
+        enabled_vpns_async as enabled_vpns_async,
+    )
+    from ._vpnstore import (
+        fence_vpn as fence_vpn,
+    )
+    from ._vpnstore import (
+        fence_vpn_async as fence_vpn_async,
+    )
+    from ._vpnstore import (
+        follow_settings_async as follow_settings_async,
+    )
+    from ._vpnstore import (
+        followed_settings_async as followed_settings_async,
+    )
+    from ._vpnstore import (
+        keep_definitions_async as keep_definitions_async,
+    )
+    from ._vpnstore import (
+        known_epochs_async as known_epochs_async,
+    )
+    from ._vpnstore import (
+        ledger_progress_async as ledger_progress_async,
+    )
+    from ._vpnstore import (
+        ledger_start_async as ledger_start_async,
+    )
+    from ._vpnstore import (
+        lock_applied as lock_applied,
+    )
+    from ._vpnstore import (
+        lock_for_demotion as lock_for_demotion,
+    )
+    from ._vpnstore import (
+        lock_for_promotion as lock_for_promotion,
+    )
+    from ._vpnstore import (
+        lock_ledger_indexes_async as lock_ledger_indexes_async,
+    )
+    from ._vpnstore import (
+        lock_vpn_config as lock_vpn_config,
+    )
+    from ._vpnstore import (
+        lock_vpn_config_async as lock_vpn_config_async,
+    )
+    from ._vpnstore import (
+        mark_fenced_async as mark_fenced_async,
+    )
+    from ._vpnstore import (
+        raise_epoch_async as raise_epoch_async,
+    )
+    from ._vpnstore import (
+        read_vpn_settings as read_vpn_settings,
+    )
+    from ._vpnstore import (
+        record_epoch as record_epoch,
+    )
+    from ._vpnstore import (
+        record_first_epoch as record_first_epoch,
+    )
+    from ._vpnstore import (
+        record_sync_eligible_async as record_sync_eligible_async,
+    )
+    from ._vpnstore import (
+        reset_bridge_states_async as reset_bridge_states_async,
+    )
+    from ._vpnstore import (
+        role_state as role_state,
+    )
+    from ._vpnstore import (
+        save_vpn_settings as save_vpn_settings,
+    )
+    from ._vpnstore import (
+        set_applied as set_applied,
+    )
+    from ._vpnstore import (
+        set_applied_async as set_applied_async,
+    )
+    from ._vpnstore import (
+        set_bridge_state_async as set_bridge_state_async,
+    )
+    from ._vpnstore import (
+        stored_definitions as stored_definitions,
+    )
+    from ._vpnstore import (
+        stored_ledger_index as stored_ledger_index,
+    )
+    from ._vpnstore import (
+        vpn_status_rows as vpn_status_rows,
+    )
 
 #: module -> the names it exports through this package, imported on first use
 _IO_BOUND: dict[str, tuple[str, ...]] = {
@@ -327,6 +491,62 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
         "PeerSilent",
         "PeerUnreachable",
         "TlsRefused",
+    ),
+    "._vpnstore": (
+        "COUNT_UNKNOWN_ACKS",
+        "EPOCH_SQL",
+        "FENCE_SQL",
+        "ActiveVpn",
+        "AppliedLock",
+        "ConfigLock",
+        "DemotionLock",
+        "EnabledVpn",
+        "FollowedSettings",
+        "LedgerStart",
+        "PromotionLock",
+        "RoleState",
+        "VpnStatus",
+        "active_ledgers_async",
+        "active_vpns_async",
+        "add_standby_vpn_async",
+        "add_vpn_state",
+        "add_vpn_state_async",
+        "advance_ledger_indexes_async",
+        "applied_position",
+        "applied_position_async",
+        "become_active",
+        "become_standby",
+        "disable_replication",
+        "enabled_vpns_async",
+        "fence_vpn",
+        "fence_vpn_async",
+        "follow_settings_async",
+        "followed_settings_async",
+        "keep_definitions_async",
+        "known_epochs_async",
+        "ledger_progress_async",
+        "ledger_start_async",
+        "lock_applied",
+        "lock_for_demotion",
+        "lock_for_promotion",
+        "lock_ledger_indexes_async",
+        "lock_vpn_config",
+        "lock_vpn_config_async",
+        "mark_fenced_async",
+        "raise_epoch_async",
+        "read_vpn_settings",
+        "record_epoch",
+        "record_first_epoch",
+        "record_sync_eligible_async",
+        "reset_bridge_states_async",
+        "role_state",
+        "save_vpn_settings",
+        "set_applied",
+        "set_applied_async",
+        "set_bridge_state_async",
+        "stored_definitions",
+        "stored_ledger_index",
+        "vpn_status_rows",
     ),
 }
 _LAZY = {name: module for module, names in _IO_BOUND.items() for name in names}

@@ -9,12 +9,13 @@ ours. Its public API is listed here once, in two parts:
   the crash failpoints. Importing them loads neither asyncio, sockets nor
   psycopg, so the listener's sans-IO session can use them.
 * the **I/O-bound parts**, imported on first use of a name
-  (:data:`_IO_BOUND`): the ledger writer and its live-state applier, the
-  standby applier, the bridge's links (active and standby sides), config-sync
-  and the management API client, role changes, materialisation, the
-  replication sink the listener's events go to (:class:`Replicator`), and
-  the statements on the per-VPN rows ``vpn_config`` / ``vpn_state``
-  (``_vpnstore``: every layer reads and writes them through it).
+  (:data:`_IO_BOUND`): the ledger writer (with its live-state applier) and
+  its reader, the standby applier, the bridge's links (active and standby
+  sides), config-sync and the management API client, role changes,
+  materialisation, the replication sink the listener's events go to
+  (:class:`Replicator`), and the statements on the per-VPN rows
+  ``vpn_config`` / ``vpn_state`` (``_vpnstore``: every layer reads and
+  writes them through it).
 """
 
 from __future__ import annotations
@@ -147,31 +148,34 @@ if TYPE_CHECKING:
         vpn_definitions as vpn_definitions,
     )
     from ._ledger import (
-        LedgerClosed as LedgerClosed,
-    )
-    from ._ledger import (
-        LedgerConflict as LedgerConflict,
-    )
-    from ._ledger import (
-        LedgerError as LedgerError,
-    )
-    from ._ledger import (
-        LedgerPruned as LedgerPruned,
-    )
-    from ._ledger import (
-        LedgerUnavailable as LedgerUnavailable,
-    )
-    from ._ledger import (
         LedgerWriter as LedgerWriter,
     )
     from ._ledger import (
+        WriterStats as WriterStats,
+    )
+    from ._ledger_errors import (
+        LedgerClosed as LedgerClosed,
+    )
+    from ._ledger_errors import (
+        LedgerConflict as LedgerConflict,
+    )
+    from ._ledger_errors import (
+        LedgerError as LedgerError,
+    )
+    from ._ledger_errors import (
+        LedgerPruned as LedgerPruned,
+    )
+    from ._ledger_errors import (
+        LedgerUnavailable as LedgerUnavailable,
+    )
+    from ._ledger_errors import (
         UnstorableEvent as UnstorableEvent,
     )
-    from ._ledger import (
+    from ._ledger_errors import (
         VpnNotOpen as VpnNotOpen,
     )
-    from ._ledger import (
-        WriterStats as WriterStats,
+    from ._ledger_reader import (
+        LedgerReader as LedgerReader,
     )
     from ._management import (
         ManagementAPI as ManagementAPI,
@@ -452,17 +456,17 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
     "._amqp_client": ("BrokerPublisher",),
     "._apply": ("ApplyResult", "apply_entries", "apply_entries_async"),
     "._configsync": ("ConfigSyncError", "import_vpn_definitions", "reimport", "vpn_definitions"),
-    "._ledger": (
+    "._ledger": ("LedgerWriter", "WriterStats"),
+    "._ledger_errors": (
         "LedgerClosed",
         "LedgerConflict",
         "LedgerError",
         "LedgerPruned",
         "LedgerUnavailable",
-        "LedgerWriter",
         "UnstorableEvent",
         "VpnNotOpen",
-        "WriterStats",
     ),
+    "._ledger_reader": ("LedgerReader",),
     "._management": ("ManagementAPI", "ManagementUnavailable"),
     "._materialise": ("MaterialiseError", "MaterialiseResult", "materialise"),
     "._replicator": ("Replicator", "Transactions", "commit_in_task"),

@@ -729,7 +729,7 @@ class BridgeServer:
                 if index <= 1:
                     continue
                 try:
-                    await self.writer.prune(vpn, index - 1, self.retain_seconds)
+                    await self.writer.reader.prune(vpn, index - 1, self.retain_seconds)
                 except LedgerError as e:
                     log.warning("bridge: VPN %s: ledger not pruned: %s", vpn, e)
 
@@ -1104,11 +1104,11 @@ class BridgeServer:
         """Whether the standby's state is a prefix of this ledger that a
         replay can continue (else it needs a checkpoint)."""
         if last_index == 0:
-            return await self.writer.oldest_retained(vpn) <= 1
+            return await self.writer.reader.oldest_retained(vpn) <= 1
         if last_index > self.writer.durable_index(vpn):
             return False
         try:
-            found = await self.writer.read_range(vpn, last_index, 1)
+            found = await self.writer.reader.read_range(vpn, last_index, 1)
         except LedgerPruned:
             return False
         return bool(found) and found[0].index == last_index and found[0].epoch == last_epoch
@@ -1139,7 +1139,7 @@ class BridgeServer:
                 log.info("bridge: VPN %s: %s caught up at index %d", vpn, link.peer, next_index - 1)
                 return
             limit = min(self.batch_size, durable - next_index + 1)
-            entries = await self.writer.read_range(vpn, next_index, limit)
+            entries = await self.writer.reader.read_range(vpn, next_index, limit)
             if not entries:
                 raise LedgerError(f"durable index {durable} but no entry {next_index}", vpn)
             self._send_events(link, out, entries)

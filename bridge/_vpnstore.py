@@ -33,7 +33,7 @@ too: it is always written with the epoch it records.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import psycopg
@@ -147,14 +147,6 @@ UPDATE vpn_config SET definitions = %s WHERE name = %s AND definitions IS DISTIN
 _DEFINITIONS = "SELECT definitions FROM vpn_config WHERE name = %s"
 _KNOWN_EPOCHS = "SELECT name, epoch FROM vpn_config"
 _RAISE_EPOCH = "UPDATE vpn_config SET epoch = %s, updated_at = now() WHERE name = %s AND epoch < %s"
-_FOLLOWED_NAMES = (
-    "mode",
-    "sync_timeout_ms",
-    "on_sync_timeout",
-    "queue_patterns",
-    "topic_filters",
-    "expose_id",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,13 +184,9 @@ class FollowedSettings:
 
     def changes(self, listed: FollowedSettings) -> list[str]:
         """``name old -> new`` for each setting ``listed`` changes."""
-        return [
-            f"{name} {old!r} -> {new!r}"
-            for name, old, new in zip(
-                _FOLLOWED_NAMES, self._params(), listed._params(), strict=True
-            )
-            if old != new
-        ]
+        names = [f.name for f in fields(self)]
+        pairs = zip(names, self._params(), listed._params(), strict=True)
+        return [f"{name} {old!r} -> {new!r}" for name, old, new in pairs if old != new]
 
     def _params(self) -> tuple[Any, ...]:
         """The values as statement parameters (arrays as lists), in column order."""
@@ -210,6 +198,11 @@ class FollowedSettings:
             list(self.topic_filters),
             self.expose_id,
         )
+
+
+def _maybe_int(value: Any) -> int | None:
+    """An integer column of an outer join (None where it found no row)."""
+    return None if value is None else int(value)
 
 
 def _settings(row: Sequence[Any]) -> VpnSettings:
@@ -414,7 +407,7 @@ def lock_for_promotion(conn: _Conn, vpn: str) -> PromotionLock | None:
         bool(fenced),
         int(applied),
         promotion,
-        None if promotion_epoch is None else int(promotion_epoch),
+        _maybe_int(promotion_epoch),
     )
 
 
@@ -483,8 +476,8 @@ def lock_for_demotion(conn: _Conn, vpn: str) -> DemotionLock | None:
         bool(fenced),
         int(ledger),
         int(live or 0),
-        None if epoch is None else int(epoch),
-        None if taken_over_at is None else int(taken_over_at),
+        _maybe_int(epoch),
+        _maybe_int(taken_over_at),
     )
 
 
@@ -778,20 +771,10 @@ async def enabled_vpns_async(conn: _AsyncConn) -> list[EnabledVpn]:
     async with conn.cursor(row_factory=tuple_row) as cur:
         await cur.execute(_ENABLED_VPNS)
         rows = await cur.fetchall()
-    out = []
-    for row in rows:
-        applied, fenced, promotion, epoch, site = row[8:]
-        out.append(
-            EnabledVpn(
-                _settings(row[:8]),
-                int(applied),
-                bool(fenced),
-                promotion,
-                None if epoch is None else int(epoch),
-                site,
-            )
-        )
-    return out
+    return [
+        EnabledVpn(_settings(r[:8]), int(r[8]), bool(r[9]), r[10], _maybe_int(r[11]), r[12])
+        for r in rows
+    ]
 
 
 async def active_vpns_async(conn: _AsyncConn) -> list[ActiveVpn]:

@@ -1,6 +1,9 @@
 """The site database as the admin commands see it: VPN settings and status.
 
-Plain psycopg with parameterised SQL; every foreign error is translated here
+The per-VPN rows (``vpn_config``, ``vpn_state``) are read and written
+through ``bridge``'s store functions, the rest of the status with plain
+parameterised SQL, all on the connection :func:`connect` gives (one
+transaction, committed on success); every foreign error is translated here
 into the plugin's taxonomy (:class:`StoreUnavailable` when the server cannot
 be reached, :class:`StateError` when the schema is missing or a request
 conflicts with what is stored).

@@ -487,7 +487,7 @@ async def _write_through_ledger(dsn: str, events: list[Event]) -> list[LedgerEnt
         await writer.wait_durable(events[0].vpn, entries[-1].index)
         shipped: list[LedgerEntry] = []
         while len(shipped) < len(entries):
-            shipped += await writer.read_range("orders", len(shipped) + 1, 300)
+            shipped += await writer.reader.read_range("orders", len(shipped) + 1, 300)
     assert shipped == entries
     return shipped
 

@@ -28,13 +28,17 @@ across database outages and restarts of the writer. Why:
   nacks what it holds rather than guess.
 
 The writer owns the two other parts of the ledger and starts and stops them
-with itself: its :class:`~bridge._live.LiveStateApplier`, to which each
-committed batch goes next (``live_message`` follows the ledger; a VPN's
-live state is caught up before the writer hands out its next index, and the
-writer tracks both indexes, so :meth:`LedgerWriter.wait_live` and
-backpressure see the apply), and its :class:`~bridge._ledger_reader.
-LedgerReader` (:attr:`LedgerWriter.reader`: replay and pruning, whose pool
-also serves :meth:`LedgerWriter.open_vpn`).
+with itself:
+
+* its :class:`~bridge._live.LiveStateApplier`, to which each committed
+  batch goes next (``live_message`` follows the ledger). A VPN's live state
+  is caught up before the writer hands out its next index, and the writer
+  keeps both indexes per VPN, so :meth:`LedgerWriter.wait_live` and the
+  backpressure of :meth:`LedgerWriter.full` see the apply;
+* its :class:`~bridge._ledger_reader.LedgerReader`
+  (:attr:`LedgerWriter.reader`: replay and pruning), whose pool also serves
+  :meth:`LedgerWriter.open_vpn`, and whose prune waits for the writer's
+  live index.
 
 Commits do not wait for company when someone waits for them: with an
 entry pending that has an ``on_durable`` callback (a publish whose confirm

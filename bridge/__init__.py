@@ -9,10 +9,13 @@ ours. Its public API is listed here once, in two parts:
   the crash failpoints. Importing them loads neither asyncio, sockets nor
   psycopg, so the listener's sans-IO session can use them.
 * the **I/O-bound parts**, imported on first use of a name
-  (:data:`_IO_BOUND`): the ledger writer and its live-state applier, the
-  standby applier, the bridge's links (active and standby sides), config-sync
-  and the management API client, role changes, materialisation, and the
-  replication sink the listener's events go to (:class:`Replicator`).
+  (:data:`_IO_BOUND`): the ledger writer (with its live-state applier) and
+  its reader, the standby applier, the bridge's links (active and standby
+  sides), config-sync and the management API client, role changes,
+  materialisation, the replication sink the listener's events go to
+  (:class:`Replicator`), and the statements on the per-VPN rows
+  ``vpn_config`` / ``vpn_state`` (``_vpnstore``: every layer reads and
+  writes them through it).
 """
 
 from __future__ import annotations
@@ -120,157 +123,135 @@ if TYPE_CHECKING:
     from ._amqp_client import BrokerPublisher as BrokerPublisher
     from ._apply import (
         ApplyResult as ApplyResult,
-    )
-    from ._apply import (
         apply_entries as apply_entries,
-    )
-    from ._apply import (
         apply_entries_async as apply_entries_async,
     )
     from ._bridgestate import (
         CONNECTED as CONNECTED,
-    )
-    from ._bridgestate import (
         DISCONNECTED as DISCONNECTED,
-    )
-    from ._bridgestate import (
         SYNCING as SYNCING,
     )
     from ._configsync import (
         ConfigSyncError as ConfigSyncError,
-    )
-    from ._configsync import (
         import_vpn_definitions as import_vpn_definitions,
-    )
-    from ._configsync import (
         reimport as reimport,
-    )
-    from ._configsync import (
         vpn_definitions as vpn_definitions,
     )
     from ._ledger import (
-        LedgerClosed as LedgerClosed,
-    )
-    from ._ledger import (
-        LedgerConflict as LedgerConflict,
-    )
-    from ._ledger import (
-        LedgerError as LedgerError,
-    )
-    from ._ledger import (
-        LedgerPruned as LedgerPruned,
-    )
-    from ._ledger import (
-        LedgerUnavailable as LedgerUnavailable,
-    )
-    from ._ledger import (
         LedgerWriter as LedgerWriter,
+        WriterStats as WriterStats,
     )
-    from ._ledger import (
+    from ._ledger_errors import (
+        LedgerClosed as LedgerClosed,
+        LedgerConflict as LedgerConflict,
+        LedgerError as LedgerError,
+        LedgerPruned as LedgerPruned,
+        LedgerUnavailable as LedgerUnavailable,
         UnstorableEvent as UnstorableEvent,
-    )
-    from ._ledger import (
         VpnNotOpen as VpnNotOpen,
     )
-    from ._ledger import (
-        WriterStats as WriterStats,
+    from ._ledger_reader import (
+        LedgerReader as LedgerReader,
     )
     from ._link import (
         LinkClosed as LinkClosed,
-    )
-    from ._link import (
         LinkError as LinkError,
-    )
-    from ._link import (
         PeerSilent as PeerSilent,
-    )
-    from ._link import (
         PeerUnreachable as PeerUnreachable,
-    )
-    from ._link import (
         TlsRefused as TlsRefused,
     )
     from ._management import (
         ManagementAPI as ManagementAPI,
-    )
-    from ._management import (
         ManagementUnavailable as ManagementUnavailable,
     )
     from ._materialise import (
         MaterialiseError as MaterialiseError,
-    )
-    from ._materialise import (
         MaterialiseResult as MaterialiseResult,
-    )
-    from ._materialise import (
         materialise as materialise,
     )
     from ._receiver import BridgeClient as BridgeClient
     from ._replicator import (
         Replicator as Replicator,
-    )
-    from ._replicator import (
         Transactions as Transactions,
-    )
-    from ._replicator import (
         commit_in_task as commit_in_task,
     )
     from ._roles import (
         PromotionStart as PromotionStart,
-    )
-    from ._roles import (
         RoleError as RoleError,
-    )
-    from ._roles import (
         Tail as Tail,
-    )
-    from ._roles import (
         TailMessage as TailMessage,
-    )
-    from ._roles import (
         begin_promotion as begin_promotion,
-    )
-    from ._roles import (
         demote_to_standby as demote_to_standby,
-    )
-    from ._roles import (
         ensure_fenced as ensure_fenced,
-    )
-    from ._roles import (
         fail_promotion as fail_promotion,
-    )
-    from ._roles import (
         finish_promotion as finish_promotion,
-    )
-    from ._roles import (
         read_tail as read_tail,
     )
     from ._standby import (
         LiveRow as LiveRow,
-    )
-    from ._standby import (
         NotStandby as NotStandby,
-    )
-    from ._standby import (
         StandbyApplier as StandbyApplier,
-    )
-    from ._standby import (
         StandbyError as StandbyError,
-    )
-    from ._standby import (
         StandbyUnavailable as StandbyUnavailable,
     )
     from ._tls import (
         TlsSetupError as TlsSetupError,
-    )
-    from ._tls import (
         describe_tls_error as describe_tls_error,
-    )
-    from ._tls import (
         make_client_context as make_client_context,
-    )
-    from ._tls import (
         make_server_context as make_server_context,
+    )
+    from ._vpnstore import (
+        ActiveVpn as ActiveVpn,
+        AppliedLock as AppliedLock,
+        ConfigLock as ConfigLock,
+        DemotionLock as DemotionLock,
+        EnabledVpn as EnabledVpn,
+        FollowedSettings as FollowedSettings,
+        LedgerStart as LedgerStart,
+        PromotionLock as PromotionLock,
+        RoleState as RoleState,
+        VpnStatus as VpnStatus,
+        active_ledgers_async as active_ledgers_async,
+        active_vpns_async as active_vpns_async,
+        add_standby_vpn_async as add_standby_vpn_async,
+        add_vpn_state as add_vpn_state,
+        add_vpn_state_async as add_vpn_state_async,
+        advance_ledger_indexes_async as advance_ledger_indexes_async,
+        applied_position as applied_position,
+        applied_position_async as applied_position_async,
+        become_active as become_active,
+        become_standby as become_standby,
+        disable_replication as disable_replication,
+        enabled_vpns_async as enabled_vpns_async,
+        fence_vpn as fence_vpn,
+        fence_vpn_async as fence_vpn_async,
+        follow_settings_async as follow_settings_async,
+        followed_settings_async as followed_settings_async,
+        keep_definitions_async as keep_definitions_async,
+        known_epochs_async as known_epochs_async,
+        ledger_progress_async as ledger_progress_async,
+        ledger_start_async as ledger_start_async,
+        lock_applied as lock_applied,
+        lock_for_demotion as lock_for_demotion,
+        lock_for_promotion as lock_for_promotion,
+        lock_ledger_indexes_async as lock_ledger_indexes_async,
+        lock_vpn_config as lock_vpn_config,
+        lock_vpn_config_async as lock_vpn_config_async,
+        mark_fenced_async as mark_fenced_async,
+        raise_epoch_async as raise_epoch_async,
+        read_vpn_settings as read_vpn_settings,
+        record_epoch as record_epoch,
+        record_first_epoch as record_first_epoch,
+        record_sync_eligible_async as record_sync_eligible_async,
+        reset_bridge_states_async as reset_bridge_states_async,
+        role_state as role_state,
+        save_vpn_settings as save_vpn_settings,
+        set_applied as set_applied,
+        set_applied_async as set_applied_async,
+        set_bridge_state_async as set_bridge_state_async,
+        stored_definitions as stored_definitions,
+        stored_ledger_index as stored_ledger_index,
+        vpn_status_rows as vpn_status_rows,
     )
 
 #: module -> the names it exports through this package, imported on first use
@@ -280,18 +261,18 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
     "._apply": ("ApplyResult", "apply_entries", "apply_entries_async"),
     "._bridgestate": ("CONNECTED", "DISCONNECTED", "SYNCING"),
     "._configsync": ("ConfigSyncError", "import_vpn_definitions", "reimport", "vpn_definitions"),
-    "._ledger": (
+    "._ledger": ("LedgerWriter", "WriterStats"),
+    "._ledger_errors": (
         "LedgerClosed",
         "LedgerConflict",
         "LedgerError",
         "LedgerPruned",
         "LedgerUnavailable",
-        "LedgerWriter",
         "UnstorableEvent",
         "VpnNotOpen",
-        "WriterStats",
     ),
     "._link": ("LinkClosed", "LinkError", "PeerSilent", "PeerUnreachable", "TlsRefused"),
+    "._ledger_reader": ("LedgerReader",),
     "._management": ("ManagementAPI", "ManagementUnavailable"),
     "._materialise": ("MaterialiseError", "MaterialiseResult", "materialise"),
     "._receiver": ("BridgeClient",),
@@ -310,6 +291,59 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
     ),
     "._standby": ("LiveRow", "NotStandby", "StandbyApplier", "StandbyError", "StandbyUnavailable"),
     "._tls": ("TlsSetupError", "describe_tls_error", "make_client_context", "make_server_context"),
+    "._vpnstore": (
+        "ActiveVpn",
+        "AppliedLock",
+        "ConfigLock",
+        "DemotionLock",
+        "EnabledVpn",
+        "FollowedSettings",
+        "LedgerStart",
+        "PromotionLock",
+        "RoleState",
+        "VpnStatus",
+        "active_ledgers_async",
+        "active_vpns_async",
+        "add_standby_vpn_async",
+        "add_vpn_state",
+        "add_vpn_state_async",
+        "advance_ledger_indexes_async",
+        "applied_position",
+        "applied_position_async",
+        "become_active",
+        "become_standby",
+        "disable_replication",
+        "enabled_vpns_async",
+        "fence_vpn",
+        "fence_vpn_async",
+        "follow_settings_async",
+        "followed_settings_async",
+        "keep_definitions_async",
+        "known_epochs_async",
+        "ledger_progress_async",
+        "ledger_start_async",
+        "lock_applied",
+        "lock_for_demotion",
+        "lock_for_promotion",
+        "lock_ledger_indexes_async",
+        "lock_vpn_config",
+        "lock_vpn_config_async",
+        "mark_fenced_async",
+        "raise_epoch_async",
+        "read_vpn_settings",
+        "record_epoch",
+        "record_first_epoch",
+        "record_sync_eligible_async",
+        "reset_bridge_states_async",
+        "role_state",
+        "save_vpn_settings",
+        "set_applied",
+        "set_applied_async",
+        "set_bridge_state_async",
+        "stored_definitions",
+        "stored_ledger_index",
+        "vpn_status_rows",
+    ),
 }
 _LAZY = {name: module for module, names in _IO_BOUND.items() for name in names}
 

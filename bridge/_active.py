@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import psycopg
-from psycopg.rows import tuple_row
 
 from ._bridgestate import (
     CONNECTED,
@@ -65,7 +64,8 @@ from ._frames import (
     TxnVote,
     VpnResource,
 )
-from ._ledger import LedgerError, LedgerWriter
+from ._ledger import LedgerWriter
+from ._ledger_errors import LedgerError
 from ._link import (
     Link,
     LinkClosed,
@@ -81,6 +81,7 @@ from ._replicator import Replicator
 from ._settings import HostPort, InvalidSettings, Role, TlsConfig, VpnSettings
 from ._tls import make_server_context
 from ._txnlink import ActiveTxnLink
+from ._vpnstore import active_vpns_async
 
 __all__ = ["PRUNE_INTERVAL", "BridgeServer"]
 
@@ -89,17 +90,6 @@ log = logging.getLogger(__name__)
 #: the active prunes its ledger at most this often (seconds)
 PRUNE_INTERVAL = 1.0
 _MIB = 2**20
-
-_ACTIVE_VPNS = """
-SELECT c.name, c.epoch, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
-       c.queue_patterns, c.topic_filters, c.expose_id,
-       COALESCE((SELECT taken_over_at FROM vpn_epoch e WHERE e.vpn = c.name
-                 AND e.epoch = c.epoch), 0)
-FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
-WHERE c.enabled AND c.role = 'active' AND NOT s.fenced
-  AND NOT EXISTS (SELECT 1 FROM promotion p WHERE p.vpn = c.name AND p.state <> 'done')
-ORDER BY c.name
-"""
 
 
 class BridgeServer:
@@ -281,7 +271,7 @@ class BridgeServer:
                 if index <= 1:
                     continue
                 try:
-                    await self.writer.prune(vpn, index - 1, self.retain_seconds)
+                    await self.writer.reader.prune(vpn, index - 1, self.retain_seconds)
                 except LedgerError as e:
                     log.warning("bridge: VPN %s: ledger not pruned: %s", vpn, e)
 
@@ -454,20 +444,16 @@ class BridgeServer:
     async def _load_vpns(self) -> list[tuple[VpnSettings, int]]:
         assert self._pool is not None  # noqa: S101 - started
         try:
-            async with self._pool.connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
-                await cur.execute(_ACTIVE_VPNS)
-                rows = await cur.fetchall()
+            async with self._pool.connection() as conn:
+                rows = await active_vpns_async(conn)
         except psycopg.OperationalError as e:
             raise LedgerError(f"the site database is unavailable: {describe_error(e)}") from e
         out = []
-        for name, epoch, mode, timeout, policy, queues, topics, expose_id, taken_over in rows:
-            if name in self.replicator.fenced:
+        for row in rows:
+            if row.settings.name in self.replicator.fenced:
                 continue
-            self._taken_over[name] = int(taken_over)
-            settings = VpnSettings.from_args(
-                name, "active", mode, timeout, policy, tuple(queues), tuple(topics), expose_id
-            )
-            out.append((settings, int(epoch)))
+            self._taken_over[row.settings.name] = row.taken_over_at
+            out.append((row.settings, row.epoch))
         return out
 
     async def _definitions(self, vpn: str) -> bytes:

@@ -30,34 +30,23 @@ from ._bridgestate import Pool
 from ._configsync import ConfigSyncError, import_vpn_definitions
 from ._frames import VpnResource
 from ._management import ManagementAPI
-from ._roles import EPOCH_SQL, FENCE_SQL
 from ._settings import Role
+from ._vpnstore import (
+    ConfigLock,
+    FollowedSettings,
+    add_standby_vpn_async,
+    add_vpn_state_async,
+    fence_vpn_async,
+    follow_settings_async,
+    followed_settings_async,
+    keep_definitions_async,
+    lock_vpn_config_async,
+    raise_epoch_async,
+)
 
 __all__ = ["VpnAdoption"]
 
 log = logging.getLogger(__name__)
-
-_LOCK_VPN = "SELECT role, enabled, epoch FROM vpn_config WHERE name = %s FOR UPDATE"
-_ADD_STANDBY = """
-INSERT INTO vpn_config (name, enabled, role, epoch, mode, sync_timeout_ms, on_sync_timeout,
-                        queue_patterns, topic_filters, expose_id)
-VALUES (%s, true, 'standby', %s, %s, %s, %s, %s, %s, %s)
-"""
-_RAISE_EPOCH = "UPDATE vpn_config SET epoch = %s, updated_at = now() WHERE name = %s AND epoch < %s"
-#: a standby VPN's settings, which follow the active's at every listing
-_FOLLOWED = "mode sync_timeout_ms on_sync_timeout queue_patterns topic_filters expose_id".split()
-_STANDBY_SETTINGS = """
-SELECT mode, sync_timeout_ms, on_sync_timeout, queue_patterns, topic_filters, expose_id
-FROM vpn_config WHERE name = %s
-"""
-_FOLLOW_SETTINGS = """
-UPDATE vpn_config SET mode = %s, sync_timeout_ms = %s, on_sync_timeout = %s, queue_patterns = %s,
-                      topic_filters = %s, expose_id = %s, updated_at = now()
-WHERE name = %s
-"""
-_KEEP_DEFINITIONS = """
-UPDATE vpn_config SET definitions = %s WHERE name = %s AND definitions IS DISTINCT FROM %s
-"""
 
 
 class VpnAdoption:
@@ -124,25 +113,12 @@ class VpnAdoption:
         returns why the VPN is not replicated from it (None: it is)."""
         vpn = resource.name
         async with self._pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(_LOCK_VPN, (vpn,))
-            found = await cur.fetchone()
+            found = await lock_vpn_config_async(conn, vpn)
             if found is None:
-                await conn.execute(
-                    _ADD_STANDBY,
-                    (
-                        vpn,
-                        resource.epoch,
-                        resource.mode.value,
-                        resource.sync_timeout_ms,
-                        resource.on_sync_timeout.value,
-                        list(resource.queue_patterns),
-                        [str(t) for t in resource.topic_filters],
-                        resource.expose_id,
-                    ),
+                await add_standby_vpn_async(
+                    conn, vpn, resource.epoch, FollowedSettings.of(resource)
                 )
-                await conn.execute(
-                    "INSERT INTO vpn_state (vpn) VALUES (%s) ON CONFLICT DO NOTHING", (vpn,)
-                )
+                await add_vpn_state_async(conn, vpn)
                 log.info("bridge: VPN %s enabled here as standby (epoch %d)", vpn, resource.epoch)
                 await self._follow_active(conn, resource)
             else:
@@ -158,38 +134,28 @@ class VpnAdoption:
         logged once, when it arrives) and keep the definitions it sent last,
         so a promotion can import them again with the active gone."""
         vpn = resource.name
-        listed = (
-            resource.mode.value,
-            resource.sync_timeout_ms,
-            resource.on_sync_timeout.value,
-            list(resource.queue_patterns),
-            [str(t) for t in resource.topic_filters],
-            resource.expose_id,
-        )
-        cur = await conn.execute(_STANDBY_SETTINGS, (vpn,))
-        stored = await cur.fetchone()
-        changes = [
-            f"{name} {old!r} -> {new!r}"
-            for name, old, new in zip(_FOLLOWED, stored or listed, listed, strict=True)
-            if old != new
-        ]
+        listed = FollowedSettings.of(resource)
+        stored = await followed_settings_async(conn, vpn)
+        changes = (stored or listed).changes(listed)
         if changes:
-            await conn.execute(_FOLLOW_SETTINGS, (*listed, vpn))
+            await follow_settings_async(conn, vpn, listed)
             log.info("bridge: VPN %s: settings follow the active: %s", vpn, ", ".join(changes))
         if resource.definitions_json:
-            data = resource.definitions_json
-            await conn.execute(_KEEP_DEFINITIONS, (data, vpn, data))
+            await keep_definitions_async(conn, vpn, resource.definitions_json)
 
     async def _adopted_before(
-        self, conn: psycopg.AsyncConnection[Any], resource: VpnResource, found: Any, site: str
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        resource: VpnResource,
+        found: ConfigLock,
+        site: str,
     ) -> str | None:
         """:meth:`adopt` of a VPN this site has a row for."""
-        role, enabled, epoch = found
-        if role == Role.ACTIVE.value and enabled:
-            return await self._active_here(conn, resource, int(epoch), site)
-        if not enabled:
+        if found.role is Role.ACTIVE and found.enabled:
+            return await self._active_here(conn, resource, found.epoch, site)
+        if not found.enabled:
             return "replication of it is disabled on this site"
-        await conn.execute(_RAISE_EPOCH, (resource.epoch, resource.name, resource.epoch))
+        await raise_epoch_async(conn, resource.name, resource.epoch)
         await self._follow_active(conn, resource)
         return None
 
@@ -201,9 +167,8 @@ class VpnAdoption:
         from the peer."""
         vpn = resource.name
         if resource.epoch > epoch:
-            cur = await conn.execute(FENCE_SQL, (vpn, resource.epoch))
-            await conn.execute(EPOCH_SQL, (vpn, resource.epoch, site, resource.taken_over_at))
-            if cur.rowcount and self._on_fenced is not None:
+            fenced = await fence_vpn_async(conn, vpn, resource.epoch, site, resource.taken_over_at)
+            if fenced and self._on_fenced is not None:
                 asyncio.get_running_loop().call_soon(self._on_fenced, vpn, resource.epoch, site)
             return (
                 f"site {site!r} holds it active at epoch {resource.epoch}, newer than this "

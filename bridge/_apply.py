@@ -51,6 +51,7 @@ from ._arrays import bytea_array, int8_array, text_array
 from ._entry import LedgerEntry
 from ._events import Consumed, DeadLettered, Published, Purged
 from ._ids import ReplicationId
+from ._vpnstore import COUNT_UNKNOWN_ACKS
 
 __all__ = [
     "ApplyResult",
@@ -120,9 +121,6 @@ ON CONFLICT DO NOTHING
 _DEAD_LETTER_REMOVE = """
 DELETE FROM live_message WHERE vpn = %b AND queue = %b AND repl_id = %b
 """
-_COUNT_UNKNOWN = (
-    "UPDATE vpn_state SET unknown_acks = unknown_acks + %s, updated_at = now() WHERE vpn = %s"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +263,7 @@ def _dead_letter_steps(
     removed = yield _Execute(_DEAD_LETTER_REMOVE, (vpn, event.queue, rid))
     if removed:
         return ApplyResult(inserted=int(copied), deleted=int(removed))
-    yield _Execute(_COUNT_UNKNOWN, (1, vpn))
+    yield _Execute(COUNT_UNKNOWN_ACKS, (1, vpn))
     _log_unknown(vpn, [(event.queue, rid)])
     return ApplyResult(unknown_acks=1)
 
@@ -284,7 +282,7 @@ def _run_steps(vpn: str, plan: _Plan) -> Generator[_Step, Any, ApplyResult]:
         inserted = yield _Execute(_INSERT, (vpn, *_row_columns(rows)))
     unknown = _unknown(plan, deleted_keys)
     if unknown:
-        yield _Execute(_COUNT_UNKNOWN, (len(unknown), vpn))
+        yield _Execute(COUNT_UNKNOWN_ACKS, (len(unknown), vpn))
         _log_unknown(vpn, unknown)
     return ApplyResult(inserted=int(inserted), deleted=len(deleted_keys), unknown_acks=len(unknown))
 

@@ -23,6 +23,12 @@ from psycopg_pool import AsyncConnectionPool
 
 from ._link import describe_error
 from ._settings import Role
+from ._vpnstore import (
+    mark_fenced_async,
+    reset_bridge_states_async,
+    set_applied_async,
+    set_bridge_state_async,
+)
 
 __all__ = [
     "CONNECTED",
@@ -58,18 +64,11 @@ def open_pool(dsn: str, name: str) -> Pool:
     )
 
 
-_RESET_STATES = """
-UPDATE vpn_state s SET bridge_state = 'disconnected', updated_at = now()
-FROM vpn_config c
-WHERE c.name = s.vpn AND c.role = %s AND s.bridge_state <> 'disconnected'
-"""
-
-
 async def reset_states(pool: Pool, role: Role) -> None:
     """A previous process may have died while connected: start from the truth."""
     try:
         async with pool.connection() as conn:
-            await conn.execute(_RESET_STATES, (role.value,))
+            await reset_bridge_states_async(conn, role)
     except psycopg.Error as e:
         log.warning("bridge: cannot reset bridge_state (%s)", describe_error(e))
 
@@ -154,21 +153,11 @@ class BridgeStateWriter:
     ) -> None:
         async with self._pool.connection() as conn, conn.transaction():
             for vpn, state in states.items():
-                await conn.execute(
-                    "UPDATE vpn_state SET bridge_state = %s, updated_at = now() WHERE vpn = %s",
-                    (state, vpn),
-                )
+                await set_bridge_state_async(conn, vpn, state)
             for vpn, (index, epoch) in acks.items():
-                await conn.execute(
-                    "UPDATE vpn_state SET applied_index = %s, applied_epoch = %s,"
-                    " applied_at = now(), updated_at = now() WHERE vpn = %s",
-                    (index, epoch, vpn),
-                )
+                await set_applied_async(conn, vpn, index, epoch)
             for vpn in fenced:
-                await conn.execute(
-                    "UPDATE vpn_state SET fenced = true, updated_at = now() WHERE vpn = %s",
-                    (vpn,),
-                )
+                await mark_fenced_async(conn, vpn)
 
     async def close(self) -> None:
         if self._task is not None:

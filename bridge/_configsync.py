@@ -48,6 +48,7 @@ import psycopg
 
 from ._errors import BridgeError
 from ._management import ManagementAPI, ManagementUnavailable
+from ._vpnstore import stored_definitions
 
 __all__ = [
     "ConfigSyncError",
@@ -297,15 +298,13 @@ def reimport(api: ManagementAPI, vpn: str, dsn: str) -> bool:
     definitions)."""
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
-            row = conn.execute(
-                "SELECT definitions FROM vpn_config WHERE name = %s", (vpn,)
-            ).fetchone()
+            definitions = stored_definitions(conn, vpn)
     except psycopg.Error as e:
         text = e.diag.message_primary or (str(e).strip().splitlines() or [""])[0]
         raise ConfigSyncError(f"the stored definitions cannot be read: database: {text}") from e
-    if row is None or not row[0]:
+    if definitions is None:
         return False
-    created = import_vpn_definitions(api, vpn, bytes(row[0]))
+    created = import_vpn_definitions(api, vpn, definitions)
     log.info(
         "config-sync: VPN %s: the stored definitions imported into the local broker%s",
         vpn,

@@ -27,19 +27,18 @@ across database outages and restarts of the writer. Why:
   Anything else unexpected there means a second writer: the writer stops and
   nacks what it holds rather than guess.
 
-The live state (``live_message``) is applied *after* the ledger commit, in
-transactions of their own, by the shared apply step
-(:func:`~bridge._apply.apply_entries_async`), so the active's state is
-computed by the same code as the standby's, and the confirm waits for the
-ledger rows only. Invariant: every ledger entry changes the active's
-``live_message`` exactly once and in ledger order, however the writer
-stops. Why: one applier task applies durable batches in index order; each
-apply transaction moves ``vpn_live_state.live_index`` from the index it
-continues (else it re-reads it and skips what a lost-reply attempt applied)
-together with the effects; and :meth:`LedgerWriter.start` (and
-:meth:`LedgerWriter.open_vpn`) first apply the ledger entries above
-``live_index``, so a crash between a ledger commit and its apply loses
-nothing. Ledger pruning never goes past ``live_index``.
+The writer owns the two other parts of the ledger and starts and stops them
+with itself:
+
+* its :class:`~bridge._live.LiveStateApplier`, to which each committed
+  batch goes next (``live_message`` follows the ledger). A VPN's live state
+  is caught up before the writer hands out its next index, and the writer
+  keeps both indexes per VPN, so :meth:`LedgerWriter.wait_live` and the
+  backpressure of :meth:`LedgerWriter.full` see the apply;
+* its :class:`~bridge._ledger_reader.LedgerReader`
+  (:attr:`LedgerWriter.reader`: replay and pruning), whose pool also serves
+  :meth:`LedgerWriter.open_vpn`, and whose prune waits for the writer's
+  live index.
 
 Commits do not wait for company when someone waits for them: with an
 entry pending that has an ``on_durable`` callback (a publish whose confirm
@@ -49,11 +48,7 @@ the next batch. Entries nobody waits for (acknowledgements) gather for up
 to ``idle_delay`` (5 ms) first: on this 2-core machine every transaction
 costs CPU in both nodes and both databases (a ledger commit, a bridge frame,
 a standby transaction), and that CPU is what the clients' throughput runs
-out of. The live-state apply gathers for ``apply_delay`` (10 ms; nobody
-waits for it) and commits with ``synchronous_commit = off``: an apply lost
-in a crash takes its ``live_index`` with it and is applied again from the
-ledger, and the next synchronous commit on the site (a ledger batch, a
-prune) flushes the WAL past it anyway.
+out of.
 
 Ledger rows go in as binary array parameters of one ``INSERT ... SELECT FROM
 unnest(...)``: measured on this machine (500-entry batches of 1 KiB
@@ -65,18 +60,15 @@ and one round trip instead of about six. (Earlier, ``executemany`` took
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg.rows import tuple_row
-from psycopg_pool import AsyncConnectionPool
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -84,21 +76,29 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from ._apply import apply_entries_async
 from ._arrays import bytea_array, int8_array, text_array
-from ._entry import LedgerEntry, decode_event, encode_event
-from ._errors import BridgeError
+from ._entry import LedgerEntry, encode_event
 from ._events import DeadLettered, Event, Published
+from ._ledger_errors import (
+    LedgerClosed,
+    LedgerConflict,
+    LedgerError,
+    LedgerUnavailable,
+    UnstorableEvent,
+    VpnNotOpen,
+    describe_error as _describe,
+)
+from ._ledger_reader import LedgerReader
+from ._live import LiveStateApplier, add_live_rows
+from ._vpnstore import (
+    active_ledgers_async,
+    advance_ledger_indexes_async,
+    ledger_start_async,
+    lock_ledger_indexes_async,
+)
 
 __all__ = [
-    "LedgerClosed",
-    "LedgerConflict",
-    "LedgerError",
-    "LedgerPruned",
-    "LedgerUnavailable",
     "LedgerWriter",
-    "UnstorableEvent",
-    "VpnNotOpen",
     "WriterStats",
 ]
 
@@ -113,23 +113,6 @@ Subscriber = Callable[[Sequence[LedgerEntry]], None]
 #: our own per-attempt timeout. Anything else is a bug or a second writer.
 _TRANSIENT = (psycopg.OperationalError, OSError, TimeoutError)
 
-_LOAD_ACTIVE = """
-SELECT c.name, c.epoch, s.ledger_index, COALESCE(l.live_index, 0)
-FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
-LEFT JOIN vpn_live_state l ON l.vpn = c.name
-WHERE c.enabled AND c.role = 'active'
-"""
-_LOAD_ONE = """
-SELECT c.name, c.epoch, s.ledger_index, COALESCE(l.live_index, 0)
-FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
-LEFT JOIN vpn_live_state l ON l.vpn = c.name
-WHERE c.name = %s
-"""
-# A VPN enabled since the schema migration has no vpn_live_state row yet; its
-# ledger is empty then (vpn_state is created with the VPN), so 0 is right.
-_ADD_LIVE_STATE = """
-INSERT INTO vpn_live_state (vpn) SELECT unnest(%s::text[]) ON CONFLICT DO NOTHING
-"""
 # The batch in one statement: the rows of each VPN whose ledger_index is the
 # one this writer continues from, and the advanced ledger_index.
 _ADVANCED = """
@@ -166,9 +149,6 @@ UPDATE txn_log t SET state = 'committed', ledger_last = d.last, updated_at = now
 FROM unnest(%b::text[], %b::int8[]) AS d(txid, last)
 WHERE t.txid = d.txid AND t.state = 'prepared'
 """
-_LOCK = """
-SELECT vpn, ledger_index FROM vpn_state WHERE vpn = ANY(%s) ORDER BY vpn FOR UPDATE
-"""
 _STORED = """
 SELECT idx, epoch, event FROM ledger WHERE vpn = %s AND idx BETWEEN %s AND %s ORDER BY idx
 """
@@ -176,69 +156,6 @@ _INSERT = """
 INSERT INTO ledger (vpn, idx, epoch, kind, event)
 SELECT * FROM unnest(%b::text[], %b::int8[], %b::int8[], %b::text[], %b::bytea[])
 """
-_ADVANCE = """
-UPDATE vpn_state s SET ledger_index = v.idx, updated_at = now()
-FROM unnest(%s::text[], %s::int8[]) AS v(vpn, idx)
-WHERE s.vpn = v.vpn
-"""
-_ADVANCE_LIVE = "UPDATE vpn_live_state SET live_index = %s WHERE vpn = %s AND live_index = %s"
-_LOCK_LIVE = "SELECT live_index FROM vpn_live_state WHERE vpn = %s FOR UPDATE"
-_SET_LIVE = "UPDATE vpn_live_state SET live_index = %s WHERE vpn = %s"
-_READ = """
-SELECT idx, epoch, event FROM ledger WHERE vpn = %s AND idx >= %s ORDER BY idx LIMIT %s
-"""
-_OLDEST = """
-SELECT COALESCE((SELECT min(idx) FROM ledger WHERE vpn = %(vpn)s),
-                (SELECT ledger_index + 1 FROM vpn_state WHERE vpn = %(vpn)s))
-"""
-# Deletes a prefix of the ledger only (so what is retained stays dense): up to
-# the acknowledged index, no further than the live state was applied, and
-# below the first entry younger than the retention.
-_PRUNE = """
-DELETE FROM ledger
-WHERE vpn = %(vpn)s
-  AND idx <= LEAST(
-        %(acked)s::int8,
-        COALESCE((SELECT live_index FROM vpn_live_state WHERE vpn = %(vpn)s), 0),
-        COALESCE((SELECT idx - 1 FROM ledger
-                  WHERE vpn = %(vpn)s
-                    AND appended_at >= now() - make_interval(secs => %(retain)s::float8)
-                  ORDER BY idx LIMIT 1),
-                 %(acked)s::int8))
-"""
-
-
-class LedgerError(BridgeError):
-    """Root of the ledger's errors."""
-
-
-class LedgerUnavailable(LedgerError):
-    """The site database could not be reached for a ledger read or at start."""
-
-
-class LedgerClosed(LedgerError):
-    """The writer is not running (not started, closing, or stopped by a failure)."""
-
-
-class LedgerConflict(LedgerError):
-    """The stored ledger does not continue what this writer holds: a second
-    writer, or a database restored behind the writer's back. Fatal."""
-
-
-class VpnNotOpen(LedgerError, LookupError):
-    """No ledger is open for this VPN on this writer (see :meth:`LedgerWriter.open_vpn`)."""
-
-
-class UnstorableEvent(LedgerError, ValueError):
-    """An event that could never be committed (refused before it takes an index)."""
-
-
-class LedgerPruned(LedgerError):
-    """The requested start of a replay is no longer retained: ship a checkpoint."""
-
-    def __init__(self, vpn: str, from_index: int, oldest: int) -> None:
-        super().__init__(f"ledger index {from_index} was pruned (oldest retained is {oldest})", vpn)
-        self.from_index, self.oldest = from_index, oldest
 
 
 @dataclass(slots=True)
@@ -267,14 +184,6 @@ class _VpnLedger:
     next_index: int
     durable: int
     live: int
-
-
-def _describe(e: BaseException) -> str:
-    """An error in one line, without statement data (COPY contexts quote rows)."""
-    if isinstance(e, psycopg.Error):
-        text = e.diag.message_primary or (str(e).strip().splitlines() or [""])[0]
-        return f"{type(e).__name__}: {text}"
-    return f"{type(e).__name__}: {e}"
 
 
 def _check_storable(event: Event) -> None:
@@ -313,7 +222,7 @@ def _columns(entries: Sequence[LedgerEntry]) -> tuple[bytes, ...]:
 
 class LedgerWriter:
     """Group-commits listener events to the ledger and tells who waits;
-    then applies them to the live state.
+    hands each committed batch to its live-state applier.
 
     ``append`` and everything else run on the loop that ran :meth:`start`.
     """
@@ -340,28 +249,33 @@ class LedgerWriter:
         self._max_delay = max_delay
         self._idle_delay = max(idle_delay, max_delay)
         self._max_pending = max_pending
-        self._apply_batch_size = apply_batch_size
-        self._apply_delay = apply_delay
         self._min_backoff = min_backoff
         self._max_backoff = max_backoff
         self._attempt_timeout = attempt_timeout
-        self._read_pool_size = read_pool_size
         self._vpns: dict[str, _VpnLedger] = {}
         self._pending: deque[_Pending] = deque()
         self._waiters = 0  # pending entries with an on_durable callback
         #: (vpn, last index of a group) -> the transaction it decides (append_group)
         self._decisions: dict[tuple[str, int], str] = {}
-        self._unapplied: deque[LedgerEntry] = deque()  # durable, not yet in live_message
+        self._applier = LiveStateApplier(
+            dsn,
+            retrying=self._retrying,
+            on_applied=self._applied,
+            batch_size=apply_batch_size,
+            delay=apply_delay,
+            attempt_timeout=attempt_timeout,
+        )
+        #: the applier's queue: durable, not yet in live_message (backpressure)
+        self._unapplied = self._applier.unapplied
+        #: replay and pruning of what this writer committed
+        self.reader = LedgerReader(dsn, pool_size=read_pool_size, progress=self)
         self._subscribers: list[Subscriber] = []
         self._conn: psycopg.AsyncConnection[Any] | None = None
-        self._apply_conn: psycopg.AsyncConnection[Any] | None = None
-        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._task: asyncio.Task[None] | None = None
-        self._applier: asyncio.Task[None] | None = None
+        self._applier_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
         self._batch_ready = asyncio.Event()
-        self._apply_wake = asyncio.Event()
         self._room = asyncio.Event()
         self._durable_changed = asyncio.Event()
         self._closing = False
@@ -375,19 +289,17 @@ class LedgerWriter:
 
     async def start(self) -> None:
         """Connect, load every enabled active VPN, bring its live state up to
-        its ledger, start the flusher and the applier."""
+        its ledger, open the reader, start the flusher and the applier."""
         if self._task is not None:
             raise LedgerError("the ledger writer is already started")
         self._loop = asyncio.get_running_loop()
         try:
             self._conn = await self._connect()
-            async with self._conn.cursor(row_factory=tuple_row) as cur:
-                await cur.execute(_LOAD_ACTIVE)
-                rows = await cur.fetchall()
-                await cur.execute(_ADD_LIVE_STATE, ([str(r[0]) for r in rows],))
-            for name, epoch, ledger_index, live_index in rows:
-                live = await self._catch_up_live(self._conn, name, live_index, ledger_index)
-                self._vpns[name] = _VpnLedger(epoch, ledger_index + 1, ledger_index, live)
+            starts = await active_ledgers_async(self._conn)
+            await add_live_rows(self._conn, [v.vpn for v in starts])
+            for v in starts:
+                live = await self._applier.catch_up(self._conn, v.vpn, v.live_index, v.ledger_index)
+                self._vpns[v.vpn] = _VpnLedger(v.epoch, v.ledger_index + 1, v.ledger_index, live)
         except psycopg.Error as e:
             await self._drop_connection()
             if isinstance(e, psycopg.errors.UndefinedTable):
@@ -396,19 +308,9 @@ class LedgerWriter:
         except BaseException:
             await self._drop_connection()
             raise
-        self._pool = AsyncConnectionPool(
-            self._dsn,
-            min_size=1,
-            max_size=self._read_pool_size,
-            open=False,
-            kwargs={"autocommit": True, "connect_timeout": 10},
-            check=AsyncConnectionPool.check_connection,
-            timeout=10.0,
-            name="ledger-read",
-        )
-        await self._pool.open(wait=False)
+        await self.reader.open()
         self._task = asyncio.create_task(self._run(), name="ledger-writer")
-        self._applier = asyncio.create_task(self._run_applier(), name="ledger-live-apply")
+        self._applier_task = asyncio.create_task(self._run_applier(), name="ledger-live-apply")
 
     async def close(self, grace: float | None = 10.0) -> None:
         """Commit what is pending and apply it to the live state (for up to
@@ -423,19 +325,16 @@ class LedgerWriter:
         self._closed = self._closing = True
         self._wake.set()
         self._batch_ready.set()
-        self._apply_wake.set()
-        tasks = [t for t in (self._task, self._applier) if t is not None]
+        self._applier.close()
+        tasks = [t for t in (self._task, self._applier_task) if t is not None]
         _, late = await asyncio.wait(tasks, timeout=grace)
         for task in late:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._fail_pending(LedgerClosed("the ledger writer closed"))
         await self._drop_connection()
-        conn, self._apply_conn = self._apply_conn, None
-        if conn is not None and not conn.closed:
-            await conn.close()
-        if self._pool is not None:
-            await self._pool.close()
+        await self._applier.disconnect()
+        await self.reader.close()
 
     async def __aenter__(self) -> LedgerWriter:
         await self.start()
@@ -447,20 +346,20 @@ class LedgerWriter:
     async def open_vpn(self, vpn: str) -> None:
         """Start (or refresh the epoch of) the ledger of ``vpn``, e.g. one
         enabled after :meth:`start`. Indexes continue after the last durable one."""
-        async with self._read() as conn:
-            async with conn.cursor(row_factory=tuple_row) as cur:
-                await cur.execute(_LOAD_ONE, (vpn,))
-                row = await cur.fetchone()
-            if row is None:
+        async with self.reader.connection() as conn:
+            found = await ledger_start_async(conn, vpn)
+            if found is None:
                 raise VpnNotOpen("not configured on this site", vpn)
             known = self._vpns.get(vpn)
             if known is not None:
-                known.epoch = row[1]
+                known.epoch = found.epoch
                 return
-            await conn.execute(_ADD_LIVE_STATE, ([vpn],))
-            live = await self._catch_up_live(conn, vpn, row[3], row[2])
+            await add_live_rows(conn, [vpn])
+            live = await self._applier.catch_up(conn, vpn, found.live_index, found.ledger_index)
         if vpn not in self._vpns:  # not opened by a concurrent call meanwhile
-            self._vpns[vpn] = _VpnLedger(row[1], row[2] + 1, row[2], live)
+            self._vpns[vpn] = _VpnLedger(
+                found.epoch, found.ledger_index + 1, found.ledger_index, live
+            )
 
     def forget_vpn(self, vpn: str) -> None:
         """``vpn`` is no longer active here (demoted): a later :meth:`open_vpn`
@@ -599,7 +498,9 @@ class LedgerWriter:
         """Return once ``index`` of ``vpn`` is applied to ``live_message``;
         raise :class:`LedgerClosed` if the writer stops first."""
         while self.live_index(vpn) < index:
-            if self._failure is not None or (self._applier is not None and self._applier.done()):
+            if self._failure is not None or (
+                self._applier_task is not None and self._applier_task.done()
+            ):
                 raise LedgerClosed(f"index {index} was not applied to the live state", vpn)
             await self._durable_changed.wait()
 
@@ -620,13 +521,12 @@ class LedgerWriter:
             log.exception("the ledger writer stopped; %d entries are nacked", len(self._pending))
             self._stop(e)
         finally:
-            self._apply_wake.set()  # a closing applier waits for the flusher's end
+            self._applier.flusher_stopped()  # a closing applier waits for the flusher's end
 
     def _stop(self, e: BaseException) -> None:
         self._failure = e
         self._fail_pending(e)
-        self._apply_wake.set()
-        for task in (self._task, self._applier):
+        for task in (self._task, self._applier_task):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
 
@@ -764,8 +664,7 @@ class LedgerWriter:
         the decisions it holds are recorded, unless a lost-reply attempt
         recorded them already)."""
         async with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
-            await cur.execute(_LOCK, (sorted(by_vpn),))
-            stored = {str(vpn): int(idx) for vpn, idx in await cur.fetchall()}
+            stored = await lock_ledger_indexes_async(conn, by_vpn)
             todo: dict[str, list[LedgerEntry]] = {}
             for vpn, items in by_vpn.items():
                 if vpn not in stored:
@@ -775,7 +674,7 @@ class LedgerWriter:
             if rows:
                 await cur.execute(_INSERT, _columns(rows))
                 advanced = {vpn: items[-1].index for vpn, items in todo.items() if items}
-                await cur.execute(_ADVANCE, (list(advanced), list(advanced.values())))
+                await advance_ledger_indexes_async(conn, advanced)
             if decided is not None:
                 await cur.execute(_DECIDE, decided)
 
@@ -821,8 +720,7 @@ class LedgerWriter:
                 subscriber(entries)
             except Exception:
                 log.exception("ledger subscriber failed")
-        self._unapplied.extend(entries)
-        self._apply_wake.set()
+        self._applier.enqueue(entries)
         self._signal()
 
     def _fail_pending(self, reason: BaseException) -> None:
@@ -853,11 +751,11 @@ class LedgerWriter:
         if conn is not None and not conn.closed:
             await conn.close()
 
-    # -- the live state ------------------------------------------------------
+    # -- the live-state applier's handshake ----------------------------------
 
     async def _run_applier(self) -> None:
         try:
-            await self._apply_loop()
+            await self._applier.run()
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -868,193 +766,9 @@ class LedgerWriter:
             )
             self._stop(e)
 
-    async def _apply_loop(self) -> None:
-        """Apply durable entries to ``live_message`` in index order, as many
-        at a time as have accumulated (up to ``apply_batch_size``)."""
-        while True:
-            if not self._unapplied:
-                if self._closing and (self._task is None or self._task.done()):
-                    return
-                self._apply_wake.clear()
-                await self._apply_wake.wait()
-                continue
-            if len(self._unapplied) < self._apply_batch_size and not self._closing:
-                # Nobody waits for the live state: let batches gather (fewer,
-                # larger transactions; a publish and its ack in one batch
-                # cancel out).
-                await asyncio.sleep(self._apply_delay)
-            entries = list(itertools.islice(self._unapplied, self._apply_batch_size))
-            await self._retrying(self._apply_once, entries, "live state apply")
-            for _ in entries:
-                self._unapplied.popleft()
-            for e in entries:
-                self._vpns[e.vpn].live = e.index
-            self.stats.applies += 1
-            self._signal()
-
-    async def _apply_once(self, entries: list[LedgerEntry]) -> None:
-        try:
-            async with asyncio.timeout(self._attempt_timeout):
-                conn = self._apply_conn
-                if conn is None or conn.closed or conn.broken:
-                    if conn is not None and not conn.closed:
-                        await conn.close()
-                    self._apply_conn = conn = await self._connect()
-                    # An apply lost with its commit record is applied again
-                    # from the ledger (live_index went with it), and every
-                    # later synchronous commit (a ledger batch, a prune)
-                    # flushes the WAL up to itself: no need to wait for the
-                    # flush here.
-                    await conn.execute("SET synchronous_commit = off")
-                await self._apply_live(conn, _by_vpn(entries))
-        except BaseException:
-            conn, self._apply_conn = self._apply_conn, None
-            if conn is not None and not conn.closed:
-                await conn.close()
-            raise
-
-    async def _apply_live(
-        self, conn: psycopg.AsyncConnection[Any], by_vpn: dict[str, list[LedgerEntry]]
-    ) -> None:
-        """One transaction: each VPN's entries above its ``live_index`` applied
-        by the shared apply step, and the new ``live_index``."""
-        async with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
-            for vpn, items in by_vpn.items():
-                first, last = items[0].index, items[-1].index
-                await cur.execute(_ADVANCE_LIVE, (last, vpn, first - 1))
-                if cur.rowcount != 1:
-                    items = await self._not_yet_applied(cur, vpn, items)
-                if items:
-                    await apply_entries_async(conn, vpn, items)
-
-    async def _not_yet_applied(
-        self, cur: psycopg.AsyncCursor[Any], vpn: str, items: list[LedgerEntry]
-    ) -> list[LedgerEntry]:
-        """The entries of ``items`` above the stored ``live_index`` (an attempt
-        whose reply was lost applied the others), with ``live_index`` advanced."""
-        first, last = items[0].index, items[-1].index
-        await cur.execute(_LOCK_LIVE, (vpn,))
-        row = await cur.fetchone()
-        if row is None:
-            raise LedgerConflict("the VPN has no vpn_live_state row any more", vpn)
-        live = int(row[0])
-        if live < first - 1:
-            # Applies commit with synchronous_commit off: a database crash can
-            # take the newest ones with it (and their live_index). Those
-            # entries are durable in the ledger: apply them again from there.
-            missing = await self._read_entries(cur, vpn, live + 1, first - 1)
-            log.warning(
-                "VPN %r: the live state lost entries %d..%d with a database crash; "
-                "applying them again from the ledger",
-                vpn,
-                live + 1,
-                first - 1,
-            )
-            await cur.execute(_SET_LIVE, (last, vpn))
-            return missing + items
-        if live >= last:
-            return []
-        log.warning("VPN %r: entries %d..%d were applied already (reply lost)", vpn, first, live)
-        await cur.execute(_SET_LIVE, (last, vpn))
-        return items[live - first + 1 :]
-
-    async def _read_entries(
-        self, cur: psycopg.AsyncCursor[Any], vpn: str, first: int, last: int
-    ) -> list[LedgerEntry]:
-        """Ledger entries ``first..last`` of ``vpn``, all of them or LedgerConflict."""
-        await cur.execute(_READ, (vpn, first, last - first + 1))
-        rows = await cur.fetchall()
-        if len(rows) != last - first + 1 or int(rows[0][0]) != first:
-            raise LedgerConflict(
-                f"ledger entries {first}..{last} are missing: the live state cannot follow", vpn
-            )
-        return [
-            LedgerEntry(vpn, int(ep), int(i), decode_event(d, vpn), bytes(d)) for i, ep, d in rows
-        ]
-
-    async def _catch_up_live(
-        self, conn: psycopg.AsyncConnection[Any], vpn: str, live: int, ledger_index: int
-    ) -> int:
-        """Apply the durable ledger entries above ``live`` (the writer stopped
-        between their commit and their apply); returns the new live index."""
-        if live >= ledger_index:
-            return live
-        start = live
-        while live < ledger_index:
-            limit = min(self._apply_batch_size, ledger_index - live)
-            async with conn.cursor(row_factory=tuple_row) as cur:
-                await cur.execute(_READ, (vpn, live + 1, limit))
-                rows = await cur.fetchall()
-            if not rows or int(rows[0][0]) != live + 1:
-                raise LedgerConflict(
-                    f"ledger entry {live + 1} is missing: the live state cannot be caught up", vpn
-                )
-            entries = [
-                LedgerEntry(vpn, int(ep), int(i), decode_event(d, vpn), bytes(d))
-                for i, ep, d in rows
-            ]
-            await self._apply_live(conn, {vpn: entries})
-            live = entries[-1].index
-        log.warning(
-            "VPN %r: live state caught up from the ledger (entries %d..%d)", vpn, start + 1, live
-        )
-        return live
-
-    # -- replay and retention ----------------------------------------------
-
-    @asynccontextmanager
-    async def _read(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        if self._pool is None:
-            raise LedgerClosed("the ledger writer is not started")
-        try:
-            async with self._pool.connection() as conn:
-                yield conn
-        except psycopg.OperationalError as e:
-            raise LedgerUnavailable(f"ledger store: {_describe(e)}") from e
-
-    async def read_range(self, vpn: str, from_index: int, limit: int) -> list[LedgerEntry]:
-        """Up to ``limit`` committed entries of ``vpn`` from ``from_index`` on.
-
-        Empty when ``from_index`` is past the end; :class:`LedgerPruned` when it
-        is no longer retained (the standby needs a checkpoint instead).
-        """
-        if from_index < 1 or limit < 1:
-            raise ValueError(f"read_range from {from_index}, limit {limit}")
-        async with self._read() as conn, conn.cursor(row_factory=tuple_row) as cur:
-            await cur.execute(_READ, (vpn, from_index, limit))
-            rows = await cur.fetchall()
-            if not rows or rows[0][0] != from_index:
-                await cur.execute(_OLDEST, {"vpn": vpn})
-                found = await cur.fetchone()
-                oldest = int(found[0]) if found is not None and found[0] is not None else 1
-                if from_index < oldest:
-                    raise LedgerPruned(vpn, from_index, oldest)
-        return [
-            LedgerEntry(vpn, int(ep), int(i), decode_event(d, vpn), bytes(d)) for i, ep, d in rows
-        ]
-
-    async def oldest_retained(self, vpn: str) -> int:
-        """The lowest index of ``vpn`` a replay can start from (the next index
-        to be written when everything was pruned)."""
-        async with self._read() as conn, conn.cursor(row_factory=tuple_row) as cur:
-            await cur.execute(_OLDEST, {"vpn": vpn})
-            found = await cur.fetchone()
-        if found is None or found[0] is None:
-            raise VpnNotOpen("not configured on this site", vpn)
-        return int(found[0])
-
-    async def prune(self, vpn: str, acked_index: int, retain_seconds: float) -> int:
-        """Delete entries the standby acknowledged (``<= acked_index``) that are
-        also older than ``retain_seconds`` and applied to the live state;
-        returns how many went."""
-        if vpn in self._vpns:
-            # The live state is usually a few milliseconds behind the ledger:
-            # give it a moment, so the prune is not held back by that.
-            with contextlib.suppress(TimeoutError, LedgerClosed):
-                async with asyncio.timeout(1.0):
-                    await self.wait_live(vpn, min(acked_index, self._vpns[vpn].durable))
-        async with self._read() as conn, conn.cursor(row_factory=tuple_row) as cur:
-            await cur.execute(
-                _PRUNE, {"vpn": vpn, "acked": acked_index, "retain": float(retain_seconds)}
-            )
-            return cur.rowcount
+    def _applied(self, entries: list[LedgerEntry]) -> None:
+        """The applier committed ``entries`` to the live state."""
+        for e in entries:
+            self._vpns[e.vpn].live = e.index
+        self.stats.applies += 1
+        self._signal()

@@ -45,7 +45,8 @@ from ._errors import BridgeError, PeerFailure
 from ._events import Published
 from ._frames import Checkpoint, CheckpointRow, Events, SyncAccepted, SyncFinished, SyncRequest
 from ._ids import ReplicationId
-from ._ledger import LedgerError, LedgerPruned, LedgerWriter, VpnNotOpen
+from ._ledger import LedgerWriter
+from ._ledger_errors import LedgerError, LedgerPruned, VpnNotOpen
 from ._link import Link, describe_error
 
 __all__ = ["ANSWER_WAIT", "OutboundStream", "StandbyPeer", "StreamLimits"]
@@ -126,11 +127,11 @@ class OutboundStream:
         """Whether the standby's state is a prefix of this ledger that a
         replay can continue (else it needs a checkpoint)."""
         if last_index == 0:
-            return await ledger.oldest_retained(self.vpn) <= 1
+            return await ledger.reader.oldest_retained(self.vpn) <= 1
         if last_index > ledger.durable_index(self.vpn):
             return False
         try:
-            found = await ledger.read_range(self.vpn, last_index, 1)
+            found = await ledger.reader.read_range(self.vpn, last_index, 1)
         except LedgerPruned:
             return False
         return bool(found) and found[0].index == last_index and found[0].epoch == last_epoch
@@ -167,7 +168,7 @@ class OutboundStream:
                 log.info("bridge: VPN %s: %s caught up at index %d", vpn, link.peer, next_index - 1)
                 return
             limit = min(limits.batch_size, durable - next_index + 1)
-            entries = await ledger.read_range(vpn, next_index, limit)
+            entries = await ledger.reader.read_range(vpn, next_index, limit)
             if not entries:
                 raise LedgerError(f"durable index {durable} but no entry {next_index}", vpn)
             self._send_events(link, entries)

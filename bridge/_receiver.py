@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import psycopg
-from psycopg.rows import tuple_row
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
 from ._adoption import VpnAdoption
@@ -81,6 +80,7 @@ from ._settings import HostPort, InvalidSettings, Role, TlsConfig
 from ._standby import NotStandby, StandbyApplier, StandbyError
 from ._tls import make_client_context
 from ._txnlink import StandbyTxnLink
+from ._vpnstore import applied_position_async, known_epochs_async
 
 __all__ = ["BridgeClient"]
 
@@ -333,9 +333,8 @@ class BridgeClient:
 
     async def _known_epochs(self) -> dict[str, int]:
         assert self._pool is not None  # noqa: S101 - run() opened it
-        async with self._pool.connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
-            await cur.execute("SELECT name, epoch FROM vpn_config")
-            return {str(name): int(epoch) for name, epoch in await cur.fetchall()}
+        async with self._pool.connection() as conn:
+            return await known_epochs_async(conn)
 
     async def _greet(self, link: Link) -> None:
         try:
@@ -517,12 +516,9 @@ class BridgeClient:
     async def _request_sync(self, session: _Session, worker: _Worker) -> None:
         assert self._pool is not None  # noqa: S101 - run() opened it
         vpn = worker.vpn
-        async with self._pool.connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
-            await cur.execute(
-                "SELECT applied_index, applied_epoch FROM vpn_state WHERE vpn = %s", (vpn,)
-            )
-            found = await cur.fetchone()
-        applied, applied_epoch = (int(found[0]), int(found[1])) if found else (0, 0)
+        async with self._pool.connection() as conn:
+            found = await applied_position_async(conn, vpn)
+        applied, applied_epoch = found if found is not None else (0, 0)
         if applied == 0:
             applied_epoch = 0
         epoch = max(session.link.conn.known_epoch(vpn), applied_epoch, 1)

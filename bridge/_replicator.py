@@ -31,7 +31,8 @@ from ._events import (
     TransactionRefused,
     future_callback,
 )
-from ._ledger import LedgerError, LedgerWriter, UnstorableEvent
+from ._ledger import LedgerWriter
+from ._ledger_errors import LedgerError, UnstorableEvent
 from ._settings import Mode, VpnSettings
 from ._syncgate import SyncGate
 

@@ -35,10 +35,18 @@ from psycopg.rows import tuple_row
 from ._apply import apply_entries
 from ._entry import LedgerEntry, decode_event, split_events
 from ._errors import BridgeError
+from ._settings import Role
+from ._vpnstore import (
+    become_active,
+    become_standby,
+    fence_vpn,
+    lock_for_demotion,
+    lock_for_promotion,
+    record_epoch,
+    stored_ledger_index,
+)
 
 __all__ = [
-    "EPOCH_SQL",
-    "FENCE_SQL",
     "PromotionStart",
     "RoleError",
     "Tail",
@@ -73,13 +81,6 @@ class PromotionStart:
     ledger_index: int
 
 
-_LOCK = """
-SELECT c.role, c.enabled, c.epoch, s.fenced, s.applied_index, p.state, p.epoch
-FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
-LEFT JOIN promotion p ON p.vpn = c.name
-WHERE c.name = %s
-FOR UPDATE OF c, s
-"""
 _PREPARED = """
 SELECT txid, state, events FROM txn_log
 WHERE vpn = %s AND side = 'participant' AND state IN ('prepared', 'applied')
@@ -87,23 +88,9 @@ ORDER BY created_at, txid
 FOR UPDATE
 """
 _SETTLE = "UPDATE txn_log SET state = 'committed', updated_at = now() WHERE txid = ANY(%s)"
-_BECOME_ACTIVE = """
-UPDATE vpn_config SET role = 'active', epoch = %s, updated_at = now() WHERE name = %s
-"""
-# On the active, applied_index is what its standby acknowledged: nothing yet.
-_ACTIVE_STATE = """
-UPDATE vpn_state SET ledger_index = %s, applied_index = 0, applied_epoch = 0, applied_at = NULL,
-    fenced = false, sync_eligible = true, bridge_state = 'disconnected', updated_at = now()
-WHERE vpn = %s
-"""
 _LIVE_INDEX = """
 INSERT INTO vpn_live_state (vpn, live_index) VALUES (%s, %s)
 ON CONFLICT (vpn) DO UPDATE SET live_index = EXCLUDED.live_index
-"""
-#: record an epoch, the site holding it, and where it took over
-EPOCH_SQL = _EPOCH = """
-INSERT INTO vpn_epoch (vpn, epoch, site, taken_over_at) VALUES (%s, %s, %s, %s)
-ON CONFLICT (vpn, epoch) DO UPDATE SET site = EXCLUDED.site, taken_over_at = EXCLUDED.taken_over_at
 """
 # Replication ids are (incarnation, counter); each site numbers its own
 # incarnations, so the new active must hand out only incarnations above every
@@ -126,34 +113,32 @@ def begin_promotion(conn: psycopg.Connection[Any], vpn: str, site: str) -> Promo
     """Make ``vpn`` active here with its epoch raised by one (or find the
     promotion an interrupted run began), in one transaction."""
     with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
-        cur.execute(_LOCK, (vpn,))
-        row = cur.fetchone()
-        if row is None:
+        found = lock_for_promotion(conn, vpn)
+        if found is None:
             raise RoleError(f"VPN {vpn!r} is not known on this site", vpn)
-        role, enabled, epoch, fenced, applied, running, running_epoch = row
-        if not enabled:
+        epoch = found.epoch
+        if not found.enabled:
             raise RoleError(f"replication of VPN {vpn!r} is disabled on this site", vpn)
-        if role == "active":
-            if running in ("running", "failed") and running_epoch == epoch:
-                cur.execute("SELECT ledger_index FROM vpn_state WHERE vpn = %s", (vpn,))
-                (ledger_index,) = cur.fetchone() or (0,)
-                return PromotionStart(vpn, int(epoch), True, 0, 0, int(ledger_index))
-            if fenced:
+        if found.role is Role.ACTIVE:
+            if found.promotion in ("running", "failed") and found.promotion_epoch == epoch:
+                ledger_index = stored_ledger_index(conn, vpn)
+                return PromotionStart(vpn, epoch, True, 0, 0, ledger_index)
+            if found.fenced:
                 raise RoleError(
                     f"VPN {vpn!r} is a fenced former active here: `vpnrepl demote {vpn}` "
                     "makes it a standby of the new active",
                     vpn,
                 )
             raise RoleError(f"VPN {vpn!r} is already active on this site", vpn)
-        new_epoch = int(epoch) + 1
-        committed, ahead, ledger_index = _resolve_in_doubt(conn, vpn, new_epoch, int(applied))
-        cur.execute(_BECOME_ACTIVE, (new_epoch, vpn))
-        cur.execute(_ACTIVE_STATE, (ledger_index, vpn))
+        new_epoch = epoch + 1
+        applied = found.applied_index
+        committed, ahead, ledger_index = _resolve_in_doubt(conn, vpn, new_epoch, applied)
+        become_active(conn, vpn, new_epoch, ledger_index)
         cur.execute(_LIVE_INDEX, (vpn, ledger_index))
         # a standby keeps no ledger; rows left from an earlier time as active
         # would collide with the indexes the new ledger hands out
         cur.execute("DELETE FROM ledger WHERE vpn = %s", (vpn,))
-        cur.execute(_EPOCH, (vpn, new_epoch, site, int(applied)))
+        record_epoch(conn, vpn, new_epoch, site, applied)
         cur.execute(_INCARNATIONS_PAST)
         cur.execute(_RUNNING, (vpn, new_epoch, committed + ahead))
         cur.execute("DELETE FROM promotion_queue WHERE vpn = %s", (vpn,))
@@ -226,24 +211,14 @@ def fail_promotion(conn: psycopg.Connection[Any], vpn: str, error: str) -> None:
         )
 
 
-#: fence this site's active VPN for a higher epoch (a row changed: newly fenced)
-FENCE_SQL = """
-UPDATE vpn_state s SET fenced = true, updated_at = now() FROM vpn_config c
-WHERE s.vpn = c.name AND c.name = %s AND c.role = 'active' AND c.epoch < %s AND NOT s.fenced
-"""
-
-
 def record_fenced(
     conn: psycopg.Connection[Any], vpn: str, epoch: int, site: str, taken_over_at: int = 0
 ) -> bool:
     """The peer ``site`` holds ``vpn`` active at the higher ``epoch`` (taken
     over at ``taken_over_at`` of this site's ledger): this site's active VPN
     is fenced. True when it was not fenced before."""
-    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
-        cur.execute(FENCE_SQL, (vpn, epoch))
-        newly = cur.rowcount == 1
-        cur.execute(_EPOCH, (vpn, epoch, site, taken_over_at))
-    return newly
+    with conn.transaction():
+        return fence_vpn(conn, vpn, epoch, site, taken_over_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,15 +249,6 @@ class Tail:
     other_events: int
 
 
-_FENCED = """
-SELECT c.role, c.enabled, s.fenced, s.ledger_index, l.live_index, e.epoch, e.taken_over_at
-FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
-LEFT JOIN vpn_live_state l ON l.vpn = c.name
-LEFT JOIN LATERAL (SELECT epoch, taken_over_at FROM vpn_epoch WHERE vpn = c.name
-                   ORDER BY epoch DESC LIMIT 1) e ON true
-WHERE c.name = %s
-FOR UPDATE OF c, s
-"""
 _TAIL = """
 SELECT repl_id, min(publish_index), exchange, routing_key, properties, body,
        array_agg(queue ORDER BY queue)
@@ -292,30 +258,30 @@ ORDER BY 2
 """
 
 
-def _fenced_here(cur: psycopg.Cursor[Any], vpn: str) -> tuple[int, int, int, int]:
+def _fenced_here(conn: psycopg.Connection[Any], vpn: str) -> tuple[int, int, int, int]:
     """(ledger index, live index, newest epoch, its takeover index) of a
-    fenced former active; RoleError for anything else."""
-    cur.execute(_FENCED, (vpn,))
-    row = cur.fetchone()
-    if row is None:
+    fenced former active, its rows locked; RoleError for anything else."""
+    found = lock_for_demotion(conn, vpn)
+    if found is None:
         raise RoleError(f"VPN {vpn!r} is not known on this site", vpn)
-    role, enabled, fenced, ledger_index, live_index, epoch, taken_over_at = row
-    if not enabled:
+    if not found.enabled:
         raise RoleError(f"replication of VPN {vpn!r} is disabled on this site", vpn)
-    if role != "active" or not fenced:
+    if found.role is not Role.ACTIVE or not found.fenced:
         raise RoleError(
-            f"VPN {vpn!r} is {role}{'' if fenced else ' and not fenced'} here: demote turns a "
-            "fenced former active into a standby (for a controlled swap of two live sites, "
-            "run `vpnrepl switchover` on the standby)",
+            f"VPN {vpn!r} is {found.role.value}{'' if found.fenced else ' and not fenced'} here: "
+            "demote turns a fenced former active into a standby (for a controlled swap of two "
+            "live sites, run `vpnrepl switchover` on the standby)",
             vpn,
         )
-    return int(ledger_index), int(live_index or 0), int(epoch), int(taken_over_at)
+    if found.epoch is None or found.taken_over_at is None:
+        raise RoleError(f"VPN {vpn!r} has no epoch history on this site", vpn)
+    return found.ledger_index, found.live_index, found.epoch, found.taken_over_at
 
 
 def ensure_fenced(conn: psycopg.Connection[Any], vpn: str) -> None:
     """RoleError unless ``vpn`` is a fenced former active here."""
-    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
-        _fenced_here(cur, vpn)
+    with conn.transaction():
+        _fenced_here(conn, vpn)
 
 
 def read_tail(conn: psycopg.Connection[Any], vpn: str) -> Tail:
@@ -323,7 +289,7 @@ def read_tail(conn: psycopg.Connection[Any], vpn: str) -> Tail:
     after the index the new active took over at and still holds live (its
     live state is brought up to its whole ledger first)."""
     with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
-        ledger_index, live_index, epoch, taken_over_at = _fenced_here(cur, vpn)
+        ledger_index, live_index, epoch, taken_over_at = _fenced_here(conn, vpn)
         if live_index < ledger_index:
             _catch_up_live(conn, vpn, live_index, ledger_index)
         cur.execute(_TAIL, (vpn, taken_over_at))
@@ -362,18 +328,8 @@ def demote_to_standby(conn: psycopg.Connection[Any], vpn: str) -> int:
     with nothing applied (the new active sends it a checkpoint); returns
     that epoch. Its ledger and live state go: they are the old epoch's."""
     with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
-        _, _, epoch, _ = _fenced_here(cur, vpn)
-        cur.execute(
-            "UPDATE vpn_config SET role = 'standby', epoch = GREATEST(epoch, %s),"
-            " updated_at = now() WHERE name = %s",
-            (epoch, vpn),
-        )
-        cur.execute(
-            "UPDATE vpn_state SET ledger_index = 0, applied_index = 0, applied_epoch = 0,"
-            " applied_at = NULL, fenced = false, sync_eligible = true,"
-            " bridge_state = 'disconnected', updated_at = now() WHERE vpn = %s",
-            (vpn,),
-        )
+        _, _, epoch, _ = _fenced_here(conn, vpn)
+        become_standby(conn, vpn, epoch)
         cur.execute("DELETE FROM ledger WHERE vpn = %s", (vpn,))
         cur.execute("DELETE FROM live_message WHERE vpn = %s", (vpn,))
         cur.execute("UPDATE vpn_live_state SET live_index = 0 WHERE vpn = %s", (vpn,))

@@ -65,30 +65,21 @@ from ._entry import LedgerEntry, decode_event, split_events
 from ._errors import BridgeError, Gap, StaleEpoch, UnknownVpn
 from ._events import Event, Published
 from ._frames import CheckpointRow
+from ._settings import Role
+from ._vpnstore import applied_position, lock_applied, set_applied
 
 __all__ = ["LiveRow", "NotStandby", "StandbyApplier", "StandbyError", "StandbyUnavailable"]
 
 #: ``(queue, repl_id, publish_index, exchange, routing_key, properties, body)``
 LiveRow = tuple[str, bytes, int, str, str, bytes, bytes]
 
-_LOCK_STATE = """
-SELECT s.applied_index, s.applied_epoch, c.role
-FROM vpn_state s JOIN vpn_config c ON c.name = s.vpn
-WHERE s.vpn = %s
-FOR UPDATE OF s
-"""
-_SET_APPLIED = """
-UPDATE vpn_state
-SET applied_index = %s, applied_epoch = %s, applied_at = now(), updated_at = now()
-WHERE vpn = %s
-"""
 _TAKE_PREPARED = """
 UPDATE txn_log SET state = 'applied', ledger_floor = %s, updated_at = now()
 WHERE txid = %s AND vpn = %s AND side = 'participant' AND state = 'prepared'
 RETURNING events
 """
 # apply_prepared's gate and row move as the leading part of one statement
-# (bridge._apply.guarded_apply): the same checks as _LOCK_STATE and the
+# (bridge._apply.guarded_apply): the same checks as lock_applied and the
 # gate after it, a VPN that is not (or no longer) standby here declines
 _TAKE_GUARD = """
 WITH gate AS (
@@ -240,13 +231,12 @@ class StandbyApplier:
             yield conn
 
     def _lock_state(self, conn: psycopg.Connection[Any], vpn: str) -> tuple[int, int]:
-        with conn.cursor(row_factory=tuple_row) as cur:
-            row = cur.execute(_LOCK_STATE, (vpn,)).fetchone()
-        if row is None:
+        found = lock_applied(conn, vpn)
+        if found is None:
             raise UnknownVpn("not enabled on this site", vpn)
-        if row[2] != "standby":
-            raise NotStandby(f"{row[2]} on this site, not standby", vpn)
-        return int(row[0]), int(row[1])
+        if found.role is not Role.STANDBY:
+            raise NotStandby(f"{found.role.value} on this site, not standby", vpn)
+        return found.applied_index, found.applied_epoch
 
     def apply_batch(self, vpn: str, entries: Sequence[LedgerEntry]) -> int:
         """Apply the entries above the applied index; return the new applied index.
@@ -285,7 +275,7 @@ class StandbyApplier:
             apply_entries(conn, vpn, rest)
             if settled:
                 conn.execute(_APPLIED_DONE, (settled,))
-            conn.execute(_SET_APPLIED, (fresh[-1].index, epoch, vpn))
+            set_applied(conn, vpn, fresh[-1].index, epoch)
         for key in passed:
             ahead.pop(key, None)
         if settled:
@@ -465,17 +455,15 @@ class StandbyApplier:
                 copy.set_types(_CHECKPOINT_TYPES)
                 for row in rows:
                     copy.write_row((vpn, *_live_row(row)))
-            conn.execute(_SET_APPLIED, (index, epoch, vpn))
+            set_applied(conn, vpn, index, epoch)
         self._ahead.pop(vpn, None)
 
     def applied_index(self, vpn: str) -> int:
-        with self._transaction() as conn, conn.cursor(row_factory=tuple_row) as cur:
-            row = cur.execute(
-                "SELECT applied_index FROM vpn_state WHERE vpn = %s", (vpn,)
-            ).fetchone()
-        if row is None:
+        with self._transaction() as conn:
+            found = applied_position(conn, vpn)
+        if found is None:
             raise UnknownVpn("not enabled on this site", vpn)
-        return int(row[0])
+        return found[0]
 
 
 def _skip_ahead(

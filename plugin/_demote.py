@@ -41,6 +41,7 @@ from bridge import (
     demote_to_standby,
     ensure_fenced,
     read_tail,
+    read_vpn_settings,
 )
 
 from ._config import SiteConfig
@@ -95,28 +96,15 @@ class DemotionSummary:
 
 def _settings(cfg: SiteConfig, vpn: str) -> tuple[VpnSettings, set[str]]:
     with connect(cfg.store_dsn) as conn:
-        row = conn.execute(
-            "SELECT name, role, mode, sync_timeout_ms, on_sync_timeout, queue_patterns,"
-            " topic_filters FROM vpn_config WHERE name = %s",
-            (vpn,),
-        ).fetchone()
+        settings = read_vpn_settings(conn, vpn)
         held = {
             r["queue"]
             for r in conn.execute(
                 "SELECT DISTINCT queue FROM live_message WHERE vpn = %s", (vpn,)
             ).fetchall()
         }
-    if row is None:
+    if settings is None:
         raise StateError(f"VPN {vpn!r} is not known on this site")
-    settings = VpnSettings.from_args(
-        row["name"],
-        row["role"],
-        row["mode"],
-        row["sync_timeout_ms"],
-        row["on_sync_timeout"],
-        tuple(row["queue_patterns"]),
-        tuple(row["topic_filters"]),
-    )
     return settings, held
 
 

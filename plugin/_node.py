@@ -23,7 +23,6 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import psycopg
-from psycopg.rows import dict_row
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -47,6 +46,9 @@ from bridge import (
     UnknownFailpoint,
     VpnSettings,
     armed,
+    enabled_vpns_async,
+    ledger_progress_async,
+    record_sync_eligible_async,
     redact_url,
 )
 from txn import Coordinator, MarkerError, MarkerStore, Participant, TxnLog
@@ -72,16 +74,6 @@ log = logging.getLogger("vpnrepl.node")
 RECOVERY_SECONDS = 60.0
 ELIGIBILITY_SECONDS = 0.5
 
-_SETTINGS = """
-SELECT c.name, c.role, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
-       c.queue_patterns, c.topic_filters, c.expose_id, s.applied_index, s.fenced,
-       p.state AS promotion, e.epoch AS newest_epoch, e.site AS newest_site
-FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
-LEFT JOIN promotion p ON p.vpn = c.name
-LEFT JOIN LATERAL (SELECT epoch, site FROM vpn_epoch WHERE vpn = c.name
-                   ORDER BY epoch DESC LIMIT 1) e ON true
-WHERE c.enabled ORDER BY c.name
-"""
 #: how long a switchover waits for the standby to acknowledge everything
 SWITCHOVER_DRAIN = 60.0
 #: how long a starting node waits for its peer's listing (the epochs the
@@ -177,35 +169,26 @@ class Node:
 
     async def _read_settings(self) -> list[VpnSettings]:
         async with await psycopg.AsyncConnection.connect(
-            self.cfg.store_dsn, autocommit=True, connect_timeout=10, row_factory=dict_row
+            self.cfg.store_dsn, autocommit=True, connect_timeout=10
         ) as conn:
-            rows = await (await conn.execute(_SETTINGS)).fetchall()
+            rows = await enabled_vpns_async(conn)
         out = []
         for r in rows:
-            s = VpnSettings.from_args(
-                r["name"],
-                r["role"],
-                r["mode"],
-                r["sync_timeout_ms"],
-                r["on_sync_timeout"],
-                tuple(r["queue_patterns"]),
-                tuple(r["topic_filters"]),
-                r["expose_id"],
-            )
+            s = r.settings
             self.refusals.pop(s.name, None)
-            if s.role is Role.ACTIVE and r["promotion"] in ("running", "failed"):
+            if s.role is Role.ACTIVE and r.promotion in ("running", "failed"):
                 self.refusals[s.name] = (
                     f"vhost '{s.name}' is being promoted to active on this site; "
                     "connect again when the promotion has finished"
                 )
             elif s.role is Role.ACTIVE:
-                if r["fenced"]:
+                if r.fenced:
                     self.replicator.fenced.add(s.name)
                     self.refusals[s.name] = fenced_text(
-                        s.name, r["newest_epoch"] or 0, r["newest_site"] or ""
+                        s.name, r.newest_epoch or 0, r.newest_site or ""
                     )
                 await self.writer.open_vpn(s.name)
-                self.replicator.configure(s, r["applied_index"])
+                self.replicator.configure(s, r.applied_index)
             if s.name in self.switching:
                 self.refusals[s.name] = self.switching[s.name]
             out.append(s)
@@ -413,12 +396,8 @@ class Node:
             async with await psycopg.AsyncConnection.connect(
                 self.cfg.store_dsn, autocommit=True, connect_timeout=10
             ) as conn:
-                row = await (
-                    await conn.execute(
-                        "SELECT ledger_index, applied_index FROM vpn_state WHERE vpn = %s", (vpn,)
-                    )
-                ).fetchone()
-            ledger, applied = (int(row[0]), int(row[1])) if row else (0, -1)
+                found = await ledger_progress_async(conn, vpn)
+            ledger, applied = found if found is not None else (0, -1)
             steady = steady + 1 if ledger == applied and not self.writer.pending else 0
             if steady >= 2:
                 return ledger
@@ -540,11 +519,7 @@ class Node:
                     self.cfg.store_dsn, autocommit=True, connect_timeout=10
                 ) as conn:
                     for vpn, eligible in changed.items():
-                        await conn.execute(
-                            "UPDATE vpn_state SET sync_eligible = %s, updated_at = now() "
-                            "WHERE vpn = %s",
-                            (eligible, vpn),
-                        )
+                        await record_sync_eligible_async(conn, vpn, eligible)
             except psycopg.Error as e:
                 log.warning("sync eligibility not recorded: %s", e)
                 continue

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge import AmqpEndpoint, BridgeError, BrokerPublisher, TailMessage
+from bridge import AmqpEndpoint, BridgeError, BrokerPublisher, Role, TailMessage, role_state
 
 from ._config import SiteConfig
 from ._errors import StateError, UsageError
@@ -122,12 +122,8 @@ def _claim(cfg: SiteConfig, vpn: str, ids: Iterable[bytes]) -> tuple[set[bytes],
     """Record ``ids`` as being sent; returns the ones this run sends, how
     many were sent before, and the ones an interrupted run left."""
     with connect(cfg.store_dsn) as conn:
-        row = conn.execute(
-            "SELECT c.role, s.fenced FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name"
-            " WHERE c.name = %s AND c.enabled",
-            (vpn,),
-        ).fetchone()
-        if row is None or row["role"] != "active" or row["fenced"]:
+        found = role_state(conn, vpn)
+        if found is None or found.role is not Role.ACTIVE or found.fenced:
             raise StateError(
                 f"VPN {vpn!r} is not active on this site: republish through the active site"
             )

@@ -1,6 +1,9 @@
 """The site database as the admin commands see it: VPN settings and status.
 
-Plain psycopg with parameterised SQL; every foreign error is translated here
+The per-VPN rows (``vpn_config``, ``vpn_state``) are read and written
+through ``bridge``'s store functions, the rest of the status with plain
+parameterised SQL, all on the connection :func:`connect` gives (one
+transaction, committed on success); every foreign error is translated here
 into the plugin's taxonomy (:class:`StoreUnavailable` when the server cannot
 be reached, :class:`StateError` when the schema is missing or a request
 conflicts with what is stored).
@@ -16,7 +19,17 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.rows import dict_row
 
-from bridge import VpnSettings, redact_url
+from bridge import (
+    Role,
+    VpnSettings,
+    add_vpn_state,
+    disable_replication,
+    lock_vpn_config,
+    record_first_epoch,
+    redact_url,
+    save_vpn_settings,
+    vpn_status_rows,
+)
 
 from ._errors import StateError, StoreUnavailable
 
@@ -45,74 +58,22 @@ def enable_vpn(conn: psycopg.Connection[dict[str, Any]], s: VpnSettings, site: s
     role is not changed here: a role change moves the fencing epoch and must go
     through ``promote``/``demote``.
     """
-    row = conn.execute(
-        "SELECT role, enabled FROM vpn_config WHERE name = %s FOR UPDATE", (s.name,)
-    ).fetchone()
-    if row is not None and row["enabled"] and row["role"] != s.role:
+    found = lock_vpn_config(conn, s.name)
+    if found is not None and found.enabled and found.role != s.role:
         raise StateError(
-            f"VPN {s.name!r} is already enabled as {row['role']}; "
+            f"VPN {s.name!r} is already enabled as {found.role.value}; "
             "use `vpnrepl promote` or `vpnrepl demote` to change its role"
         )
-    conn.execute(
-        """
-        INSERT INTO vpn_config AS c (name, enabled, role, mode, sync_timeout_ms,
-                                     on_sync_timeout, queue_patterns, topic_filters,
-                                     expose_id)
-        VALUES (%(name)s, true, %(role)s, %(mode)s, %(timeout)s, %(policy)s,
-                %(queues)s, %(topics)s, %(expose_id)s)
-        ON CONFLICT (name) DO UPDATE SET
-            enabled = true, role = EXCLUDED.role, mode = EXCLUDED.mode,
-            sync_timeout_ms = EXCLUDED.sync_timeout_ms,
-            on_sync_timeout = EXCLUDED.on_sync_timeout,
-            queue_patterns = EXCLUDED.queue_patterns,
-            topic_filters = EXCLUDED.topic_filters,
-            expose_id = EXCLUDED.expose_id,
-            updated_at = now()
-        """,
-        {
-            "name": s.name,
-            "role": s.role.value,
-            "mode": s.mode.value,
-            "timeout": s.sync_timeout_ms,
-            "policy": s.on_sync_timeout.value,
-            "queues": list(s.queue_patterns),
-            "topics": [str(t) for t in s.topic_filters],
-            "expose_id": s.expose_id,
-        },
-    )
-    conn.execute("INSERT INTO vpn_state (vpn) VALUES (%s) ON CONFLICT DO NOTHING", (s.name,))
-    conn.execute(  # the epoch history starts with this site holding it active
-        "INSERT INTO vpn_epoch (vpn, epoch, site) SELECT name, epoch, %s FROM vpn_config"
-        " WHERE name = %s AND role = 'active' ON CONFLICT DO NOTHING",
-        (site, s.name),
-    )
-    return row is None or not row["enabled"]
+    save_vpn_settings(conn, s)
+    add_vpn_state(conn, s.name)
+    record_first_epoch(conn, s.name, site)  # the epoch history starts with this site active
+    return found is None or not found.enabled
 
 
 def disable_vpn(conn: psycopg.Connection[dict[str, Any]], name: str) -> None:
     """Stop replicating ``name``; its replicated state is kept for a later enable."""
-    cur = conn.execute(
-        "UPDATE vpn_config SET enabled = false, updated_at = now() WHERE name = %s AND enabled",
-        (name,),
-    )
-    if cur.rowcount == 0:
+    if not disable_replication(conn, name):
         raise StateError(f"VPN {name!r} is not enabled for replication")
-
-
-_STATUS_SQL = """
-SELECT c.name, c.role, c.epoch, c.mode, c.sync_timeout_ms, c.on_sync_timeout,
-       c.queue_patterns, c.topic_filters, c.expose_id,
-       s.sync_eligible, s.fenced, s.bridge_state, s.ledger_index, s.applied_index,
-       s.unknown_acks,
-       COALESCE(EXTRACT(EPOCH FROM (now() - s.applied_at)), 0)::float8 AS since_applied,
-       (SELECT count(*) FROM txn_log t
-         WHERE t.vpn = c.name AND t.state = 'prepared') AS in_doubt,
-       (SELECT count(*) FROM txn_log t WHERE t.vpn = c.name AND t.degraded
-         AND t.state = 'committed') AS degraded_txns
-FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
-WHERE c.enabled
-ORDER BY c.name
-"""
 
 
 def add_broker_depths(doc: dict[str, Any], api: Any) -> None:
@@ -162,33 +123,33 @@ def status(conn: psycopg.Connection[dict[str, Any]], site: str) -> dict[str, Any
             {"epoch": row["epoch"], "site": row["site"], "since": row["since"].isoformat()}
         )
     vpns = []
-    for r in conn.execute(_STATUS_SQL):
-        lag = max(r["ledger_index"] - r["applied_index"], 0) if r["role"] == "active" else 0
+    for r in vpn_status_rows(conn):
+        lag = max(r.ledger_index - r.applied_index, 0) if r.role is Role.ACTIVE else 0
         vpns.append(
             {
-                "name": r["name"],
-                "role": r["role"],
-                "epoch": r["epoch"],
-                "mode": r["mode"],
-                "sync_timeout_ms": r["sync_timeout_ms"],
-                "on_sync_timeout": r["on_sync_timeout"],
-                "scope": {"queues": r["queue_patterns"], "topics": r["topic_filters"]},
-                "expose_id": r["expose_id"],
-                "sync_eligible": r["sync_eligible"],
-                "fenced": r["fenced"],
-                "bridge": r["bridge_state"],
-                "ledger_index": r["ledger_index"],
-                "applied_index": r["applied_index"],
+                "name": r.name,
+                "role": r.role.value,
+                "epoch": r.epoch,
+                "mode": r.mode,
+                "sync_timeout_ms": r.sync_timeout_ms,
+                "on_sync_timeout": r.on_sync_timeout,
+                "scope": {"queues": r.queue_patterns, "topics": r.topic_filters},
+                "expose_id": r.expose_id,
+                "sync_eligible": r.sync_eligible,
+                "fenced": r.fenced,
+                "bridge": r.bridge_state,
+                "ledger_index": r.ledger_index,
+                "applied_index": r.applied_index,
                 "lag_events": lag,
-                "lag_seconds": round(r["since_applied"], 3) if lag else 0.0,
-                "in_doubt_txns": r["in_doubt"],
-                "degraded_txns": r["degraded_txns"],
-                "unknown_acks": r["unknown_acks"],
-                "queues": queues.get(r["name"], {}),
+                "lag_seconds": round(r.since_applied, 3) if lag else 0.0,
+                "in_doubt_txns": r.in_doubt_txns,
+                "degraded_txns": r.degraded_txns,
+                "unknown_acks": r.unknown_acks,
+                "queues": queues.get(r.name, {}),
                 "promotion": promotions.get(
-                    r["name"], {"state": "none", "materialised": 0, "total": 0}
+                    r.name, {"state": "none", "materialised": 0, "total": 0}
                 ),
-                "epochs": epochs.get(r["name"], []),
+                "epochs": epochs.get(r.name, []),
             }
         )
     return {"site": site, "vpns": vpns}

@@ -21,6 +21,8 @@ import asyncio
 import time
 from typing import Any
 
+from bridge import role_state
+
 from ._config import SiteConfig
 from ._errors import PluginError, StateError, UsageError
 from ._promote import PromotionSummary, promote
@@ -42,14 +44,10 @@ async def _no_node(progress: Progress) -> dict[str, Any]:
 
 def _standby_state(cfg: SiteConfig, vpn: str) -> tuple[str, str, int]:
     with connect(cfg.store_dsn) as conn:
-        row = conn.execute(
-            "SELECT c.role, s.bridge_state, s.applied_index FROM vpn_config c"
-            " JOIN vpn_state s ON s.vpn = c.name WHERE c.name = %s AND c.enabled",
-            (vpn,),
-        ).fetchone()
-    if row is None:
+        found = role_state(conn, vpn)
+    if found is None:
         raise StateError(f"VPN {vpn!r} is not enabled on this site")
-    return str(row["role"]), str(row["bridge_state"]), int(row["applied_index"])
+    return found.role.value, found.bridge_state, found.applied_index
 
 
 async def _applied(cfg: SiteConfig, vpn: str, index: int) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 from pamqp import commands, frame, header
 
 from plugin import _amqp as amqp

@@ -9,8 +9,7 @@ from datetime import datetime
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 from pamqp import body, commands, frame, header
 
 from bridge._amqp_wire import (

@@ -14,8 +14,7 @@ import zlib
 from collections.abc import Callable, Iterator
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from bridge import (
     CLOSED,
@@ -70,9 +69,9 @@ from bridge import (
     VpnResource,
     VpnSettings,
     VpnState,
+    _errors as codes,
     decode_frame,
 )
-from bridge import _errors as codes
 from bridge._entry import EventDecodeError, LedgerEntry, decode_event, encode_event
 from bridge._frames import FRAME_TYPES, MAGIC
 

@@ -519,8 +519,8 @@ def test_a_standby_that_cannot_follow_the_ledger_gets_a_checkpoint(
         async with active(site_a) as a:
             await a.writer.wait_live(VPN, (await feed(a.writer, events(1, 300))).index)
             if case == "behind the pruned ledger":
-                assert await a.writer.prune(VPN, 250, 0) == 250
-                assert await a.writer.oldest_retained(VPN) == 251
+                assert await a.writer.reader.prune(VPN, 250, 0) == 250
+                assert await a.writer.reader.oldest_retained(VPN) == 251
             async with standby(site_b, site_a.bridge_port) as b:
                 await until(lambda: b.bridge_state(VPN) == "connected", "B live")
                 await asyncio.to_thread(same_state, a_dsn, b_dsn)

@@ -9,8 +9,7 @@ stale epoch that it still lists.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from bridge import (
     Checkpoint,

@@ -11,15 +11,9 @@ import psycopg
 import pytest
 
 from bridge import Consumed, DeadLettered, Event, Published, ReplicationId, VpnSettings
-from bridge._apply import apply_entries_async
 from bridge._entry import LedgerEntry, decode_event, encode_event
-from bridge._ledger import (
-    LedgerClosed,
-    LedgerPruned,
-    LedgerWriter,
-    UnstorableEvent,
-    VpnNotOpen,
-)
+from bridge._ledger import LedgerWriter
+from bridge._ledger_errors import LedgerClosed, UnstorableEvent, VpnNotOpen
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from sql import migrate
@@ -106,23 +100,6 @@ def test_indexes_are_dense_per_vpn_in_append_order_with_the_vpn_epoch(site_a: Lo
     run(scenario)
     assert scalar(dsn, "SELECT ledger_index FROM vpn_state WHERE vpn = 'orders'") == 800
     assert scalar(dsn, "SELECT ledger_index FROM vpn_state WHERE vpn = 'audit'") == 400
-
-
-def test_the_active_applies_its_own_entries_to_live_message(site_a: LocalSite) -> None:
-    dsn = site_a.pg.dsn()
-    prepare(dsn, v="active")
-
-    async def scenario() -> None:
-        async with LedgerWriter(dsn) as writer:
-            events: list[Event] = [pub("v", 1, "q1", "q2"), pub("v", 2, "q1"), ack("v", 1, "q2")]
-            for event in events:
-                last = writer.append(event)
-            writer.append(ack("v", 99, "q1"))  # never published through us
-            await writer.wait_durable("v", last.index + 1)
-
-    run(scenario)
-    assert live_keys(dsn, "v") == {("q1", 1), ("q1", 2)}
-    assert scalar(dsn, "SELECT unknown_acks FROM vpn_state WHERE vpn = 'v'") == 1
 
 
 def test_an_unstorable_event_is_refused_without_taking_an_index(site_a: LocalSite) -> None:
@@ -366,167 +343,6 @@ def test_append_many_takes_a_group_with_one_callback_all_or_none(site_a: LocalSi
     assert [i for i, _, _ in stored(dsn, "v")] == list(range(1, 8))
 
 
-# ------------------------------------------------------------- the live state
-
-
-async def _hold_live_state(dsn: str, vpn: str) -> psycopg.AsyncConnection[Any]:
-    """A transaction holding ``vpn``'s vpn_live_state row: the live apply
-    blocks, the ledger commit does not."""
-    blocker = await psycopg.AsyncConnection.connect(dsn)
-    await blocker.execute(
-        "INSERT INTO vpn_live_state (vpn) VALUES (%s) ON CONFLICT DO NOTHING", (vpn,)
-    )
-    await blocker.commit()
-    await blocker.execute("SELECT 1 FROM vpn_live_state WHERE vpn = %s FOR UPDATE", (vpn,))
-    return blocker
-
-
-def test_confirms_wait_for_the_ledger_commit_not_for_the_live_state(site_a: LocalSite) -> None:
-    dsn = site_a.pg.dsn()
-    prepare(dsn, v="active")
-    durable = Durable()
-
-    async def scenario() -> None:
-        async with LedgerWriter(dsn) as writer:
-            blocker = await _hold_live_state(dsn, "v")
-            for n in range(1, 6):
-                writer.append(pub("v", n, "q"), durable.cb(n))
-            await writer.wait_durable("v", 5)
-            assert durable.calls == [(n, True) for n in range(1, 6)]
-            await asyncio.sleep(0.2)
-            assert writer.live_index("v") == 0
-            assert live_keys(dsn, "v") == set()
-            await blocker.rollback()
-            await blocker.close()
-            await writer.wait_live("v", 5)
-            assert live_keys(dsn, "v") == {("q", n) for n in range(1, 6)}
-
-    run(scenario)
-    assert scalar(dsn, "SELECT live_index FROM vpn_live_state WHERE vpn = 'v'") == 5
-
-
-def test_a_crash_between_ledger_commit_and_live_apply_is_caught_up_at_start(
-    site_a: LocalSite,
-) -> None:
-    dsn = site_a.pg.dsn()
-    prepare(dsn, v="active", w="active")
-    events: list[Event] = [pub("v", n, "q1", "q2") for n in range(1, 31)]
-    events += [ack("v", n, "q1") for n in range(1, 31, 2)]
-    events += [ack("v", 99, "q1")]  # an unknown ACK: counted once, not once per attempt
-
-    async def scenario() -> None:
-        async with LedgerWriter(dsn, apply_batch_size=7) as first:
-            for n in range(1, 4):  # w's live state is applied, v's is stuck
-                first.append(pub("w", n, "q"))
-            await first.wait_live("w", 3)
-            blocker = await _hold_live_state(dsn, "v")
-            for event in events:
-                last = first.append(event)
-            await first.wait_durable("v", last.index)
-            await first.close(grace=0.2)  # the applier is still blocked: cancelled
-            await blocker.rollback()
-            await blocker.close()
-        assert live_keys(dsn, "v") == set()
-        assert scalar(dsn, "SELECT live_index FROM vpn_live_state WHERE vpn = 'v'") == 0
-        async with LedgerWriter(dsn, apply_batch_size=7) as second:
-            assert second.live_index("v") == second.durable_index("v") == last.index
-            assert second.live_index("w") == 3
-            entry = second.append(ack("v", 2, "q2"))
-            await second.wait_live("v", entry.index)
-
-    run(scenario)
-    expected = {(q, n) for n in range(1, 31) for q in ("q1", "q2")}
-    expected -= {("q1", n) for n in range(1, 31, 2)} | {("q2", 2)}
-    assert live_keys(dsn, "v") == expected
-    assert scalar(dsn, "SELECT unknown_acks FROM vpn_state WHERE vpn = 'v'") == 1
-    assert scalar(dsn, "SELECT live_index FROM vpn_live_state WHERE vpn = 'v'") == len(events) + 1
-    with psycopg.connect(dsn) as conn:
-        w_rows = conn.execute("SELECT count(*) FROM live_message WHERE vpn = 'w'").fetchone()
-    assert w_rows == (3,)
-
-
-def test_a_live_apply_whose_reply_was_lost_is_not_applied_twice(site_a: LocalSite) -> None:
-    """What the next apply attempt sees when its COMMIT went through but the
-    reply was lost: live_index already covers the batch's first entries."""
-    dsn = site_a.pg.dsn()
-    prepare(dsn, v="active")
-
-    async def scenario() -> None:
-        async with LedgerWriter(dsn) as writer:
-            blocker = await _hold_live_state(dsn, "v")
-            entries = [writer.append(pub("v", n, "q")) for n in range(1, 4)]
-            entries.append(writer.append(ack("v", 1, "q")))
-            await writer.wait_durable("v", 4)
-            await asyncio.sleep(0.1)  # the applier now waits for the row lock
-            # as if a previous attempt had applied 1..4 and committed: the
-            # ack must not be applied again (it would count an unknown ACK)
-            await apply_entries_async(blocker, "v", entries)
-            await blocker.execute("UPDATE vpn_live_state SET live_index = 4 WHERE vpn = 'v'")
-            await blocker.commit()
-            await blocker.close()
-            last = writer.append(pub("v", 5, "q"))
-            await writer.wait_live("v", last.index)
-
-    run(scenario)
-    assert live_keys(dsn, "v") == {("q", 2), ("q", 3), ("q", 5)}
-    assert scalar(dsn, "SELECT unknown_acks FROM vpn_state WHERE vpn = 'v'") == 0
-
-
-# ------------------------------------------------------------- replay and retention
-
-
-def test_read_range_replays_committed_entries(site_a: LocalSite) -> None:
-    dsn = site_a.pg.dsn()
-    prepare(dsn, v="active")
-
-    async def scenario() -> None:
-        async with LedgerWriter(dsn) as writer:
-            entries = [writer.append(pub("v", n, "q")) for n in range(1, 51)]
-            await writer.wait_durable("v", 50)
-            assert await writer.read_range("v", 1, 20) == entries[:20]
-            assert await writer.read_range("v", 41, 100) == entries[40:]
-            assert await writer.read_range("v", 51, 10) == []
-            assert await writer.oldest_retained("v") == 1
-            with pytest.raises(ValueError):
-                await writer.read_range("v", 0, 10)
-
-    run(scenario)
-
-
-def test_prune_keeps_what_the_standby_lacks_and_what_is_recent(site_a: LocalSite) -> None:
-    dsn = site_a.pg.dsn()
-    prepare(dsn, v="active")
-
-    async def scenario() -> None:
-        async with LedgerWriter(dsn) as writer:
-            for n in range(1, 21):
-                writer.append(pub("v", n, "q"))
-            await writer.wait_live("v", 20)  # pruning never goes past the live state
-            with psycopg.connect(dsn) as conn:  # entries 1..10 are an hour old
-                conn.execute(
-                    "UPDATE ledger SET appended_at = now() - interval '1 hour' WHERE idx <= 10"
-                )
-            assert await writer.prune("v", acked_index=5, retain_seconds=60) == 5
-            assert await writer.oldest_retained("v") == 6
-            assert await writer.prune("v", acked_index=15, retain_seconds=60) == 5
-            assert await writer.oldest_retained("v") == 11
-            assert await writer.prune("v", acked_index=20, retain_seconds=60) == 0
-            with pytest.raises(LedgerPruned) as err:
-                await writer.read_range("v", 3, 10)
-            assert err.value.oldest == 11
-            assert [e.index for e in await writer.read_range("v", 11, 3)] == [11, 12, 13]
-            assert await writer.prune("v", acked_index=20, retain_seconds=0) == 10
-            assert await writer.oldest_retained("v") == 21  # empty: the next to be written
-            with pytest.raises(LedgerPruned):
-                await writer.read_range("v", 20, 10)
-            assert await writer.read_range("v", 21, 10) == []
-            assert writer.append(pub("v", 21, "q")).index == 21
-            await writer.wait_durable("v", 21)
-            assert await writer.oldest_retained("v") == 21
-
-    run(scenario)
-
-
 # ------------------------------------------------------------- the database dies
 
 
@@ -652,33 +468,3 @@ def test_a_groups_decision_moves_its_txn_row_in_the_same_commit(site_a: LocalSit
     run(scenario)
     assert row("t-3") == ("aborted", 0)
     assert [i for i, _, _ in stored(dsn, "v")] == [1, 2, 3, 4, 5, 6]
-
-
-def test_live_applies_lost_with_a_database_crash_are_applied_again_from_the_ledger(
-    site_a: LocalSite,
-) -> None:
-    """Live-state applies commit with synchronous_commit off, so a database
-    crash can lose the newest ones (rows and live_index together). The next
-    apply must find the gap and re-apply those entries from the ledger, not
-    stop the writer."""
-    dsn = site_a.pg.dsn()
-    prepare(dsn, v="active")
-
-    async def scenario() -> None:
-        async with LedgerWriter(dsn) as writer:
-            for n in range(1, 21):
-                writer.append(pub("v", n, "q"))
-            await writer.wait_durable("v", 20)
-            await writer.wait_live("v", 20)
-            # what a crash losing the applies of entries 11..20 leaves behind
-            with psycopg.connect(dsn, autocommit=True) as db:
-                db.execute("UPDATE vpn_live_state SET live_index = 10 WHERE vpn = 'v'")
-                db.execute("DELETE FROM live_message WHERE vpn = 'v' AND publish_index > 10")
-            for n in range(21, 26):
-                writer.append(pub("v", n, "q"))
-            await writer.wait_live("v", 25)
-            assert writer.store_error is None
-
-    run(scenario)
-    assert live_keys(dsn, "v") == {("q", n) for n in range(1, 26)}
-    assert scalar(dsn, "SELECT live_index FROM vpn_live_state WHERE vpn = 'v'") == 25

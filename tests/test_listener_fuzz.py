@@ -50,10 +50,8 @@ from typing import Any, cast
 
 import pika
 import pytest
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
-from pamqp import commands as C
-from pamqp import frame, header
+from hypothesis import HealthCheck, event, given, settings, strategies as st
+from pamqp import commands as C, frame, header
 from pamqp.body import ContentBody
 
 from bridge import REPLICATION_HEADER, Consumed, Published

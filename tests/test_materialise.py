@@ -24,8 +24,7 @@ from typing import Any
 import psycopg
 import pytest
 import uvloop
-from pamqp import base, commands, frame, header
-from pamqp import body as body_frame
+from pamqp import base, body as body_frame, commands, frame, header
 
 from bridge import MaterialiseError, MaterialiseResult, VpnSettings, materialise
 from bridge._amqp_wire import persistent_properties

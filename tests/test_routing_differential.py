@@ -25,8 +25,7 @@ import pika
 import pika.data
 import pika.exceptions
 import pytest
-from hypothesis import HealthCheck, Phase, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, event, given, settings, strategies as st
 from pamqp import decode
 
 from plugin._localsites import LocalSite

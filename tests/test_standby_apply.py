@@ -11,8 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from psycopg_pool import ConnectionPool
 
 from bridge import (
@@ -495,7 +494,7 @@ async def _write_through_ledger(dsn: str, events: list[Event]) -> list[LedgerEnt
         await writer.wait_durable(events[0].vpn, entries[-1].index)
         shipped: list[LedgerEntry] = []
         while len(shipped) < len(entries):
-            shipped += await writer.read_range("orders", len(shipped) + 1, 300)
+            shipped += await writer.reader.read_range("orders", len(shipped) + 1, 300)
     assert shipped == entries
     return shipped
 

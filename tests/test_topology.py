@@ -9,8 +9,7 @@ import time
 from decimal import Decimal
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from bridge import TopicFilter, VpnSettings
 from plugin._errors import UsageError

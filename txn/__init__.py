@@ -17,30 +17,17 @@ from ._machine import TRANSITIONS, Action, Input, Phase, TxnMachine, TxnProtocol
 if TYPE_CHECKING:
     from ._coordinator import (
         Coordinator as Coordinator,
-    )
-    from ._coordinator import (
         GroupLedger as GroupLedger,
-    )
-    from ._coordinator import (
         StandbyLink as StandbyLink,
-    )
-    from ._coordinator import (
         TxnStats as TxnStats,
     )
     from ._log import (
         TxnLog as TxnLog,
-    )
-    from ._log import (
         TxnRow as TxnRow,
-    )
-    from ._log import (
         decode_events as decode_events,
-    )
-    from ._log import (
         encode_events as encode_events,
     )
-    from ._markers import MarkerError as MarkerError
-    from ._markers import MarkerStore as MarkerStore
+    from ._markers import MarkerError as MarkerError, MarkerStore as MarkerStore
     from ._participant import Participant as Participant
 
 #: module -> the names it exports through this package, imported on first use

@@ -1,0 +1,340 @@
+"""The statements on ``vpn_config`` / ``vpn_state`` (bridge/_vpnstore.py)
+against a real PostgreSQL: what each function reads and writes, and that
+it stays inside the caller's transaction."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from bridge import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnResource, VpnSettings
+from bridge._vpnstore import (
+    ConfigLock,
+    FollowedSettings,
+    active_ledgers_async,
+    active_vpns_async,
+    add_standby_vpn_async,
+    add_vpn_state,
+    add_vpn_state_async,
+    advance_ledger_indexes_async,
+    applied_position,
+    applied_position_async,
+    disable_replication,
+    enabled_vpns_async,
+    fence_vpn,
+    fence_vpn_async,
+    follow_settings_async,
+    followed_settings_async,
+    keep_definitions_async,
+    known_epochs_async,
+    ledger_progress_async,
+    ledger_start_async,
+    lock_applied,
+    lock_ledger_indexes_async,
+    lock_vpn_config,
+    lock_vpn_config_async,
+    mark_fenced_async,
+    raise_epoch_async,
+    read_vpn_settings,
+    record_first_epoch,
+    record_sync_eligible_async,
+    reset_bridge_states_async,
+    role_state,
+    save_vpn_settings,
+    set_applied,
+    set_applied_async,
+    set_bridge_state_async,
+    stored_definitions,
+    vpn_status_rows,
+)
+from plugin._localsites import LocalSite
+from sql import migrate
+
+
+@pytest.fixture
+def dsn(site_a: LocalSite) -> str:
+    dsn = site_a.pg.dsn()
+    migrate(dsn)
+    return dsn
+
+
+def enable(dsn: str, name: str, role: str, **options: Any) -> VpnSettings:
+    settings = VpnSettings.from_args(name, role, **options)
+    with psycopg.connect(dsn) as conn:
+        save_vpn_settings(conn, settings)
+        add_vpn_state(conn, settings.name)
+        record_first_epoch(conn, settings.name, "a")
+    return settings
+
+
+def one(dsn: str, sql: str, *params: Any) -> tuple[Any, ...]:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(sql, params).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def on_loop(dsn: str, work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[Any]]) -> Any:
+    """``work(conn)`` on an autocommit asyncio connection, as the bridge's pools give."""
+
+    async def scenario() -> Any:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            return await work(conn)
+
+    return asyncio.run(scenario())
+
+
+def resource(name: str, epoch: int, **changes: Any) -> VpnResource:
+    fields: dict[str, Any] = {
+        "mode": Mode.ASYNC,
+        "sync_timeout_ms": 2000,
+        "on_sync_timeout": SyncTimeoutPolicy.DEGRADE,
+        "queue_patterns": ("orders\\..*",),
+        "topic_filters": (TopicFilter.parse("amq.topic:orders.#"),),
+        "definitions_json": b'{"queues": []}',
+        "expose_id": False,
+        **changes,
+    }
+    return VpnResource(name, epoch, **fields)
+
+
+# ------------------------------------------------------------- settings
+
+
+def test_settings_are_saved_locked_read_and_disabled(dsn: str) -> None:
+    settings = enable(dsn, "orders", "active", mode="sync", queues=("q.*",), expose_id=True)
+    with psycopg.connect(dsn) as conn:
+        assert lock_vpn_config(conn, "orders") == ConfigLock(Role.ACTIVE, True, 1)
+        assert lock_vpn_config(conn, "nowhere") is None
+        assert read_vpn_settings(conn, "orders") == settings
+        assert read_vpn_settings(conn, "nowhere") is None
+        found = role_state(conn, "orders")
+        assert found is not None
+        assert (found.role, found.fenced) == (Role.ACTIVE, False)
+        assert found.bridge_state == "disconnected"
+    assert one(dsn, "SELECT epoch, site FROM vpn_epoch WHERE vpn = 'orders'") == (1, "a")
+    with psycopg.connect(dsn) as conn:
+        assert disable_replication(conn, "orders")
+        assert not disable_replication(conn, "orders")
+        assert role_state(conn, "orders") is None  # only enabled VPNs have one
+        assert lock_vpn_config(conn, "orders") == ConfigLock(Role.ACTIVE, False, 1)
+    with psycopg.connect(dsn) as conn:
+        status = vpn_status_rows(conn)
+    assert status == []
+
+
+def test_the_functions_run_in_the_callers_transaction(dsn: str) -> None:
+    enable(dsn, "orders", "active")
+    with psycopg.connect(dsn) as conn:
+        disable_replication(conn, "orders")
+        set_applied(conn, "orders", 7, 2)
+        conn.rollback()
+    assert one(dsn, "SELECT enabled FROM vpn_config WHERE name = 'orders'") == (True,)
+    with psycopg.connect(dsn) as conn:
+        assert applied_position(conn, "orders") == (0, 0)
+
+
+def test_status_rows_carry_progress_and_transactions(dsn: str) -> None:
+    enable(dsn, "orders", "active", topics=("amq.topic:orders.#",))
+    enable(dsn, "audit", "standby")
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE vpn_state SET ledger_index = 9 WHERE vpn = 'orders'")
+        set_applied(conn, "orders", 4, 1)
+        conn.execute(
+            "INSERT INTO txn_log (txid, vpn, side, state, events)"
+            " VALUES ('t1', 'orders', 'coordinator', 'prepared', '')"
+        )
+    with psycopg.connect(dsn) as conn:
+        audit, orders = vpn_status_rows(conn)
+    assert (audit.name, audit.role, orders.name, orders.role) == (
+        "audit",
+        Role.STANDBY,
+        "orders",
+        Role.ACTIVE,
+    )
+    assert (orders.ledger_index, orders.applied_index, orders.in_doubt_txns) == (9, 4, 1)
+    assert orders.topic_filters == ["amq.topic:orders.#"]
+    assert orders.since_applied >= 0.0 and orders.degraded_txns == 0
+
+
+# ------------------------------------------------------------- what the bridge needs
+
+
+def test_a_listed_vpn_is_added_as_standby_and_follows_the_active(dsn: str) -> None:
+    listed = resource("orders", 3)
+
+    async def adopt(conn: psycopg.AsyncConnection[Any]) -> None:
+        async with conn.transaction():
+            assert await lock_vpn_config_async(conn, "orders") is None
+            await add_standby_vpn_async(conn, "orders", 3, FollowedSettings.of(listed))
+            await add_vpn_state_async(conn, "orders")
+            await add_vpn_state_async(conn, "orders")  # once only
+        assert await lock_vpn_config_async(conn, "orders") == ConfigLock(Role.STANDBY, True, 3)
+        assert await followed_settings_async(conn, "orders") == FollowedSettings.of(listed)
+        assert await followed_settings_async(conn, "nowhere") is None
+
+    on_loop(dsn, adopt)
+    changed = resource("orders", 4, mode=Mode.SYNC, queue_patterns=("billing",), expose_id=True)
+
+    async def follow(conn: psycopg.AsyncConnection[Any]) -> list[str]:
+        stored = await followed_settings_async(conn, "orders")
+        assert stored is not None
+        changes = stored.changes(FollowedSettings.of(changed))
+        await follow_settings_async(conn, "orders", FollowedSettings.of(changed))
+        assert await followed_settings_async(conn, "orders") == FollowedSettings.of(changed)
+        await raise_epoch_async(conn, "orders", 4)
+        await raise_epoch_async(conn, "orders", 2)  # an epoch never falls
+        return changes
+
+    assert on_loop(dsn, follow) == [
+        "mode 'async' -> 'sync'",
+        "queue_patterns ['orders\\\\..*'] -> ['billing']",
+        "expose_id False -> True",
+    ]
+    with psycopg.connect(dsn) as conn:
+        found = read_vpn_settings(conn, "orders")
+    assert found is not None
+    assert (found.role, found.mode, found.queue_patterns, found.expose_id) == (
+        Role.STANDBY,
+        Mode.SYNC,
+        ("billing",),
+        True,
+    )
+    assert on_loop(dsn, known_epochs_async) == {"orders": 4}
+
+
+def test_the_definitions_the_active_sent_are_kept(dsn: str) -> None:
+    enable(dsn, "orders", "standby")
+    with psycopg.connect(dsn) as conn:
+        assert stored_definitions(conn, "orders") is None
+        assert stored_definitions(conn, "nowhere") is None
+
+    async def keep(conn: psycopg.AsyncConnection[Any]) -> None:
+        await keep_definitions_async(conn, "orders", b'{"v": 1}')
+        await keep_definitions_async(conn, "orders", b'{"v": 1}')
+        await keep_definitions_async(conn, "orders", b'{"v": 2}')
+
+    on_loop(dsn, keep)
+    with psycopg.connect(dsn) as conn:
+        assert stored_definitions(conn, "orders") == b'{"v": 2}'
+
+
+def test_the_bridge_records_its_progress_in_vpn_state(dsn: str) -> None:
+    enable(dsn, "orders", "active")
+    enable(dsn, "audit", "active")
+    enable(dsn, "mirror", "standby")
+
+    async def record(conn: psycopg.AsyncConnection[Any]) -> None:
+        async with conn.transaction():
+            await set_bridge_state_async(conn, "orders", "connected")
+            await set_bridge_state_async(conn, "mirror", "syncing")
+            await set_applied_async(conn, "orders", 12, 2)
+            await mark_fenced_async(conn, "audit")
+            await record_sync_eligible_async(conn, "orders", False)
+        assert await applied_position_async(conn, "orders") == (12, 2)
+        assert await applied_position_async(conn, "nowhere") is None
+        assert await ledger_progress_async(conn, "orders") == (0, 12)
+        assert await ledger_progress_async(conn, "nowhere") is None
+
+    on_loop(dsn, record)
+    row = "SELECT bridge_state, fenced, sync_eligible, applied_at IS NOT NULL FROM vpn_state"
+    assert one(dsn, row + " WHERE vpn = 'orders'") == ("connected", False, False, True)
+    assert one(dsn, row + " WHERE vpn = 'audit'") == ("disconnected", True, True, False)
+
+    async def reset(conn: psycopg.AsyncConnection[Any]) -> None:
+        await reset_bridge_states_async(conn, Role.ACTIVE)
+
+    on_loop(dsn, reset)  # a restarting active: its links are all down
+    assert one(dsn, row + " WHERE vpn = 'orders'")[0] == "disconnected"
+    assert one(dsn, row + " WHERE vpn = 'mirror'")[0] == "syncing"
+
+
+def test_fencing_marks_an_active_vpn_once_and_records_the_epoch(dsn: str) -> None:
+    enable(dsn, "orders", "active")
+    enable(dsn, "audit", "active")
+    enable(dsn, "mirror", "standby")
+
+    async def fence(conn: psycopg.AsyncConnection[Any]) -> list[bool]:
+        async with conn.transaction():
+            return [
+                await fence_vpn_async(conn, "orders", 2, "b", 7),
+                await fence_vpn_async(conn, "orders", 2, "b", 7),
+                await fence_vpn_async(conn, "mirror", 2, "b"),  # not active here
+                await fence_vpn_async(conn, "audit", 1, "b"),  # not a higher epoch
+            ]
+
+    assert on_loop(dsn, fence) == [True, False, False, False]
+    with psycopg.connect(dsn) as conn:
+        assert fence_vpn(conn, "audit", 3, "c")
+    assert one(dsn, "SELECT fenced FROM vpn_state WHERE vpn = 'orders'") == (True,)
+    epochs = "SELECT site, taken_over_at FROM vpn_epoch WHERE vpn = %s AND epoch = %s"
+    assert one(dsn, epochs, "orders", 2) == ("b", 7)
+    assert one(dsn, epochs, "audit", 3) == ("c", 0)
+
+
+def test_the_active_listing_leaves_out_fenced_promoting_and_standby_vpns(dsn: str) -> None:
+    served = enable(dsn, "orders", "active", mode="sync", topics=("amq.topic:orders.#",))
+    for name in ("fenced", "promoting", "disabled"):
+        enable(dsn, name, "active")
+    enable(dsn, "mirror", "standby")
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE vpn_config SET epoch = 2 WHERE name = 'orders'")
+        conn.execute(
+            "INSERT INTO vpn_epoch (vpn, epoch, site, taken_over_at) VALUES ('orders', 2, 'a', 5)"
+        )
+        conn.execute("UPDATE vpn_state SET fenced = true WHERE vpn = 'fenced'")
+        conn.execute("INSERT INTO promotion (vpn, epoch, state) VALUES ('promoting', 1, 'running')")
+        disable_replication(conn, "disabled")
+    listed = on_loop(dsn, active_vpns_async)
+    assert [(v.settings, v.epoch, v.taken_over_at) for v in listed] == [(served, 2, 5)]
+
+    enabled = on_loop(dsn, enabled_vpns_async)
+    assert [v.settings.name for v in enabled] == ["fenced", "mirror", "orders", "promoting"]
+    by_name = {v.settings.name: v for v in enabled}
+    assert by_name["fenced"].fenced and not by_name["orders"].fenced
+    assert by_name["promoting"].promotion == "running"
+    assert by_name["mirror"].promotion is None and by_name["mirror"].newest_epoch is None
+    assert (by_name["orders"].newest_epoch, by_name["orders"].newest_site) == (2, "a")
+
+
+# ------------------------------------------------------------- the ledger's indexes
+
+
+def test_the_ledger_indexes_are_loaded_locked_and_advanced(dsn: str) -> None:
+    enable(dsn, "orders", "active")
+    enable(dsn, "audit", "active")
+    enable(dsn, "mirror", "standby")
+    with psycopg.connect(dsn) as conn:
+        conn.execute("INSERT INTO vpn_live_state (vpn, live_index) VALUES ('orders', 3)")
+
+    async def ledger(conn: psycopg.AsyncConnection[Any]) -> None:
+        starts = await active_ledgers_async(conn)  # in no particular order
+        assert sorted((s.vpn, s.epoch, s.ledger_index, s.live_index) for s in starts) == [
+            ("audit", 1, 0, 0),
+            ("orders", 1, 0, 3),
+        ]
+        mirror = await ledger_start_async(conn, "mirror")  # any role
+        assert mirror is not None and mirror.ledger_index == 0
+        assert await ledger_start_async(conn, "nowhere") is None
+        async with conn.transaction():
+            locked = await lock_ledger_indexes_async(conn, {"orders", "audit", "nowhere"})
+            assert locked == {"audit": 0, "orders": 0}
+            await advance_ledger_indexes_async(conn, {"orders": 10, "audit": 4})
+        orders = await ledger_start_async(conn, "orders")
+        assert orders is not None and (orders.ledger_index, orders.live_index) == (10, 3)
+
+    on_loop(dsn, ledger)
+
+
+def test_a_standby_apply_locks_its_row_and_reads_its_role(dsn: str) -> None:
+    enable(dsn, "mirror", "standby")
+    with psycopg.connect(dsn) as conn:
+        set_applied(conn, "mirror", 5, 2)
+        found = lock_applied(conn, "mirror")
+        assert found is not None
+        assert (found.applied_index, found.applied_epoch, found.role) == (5, 2, Role.STANDBY)
+        assert lock_applied(conn, "nowhere") is None

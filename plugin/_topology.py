@@ -61,7 +61,7 @@ node by ``tests/test_routing_differential.py``:
 
 The model takes AMQP field values as pamqp 4 decodes them; where that
 decoding loses information route() cannot recover it (see
-:func:`_tagged`): the width of nested integers and floats, and a timestamp
+:func:`tagged`): the width of nested integers and floats, and a timestamp
 pamqp divided by 1000. Exchange types other than the four built-in ones
 (plugins) cannot be reproduced; they route like fanout, a superset.
 
@@ -74,11 +74,9 @@ depend on the headers and are never cached.
 
 from __future__ import annotations
 
-import datetime
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal
 from enum import StrEnum
 from functools import lru_cache
 from types import MappingProxyType
@@ -87,6 +85,16 @@ from typing import Any
 from bridge import TopicFilter, VpnSettings
 
 from ._errors import PluginError, UsageError
+from ._routing import (
+    Refused,
+    Router,
+    header_routes,
+    normalised_headers,
+    pattern_words,
+    router_for,
+    tagged,
+    topic_matches,
+)
 
 __all__ = [
     "Binding",
@@ -169,7 +177,7 @@ class Binding:
     def identity(self) -> tuple[object, ...]:
         """What RabbitMQ compares to find the binding an unbind names: the
         argument table sorted by key (``rabbit_binding:binding_action/3``)."""
-        args = tuple(sorted((k, _tagged(v)) for k, v in self.arguments.items()))
+        args = tuple(sorted((k, tagged(v)) for k, v in self.arguments.items()))
         return (self.source, self.destination_kind, self.destination, self.routing_key, args)
 
 
@@ -216,336 +224,6 @@ def _policy_regex(pattern: str) -> re.Pattern[str] | None:
 
 
 # ---------------------------------------------------------------------------
-# Field values: Erlang == on what pamqp decoded
-
-
-_VOID = object()  # a compiled headers-binding entry that only needs presence
-_X_MATCH = frozenset({"all", "any", "all-with-x", "any-with-x"})
-
-
-def _decimal_parts(value: Decimal) -> tuple[int, int] | str:
-    sign, digits, exponent = value.as_tuple()
-    if not isinstance(exponent, int):
-        return str(value)  # NaN/Infinity: no AMQP encoding, compares with itself only
-    if exponent > 0:
-        return (0, int(value))
-    unscaled = int("".join(map(str, digits)) or "0")
-    return (-exponent, -unscaled if sign else unscaled)
-
-
-def _timestamp(value: datetime.datetime) -> int:
-    """The integer a ``T`` field carried. pamqp divides values above
-    0xFFFFFFFF by 1000; a fractional result can only come from there."""
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=datetime.UTC)
-    seconds = value.timestamp()
-    return int(seconds) if seconds.is_integer() else round(seconds * 1000)
-
-
-def _tagged(value: object) -> tuple[str, object]:
-    """A nested value with its type class, as Erlang compares ``{Type, V}``.
-
-    pamqp decodes ``S`` to ``str`` (``bytes`` when not UTF-8) and ``x`` to
-    ``bytearray``, so the two string types stay apart. Integer and float
-    widths are lost in decoding; they compare as one class each.
-    """
-    if isinstance(value, str):
-        return ("longstr", value.encode("utf-8", "surrogateescape"))
-    if isinstance(value, bytearray | memoryview):
-        return ("binary", bytes(value))
-    if isinstance(value, bytes):
-        return ("longstr", value)
-    if isinstance(value, bool):
-        return ("bool", value)
-    if isinstance(value, int):
-        return ("int", value)
-    if isinstance(value, float):
-        return ("float", value)
-    if isinstance(value, Decimal):
-        return ("decimal", _decimal_parts(value))
-    if isinstance(value, datetime.datetime):
-        return ("timestamp", _timestamp(value))
-    if value is None:
-        return ("void", None)
-    if isinstance(value, Mapping):
-        return ("table", _table(value))
-    if isinstance(value, list | tuple):
-        return ("array", _array(value))
-    return ("unknown", repr(value))
-
-
-def _table(value: Mapping[Any, object]) -> tuple[object, ...]:
-    return tuple((k, *_tagged(v)) for k, v in value.items())
-
-
-def _array(value: Iterable[object]) -> tuple[object, ...]:
-    return tuple(_tagged(v) for v in value)
-
-
-def _value(value: object) -> object:
-    """A top-level header or binding value in the form Erlang ``==`` sees.
-
-    The type tag is dropped, so ``S``/``x`` strings become bytes, integers
-    and floats stay numbers (``1 == 1.0``), a timestamp is its integer;
-    booleans and decimals are tagged so they equal only their own kind. A
-    table is a list of 3-tuples and an array of 2-tuples, so the empty table
-    equals the empty array, as ``[] == []`` does in Erlang.
-    """
-    if isinstance(value, str):
-        return value.encode("utf-8", "surrogateescape")
-    if isinstance(value, bool):
-        return ("bool", value)
-    if isinstance(value, int | float):
-        return value
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    if isinstance(value, Decimal):
-        return ("decimal", _decimal_parts(value))
-    if isinstance(value, datetime.datetime):
-        return _timestamp(value)
-    if value is None:
-        return None
-    if isinstance(value, Mapping):
-        return _table(value)
-    if isinstance(value, list | tuple):
-        return _array(value)
-    return ("unknown", repr(value))
-
-
-# ---------------------------------------------------------------------------
-# Topic patterns
-
-
-def _words(key: str) -> tuple[str, ...]:
-    """``rabbit_exchange_type_topic:split_topic_key/1``: ``""`` is no word."""
-    return tuple(key.split(".")) if key else ()
-
-
-@lru_cache(maxsize=4096)
-def _pattern_words(pattern: str) -> tuple[str, ...]:
-    """A binding pattern's words, runs of ``#`` collapsed (``#.#`` matches
-    exactly what ``#`` matches)."""
-    out: list[str] = []
-    for word in _words(pattern):
-        if not (word == "#" and out and out[-1] == "#"):
-            out.append(word)
-    return tuple(out)
-
-
-def _hash_closure(states: set[int], pattern: tuple[str, ...]) -> set[int]:
-    """Add the states reached by letting each ``#`` match zero words."""
-    todo = list(states)
-    while todo:
-        i = todo.pop()
-        if i < len(pattern) and pattern[i] == "#" and i + 1 not in states:
-            states.add(i + 1)
-            todo.append(i + 1)
-    return states
-
-
-def topic_matches(pattern: str, routing_key: str) -> bool:
-    """Whether a topic binding with ``pattern`` matches ``routing_key``.
-
-    A set-of-positions walk over the pattern, one step per key word, so
-    ``#.a.#.a.#`` against a long key costs words x pattern steps, never the
-    exponential backtracking a regex would.
-    """
-    words = _pattern_words(pattern)
-    end = len(words)
-    states = _hash_closure({0}, words)
-    for word in _words(routing_key):
-        step: set[int] = set()
-        for i in states:
-            if i < end:
-                p = words[i]
-                if p == "#":
-                    step.add(i)
-                elif p == "*" or p == word:
-                    step.add(i + 1)
-        if not step:
-            return False
-        states = _hash_closure(step, words)
-    return end in states
-
-
-# ---------------------------------------------------------------------------
-# Per-exchange routing indexes
-
-_Dest = tuple[DestinationKind, str]
-
-
-class _TrieNode:
-    __slots__ = ("children", "dests")
-
-    def __init__(self) -> None:
-        self.children: dict[str, _TrieNode] = {}
-        self.dests: list[_Dest] = []
-
-
-class _Router:
-    """What one exchange's type does with a message, plus its AE."""
-
-    __slots__ = ("alternate", "uses_headers")
-
-    def __init__(self, alternate: str | None) -> None:
-        self.alternate = alternate
-        self.uses_headers = False
-
-    def match(self, keys: tuple[str, ...], headers: Mapping[str, object]) -> Iterable[_Dest]:
-        raise NotImplementedError
-
-
-class _FanoutRouter(_Router):
-    __slots__ = ("dests",)
-
-    def __init__(self, alternate: str | None, bindings: Iterable[Binding]) -> None:
-        super().__init__(alternate)
-        self.dests = tuple({(b.destination_kind, b.destination) for b in bindings})
-
-    def match(self, keys: tuple[str, ...], headers: Mapping[str, object]) -> Iterable[_Dest]:
-        return self.dests
-
-
-class _DirectRouter(_Router):
-    __slots__ = ("by_key",)
-
-    def __init__(self, alternate: str | None, bindings: Iterable[Binding]) -> None:
-        super().__init__(alternate)
-        self.by_key: dict[str, set[_Dest]] = {}
-        for b in bindings:
-            self.by_key.setdefault(b.routing_key, set()).add((b.destination_kind, b.destination))
-
-    def match(self, keys: tuple[str, ...], headers: Mapping[str, object]) -> Iterable[_Dest]:
-        if len(keys) == 1:
-            return self.by_key.get(keys[0], ())
-        return [d for k in dict.fromkeys(keys) for d in self.by_key.get(k, ())]
-
-
-class _TopicRouter(_Router):
-    """The broker's trie walk (``trie_match/4``). A (node, word index) state
-    already visited is skipped: that only drops duplicates, but bounds the
-    walk by nodes x words where ``#.#.#`` would otherwise explode."""
-
-    __slots__ = ("root",)
-
-    def __init__(self, alternate: str | None, bindings: Iterable[Binding]) -> None:
-        super().__init__(alternate)
-        self.root = _TrieNode()
-        for b in bindings:
-            node = self.root
-            for word in _words(b.routing_key):
-                node = node.children.setdefault(word, _TrieNode())
-            node.dests.append((b.destination_kind, b.destination))
-
-    def match(self, keys: tuple[str, ...], headers: Mapping[str, object]) -> Iterable[_Dest]:
-        out: list[_Dest] = []
-        for key in keys:
-            self._walk(self.root, _words(key), 0, out, set())
-        return out
-
-    def _walk(
-        self,
-        node: _TrieNode,
-        words: tuple[str, ...],
-        i: int,
-        out: list[_Dest],
-        seen: set[tuple[int, int]],
-    ) -> None:
-        state = (id(node), i)
-        if state in seen:
-            return
-        seen.add(state)
-        children = node.children
-        if i == len(words):
-            out.extend(node.dests)
-        else:
-            child = children.get(words[i])
-            if child is not None:
-                self._walk(child, words, i + 1, out, seen)
-            child = children.get("*")
-            if child is not None:
-                self._walk(child, words, i + 1, out, seen)
-        hash_child = children.get("#")
-        if hash_child is not None:
-            for j in range(i, len(words) + 1):
-                self._walk(hash_child, words, j, out, seen)
-
-
-class _HeadersRouter(_Router):
-    __slots__ = ("specs",)
-
-    def __init__(self, alternate: str | None, bindings: Iterable[Binding]) -> None:
-        super().__init__(alternate)
-        self.uses_headers = True
-        self.specs = tuple(
-            (*_headers_spec(b.arguments), (b.destination_kind, b.destination)) for b in bindings
-        )
-
-    def match(self, keys: tuple[str, ...], headers: Mapping[str, object]) -> Iterable[_Dest]:
-        return [
-            dest
-            for match_all, entries, dest in self.specs
-            if _headers_match(match_all, entries, headers)
-        ]
-
-
-def _headers_spec(arguments: Mapping[str, object]) -> tuple[bool, tuple[tuple[str, object], ...]]:
-    """Compile a headers binding: (match all?, the (key, value) pairs compared)."""
-    x_match = arguments.get("x-match")
-    mode = x_match if isinstance(x_match, str) and x_match in _X_MATCH else "all"
-    with_x = mode.endswith("-with-x")
-    entries = tuple(
-        (k, _VOID if v is None else _value(v))
-        for k, v in arguments.items()
-        if k != "x-match" and (with_x or not k.startswith("x-"))
-    )
-    return mode.startswith("all"), entries
-
-
-def _headers_match(
-    match_all: bool, entries: tuple[tuple[str, object], ...], headers: Mapping[str, object]
-) -> bool:
-    if match_all:
-        for key, want in entries:
-            if key not in headers or (want is not _VOID and headers[key] != want):
-                return False
-        return True
-    for key, want in entries:
-        if key in headers and (want is _VOID or headers[key] == want):
-            return True
-    return False
-
-
-_ROUTERS: dict[str, type[_FanoutRouter | _DirectRouter | _TopicRouter | _HeadersRouter]] = {
-    ExchangeType.DIRECT: _DirectRouter,
-    ExchangeType.FANOUT: _FanoutRouter,
-    ExchangeType.TOPIC: _TopicRouter,
-    ExchangeType.HEADERS: _HeadersRouter,
-}
-
-
-class _Refused(Exception):
-    """The broker would refuse the publish itself (bad CC/BCC header)."""
-
-
-def _header_routes(headers: Mapping[str, object]) -> tuple[str, ...]:
-    """``rabbit_basic:header_routes/1``: longstr elements of CC then BCC."""
-    routes: list[str] = []
-    for name in ("CC", "BCC"):
-        if name not in headers:
-            continue
-        value = headers[name]
-        if not isinstance(value, list | tuple):
-            raise _Refused(name)
-        for item in value:
-            if isinstance(item, str):
-                routes.append(item)
-            elif type(item) is bytes:  # a longstr pamqp could not decode as UTF-8
-                routes.append(item.decode("utf-8", "surrogateescape"))
-    return tuple(routes)
-
-
-# ---------------------------------------------------------------------------
 # The topology
 
 _PREDECLARED = (
@@ -559,6 +237,7 @@ _PREDECLARED = (
 )
 
 _BindingId = tuple[object, ...]
+_Dest = tuple[DestinationKind, str]
 
 
 _DEAD_LETTER_MEMO_LIMIT = 4096
@@ -582,7 +261,7 @@ class Topology:
         self._by_source: dict[str, dict[_BindingId, Binding]] = {}
         self._by_destination: dict[_Dest, set[_BindingId]] = {}
         self._policies: tuple[Policy, ...] = ()
-        self._routers: dict[str, _Router] = {}
+        self._routers: dict[str, Router] = {}
         self._cache: dict[tuple[str, str, tuple[str, ...]], frozenset[str]] = {}
         #: dead_letter's answers (asked once per delivery): valid until a change
         self._dead_letters: dict[str, tuple[str, str | None] | None] = {}
@@ -862,8 +541,8 @@ class Topology:
         extra: tuple[str, ...] = ()
         if headers and ("CC" in headers or "BCC" in headers):
             try:
-                extra = _header_routes(headers)
-            except _Refused:
+                extra = header_routes(headers)
+            except Refused:
                 return _EMPTY
         cache_key = (exchange, routing_key, extra)
         hit = self._cache.get(cache_key)
@@ -898,7 +577,7 @@ class Topology:
             if router.uses_headers:
                 cacheable = False
                 if norm is None:
-                    norm = _normalised_headers(headers)
+                    norm = normalised_headers(headers)
             found = False
             for kind, name in router.match(keys, _NO_ARGS if norm is None else norm):
                 if kind is DestinationKind.QUEUE:
@@ -917,20 +596,13 @@ class Topology:
                     work.append(self._exchanges[ae])
         return frozenset(queues), cacheable
 
-    def _router(self, x: Exchange) -> _Router:
+    def _router(self, x: Exchange) -> Router:
         router = self._routers.get(x.name)
         if router is None:
-            kind = _ROUTERS.get(x.type, _FanoutRouter)
             bindings = self._by_source.get(x.name, {}).values()
-            router = kind(self.alternate_exchange(x.name), bindings)
+            router = router_for(x.type, self.alternate_exchange(x.name), bindings)
             self._routers[x.name] = router
         return router
-
-
-def _normalised_headers(headers: Mapping[str, object] | None) -> Mapping[str, object]:
-    if not headers:
-        return _NO_ARGS
-    return {k: _value(v) for k, v in headers.items() if k != "BCC"}
 
 
 def _items(definitions: Mapping[str, Any], key: str, vhost: str) -> Iterator[Mapping[str, Any]]:
@@ -1022,7 +694,7 @@ class ReplicationScope:
         filters: dict[str, tuple[str, ...]] = {}
         for f in self.topic_filters:
             filters[f.exchange] = (*filters.get(f.exchange, ()), f.pattern)
-            _pattern_words(f.pattern)
+            pattern_words(f.pattern)
         object.__setattr__(self, "_regexes", tuple(regexes))
         object.__setattr__(self, "_filters", filters)
         object.__setattr__(self, "_queue_memo", {})

@@ -27,6 +27,7 @@ SANS_IO = (
     "plugin._session",
     "plugin._topology",
     "plugin._amqp",
+    "plugin._routing",
     "bridge._protocol",
     "bridge._frames",
     "bridge._inbound",

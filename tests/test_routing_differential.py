@@ -29,7 +29,8 @@ from hypothesis import HealthCheck, Phase, event, given, settings, strategies as
 from pamqp import decode
 
 from plugin._localsites import LocalSite
-from plugin._topology import Topology, _tagged
+from plugin._routing import tagged
+from plugin._topology import Topology
 from tests.test_topology import HEADERS_CASES, TOPIC_CASES, VALUE_CASES
 
 EXCHANGES = ["x0", "x1", "x2", "x3"]
@@ -525,7 +526,7 @@ def pika_sends(value: object) -> bool:
         back = wire({"k": value})
     except pika.exceptions.UnsupportedAMQPFieldException:
         return False
-    return back is not None and _tagged(back["k"]) == _tagged(value)
+    return back is not None and tagged(back["k"]) == tagged(value)
 
 
 def test_the_unit_test_tables_hold_on_the_broker(site_a: LocalSite) -> None:

@@ -41,7 +41,7 @@ from ._bridgestate import (
     reset_states,
 )
 from ._configsync import ConfigSyncError, vpn_definitions
-from ._entry import LedgerEntry
+from ._entry import LedgerEntry, entries_by_vpn
 from ._errors import (
     BridgeError,
     Fenced,
@@ -277,9 +277,7 @@ class BridgeServer:
 
     def _on_durable(self, entries: Sequence[LedgerEntry]) -> None:
         """Ledger subscriber: queue live entries per stream; never blocks."""
-        by_vpn: dict[str, list[LedgerEntry]] = {}
-        for entry in entries:
-            by_vpn.setdefault(entry.vpn, []).append(entry)
+        by_vpn = entries_by_vpn(entries)
         for peer in list(self._peers):
             if peer.failure is not None:
                 continue

@@ -25,12 +25,20 @@ encoding ever changes.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ._events import EVENT_KINDS, Consumed, DeadLettered, Event, Published, Purged
 from ._ids import ReplicationId
 
-__all__ = ["EventDecodeError", "LedgerEntry", "decode_event", "encode_event", "split_events"]
+__all__ = [
+    "EventDecodeError",
+    "LedgerEntry",
+    "decode_event",
+    "encode_event",
+    "entries_by_vpn",
+    "split_events",
+]
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -223,3 +231,15 @@ def _decode_checked(data: bytes, vpn: str) -> Event:
     if r.pos != len(r.data):
         raise EventDecodeError(f"{len(r.data) - r.pos} bytes after the event")
     return event
+
+
+def entries_by_vpn(entries: Sequence[LedgerEntry]) -> dict[str, list[LedgerEntry]]:
+    """``entries`` grouped by VPN, each group in the given order."""
+    out: dict[str, list[LedgerEntry]] = {}
+    for e in entries:
+        items = out.get(e.vpn)
+        if items is None:
+            out[e.vpn] = [e]
+        else:
+            items.append(e)
+    return out

@@ -77,7 +77,7 @@ from tenacity import (
 )
 
 from ._arrays import bytea_array, int8_array, text_array
-from ._entry import LedgerEntry, encode_event
+from ._entry import LedgerEntry, encode_event, entries_by_vpn
 from ._events import DeadLettered, Event, Published
 from ._ledger_errors import (
     LedgerClosed,
@@ -196,17 +196,6 @@ def _check_storable(event: Event) -> None:
             bad = bad or any("\x00" in q for q in event.to)
     if bad:
         raise UnstorableEvent("a name contains NUL, which PostgreSQL refuses", event.vpn)
-
-
-def _by_vpn(entries: Sequence[LedgerEntry]) -> dict[str, list[LedgerEntry]]:
-    out: dict[str, list[LedgerEntry]] = {}
-    for e in entries:
-        items = out.get(e.vpn)
-        if items is None:
-            out[e.vpn] = [e]
-        else:
-            items.append(e)
-    return out
 
 
 def _columns(entries: Sequence[LedgerEntry]) -> tuple[bytes, ...]:
@@ -624,7 +613,7 @@ class LedgerWriter:
             raise
 
     async def _write(self, conn: psycopg.AsyncConnection[Any], entries: list[LedgerEntry]) -> None:
-        by_vpn = _by_vpn(entries)
+        by_vpn = entries_by_vpn(entries)
         after = [items[0].index - 1 for items in by_vpn.values()]
         last = [items[-1].index for items in by_vpn.values()]
         decided = self._decided_in(entries)

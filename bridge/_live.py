@@ -40,14 +40,14 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import psycopg
 from psycopg.rows import tuple_row
 
 from ._apply import apply_entries_async
-from ._entry import LedgerEntry
+from ._entry import LedgerEntry, entries_by_vpn
 from ._ledger_errors import LedgerConflict
 from ._ledger_reader import fetch_entries
 
@@ -74,17 +74,6 @@ _SET = "UPDATE vpn_live_state SET live_index = %s WHERE vpn = %s"
 async def add_live_rows(conn: psycopg.AsyncConnection[Any], vpns: Iterable[str]) -> None:
     """Give each of ``vpns`` its ``vpn_live_state`` row (at 0), if it has none."""
     await conn.execute(_ADD_ROWS, (list(vpns),))
-
-
-def _by_vpn(entries: Sequence[LedgerEntry]) -> dict[str, list[LedgerEntry]]:
-    out: dict[str, list[LedgerEntry]] = {}
-    for e in entries:
-        items = out.get(e.vpn)
-        if items is None:
-            out[e.vpn] = [e]
-        else:
-            items.append(e)
-    return out
 
 
 class LiveStateApplier:
@@ -181,7 +170,7 @@ class LiveStateApplier:
                     # flushes the WAL up to itself: no need to wait for the
                     # flush here.
                     await conn.execute("SET synchronous_commit = off")
-                await self._apply(conn, _by_vpn(entries))
+                await self._apply(conn, entries_by_vpn(entries))
         except BaseException:
             await self.disconnect()
             raise

@@ -36,6 +36,12 @@ from typing import Any, Self
 
 from pamqp import base, body, commands, frame, header
 
+# A script here runs with bench/ first on sys.path, where bench/bridge.py
+# would shadow the ``bridge`` package for every later import: the
+# repository root goes first (every script imports this module before the
+# project's packages).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 _FRAME_HEAD = struct.Struct(">BHI")
 _ACK = struct.Struct(">HHQB")  # class, method, delivery tag, bits

@@ -21,13 +21,12 @@ from __future__ import annotations
 import enum
 import struct
 
-from bridge import ConfirmKey, Event, IdSource, Published
+from bridge import Published
 
 from . import _amqp as amqp
 from ._amqp import AMQPError, Frame
-from ._channel import Channel
-from ._directory import VpnView
-from ._publish import HeaderTemplates, in_scope_queues, stamped
+from ._channel import Channel, ChannelContext
+from ._publish import in_scope_queues, stamped
 
 __all__ = ["DECLINED", "PUBLISH_IDS", "Declined", "FusedCheck", "FusedPublish"]
 
@@ -52,34 +51,17 @@ _new_tuple = tuple.__new__
 
 
 class FusedPublish:
-    """Whole publishes of a replicated connection.
+    """Whole publishes of a connection on a replicated vhost (``ctx.vpn``,
+    set before this is made)."""
 
-    ``events`` is where replicated publishes go: the session points it at
-    the output of each call it is fed (see ``Session._begin``).
-    """
+    __slots__ = ("_channels", "_ids", "_routes", "_routes_generation", "_template", "_vpn")
 
-    __slots__ = (
-        "_channels",
-        "_ids",
-        "_routes",
-        "_routes_generation",
-        "_template",
-        "_vpn",
-        "events",
-    )
-
-    def __init__(
-        self,
-        vpn: VpnView,
-        ids: IdSource,
-        templates: HeaderTemplates,
-        channels: dict[int, Channel],
-    ) -> None:
-        self._vpn = vpn
-        self._ids = ids
-        self._template = templates.of
+    def __init__(self, ctx: ChannelContext, channels: dict[int, Channel]) -> None:
+        assert ctx.vpn is not None  # noqa: S101 - made at connection.open of a replicated vhost
+        self._vpn = ctx.vpn
+        self._ids = ctx.ids
+        self._template = ctx.templates.of
         self._channels = channels
-        self.events: list[tuple[Event, ConfirmKey | None]] = []
         #: _route's memo, valid for one topology generation
         self._routes: dict[bytes, tuple[str, str, tuple[str, ...]]] = {}
         self._routes_generation = -1
@@ -139,7 +121,7 @@ class FusedPublish:
                 queues,
             ),
         )
-        ch.record(seq, event, self.events)
+        ch.record(seq, event)
         return header
 
     def _route(self, buf: bytes, f: Frame) -> tuple[str, str, tuple[str, ...]]:

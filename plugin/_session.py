@@ -1,14 +1,15 @@
 """One client connection through the listener, as a sans-IO state machine.
 
 ``Session`` is fed the bytes each side sent and returns what to send on, plus
-the replication events it saw. It never opens a socket; ``_listener`` drives
-it. It is the connection's reader: it splits both byte streams into frames,
-relays them, dispatches the methods it must see, and keeps the connection's
-lifecycle (``plugin._lifecycle``). What belongs to one channel lives on its
-:class:`~plugin._channel.Channel`; held confirms in
-:class:`~plugin._confirms.ConfirmTracker`; whole publishes take the fused
-path (``plugin._fused``); topology requests are typed values
-(``plugin._topology_changes``).
+the replication events it saw (an :class:`~plugin._output.Output`). It never
+opens a socket; ``_listener`` drives it. It is the connection's reader, as
+RabbitMQ's ``rabbit_reader``: it splits both byte streams into frames,
+relays them, keeps the connection's lifecycle (``plugin._lifecycle``) and
+its channels' open and close handshakes, and hands every other method on a
+channel to that :class:`~plugin._channel.Channel`. Whole publishes take the
+fused path (``plugin._fused``); a vhost that is not replicated only has its
+frames checked (``plugin._checks``); topology requests go to
+:class:`~plugin._topology_changes.TopologyRequests`.
 
 Invariants, and why the code keeps them:
 
@@ -20,45 +21,26 @@ Invariants, and why the code keeps them:
 * **Frames reach each side in the order they came.** Untouched frames are
   relayed as slices of the bytes read; what a handler adds itself (a
   released confirm, our close) goes behind every frame read before the one
-  it handled (:meth:`Session._relay`), so a held confirm may be released
-  later than the broker sent it, never ahead of a frame the broker sent
-  before it.
-* **A consumption event always follows its publish.** Events reach the sink
-  in the order frames arrive, and a delivery can only be acked after it was
-  delivered, which is after it was published.
+  it handled (:meth:`Session._relay`), so a held confirm may reach the
+  client later than the broker sent it, never ahead of a frame the broker
+  sent before it.
 * **The lifecycle is one state.** Each side's bytes are read as the state
-  says (``CLIENT_READS``, ``BROKER_READS``), and the state changes only
-  through the transition table; a fault of ours closes the client once.
+  says, and the state changes only through the lifecycle's transition
+  table; the session closes a client at most once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import struct
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
-from pamqp import commands, frame, header
-from pamqp.body import ContentBody
+from pamqp import commands
 
-from bridge import (
-    MARKER_QUEUE,
-    REPLICATION_HEADER,
-    ConfirmKey,
-    Consumed,
-    Event,
-    IdSource,
-    LocalTransaction,
-    Published,
-    Purged,
-    ReplicationId,
-    id_in_header,
-)
+from bridge import ConfirmKey, IdSource, ReplicationId
 
 from . import _amqp as amqp
 from ._amqp import AMQPError, Frame, FrameSplitter
-from ._channel import Channel, Incoming, Publish
+from ._channel import Channel, ChannelContext, commit_marker
 from ._checks import FrameChecks
 from ._directory import VpnDirectory, VpnView
 from ._fused import DECLINED, PUBLISH_IDS, Declined, FusedCheck, FusedPublish
@@ -77,59 +59,24 @@ from ._lifecycle import (
     Upstream,
     advance,
 )
-from ._publish import HeaderTemplates, header_frame, in_scope_queues, stamped
+from ._output import Output
+from ._publish import HeaderTemplates
 from ._refusal import HANDSHAKE_FRAME_MAX
-from ._topology_changes import (
-    NAMES_A_QUEUE,
-    REFUSABLE,
-    DeclareQueue,
-    DeleteQueue,
-    PurgeQueue,
-    TopologyChange,
-    change_of,
-)
+from ._topology_changes import TopologyRequests
 
 __all__ = ["Output", "Session", "commit_marker"]
 
 log = logging.getLogger(__name__)
 
-#: our entry's name as it stands in a headers table (length octet and name)
-_ID_ENTRY_PREFIX = 1 + len(REPLICATION_HEADER)
-_ID_SIZE = 8  # an int64 id header's data
-_WIRE = struct.Struct(">q")
 _CLOSE_OK_FRAME = amqp.frame_bytes(amqp.FRAME_METHOD, 0, b"\x00\x0a\x00\x33")
 
 # the reading modes, as module constants (compared once per read)
-_HEADER, _TRACKED, _CHECKED = ClientReads.HEADER, ClientReads.TRACKED, ClientReads.CHECKED
+_HEADER, _CHECKED = ClientReads.HEADER, ClientReads.CHECKED
 _SCAN, _CLIENT_NOTHING = ClientReads.SCAN, ClientReads.NOTHING
 _RAW, _BROKER_NOTHING = BrokerReads.RAW, BrokerReads.NOTHING
 
-
-@dataclass(slots=True)
-class Output:
-    """What the driver must do after feeding the session."""
-
-    to_broker: list[bytes] = field(default_factory=list)
-    to_client: list[bytes] = field(default_factory=list)
-    #: (event, confirm key or None): hand to ``ReplicationSink.append``.
-    events: list[tuple[Event, ConfirmKey | None]] = field(default_factory=list)
-    #: transactions to prepare (sink.prepare, then ``transaction_prepared``).
-    prepare: list[LocalTransaction] = field(default_factory=list)
-    #: transactions to commit (sink.commit, then ``transaction_committed``).
-    commit: list[LocalTransaction] = field(default_factory=list)
-    #: prepared transactions whose broker commit will never be sent (sink.abort).
-    abort: list[LocalTransaction] = field(default_factory=list)
-    #: transactions whose tx.commit went to the broker but whose commit-ok
-    #: will never be seen: the outcome is the marker's (sink.resolve).
-    unresolved: list[LocalTransaction] = field(default_factory=list)
-    #: the upstream connection is to be dropped without an AMQP close.
-    drop_broker: bool = False
-
-
-#: the methods of the REFUSABLE topology changes
-_REFUSABLE_METHODS = (commands.Queue.Delete, commands.Queue.Purge, commands.Exchange.Delete)
-
 _Handler = Callable[["Session", int, bytes, Frame], bytes | None]
+_OnChannel = Callable[[Channel, bytes, Frame], bytes | None]
 #: a whole-publish step of :meth:`Session._relay` (see ``plugin._fused``)
 _Fused = Callable[[bytes, Frame, Frame, Frame], "bytes | None | Declined"]
 
@@ -151,30 +98,23 @@ class Session:
         Session._ids_counter += 1
         self.connection_id = Session._ids_counter
         self._directory = directory
-        self._ids = ids
         self._peers = peers
         self._state = Lifecycle.AWAITING_HEADER
         self._client = FrameSplitter(HANDSHAKE_FRAME_MAX)
         self._broker = FrameSplitter(0)
+        self._ctx = ChannelContext(ids, self.connection_id)
         self._channels: dict[int, Channel] = {}
-        self._out = Output()
         self.vhost: str | None = None
-        self.vpn: VpnView | None = None
-        #: ``replicated``, fixed at connection.open (settings apply to new connections)
-        self._replicating = False
-        #: the VPN shows consumers our id header (``vpn enable --expose-id``)
-        self._expose_id = False
         #: reply code of the fault that made us close the client, if any
         self.fault_code: int | None = None
-        self._exclusive_queues: list[str] = []
         self._client_header_buf = b""
         #: the end of the last read while desynced (a close-ok may span reads)
         self._scan_tail = b""
         self._checks = FrameChecks(self._client_closed_in_passthrough)
         self._fused_check = FusedCheck(self._checks.content)
         #: set at connection.open on a replicated vhost
-        self._templates = HeaderTemplates(expose_id=False)
         self._fused: FusedPublish | None = None
+        self._topology = TopologyRequests(self._ctx, self._unsettled, self._release_held)
 
     # ------------------------------------------------------------ state
 
@@ -183,8 +123,18 @@ class Session:
         return self._state
 
     @property
+    def vpn(self) -> VpnView | None:
+        """The replicated VPN the client opened (None: not one of ours)."""
+        return self._ctx.vpn
+
+    @vpn.setter
+    def vpn(self, vpn: VpnView | None) -> None:
+        self._ctx.vpn = vpn
+
+    @property
     def replicated(self) -> bool:
-        return self._replicating
+        """The VPN was active when the client opened the connection."""
+        return self._ctx.replicating
 
     @property
     def passthrough(self) -> bool:
@@ -206,15 +156,16 @@ class Session:
         """Nothing more will come from the broker."""
         return self._state in BROKER_DONE
 
+    @property
+    def _out(self) -> Output:
+        return self._ctx.out
+
     def _advance(self, trigger: Trigger) -> None:
         self._state = advance(self._state, trigger)
 
     def _begin(self) -> Output:
-        """A new output for one call of the driver's; the fused path records
-        into it too."""
-        self._out = out = Output()
-        if self._fused is not None:
-            self._fused.events = out.events
+        """A new output for one call of the driver's; the channels fill it too."""
+        self._ctx.out = out = Output()
         return out
 
     # ------------------------------------------------------------ feeding
@@ -292,15 +243,13 @@ class Session:
             return out
         txn, held = answered
         if refused is not None:
-            self._close_channel(
-                ch, amqp.PRECONDITION_FAILED, f"transaction not committed: {refused}"
-            )
+            text = f"transaction not committed: {refused}"
+            self._close_channel(ch, amqp.PRECONDITION_FAILED, text)
             return out
         if ch.closing or self._state in CLOSING:
             out.abort.append(txn)  # the client is gone: the broker rolls back
             return out
-        ch.tx_committing = txn
-        out.to_broker.append(commit_marker(channel, txn.txid) + held)
+        out.to_broker.append(ch.commit(txn, held))
         return out
 
     def transaction_committed(self, channel: int) -> Output:
@@ -325,13 +274,9 @@ class Session:
         commit-ok coming back is left to the marker (``unresolved``), one
         still being prepared is aborted."""
         out = self._begin()
-        if self.vpn is not None:
-            for queue in self._exclusive_queues:
-                self.vpn.topology.delete_queue(queue)
-                self._emptied(queue, deleted=True)
-        self._exclusive_queues.clear()
+        self._topology.connection_lost()
         for ch in self._channels.values():
-            ch.gone(out.abort, out.unresolved)
+            ch.gone()
         self._channels.clear()
         self._advance(Trigger.LOST)
         return out
@@ -480,14 +425,12 @@ class Session:
         m = amqp.decode_method(buf, f)
         assert isinstance(m, commands.Connection.Open)  # noqa: S101
         self.vhost = m.virtual_host
-        vpn = self.vpn = self._directory.lookup(m.virtual_host)
-        self._replicating = vpn is not None and vpn.replicated
-        self._expose_id = vpn is not None and vpn.expose_id
-        self._templates = HeaderTemplates(self._expose_id)
-        self._fused = None
-        if vpn is not None and self._replicating:
-            self._fused = FusedPublish(vpn, self._ids, self._templates, self._channels)
-            self._fused.events = self._out.events
+        ctx = self._ctx
+        vpn = ctx.vpn = self._directory.lookup(m.virtual_host)
+        ctx.replicating = vpn is not None and vpn.replicated
+        ctx.expose_id = vpn is not None and vpn.expose_id
+        ctx.templates = HeaderTemplates(ctx.expose_id)
+        self._fused = FusedPublish(ctx, self._channels) if ctx.replicating else None
         if vpn is not None and vpn.refusal is not None:
             raise amqp.NotAllowed(vpn.refusal, amqp.CONNECTION_OPEN)
         if vpn is not None and not vpn.replicated:
@@ -514,7 +457,7 @@ class Session:
         # Nothing on an unreplicated vhost concerns replication (settings apply
         # to connections opened after a change): from here on, frames are only
         # checked, and broker bytes are relayed without parsing.
-        self._advance(Trigger.OPENED if self._replicating else Trigger.OPENED_PASSTHROUGH)
+        self._advance(Trigger.OPENED if self._ctx.replicating else Trigger.OPENED_PASSTHROUGH)
         return None
 
     def _b_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -608,11 +551,11 @@ class Session:
     def _channel(self, channel: int) -> Channel:
         ch = self._channels.get(channel)
         if ch is None:
-            ch = self._channels[channel] = Channel(channel)
+            ch = self._channels[channel] = Channel(channel, self._ctx)
         return ch
 
     def _c_channel_open(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        self._channels[channel] = Channel(channel)
+        self._channels[channel] = Channel(channel, self._ctx)
         return None
 
     def _c_channel_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -653,7 +596,7 @@ class Session:
             )
         )
         ch.close_both_sides()
-        ch.gone(self._out.abort, self._out.unresolved)
+        ch.gone()
         self._release_held(ch)  # into the close handshake, as if they came now
 
     def _closing_frame(self, ch: Channel, buf: bytes, f: Frame, client: bool) -> bytes | None:
@@ -666,7 +609,7 @@ class Session:
                 self._out.commit.append(txn)
         if not ch.closed_by_us:
             if ids == amqp.CHANNEL_CLOSE_OK:
-                ch.gone(self._out.abort, self._out.unresolved)
+                ch.gone()
                 del self._channels[ch.number]
             return None
         if client and ch.reopening is not None:
@@ -685,9 +628,7 @@ class Session:
                     self._reopen(b"".join(ch.reopening))
         return b""  # nothing of ours reaches the other side any more
 
-    # ------------------------------------------------------------ client frames
-
-    def _client_frame(self, buf: bytes, f: Frame) -> bytes | None:
+    def _client_frame(self, buf: bytes, f: Frame) -> bytes | None:  # noqa: C901 - one call per frame
         """Handle one client frame: None relays it, bytes replace it (b"" drops)."""
         ch = self._channels.get(f.channel)
         if ch is not None and ch.held is not None:
@@ -702,245 +643,59 @@ class Session:
                     f"method frame on channel {f.channel} while content was expected"
                 )
             ids = amqp.method_id(buf, f)
+            on_channel = _CHANNEL_METHODS.get(ids)
+            if on_channel is not None:
+                if ch is None:
+                    if ids in _CONSUMING and not self._ctx.replicating:
+                        return None  # nothing to track on this vhost
+                    ch = self._channel(f.channel)
+                return on_channel(ch, buf, f)
             handler = _CLIENT_METHODS.get(ids)
             return handler(self, f.channel, buf, f) if handler is not None else None
         if f.type == amqp.FRAME_BODY:
-            return self._client_body(ch, buf, f)
+            if ch is None:
+                raise amqp.UnexpectedFrame(f"content body on channel {f.channel} without a header")
+            return ch.on_body(buf, f)
         if f.type == amqp.FRAME_HEADER:
-            return self._client_content_header(ch, buf, f)
+            if ch is None:
+                raise amqp.UnexpectedFrame(
+                    f"content header on channel {f.channel} without a publish"
+                )
+            return ch.on_content_header(buf, f)
         if f.channel != 0:
             raise amqp.FrameError(f"heartbeat frame on channel {f.channel}")
         return None
 
-    def _c_publish(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        ch = self._channel(channel)
-        exchange, key, _ = amqp.decode_publish(buf, f)
-        confirms = ch.confirms
-        seq = None
-        if confirms is not None:
-            seq = confirms.hold() if self._replicating else confirms.number()
-        ch.publish = Publish(exchange, key, seq)
-        return None
-
-    def _client_content_header(self, ch: Channel | None, buf: bytes, f: Frame) -> bytes | None:
-        p = ch.publish if ch is not None else None
-        if ch is None or p is None or p.body_size >= 0:
-            raise amqp.UnexpectedFrame(f"content header on channel {f.channel} without a publish")
-        p.body_size = amqp.content_body_size(buf, f)
-        replacement = None
-        if self._replicating:
-            replacement = self._intercept(p, buf[f.start + 7 : f.end - 1], f.channel)
-        if p.body_size == 0:
-            self._publish_complete(ch)
-        return replacement
-
-    def _intercept(self, p: Publish, payload: bytes, channel: int) -> bytes | None:
-        """Decide whether a publish is replicated; splice its id if so."""
-        vpn = self.vpn
-        assert vpn is not None  # noqa: S101 - only called when replicated
-        template = self._templates.of(payload)
-        queues = in_scope_queues(vpn, p.exchange, p.routing_key, payload, template.layout)
-        if not queues:
-            return None
-        p.repl_id, wire = self._ids.next_with_wire(template.alone)
-        p.queues = queues
-        p.properties, replacement = stamped(template, payload, channel, wire)
-        return replacement
-
-    def _client_body(self, ch: Channel | None, buf: bytes, f: Frame) -> bytes | None:
-        p = ch.publish if ch is not None else None
-        if ch is None or p is None or p.body_size < 0:
-            raise amqp.UnexpectedFrame(f"content body on channel {f.channel} without a header")
-        p.received += f.end - f.start - 8
-        if p.received > p.body_size:
-            raise amqp.FrameError(
-                f"content body of {p.received} bytes exceeds the declared size {p.body_size}"
-            )
-        if p.repl_id is not None:
-            p.chunks.append(buf[f.start + 7 : f.end - 1])
-        if p.received == p.body_size:
-            self._publish_complete(ch)
-        return None
-
-    def _publish_complete(self, ch: Channel) -> None:
-        p = ch.publish
-        assert p is not None  # noqa: S101 - caller checked
-        ch.publish = None
-        if p.repl_id is None or self.vpn is None:
-            return
-        event = Published(
-            vpn=self.vpn.name,
-            repl_id=p.repl_id,
-            exchange=p.exchange,
-            routing_key=p.routing_key,
-            properties=p.properties,
-            body=b"".join(p.chunks),
-            queues=p.queues,
-        )
-        ch.record(p.seq, event, self._out.events)
-
-    def _c_ack(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        ch = self._channel(channel)
-        if not ch.deliveries:
-            return None
-        tag, multiple, requeue = amqp.decode_ack(buf, f)
-        rejected = buf[f.payload_start + 3] != 80  # basic.reject or basic.nack
-        vpn = self.vpn
-        dead_letter = self._dead_letter_route if rejected and vpn is not None else None
-        name = vpn.name if vpn is not None else ""
-        ch.settle(tag, multiple, requeue, rejected, name, dead_letter, self._out.events)
-        return None
-
-    def _dead_letter_route(self, queue: str, routing_key: str) -> tuple[str, ...] | None:
-        """The in-scope queues a message rejected from ``queue`` goes to
-        (None: the queue does not dead-letter). Routed as RabbitMQ routes a
-        dead-lettered message, with the queue's dead-letter routing key or
-        the message's own; without its headers (a headers exchange as the
-        dead-letter exchange, or CC headers, are not followed)."""
-        vpn = self.vpn
-        assert vpn is not None  # noqa: S101 - caller checked
-        target = vpn.topology.dead_letter(queue)
-        if target is None:
-            return None
-        exchange, key = target
-        key = routing_key if key is None else key
-        routed = vpn.topology.route(exchange, key, None)
-        return tuple(sorted(vpn.scope.in_scope(exchange, key, routed)))
-
-    def _c_consume(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        if not self._replicating:
-            return None
-        m = amqp.decode_method(buf, f)
-        assert isinstance(m, commands.Basic.Consume)  # noqa: S101
-        self._channel(channel).consume(m.queue, m.no_ack, m.consumer_tag, m.nowait)
-        return None
-
-    def _c_cancel(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        return None  # the consumer is forgotten on cancel-ok; its deliveries stay acked-able
-
-    def _c_get(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        if not self._replicating:
-            return None
-        m = amqp.decode_method(buf, f)
-        assert isinstance(m, commands.Basic.Get)  # noqa: S101
-        self._channel(channel).get(m.queue, m.no_ack)
-        return None
-
-    def _c_recover(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        self._channel(channel).recover()  # redelivered under new tags
-        return None
-
-    def _c_confirm_select(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        self._channel(channel).select_confirms()
-        return None
-
-    def _c_tx_select(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        self._channel(channel).tx = True
-        return None
-
-    def _c_tx_commit(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        vpn = self.vpn
-        txn = self._channel(channel).commit(
-            vpn.name if vpn is not None else None,
-            self.connection_id,
-            self._ids.incarnation,
-            buf[f.start : f.end],
-        )
-        if txn is None:
-            return None
-        self._out.prepare.append(txn)
-        return b""  # held until the sink has prepared
-
-    def _c_tx_rollback(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        self._channel(channel).rollback()
+    def _broker_frame(self, buf: bytes, f: Frame) -> bytes | None:
+        ch = self._channels.get(f.channel)
+        if ch is not None and ch.closing:
+            return self._closing_frame(ch, buf, f, client=False)
+        if f.type == amqp.FRAME_METHOD:
+            ids = amqp.method_id(buf, f)
+            on_channel = _BROKER_CHANNEL_METHODS.get(ids)
+            if on_channel is not None:
+                if ch is None:
+                    # deliveries name a channel the client opened: remember it
+                    if ids not in _DELIVERIES or not self._ctx.replicating:
+                        return None
+                    ch = self._channel(f.channel)
+                return on_channel(ch, buf, f)
+            handler = _BROKER_METHODS.get(ids)
+            return handler(self, f.channel, buf, f) if handler is not None else None
+        if f.type == amqp.FRAME_HEADER and ch is not None and ch.incoming is not None:
+            return ch.on_delivered_header(buf, f)
         return None
 
     # topology: applied when the broker says -ok (or at once with nowait)
 
-    def _topology(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        """A topology request. Its change applies at the broker's -ok; a
-        nowait one's at once, except a queue.delete, queue.purge or
-        exchange.delete: the broker may refuse those (if-unused, if-empty,
-        another connection's exclusive queue, access), and the change is
-        destructive on the standby (its Purged event drops the queue's
-        messages there while the active keeps them). Such a request goes to
-        the broker synchronous instead; its -ok, which the client did not
-        ask for, is swallowed, and the client's later frames on the channel
-        wait for it (:meth:`_release_held`), so the change takes its place
-        among the channel's events exactly where the broker made it."""
-        if not self._replicating:
+    def _c_topology(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        if not self._ctx.replicating:
             return None
-        m = amqp.decode_method(buf, f)
-        change = change_of(m)
-        ch = self._channel(channel)
-        if not getattr(m, "nowait", False):
-            # one entry per request, so each -ok pops its own request
-            ch.requests.append((change, False))
-        elif isinstance(change, REFUSABLE) and channel != 0:
-            ch.requests.append((change, True))
-            ch.hold_frames()
-            assert isinstance(m, _REFUSABLE_METHODS)  # noqa: S101 - what REFUSABLE comes from
-            m.nowait = False
-            return amqp.marshal_method(m, channel)
-        elif change is not None:
-            self._apply_change(ch, change, None)
-        return None
+        return self._topology.request(self._channel(channel), buf, f)
 
     def _b_topology_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         ch = self._channels.get(channel)
-        if ch is None or not ch.requests:
-            return None
-        change, ours = ch.requests.popleft()
-        declared = None
-        if amqp.method_id(buf, f) == amqp.QUEUE_DECLARE_OK:
-            ok = amqp.decode_method(buf, f)
-            declared = ch.last_queue = getattr(ok, "queue", "")  # passive declares count too
-        if change is not None:
-            self._apply_change(ch, change, declared)
-        if not ours:
-            return None
-        self._release_held(ch)
-        return b""  # the client sent it nowait: it expects no answer
-
-    def _apply_change(self, ch: Channel, change: TopologyChange, declared: str | None) -> None:
-        """Apply ``change`` to the VPN's topology; ``declared``: the queue a
-        declare-ok named (None: a nowait declare, whose answer is unknown)."""
-        vpn = self.vpn
-        if vpn is None:
-            return
-        if isinstance(change, NAMES_A_QUEUE) and not change.queue:
-            if not ch.last_queue:
-                return
-            change = dataclasses.replace(change, queue=ch.last_queue)
-        topology = vpn.topology
-        try:
-            if isinstance(change, DeclareQueue):
-                # a nowait exclusive declare of a queue that exists and is not
-                # this connection's own is refused (405): not counted as the
-                # connection's (its end would delete a live queue, on both sites)
-                name = change.queue if declared is None else declared
-                refused = declared is None and name in topology.queues
-                change.apply(topology, name)
-                if change.exclusive and not refused and name not in self._exclusive_queues:
-                    self._exclusive_queues.append(name)
-            elif isinstance(change, DeleteQueue):
-                change.apply(topology)
-                self._emptied(change.queue, deleted=True)
-            elif isinstance(change, PurgeQueue):
-                self._emptied(change.queue, deleted=False)
-            else:
-                change.apply(topology)
-        except Exception:  # a topology mismatch must never break the relay
-            log.exception("connection %d: topology update failed", self.connection_id)
-
-    def _emptied(self, queue: str, *, deleted: bool) -> None:
-        """``queue`` was purged (or deleted): a :class:`Purged` event, on a
-        replicated VPN, sparing what a purge leaves in the queue."""
-        vpn = self.vpn
-        if vpn is None or not self._replicating:
-            return
-        spared = () if deleted else self._unsettled(vpn.name, queue)
-        self._out.events.append((Purged(vpn.name, queue, spared, deleted), None))
+        return self._topology.answered(ch, buf, f) if ch is not None else None
 
     def _unsettled(self, vpn: str, queue: str) -> tuple[ReplicationId, ...]:
         """Ids of ``queue``'s messages delivered on this listener's
@@ -953,138 +708,6 @@ class Session:
             for ch in session._channels.values():
                 found.update(ch.unsettled(queue))
         return tuple(sorted(found, key=lambda r: r.value))
-
-    # ------------------------------------------------------------ broker frames
-
-    def _broker_frame(self, buf: bytes, f: Frame) -> bytes | None:
-        ch = self._channels.get(f.channel)
-        if ch is not None and ch.closing:
-            return self._closing_frame(ch, buf, f, client=False)
-        if f.type == amqp.FRAME_METHOD:
-            ids = amqp.method_id(buf, f)
-            handler = _BROKER_METHODS.get(ids)
-            return handler(self, f.channel, buf, f) if handler is not None else None
-        if f.type == amqp.FRAME_HEADER and ch is not None and ch.incoming is not None:
-            return self._broker_content_header(ch, buf, f)
-        return None
-
-    def _broker_content_header(self, ch: Channel, buf: bytes, f: Frame) -> bytes | None:
-        """The content header of a message on its way to the client (deliver,
-        get-ok, return): the delivery is mapped to its replication id, and
-        our id header is cut out of it (unless the VPN exposes it), so the
-        consumer sees the properties exactly as the publisher encoded them.
-        The entry's bytes are spliced out; nothing else is re-encoded."""
-        inc, ch.incoming = ch.incoming, None
-        assert inc is not None  # noqa: S101 - caller checked
-        payload = buf[f.payload_start : f.payload_end]
-        try:
-            layout = amqp.property_layout(payload)
-        except AMQPError:
-            return None  # not a header we made: the broker's to deliver as it is
-        at = amqp.header_entry(payload, layout, REPLICATION_HEADER)
-        if at is None:
-            return None
-        start, end = at
-        found = id_in_header(payload[start + _ID_ENTRY_PREFIX : end])
-        if found is None:
-            return None  # a header of that name that is not one of ours
-        repl_id, alone = found
-        vpn = self.vpn
-        if vpn is not None and inc.queue is not None and not inc.is_return:
-            if inc.no_ack:
-                self._out.events.append((Consumed(vpn.name, repl_id, inc.queue), None))
-            else:
-                ch.delivered(inc.delivery_tag, repl_id, inc.queue, inc.routing_key)
-        if not self._expose_id:
-            payload = amqp.without_entry(payload, layout, start, end, drop_empty=alone)
-        elif alone:  # published before the VPN exposed ids: show the plain id
-            payload = payload[: end - _ID_SIZE] + _WIRE.pack(repl_id.wire) + payload[end:]
-        else:
-            return None
-        return header_frame(f.channel, payload)
-
-    def _routing_key_kept(self, queue: str, buf: bytes, f: Frame) -> str | None:
-        """A delivery's routing key, if its queue dead-letters rejects with
-        the message's own key (decoded only then)."""
-        vpn = self.vpn
-        if vpn is None:
-            return None
-        target = vpn.topology.dead_letter(queue)
-        if target is None or target[1] is not None:
-            return None
-        m = amqp.decode_method(buf, f)
-        return str(getattr(m, "routing_key", ""))
-
-    def _b_deliver(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        if not self._replicating:
-            return None
-        ch = self._channel(channel)
-        consumer_tag, delivery_tag = amqp.decode_deliver(buf, f)
-        consumer = ch.consumers.get(consumer_tag)
-        if consumer is not None:
-            queue, no_ack = consumer
-            key = None if no_ack else self._routing_key_kept(queue, buf, f)
-            ch.incoming = Incoming(queue, delivery_tag, no_ack, routing_key=key)
-        else:  # a consumer we do not know: its header is still ours to cut
-            ch.incoming = Incoming(None, delivery_tag, True)
-        return None
-
-    def _b_get_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        if not self._replicating:
-            return None
-        ch = self._channel(channel)
-        asked = ch.get_answered()
-        if asked is not None:
-            queue, no_ack = asked
-            key = None if no_ack else self._routing_key_kept(queue, buf, f)
-            ch.incoming = Incoming(queue, amqp.decode_get_ok(buf, f), no_ack, routing_key=key)
-        else:
-            ch.incoming = Incoming(None, 0, True)
-        return None
-
-    def _b_get_empty(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        ch = self._channels.get(channel)
-        if ch is not None:
-            ch.get_answered()
-        return None
-
-    def _b_deliver_return(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        if self._replicating:
-            self._channel(channel).incoming = Incoming(None, 0, True, is_return=True)
-        return None
-
-    def _b_consume_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        ch = self._channels.get(channel)
-        if ch is not None and ch.consumes:
-            m = amqp.decode_method(buf, f)
-            assert isinstance(m, commands.Basic.ConsumeOk)  # noqa: S101
-            ch.consume_ok(m.consumer_tag or "")
-        return None
-
-    def _b_cancel(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        ch = self._channels.get(channel)
-        if ch is not None and ch.consumers:
-            m = amqp.decode_method(buf, f)
-            ch.consumers.pop(getattr(m, "consumer_tag", ""), None)
-        return None
-
-    def _b_confirm(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        ch = self._channels.get(channel)
-        confirms = ch.confirms if ch is not None else None
-        if confirms is None or not confirms.pending:
-            return None  # nothing replicated is waiting: relay as is
-        tag, multiple, _ = amqp.decode_ack(buf, f)
-        changed = confirms.broker_answered(tag, multiple, buf[f.payload_start + 3] == 80)
-        confirms.release(changed, self._out.to_client, self._out.events)
-        return b""
-
-    def _b_tx_commit_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        ch = self._channels.get(channel)
-        txn = ch.commit_ok() if ch is not None else None
-        if txn is None:
-            return None
-        self._out.commit.append(txn)
-        return b""  # held until the sink has committed
 
 
 def _behind_frame(
@@ -1115,27 +738,7 @@ def _relay_rest(buf: bytes, run: int, end: int, out: list[bytes]) -> None:
         out.append(buf[run:end])
 
 
-def commit_marker(channel: int, txid: str) -> bytes:
-    """A persistent publish of ``txid`` to :data:`~bridge.MARKER_QUEUE`:
-    method, content header and body frames."""
-    body = txid.encode()
-    return b"".join(
-        (
-            amqp.marshal_method(
-                commands.Basic.Publish(exchange="", routing_key=MARKER_QUEUE), channel
-            ),
-            frame.marshal(
-                header.ContentHeader(
-                    body_size=len(body),
-                    properties=commands.Basic.Properties(delivery_mode=2),
-                ),
-                channel,
-            ),
-            frame.marshal(ContentBody(body), channel),
-        )
-    )
-
-
+#: the connection's own methods, and a channel's open and close
 _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
     amqp.CONNECTION_START_OK: Session._c_start_ok,
     amqp.CONNECTION_TUNE_OK: Session._c_tune_ok,
@@ -1144,28 +747,33 @@ _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
     amqp.CONNECTION_CLOSE_OK: Session._c_close_ok,
     amqp.CHANNEL_OPEN: Session._c_channel_open,
     amqp.CHANNEL_CLOSE: Session._c_channel_close,
-    amqp.BASIC_PUBLISH: Session._c_publish,
-    amqp.BASIC_ACK: Session._c_ack,
-    amqp.BASIC_NACK: Session._c_ack,
-    amqp.BASIC_REJECT: Session._c_ack,
-    amqp.BASIC_CONSUME: Session._c_consume,
-    amqp.BASIC_CANCEL: Session._c_cancel,
-    amqp.BASIC_GET: Session._c_get,
-    amqp.BASIC_RECOVER: Session._c_recover,
-    amqp.BASIC_RECOVER_ASYNC: Session._c_recover,
-    amqp.CONFIRM_SELECT: Session._c_confirm_select,
-    amqp.TX_SELECT: Session._c_tx_select,
-    amqp.TX_COMMIT: Session._c_tx_commit,
-    amqp.TX_ROLLBACK: Session._c_tx_rollback,
-    amqp.EXCHANGE_DECLARE: Session._topology,
-    amqp.EXCHANGE_DELETE: Session._topology,
-    amqp.EXCHANGE_BIND: Session._topology,
-    amqp.EXCHANGE_UNBIND: Session._topology,
-    amqp.QUEUE_DECLARE: Session._topology,
-    amqp.QUEUE_DELETE: Session._topology,
-    amqp.QUEUE_PURGE: Session._topology,
-    amqp.QUEUE_BIND: Session._topology,
-    amqp.QUEUE_UNBIND: Session._topology,
+    amqp.EXCHANGE_DECLARE: Session._c_topology,
+    amqp.EXCHANGE_DELETE: Session._c_topology,
+    amqp.EXCHANGE_BIND: Session._c_topology,
+    amqp.EXCHANGE_UNBIND: Session._c_topology,
+    amqp.QUEUE_DECLARE: Session._c_topology,
+    amqp.QUEUE_DELETE: Session._c_topology,
+    amqp.QUEUE_PURGE: Session._c_topology,
+    amqp.QUEUE_BIND: Session._c_topology,
+    amqp.QUEUE_UNBIND: Session._c_topology,
+}
+
+#: a client's methods on a channel, handled by it (made if need be); a
+#: basic.cancel is not among them: the consumer is forgotten on cancel-ok,
+#: and its deliveries may still be acked
+_CHANNEL_METHODS: dict[tuple[int, int], _OnChannel] = {
+    amqp.BASIC_PUBLISH: Channel.on_publish,
+    amqp.BASIC_ACK: Channel.on_ack,
+    amqp.BASIC_NACK: Channel.on_ack,
+    amqp.BASIC_REJECT: Channel.on_ack,
+    amqp.BASIC_CONSUME: Channel.on_consume,
+    amqp.BASIC_GET: Channel.on_get,
+    amqp.BASIC_RECOVER: Channel.on_recover,
+    amqp.BASIC_RECOVER_ASYNC: Channel.on_recover,
+    amqp.CONFIRM_SELECT: Channel.on_confirm_select,
+    amqp.TX_SELECT: Channel.on_tx_select,
+    amqp.TX_COMMIT: Channel.on_tx_commit,
+    amqp.TX_ROLLBACK: Channel.on_tx_rollback,
 }
 
 _BROKER_METHODS: dict[tuple[int, int], _Handler] = {
@@ -1173,16 +781,6 @@ _BROKER_METHODS: dict[tuple[int, int], _Handler] = {
     amqp.CONNECTION_CLOSE: Session._b_close,
     amqp.CONNECTION_CLOSE_OK: Session._b_close_ok,
     amqp.CHANNEL_CLOSE: Session._b_channel_close,
-    amqp.BASIC_DELIVER: Session._b_deliver,
-    amqp.BASIC_GET_OK: Session._b_get_ok,
-    amqp.BASIC_GET_EMPTY: Session._b_get_empty,
-    amqp.BASIC_CONSUME_OK: Session._b_consume_ok,
-    amqp.BASIC_CANCEL: Session._b_cancel,
-    amqp.BASIC_CANCEL_OK: Session._b_cancel,
-    amqp.BASIC_ACK: Session._b_confirm,
-    amqp.BASIC_NACK: Session._b_confirm,
-    amqp.BASIC_RETURN: Session._b_deliver_return,
-    amqp.TX_COMMIT_OK: Session._b_tx_commit_ok,
     amqp.EXCHANGE_DECLARE_OK: Session._b_topology_ok,
     amqp.EXCHANGE_DELETE_OK: Session._b_topology_ok,
     amqp.EXCHANGE_BIND_OK: Session._b_topology_ok,
@@ -1193,3 +791,21 @@ _BROKER_METHODS: dict[tuple[int, int], _Handler] = {
     amqp.QUEUE_BIND_OK: Session._b_topology_ok,
     amqp.QUEUE_UNBIND_OK: Session._b_topology_ok,
 }
+
+#: the broker's methods on a channel the client opened, handled by it
+_BROKER_CHANNEL_METHODS: dict[tuple[int, int], _OnChannel] = {
+    amqp.BASIC_DELIVER: Channel.on_deliver,
+    amqp.BASIC_GET_OK: Channel.on_get_ok,
+    amqp.BASIC_GET_EMPTY: Channel.on_get_empty,
+    amqp.BASIC_CONSUME_OK: Channel.on_consume_ok,
+    amqp.BASIC_CANCEL: Channel.on_cancel,
+    amqp.BASIC_CANCEL_OK: Channel.on_cancel,
+    amqp.BASIC_ACK: Channel.on_confirm,
+    amqp.BASIC_NACK: Channel.on_confirm,
+    amqp.BASIC_RETURN: Channel.on_return,
+    amqp.TX_COMMIT_OK: Channel.on_tx_commit_ok,
+}
+#: requests for messages, tracked only on a replicated vhost
+_CONSUMING = frozenset({amqp.BASIC_CONSUME, amqp.BASIC_GET})
+#: messages for the client, whose content header carries our id to cut
+_DELIVERIES = frozenset({amqp.BASIC_DELIVER, amqp.BASIC_GET_OK, amqp.BASIC_RETURN})

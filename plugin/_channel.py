@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pamqp import commands, frame, header
@@ -70,14 +70,28 @@ _WIRE = struct.Struct(">q")
 
 class ChannelContext:
     """What the channels of one connection share: the VPN and its settings,
-    which the session sets at connection.open, and ``out``, the output of
-    the call the session is being fed."""
+    which the session sets at connection.open; ``out``, the output of the
+    call the session is being fed; and the session's ``closed``."""
 
-    __slots__ = ("connection_id", "expose_id", "ids", "out", "replicating", "templates", "vpn")
+    __slots__ = (
+        "closed",
+        "connection_id",
+        "expose_id",
+        "ids",
+        "out",
+        "replicating",
+        "templates",
+        "vpn",
+    )
 
-    def __init__(self, ids: IdSource, connection_id: int) -> None:
+    def __init__(
+        self, ids: IdSource, connection_id: int, closed: Callable[[Channel, bytes], None]
+    ) -> None:
         self.ids = ids
         self.connection_id = connection_id
+        #: a channel's close handshake is over: its number is free, and the
+        #: bytes (the client's frames on it meanwhile) are to be relayed now
+        self.closed = closed
         self.vpn: VpnView | None = None
         #: the VPN is active here: fixed at connection.open (settings apply
         #: to new connections)
@@ -540,7 +554,7 @@ class Channel:
             out.abort.append(self.tx_prepared)
             self.tx_prepared = None
 
-    # -- the close handshake and held frames -------------------------------
+    # -- held frames and the close handshake -------------------------------
 
     def hold_frames(self) -> None:
         """The client's later frames wait for the broker's answer to the
@@ -552,10 +566,58 @@ class Channel:
         held, self.held = self.held, None
         return b"".join(held) if held else b""
 
-    def close_both_sides(self) -> None:
-        """We closed the channel towards the client and the broker."""
+    def close_both_sides(self, code: int, text: str) -> None:
+        """Close the channel towards the client (``code`` and ``text``) and
+        the broker (200): a channel exception of ours. Both close-oks are
+        swallowed when they come (:meth:`on_closing_frame`)."""
+        out = self.ctx.out
+        out.to_client.append(
+            amqp.marshal_method(
+                commands.Channel.Close(reply_code=code, reply_text=text, class_id=90, method_id=20),
+                self.number,
+            )
+        )
+        out.to_broker.append(
+            amqp.marshal_method(
+                commands.Channel.Close(
+                    reply_code=200, reply_text="channel closed by vpnrepl", class_id=0, method_id=0
+                ),
+                self.number,
+            )
+        )
         self.closing = True
         self.closed_by_us = 2
+        self.gone()
+
+    def on_closing_frame(self, buf: bytes, f: Frame, client: bool) -> bytes | None:
+        """A frame on a closing channel, from the client or the broker: only
+        the close handshake matters. When it is over, the channel tells its
+        session (``ctx.closed``)."""
+        ids = amqp.method_id(buf, f) if f.type == amqp.FRAME_METHOD else None
+        out = self.ctx.out
+        if ids == amqp.TX_COMMIT_OK and not client:
+            # the broker committed before the close: the transaction stands
+            txn = self.commit_ok()
+            if txn is not None:
+                out.commit.append(txn)
+        if not self.closed_by_us:
+            if ids == amqp.CHANNEL_CLOSE_OK:
+                self.gone()
+                self.ctx.closed(self, b"")
+            return None
+        if client and self.reopening is not None:
+            # the client is done with the old channel and may reuse its number
+            # (pika does at once); the broker is not done yet: hold it
+            self.reopening.append(buf[f.start : f.end])
+        elif ids == amqp.CHANNEL_CLOSE and client:  # the client closed too: answer it
+            out.to_client.append(amqp.marshal_method(commands.Channel.CloseOk(), self.number))
+        elif ids == amqp.CHANNEL_CLOSE_OK:
+            self.closed_by_us -= 1
+            if client:
+                self.reopening = []
+            if not self.closed_by_us:
+                self.ctx.closed(self, b"".join(self.reopening or ()))
+        return b""  # nothing of ours reaches the other side any more
 
 
 def _dead_letter_route(vpn: VpnView, queue: str, routing_key: str) -> tuple[str, ...] | None:

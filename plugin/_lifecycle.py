@@ -7,12 +7,13 @@ of ours may still go upstream, and when both sides are finished lives here;
 only through** :data:`TRANSITIONS`, and a trigger the table does not list for
 the current state raises :class:`LifecycleError` instead of being guessed at.
 
-Every trigger a client can cause, in any order, is listed for every state in
-which the session reads the client's frames: a client never makes the
-listener raise. What is left out is what RabbitMQ never sends (an
-``open-ok`` after the connection opened, a frame before the protocol
-header), and triggers the session does not produce in a state (no frame is
-read from a side that is done).
+Every trigger a client can cause, in any order, is listed for every state
+its frames can meet, including the states reached earlier in the same read
+(frames behind a close-ok still pass the handlers of that read): a client
+never makes the listener raise (``tests/test_lifecycle.py`` walks them).
+What is left out is what RabbitMQ never sends (an ``open-ok`` after the
+connection opened, a frame before the protocol header), and triggers the
+session does not produce in a state (no read starts on a finished side).
 
 The states, as the session reads each side:
 
@@ -35,7 +36,8 @@ state                         client bytes       broker bytes       on a fault
 ``CLOSED_BY_US_BROKER_DONE``  close handshake    ignored            (ours)
 ``DESYNCED``                  close-ok scan      close handshake    (ours)
 ``DESYNCED_BROKER_DONE``      close-ok scan      ignored            (ours)
-``CLOSED``                    ignored            ignored            (ours)
+``CLOSED_BY_US_DONE``         ignored            ignored            (ours)
+``CLOSED``                    ignored            ignored            --
 ============================  =================  =================  ==========
 
 "On a fault" is what goes upstream when the session closes the client

@@ -62,7 +62,7 @@ from ._lifecycle import (
 from ._output import Output
 from ._publish import HeaderTemplates
 from ._refusal import HANDSHAKE_FRAME_MAX
-from ._topology_changes import TopologyRequests
+from ._topology_changes import OK_METHODS, REQUEST_METHODS, TopologyRequests
 
 __all__ = ["Output", "Session", "commit_marker"]
 
@@ -102,7 +102,7 @@ class Session:
         self._state = Lifecycle.AWAITING_HEADER
         self._client = FrameSplitter(HANDSHAKE_FRAME_MAX)
         self._broker = FrameSplitter(0)
-        self._ctx = ChannelContext(ids, self.connection_id)
+        self._ctx = ChannelContext(ids, self.connection_id, self._channel_closed)
         self._channels: dict[int, Channel] = {}
         self.vhost: str | None = None
         #: reply code of the fault that made us close the client, if any
@@ -577,56 +577,18 @@ class Session:
     def _close_channel(self, ch: Channel, code: int, text: str) -> None:
         """Close ``ch`` on both sides (a channel exception of ours); both
         close-oks are swallowed when they come."""
-        channel = ch.number
         log.warning(
-            "connection %d: closing channel %d: %d %s", self.connection_id, channel, code, text
+            "connection %d: closing channel %d: %d %s", self.connection_id, ch.number, code, text
         )
-        self._out.to_client.append(
-            amqp.marshal_method(
-                commands.Channel.Close(reply_code=code, reply_text=text, class_id=90, method_id=20),
-                channel,
-            )
-        )
-        self._out.to_broker.append(
-            amqp.marshal_method(
-                commands.Channel.Close(
-                    reply_code=200, reply_text="channel closed by vpnrepl", class_id=0, method_id=0
-                ),
-                channel,
-            )
-        )
-        ch.close_both_sides()
-        ch.gone()
+        ch.close_both_sides(code, text)
         self._release_held(ch)  # into the close handshake, as if they came now
 
-    def _closing_frame(self, ch: Channel, buf: bytes, f: Frame, client: bool) -> bytes | None:
-        """A frame on a closing channel: only the close handshake matters."""
-        ids = amqp.method_id(buf, f) if f.type == amqp.FRAME_METHOD else None
-        if ids == amqp.TX_COMMIT_OK and not client:
-            # the broker committed before the close: the transaction stands
-            txn = ch.commit_ok()
-            if txn is not None:
-                self._out.commit.append(txn)
-        if not ch.closed_by_us:
-            if ids == amqp.CHANNEL_CLOSE_OK:
-                ch.gone()
-                del self._channels[ch.number]
-            return None
-        if client and ch.reopening is not None:
-            # the client is done with the old channel and may reuse its number
-            # (pika does at once); the broker is not done yet: hold it
-            ch.reopening.append(buf[f.start : f.end])
-        elif ids == amqp.CHANNEL_CLOSE and client:  # the client closed too: answer it
-            self._out.to_client.append(amqp.marshal_method(commands.Channel.CloseOk(), ch.number))
-        elif ids == amqp.CHANNEL_CLOSE_OK:
-            ch.closed_by_us -= 1
-            if client:
-                ch.reopening = []
-            if not ch.closed_by_us:
-                del self._channels[ch.number]
-                if ch.reopening:
-                    self._reopen(b"".join(ch.reopening))
-        return b""  # nothing of ours reaches the other side any more
+    def _channel_closed(self, ch: Channel, reopening: bytes) -> None:
+        """``ch``'s close handshake is over: its number is free, and what the
+        client sent on it meanwhile (a reopening) goes now."""
+        del self._channels[ch.number]
+        if reopening:
+            self._reopen(reopening)
 
     def _client_frame(self, buf: bytes, f: Frame) -> bytes | None:  # noqa: C901 - one call per frame
         """Handle one client frame: None relays it, bytes replace it (b"" drops)."""
@@ -636,7 +598,7 @@ class Session:
             return b""
         if ch is not None and ch.closing:
             # The broker discards what a closing channel still carries.
-            return self._closing_frame(ch, buf, f, client=True)
+            return ch.on_closing_frame(buf, f, client=True)
         if f.type == amqp.FRAME_METHOD:
             if ch is not None and ch.publish is not None:
                 raise amqp.UnexpectedFrame(
@@ -669,7 +631,7 @@ class Session:
     def _broker_frame(self, buf: bytes, f: Frame) -> bytes | None:
         ch = self._channels.get(f.channel)
         if ch is not None and ch.closing:
-            return self._closing_frame(ch, buf, f, client=False)
+            return ch.on_closing_frame(buf, f, client=False)
         if f.type == amqp.FRAME_METHOD:
             ids = amqp.method_id(buf, f)
             on_channel = _BROKER_CHANNEL_METHODS.get(ids)
@@ -747,15 +709,7 @@ _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
     amqp.CONNECTION_CLOSE_OK: Session._c_close_ok,
     amqp.CHANNEL_OPEN: Session._c_channel_open,
     amqp.CHANNEL_CLOSE: Session._c_channel_close,
-    amqp.EXCHANGE_DECLARE: Session._c_topology,
-    amqp.EXCHANGE_DELETE: Session._c_topology,
-    amqp.EXCHANGE_BIND: Session._c_topology,
-    amqp.EXCHANGE_UNBIND: Session._c_topology,
-    amqp.QUEUE_DECLARE: Session._c_topology,
-    amqp.QUEUE_DELETE: Session._c_topology,
-    amqp.QUEUE_PURGE: Session._c_topology,
-    amqp.QUEUE_BIND: Session._c_topology,
-    amqp.QUEUE_UNBIND: Session._c_topology,
+    **dict.fromkeys(REQUEST_METHODS, Session._c_topology),
 }
 
 #: a client's methods on a channel, handled by it (made if need be); a
@@ -781,15 +735,7 @@ _BROKER_METHODS: dict[tuple[int, int], _Handler] = {
     amqp.CONNECTION_CLOSE: Session._b_close,
     amqp.CONNECTION_CLOSE_OK: Session._b_close_ok,
     amqp.CHANNEL_CLOSE: Session._b_channel_close,
-    amqp.EXCHANGE_DECLARE_OK: Session._b_topology_ok,
-    amqp.EXCHANGE_DELETE_OK: Session._b_topology_ok,
-    amqp.EXCHANGE_BIND_OK: Session._b_topology_ok,
-    amqp.EXCHANGE_UNBIND_OK: Session._b_topology_ok,
-    amqp.QUEUE_DECLARE_OK: Session._b_topology_ok,
-    amqp.QUEUE_DELETE_OK: Session._b_topology_ok,
-    amqp.QUEUE_PURGE_OK: Session._b_topology_ok,
-    amqp.QUEUE_BIND_OK: Session._b_topology_ok,
-    amqp.QUEUE_UNBIND_OK: Session._b_topology_ok,
+    **dict.fromkeys(OK_METHODS, Session._b_topology_ok),
 }
 
 #: the broker's methods on a channel the client opened, handled by it

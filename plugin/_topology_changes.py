@@ -38,7 +38,9 @@ if TYPE_CHECKING:  # the channel keeps the requests: only typed here
 
 __all__ = [
     "NAMES_A_QUEUE",
+    "OK_METHODS",
     "REFUSABLE",
+    "REQUEST_METHODS",
     "BindExchange",
     "BindQueue",
     "DeclareExchange",
@@ -169,6 +171,30 @@ TopologyChange = (
     | PurgeQueue
     | BindQueue
     | UnbindQueue
+)
+
+#: the class and method ids of the requests, and of the broker's answers
+REQUEST_METHODS = (
+    amqp.EXCHANGE_DECLARE,
+    amqp.EXCHANGE_DELETE,
+    amqp.EXCHANGE_BIND,
+    amqp.EXCHANGE_UNBIND,
+    amqp.QUEUE_DECLARE,
+    amqp.QUEUE_DELETE,
+    amqp.QUEUE_PURGE,
+    amqp.QUEUE_BIND,
+    amqp.QUEUE_UNBIND,
+)
+OK_METHODS = (
+    amqp.EXCHANGE_DECLARE_OK,
+    amqp.EXCHANGE_DELETE_OK,
+    amqp.EXCHANGE_BIND_OK,
+    amqp.EXCHANGE_UNBIND_OK,
+    amqp.QUEUE_DECLARE_OK,
+    amqp.QUEUE_DELETE_OK,
+    amqp.QUEUE_PURGE_OK,
+    amqp.QUEUE_BIND_OK,
+    amqp.QUEUE_UNBIND_OK,
 )
 
 #: changes whose empty queue name means the channel's last declared queue

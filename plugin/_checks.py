@@ -7,11 +7,11 @@ the session tracks none of its frames; it still checks the client's, with
 longer than its header declared; the listener answers both with the right
 reply code, so a client sees the same behaviour on every vhost.
 
-The invariant: **a check raises the fault the tracked path would raise for
-the same frame** (505 for content out of sequence, 501 for a body longer
-than declared or a heartbeat on a channel, 503 for an unknown method), and
-keeps no more state than the content sequence needs: per channel, the body
-size still due.
+The invariant: **a channel's content follows its publish, exactly**: a
+content header only right after a ``basic.publish``, bodies only up to the
+size the header declared, no method while content is due (505, 501, as the
+tracked path answers; an unknown method is 503, a heartbeat on a channel
+501). Nothing else is kept: per channel, the body size still due.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from bridge import ConfirmKey, IdSource, ReplicationId
 
 from . import _amqp as amqp
 from ._amqp import AMQPError, Frame, FrameSplitter
-from ._channel import Channel, ChannelContext, commit_marker
+from ._channel import Channel, ChannelContext
 from ._checks import FrameChecks
 from ._directory import VpnDirectory, VpnView
 from ._fused import DECLINED, PUBLISH_IDS, Declined, FusedCheck, FusedPublish
@@ -64,7 +64,7 @@ from ._publish import HeaderTemplates
 from ._refusal import HANDSHAKE_FRAME_MAX
 from ._topology_changes import OK_METHODS, REQUEST_METHODS, TopologyRequests
 
-__all__ = ["Output", "Session", "commit_marker"]
+__all__ = ["Output", "Session"]
 
 log = logging.getLogger(__name__)
 

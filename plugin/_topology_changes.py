@@ -1,20 +1,23 @@
 """Topology requests seen on the wire, as values applied when the broker agrees.
 
 A client's ``exchange.*`` and ``queue.*`` request becomes one of these
-frozen values when it passes the listener (:func:`change_of`); the session
-keeps it until the broker's ``-ok`` and only then applies it to the VPN's
-:class:`~plugin._topology.Topology` (``nowait`` requests, which get no
-answer, apply at once). The invariant: **the topology model changes only
-for a request the broker carried out**, so it never routes by a binding or
-a queue the broker refused. A value holds exactly what its method carried;
-nothing is decoded again when it applies.
+frozen values when it passes the listener (:func:`change_of`), and its
+connection's :class:`TopologyRequests` keeps it until the broker's ``-ok``
+before applying it to the VPN's :class:`~plugin._topology.Topology`. The
+invariant: **a change applies once the broker has carried the request
+out**, so the model never routes by a binding or a queue the broker
+refused: at the request's ``-ok``; at once for a ``nowait`` request, which
+gets no answer, except those whose refusal the standby could not undo
+(:data:`REFUSABLE`), which are made synchronous and wait for their ``-ok``
+too. A value holds exactly what its method carried; nothing is decoded
+again when it applies.
 
-Three changes reach beyond the topology, and the session carries those out
-itself: a declared queue may be the connection's exclusive one, and a
-deleted or purged queue's messages are gone on both sites (a ``Purged``
-event). An empty queue name in a bind, unbind, purge or delete means the
-channel's last declared queue (:data:`NAMES_A_QUEUE`), resolved when the
-change applies, after every earlier ``declare-ok`` of the channel.
+Three changes reach beyond the topology, and :class:`TopologyRequests`
+carries those out too: a declared queue may be the connection's exclusive
+one, and a deleted or purged queue's messages are gone on both sites (a
+``Purged`` event). An empty queue name in a bind, unbind, purge or delete
+means the channel's last declared queue (:data:`NAMES_A_QUEUE`), resolved
+when the change applies, after every earlier ``declare-ok`` of the channel.
 """
 
 from __future__ import annotations

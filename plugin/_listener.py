@@ -45,7 +45,8 @@ from ._config import SiteConfig
 from ._directory import VpnDirectory
 from ._errors import ConfigError
 from ._metrics import ListenerStats
-from ._session import BrokerUnavailable, Output, Session
+from ._refusal import BrokerUnavailable
+from ._session import Output, Session
 from ._sink import ReplicationSink
 from ._tls_server import TLS_SHUTDOWN_TIMEOUT, TlsServer
 
@@ -178,7 +179,6 @@ class _ClientSide(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.listener._transport_lost()
-        self.session.client_done = True
         self.close()
 
     def pause_writing(self) -> None:
@@ -350,7 +350,6 @@ class _ClientSide(asyncio.Protocol):
 
     def broker_lost(self, exc: Exception | None) -> None:
         """The broker closed the TCP connection: so does the client's."""
-        self.session.broker_done = True
         self.close()
 
     def close(self) -> None:

@@ -25,6 +25,15 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 IO_MODULES = ("asyncio", "socket", "ssl", "psycopg")
 SANS_IO = (
     "plugin._session",
+    "plugin._lifecycle",
+    "plugin._channel",
+    "plugin._confirms",
+    "plugin._fused",
+    "plugin._publish",
+    "plugin._checks",
+    "plugin._topology_changes",
+    "plugin._output",
+    "plugin._refusal",
     "plugin._topology",
     "plugin._amqp",
     "plugin._routing",

@@ -1,0 +1,80 @@
+"""Frame checks for a connection on a vhost that is not replicated.
+
+Nothing on such a vhost concerns replication, so after ``connection.open-ok``
+the session tracks none of its frames; it still checks the client's, with
+:class:`FrameChecks`. Why: RabbitMQ 3.10 drops the TCP connection without a
+``connection.close`` on an unknown method, and silently accepts a body
+longer than its header declared; the listener answers both with the right
+reply code, so a client sees the same behaviour on every vhost.
+
+The invariant: **a channel's content follows its publish, exactly**: a
+content header only right after a ``basic.publish``, bodies only up to the
+size the header declared, no method while content is due (505, 501, as the
+tracked path answers; an unknown method is 503, a heartbeat on a channel
+501). Nothing else is kept: per channel, the body size still due.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import _amqp as amqp
+from ._amqp import Frame
+
+__all__ = ["FrameChecks"]
+
+
+class FrameChecks:
+    """The checks of one connection's client frames. ``client_closed`` is
+    called when the client's ``connection.close`` passes."""
+
+    __slots__ = ("_client_closed", "_received", "content")
+
+    def __init__(self, client_closed: Callable[[], None]) -> None:
+        self._client_closed = client_closed
+        #: channel -> declared body size (-1: the content header is due)
+        self.content: dict[int, int] = {}
+        #: channel -> body bytes received so far
+        self._received: dict[int, int] = {}
+
+    def check(self, buf: bytes, f: Frame) -> None:
+        """Check frame ``f`` of ``buf``; raises the AMQPError of its fault."""
+        ftype, channel = f.type, f.channel
+        expect = self.content
+        if ftype == amqp.FRAME_METHOD:
+            self._check_method(amqp.method_id(buf, f), channel)
+        elif ftype == amqp.FRAME_BODY:
+            due = expect.get(channel, -1)
+            if due < 0:
+                raise amqp.UnexpectedFrame(f"content body on channel {channel} without a header")
+            got = self._received.get(channel, 0) + f.end - f.start - 8
+            if got > due:
+                raise amqp.FrameError(
+                    f"content body of {got} bytes exceeds the declared size {due}"
+                )
+            if got < due:
+                self._received[channel] = got
+            else:
+                del expect[channel]
+                self._received.pop(channel, None)
+        elif ftype == amqp.FRAME_HEADER:
+            if expect.get(channel) != -1:
+                raise amqp.UnexpectedFrame(f"content header on channel {channel} without a publish")
+            size = amqp.content_body_size(buf, f)
+            if size:
+                expect[channel] = size
+            else:
+                del expect[channel]
+        elif channel != 0:
+            raise amqp.FrameError(f"heartbeat frame on channel {channel}")
+        return None
+
+    def _check_method(self, ids: tuple[int, int], channel: int) -> None:
+        if channel in self.content:
+            raise amqp.UnexpectedFrame(
+                f"method frame on channel {channel} while content was expected"
+            )
+        if ids == amqp.BASIC_PUBLISH:
+            self.content[channel] = -1
+        elif ids == amqp.CONNECTION_CLOSE and channel == 0:
+            self._client_closed()

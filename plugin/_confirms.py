@@ -1,0 +1,184 @@
+"""Publisher confirms held until a replicated publish is durable.
+
+On a replicated connection every publish of a confirm channel gets a
+:class:`HeldConfirm` in its channel's :class:`ConfirmTracker`, keyed by its
+sequence number (the delivery tag the client will see). The broker's
+``basic.ack``/``basic.nack`` is not relayed: the tracker releases the
+client's confirm itself, once it may.
+
+Invariant: **a held confirm is released once, and ``multiple`` never spans
+a held tag.** An entry is *ready* when the broker has answered and, for a
+replicated publish, the sink has reported it durable. Ready entries at the
+front are released as ``multiple`` runs (all lower tags are already
+released by construction); ready entries behind a held one are released one
+by one. A released entry is deleted.
+
+Why the code keeps it: :meth:`ConfirmTracker.release` walks the front of
+``order`` (sequence numbers in publish order) and stops at the first entry
+that is not ready, so a run only ever covers a prefix in which every tag is
+ready or already released; a run is cut where the verdict changes (an ack
+run never covers a nack). Entries behind the first held one are released
+only by name (``changed``: the entries whose state just changed), each on
+its own frame without ``multiple``. Every release deletes the entry from
+``pending``, and both passes release only entries still in ``pending``; the
+front pass skips the sequence numbers left in ``order`` by entries released
+by name.
+
+The verdict the client gets: ``basic.ack`` when the broker acked and, for a
+replicated publish, the sink made it durable; ``basic.nack`` otherwise. A
+replicated publish the broker nacked (a full queue with ``reject-publish``)
+is already with the sink: it is taken back with a :class:`Consumed` event per
+queue, so both sites hold what the broker holds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from bridge import ConfirmKey, Consumed, Event, Published
+
+from . import _amqp as amqp
+
+__all__ = ["ConfirmTracker", "HeldConfirm"]
+
+
+@dataclass(slots=True)
+class HeldConfirm:
+    """One publish's confirm, until it is released."""
+
+    replicated: bool = False
+    broker: bool | None = None  # True ack, False nack, None not yet
+    durable: bool | None = None  # sink outcome for replicated publishes
+    #: the replicated publish, kept until the broker has answered: a broker
+    #: nack (e.g. a full queue with reject-publish) must take it back out
+    event: Published | None = None
+
+    @property
+    def ready(self) -> bool:
+        if self.broker is None:
+            return False
+        return not self.replicated or self.durable is not None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.broker) and (not self.replicated or bool(self.durable))
+
+
+class ConfirmTracker:
+    """The confirms of one channel in confirm mode (see the module's invariant).
+
+    ``channel`` is the channel number, for the frames released. On a
+    connection that replicates nothing the tracker only numbers publishes
+    (:meth:`number`); confirms then pass as the broker sends them.
+    """
+
+    __slots__ = ("channel", "next_seq", "order", "pending")
+
+    def __init__(self, channel: int) -> None:
+        self.channel = channel
+        self.next_seq = 1
+        #: sequence number -> its confirm, until released
+        self.pending: dict[int, HeldConfirm] = {}
+        #: sequence numbers in publish order; released ones are skipped lazily
+        self.order: deque[int] = deque()
+
+    def number(self) -> int:
+        """The next publish's sequence number, its confirm not held."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        return seq
+
+    def hold(self) -> int:
+        """The next publish's sequence number, its confirm held from now."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        self.pending[seq] = HeldConfirm()
+        self.order.append(seq)
+        return seq
+
+    def replicated(self, seq: int, event: Published) -> None:
+        """The publish ``seq`` went to the sink as ``event``: its confirm
+        waits for the sink's verdict too."""
+        entry = self.pending[seq]
+        entry.replicated, entry.event = True, event
+
+    def broker_answered(self, tag: int, multiple: bool, ok: bool) -> list[int]:
+        """The broker's ack (``ok``) or nack of ``tag`` (and every lower tag
+        with ``multiple``); returns the sequence numbers it answered."""
+        pending = self.pending
+        changed: list[int] = []
+        if multiple:
+            for seq in self.order:
+                if seq > tag:
+                    break
+                entry = pending.get(seq)
+                if entry is not None and entry.broker is None:
+                    entry.broker = ok
+                    changed.append(seq)
+        elif tag in pending:
+            pending[tag].broker = ok
+            changed.append(tag)
+        return changed
+
+    def sink_answered(self, seq: int, ok: bool) -> bool:
+        """The sink's verdict on the replicated publish ``seq``; True if its
+        confirm may be released now (the broker has answered too)."""
+        entry = self.pending.get(seq)
+        if entry is None:
+            return False
+        entry.durable = ok
+        return entry.broker is not None
+
+    def release(
+        self,
+        changed: list[int],
+        out: list[bytes],
+        events: list[tuple[Event, ConfirmKey | None]],
+    ) -> None:
+        """Append to ``out`` the confirm frames that became ready; see the
+        module's invariant. ``changed`` are the sequence numbers whose state
+        just changed. A replicated publish the broker nacked is taken back
+        into ``events``."""
+        channel = self.channel
+        pending, order = self.pending, self.order
+        run_seq, run_ok, run_len = 0, True, 0
+        while order:
+            seq = order[0]
+            entry = pending.get(seq)
+            if entry is None:  # released earlier, behind a held one
+                order.popleft()
+                continue
+            if not entry.ready:
+                break
+            ok = entry.ok
+            if entry.broker is False and entry.event is not None:
+                _take_back(entry.event, events)
+            if run_len and ok != run_ok:
+                out.append(_confirm_frame(channel, run_seq, run_ok, multiple=run_len > 1))
+                run_len = 0
+            run_seq, run_ok, run_len = seq, ok, run_len + 1
+            del pending[seq]
+            order.popleft()
+        if run_len:
+            out.append(_confirm_frame(channel, run_seq, run_ok, multiple=run_len > 1))
+        for seq in changed:
+            entry = pending.get(seq)
+            if entry is not None and entry.ready:
+                if entry.broker is False and entry.event is not None:
+                    _take_back(entry.event, events)
+                out.append(_confirm_frame(channel, seq, entry.ok, multiple=False))
+                del pending[seq]
+
+
+def _take_back(event: Published, events: list[tuple[Event, ConfirmKey | None]]) -> None:
+    """The broker refused a publish the sink already has: replicate its
+    removal, so both sites hold what the broker holds."""
+    for queue in event.queues:
+        events.append((Consumed(event.vpn, event.repl_id, queue), None))
+
+
+def _confirm_frame(channel: int, tag: int, ok: bool, multiple: bool) -> bytes:
+    if ok:
+        return amqp.encode_ack(channel, tag, multiple)
+    return amqp.encode_nack(channel, tag, multiple)

@@ -1,0 +1,38 @@
+"""What the listener's driver must do after feeding a session.
+
+Plain data: the session (``plugin._session``) and the channels it keeps
+fill one :class:`Output` per call; the asyncio shell (``plugin._listener``)
+carries it out. Its invariant: **each list is in the order the session made
+it**, which is the order the frames came in, so writing ``to_broker`` and
+``to_client`` as they are keeps every frame behind the ones read before it,
+and the sink gets events in the order their frames arrived.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bridge import ConfirmKey, Event, LocalTransaction
+
+__all__ = ["Output"]
+
+
+@dataclass(slots=True)
+class Output:
+    """What the driver must do after feeding the session."""
+
+    to_broker: list[bytes] = field(default_factory=list)
+    to_client: list[bytes] = field(default_factory=list)
+    #: (event, confirm key or None): hand to ``ReplicationSink.append``.
+    events: list[tuple[Event, ConfirmKey | None]] = field(default_factory=list)
+    #: transactions to prepare (sink.prepare, then ``transaction_prepared``).
+    prepare: list[LocalTransaction] = field(default_factory=list)
+    #: transactions to commit (sink.commit, then ``transaction_committed``).
+    commit: list[LocalTransaction] = field(default_factory=list)
+    #: prepared transactions whose broker commit will never be sent (sink.abort).
+    abort: list[LocalTransaction] = field(default_factory=list)
+    #: transactions whose tx.commit went to the broker but whose commit-ok
+    #: will never be seen: the outcome is the marker's (sink.resolve).
+    unresolved: list[LocalTransaction] = field(default_factory=list)
+    #: the upstream connection is to be dropped without an AMQP close.
+    drop_broker: bool = False

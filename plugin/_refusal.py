@@ -1,0 +1,74 @@
+"""The client's side of a connection whose broker cannot be reached.
+
+A client expects ``connection.start`` after its protocol header; closing
+the socket instead looks like a network fault, and some clients retry at
+once. So the listener plays the server's first step, and answers the
+client's ``start-ok`` with ``connection.close`` 320 naming the reason. The
+invariant: **the client always gets an AMQP answer it can parse**: our
+protocol header for a wrong one, else ``connection.start`` and then the
+close; nothing reaches any broker.
+"""
+
+from __future__ import annotations
+
+from pamqp import commands
+
+from . import _amqp as amqp
+from ._amqp import AMQPError, FrameSplitter
+
+__all__ = ["HANDSHAKE_FRAME_MAX", "BrokerUnavailable"]
+
+#: frame-max before tune-ok: RabbitMQ's own ceiling for handshake frames.
+HANDSHAKE_FRAME_MAX = 131072
+
+
+class BrokerUnavailable:
+    """Refuse a client cleanly when the broker cannot be reached."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self._header = b""
+        self._splitter = FrameSplitter(HANDSHAKE_FRAME_MAX)
+        self.done = False
+
+    def client_data(self, data: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        if self.done:
+            return out
+        if len(self._header) < 8:
+            need = 8 - len(self._header)
+            self._header += data[:need]
+            data = data[need:]
+            if len(self._header) < 8:
+                return out
+            if self._header != amqp.PROTOCOL_HEADER:
+                self.done = True
+                return [amqp.PROTOCOL_HEADER]
+            start = commands.Connection.Start(
+                server_properties={"product": "vpnrepl"},
+                mechanisms="PLAIN AMQPLAIN",
+                locales="en_US",
+            )
+            out.append(amqp.marshal_method(start, 0))
+        buf, frames, fault = self._splitter.feed(data)
+        if fault is not None:
+            self.done = True
+            return out
+        for f in frames:
+            if f.type == amqp.FRAME_METHOD and f.channel == 0:
+                try:
+                    ids = amqp.method_id(buf, f)
+                except AMQPError:
+                    ids = (0, 0)
+                if ids == amqp.CONNECTION_CLOSE_OK:
+                    self.done = True
+                elif ids in ((10, 11), amqp.CONNECTION_CLOSE):  # start-ok, or the client gives up
+                    error = amqp.ConnectionForced(f"broker unavailable: {self.reason}")
+                    close = commands.Connection.Close(
+                        reply_code=error.reply_code,
+                        reply_text=error.reply_text,
+                        class_id=0,
+                        method_id=0,
+                    )
+                    out.append(amqp.marshal_method(close, 0))
+        return out

@@ -1,0 +1,365 @@
+"""Topology requests seen on the wire, as values applied when the broker agrees.
+
+A client's ``exchange.*`` and ``queue.*`` request becomes one of these
+frozen values when it passes the listener (:func:`change_of`), and its
+connection's :class:`TopologyRequests` keeps it until the broker's ``-ok``
+before applying it to the VPN's :class:`~plugin._topology.Topology`. The
+invariant: **a change applies once the broker has carried the request
+out**, so the model never routes by a binding or a queue the broker
+refused: at the request's ``-ok``; at once for a ``nowait`` request, which
+gets no answer, except those whose refusal the standby could not undo
+(:data:`REFUSABLE`), which are made synchronous and wait for their ``-ok``
+too. A value holds exactly what its method carried; nothing is decoded
+again when it applies.
+
+Three changes reach beyond the topology, and :class:`TopologyRequests`
+carries those out too: a declared queue may be the connection's exclusive
+one, and a deleted or purged queue's messages are gone on both sites (a
+``Purged`` event). An empty queue name in a bind, unbind, purge or delete
+means the channel's last declared queue (:data:`NAMES_A_QUEUE`), resolved
+when the change applies, after every earlier ``declare-ok`` of the channel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pamqp import base, commands
+
+from bridge import Purged, ReplicationId
+
+from . import _amqp as amqp
+from ._amqp import Frame
+from ._topology import Topology
+
+if TYPE_CHECKING:  # the channel keeps the requests: only typed here
+    from ._channel import Channel, ChannelContext
+
+__all__ = [
+    "NAMES_A_QUEUE",
+    "OK_METHODS",
+    "REFUSABLE",
+    "REQUEST_METHODS",
+    "BindExchange",
+    "BindQueue",
+    "DeclareExchange",
+    "DeclareQueue",
+    "DeleteExchange",
+    "DeleteQueue",
+    "PurgeQueue",
+    "TopologyChange",
+    "TopologyRequests",
+    "UnbindExchange",
+    "UnbindQueue",
+    "change_of",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class DeclareExchange:
+    exchange: str
+    exchange_type: str
+    arguments: Mapping[str, object] = field(default_factory=dict)
+    internal: bool = False
+    auto_delete: bool = False
+
+    def apply(self, topology: Topology) -> None:
+        topology.declare_exchange(
+            self.exchange,
+            self.exchange_type,
+            dict(self.arguments),
+            internal=self.internal,
+            auto_delete=self.auto_delete,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteExchange:
+    exchange: str
+
+    def apply(self, topology: Topology) -> None:
+        topology.delete_exchange(self.exchange)
+
+
+@dataclass(frozen=True, slots=True)
+class BindExchange:
+    destination: str
+    source: str
+    routing_key: str
+    arguments: Mapping[str, object] = field(default_factory=dict)
+
+    def apply(self, topology: Topology) -> None:
+        topology.bind_exchange(
+            self.destination, self.source, self.routing_key, dict(self.arguments)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class UnbindExchange:
+    destination: str
+    source: str
+    routing_key: str
+    arguments: Mapping[str, object] = field(default_factory=dict)
+
+    def apply(self, topology: Topology) -> None:
+        topology.unbind_exchange(
+            self.destination, self.source, self.routing_key, dict(self.arguments)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DeclareQueue:
+    """``queue`` is empty for a server-named queue: the ``declare-ok``
+    names it (:meth:`apply` takes that name)."""
+
+    queue: str
+    arguments: Mapping[str, object] = field(default_factory=dict)
+    exclusive: bool = False
+
+    def apply(self, topology: Topology, name: str | None = None) -> None:
+        topology.declare_queue(self.queue if name is None else name, dict(self.arguments))
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteQueue:
+    queue: str
+
+    def apply(self, topology: Topology) -> None:
+        topology.delete_queue(self.queue)
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeQueue:
+    """The topology has no messages: a purge changes only the sites' stores."""
+
+    queue: str
+
+    def apply(self, topology: Topology) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class BindQueue:
+    queue: str
+    exchange: str
+    routing_key: str
+    arguments: Mapping[str, object] = field(default_factory=dict)
+
+    def apply(self, topology: Topology) -> None:
+        topology.bind_queue(self.queue, self.exchange, self.routing_key, dict(self.arguments))
+
+
+@dataclass(frozen=True, slots=True)
+class UnbindQueue:
+    queue: str
+    exchange: str
+    routing_key: str
+    arguments: Mapping[str, object] = field(default_factory=dict)
+
+    def apply(self, topology: Topology) -> None:
+        topology.unbind_queue(self.queue, self.exchange, self.routing_key, dict(self.arguments))
+
+
+TopologyChange = (
+    DeclareExchange
+    | DeleteExchange
+    | BindExchange
+    | UnbindExchange
+    | DeclareQueue
+    | DeleteQueue
+    | PurgeQueue
+    | BindQueue
+    | UnbindQueue
+)
+
+#: the class and method ids of the requests, and of the broker's answers
+REQUEST_METHODS = (
+    amqp.EXCHANGE_DECLARE,
+    amqp.EXCHANGE_DELETE,
+    amqp.EXCHANGE_BIND,
+    amqp.EXCHANGE_UNBIND,
+    amqp.QUEUE_DECLARE,
+    amqp.QUEUE_DELETE,
+    amqp.QUEUE_PURGE,
+    amqp.QUEUE_BIND,
+    amqp.QUEUE_UNBIND,
+)
+OK_METHODS = (
+    amqp.EXCHANGE_DECLARE_OK,
+    amqp.EXCHANGE_DELETE_OK,
+    amqp.EXCHANGE_BIND_OK,
+    amqp.EXCHANGE_UNBIND_OK,
+    amqp.QUEUE_DECLARE_OK,
+    amqp.QUEUE_DELETE_OK,
+    amqp.QUEUE_PURGE_OK,
+    amqp.QUEUE_BIND_OK,
+    amqp.QUEUE_UNBIND_OK,
+)
+
+#: changes whose empty queue name means the channel's last declared queue
+NAMES_A_QUEUE = (BindQueue, UnbindQueue, PurgeQueue, DeleteQueue)
+
+#: nowait requests the broker may refuse (if-unused, if-empty, another
+#: connection's exclusive queue, access) with a change the standby cannot
+#: undo: the session makes them synchronous
+REFUSABLE = (DeleteQueue, PurgeQueue, DeleteExchange)
+#: the methods they come from
+_REFUSABLE_METHODS = (commands.Queue.Delete, commands.Queue.Purge, commands.Exchange.Delete)
+
+log = logging.getLogger(__name__)
+
+
+def change_of(m: base.Frame) -> TopologyChange | None:
+    """The change a topology request makes if the broker carries it out
+    (None: it changes nothing, like a passive declare)."""
+    if isinstance(m, commands.Exchange.Declare):
+        if m.passive:
+            return None
+        return DeclareExchange(
+            m.exchange,
+            m.exchange_type,
+            dict(m.arguments or {}),
+            internal=m.internal,
+            auto_delete=m.auto_delete,
+        )
+    if isinstance(m, commands.Exchange.Delete):
+        return DeleteExchange(m.exchange)
+    if isinstance(m, commands.Exchange.Bind):
+        return BindExchange(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
+    if isinstance(m, commands.Exchange.Unbind):
+        return UnbindExchange(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
+    if isinstance(m, commands.Queue.Declare):
+        if m.passive:
+            return None
+        return DeclareQueue(m.queue, dict(m.arguments or {}), exclusive=m.exclusive)
+    if isinstance(m, commands.Queue.Delete):
+        return DeleteQueue(m.queue)
+    if isinstance(m, commands.Queue.Purge):
+        return PurgeQueue(m.queue)
+    if isinstance(m, commands.Queue.Bind):
+        return BindQueue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}))
+    if isinstance(m, commands.Queue.Unbind):
+        return UnbindQueue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}))
+    return None
+
+
+class TopologyRequests:
+    """The topology requests of one connection, from the wire to the VPN's
+    topology.
+
+    A request's change applies at the broker's -ok; a nowait one's at once,
+    except a queue.delete, queue.purge or exchange.delete (:data:`REFUSABLE`):
+    the broker may refuse those, and the change is destructive on the standby
+    (its Purged event drops the queue's messages there while the active keeps
+    them). Such a request goes to the broker synchronous instead; its -ok,
+    which the client did not ask for, is swallowed, and the client's later
+    frames on the channel wait for it (``release_held`` lets them go), so the
+    change takes its place among the channel's events exactly where the
+    broker made it.
+
+    ``unsettled(vpn, queue)``: the ids of the queue's messages delivered on
+    the listener's connections and not settled yet, which a purge leaves in
+    the queue. ``exclusive_queues``: the queues this connection declared
+    exclusive, gone with it (:meth:`connection_lost`).
+    """
+
+    __slots__ = ("_ctx", "_release_held", "_unsettled", "exclusive_queues")
+
+    def __init__(
+        self,
+        ctx: ChannelContext,
+        unsettled: Callable[[str, str], tuple[ReplicationId, ...]],
+        release_held: Callable[[Channel], None],
+    ) -> None:
+        self._ctx = ctx
+        self._unsettled = unsettled
+        self._release_held = release_held
+        self.exclusive_queues: list[str] = []
+
+    def request(self, ch: Channel, buf: bytes, f: Frame) -> bytes | None:
+        """A client's topology request on channel ``ch``: what replaces its
+        frame (None: relay it)."""
+        m = amqp.decode_method(buf, f)
+        change = change_of(m)
+        if not getattr(m, "nowait", False):
+            # one entry per request, so each -ok pops its own request
+            ch.requests.append((change, False))
+        elif isinstance(change, REFUSABLE) and f.channel != 0:
+            ch.requests.append((change, True))
+            ch.hold_frames()
+            assert isinstance(m, _REFUSABLE_METHODS)  # noqa: S101 - what REFUSABLE comes from
+            m.nowait = False
+            return amqp.marshal_method(m, f.channel)
+        elif change is not None:
+            self._apply(ch, change, None)
+        return None
+
+    def answered(self, ch: Channel, buf: bytes, f: Frame) -> bytes | None:
+        """The broker's -ok to the oldest request of ``ch``."""
+        if not ch.requests:
+            return None
+        change, ours = ch.requests.popleft()
+        declared = None
+        if amqp.method_id(buf, f) == amqp.QUEUE_DECLARE_OK:
+            ok = amqp.decode_method(buf, f)
+            declared = ch.last_queue = getattr(ok, "queue", "")  # passive declares count too
+        if change is not None:
+            self._apply(ch, change, declared)
+        if not ours:
+            return None
+        self._release_held(ch)
+        return b""  # the client sent it nowait: it expects no answer
+
+    def _apply(self, ch: Channel, change: TopologyChange, declared: str | None) -> None:
+        """Apply ``change`` to the VPN's topology; ``declared``: the queue a
+        declare-ok named (None: a nowait declare, whose answer is unknown)."""
+        vpn = self._ctx.vpn
+        if vpn is None:
+            return
+        if isinstance(change, NAMES_A_QUEUE) and not change.queue:
+            if not ch.last_queue:
+                return
+            change = dataclasses.replace(change, queue=ch.last_queue)
+        topology = vpn.topology
+        try:
+            if isinstance(change, DeclareQueue):
+                # a nowait exclusive declare of a queue that exists and is not
+                # this connection's own is refused (405): not counted as the
+                # connection's (its end would delete a live queue, on both sites)
+                name = change.queue if declared is None else declared
+                refused = declared is None and name in topology.queues
+                change.apply(topology, name)
+                if change.exclusive and not refused and name not in self.exclusive_queues:
+                    self.exclusive_queues.append(name)
+            elif isinstance(change, DeleteQueue):
+                change.apply(topology)
+                self._emptied(change.queue, deleted=True)
+            elif isinstance(change, PurgeQueue):
+                self._emptied(change.queue, deleted=False)
+            else:
+                change.apply(topology)
+        except Exception:  # a topology mismatch must never break the relay
+            log.exception("connection %d: topology update failed", self._ctx.connection_id)
+
+    def _emptied(self, queue: str, *, deleted: bool) -> None:
+        """``queue`` was purged (or deleted): a :class:`Purged` event, on a
+        replicated VPN, sparing what a purge leaves in the queue."""
+        ctx = self._ctx
+        vpn = ctx.vpn
+        if vpn is None or not ctx.replicating:
+            return
+        spared = () if deleted else self._unsettled(vpn.name, queue)
+        ctx.out.events.append((Purged(vpn.name, queue, spared, deleted), None))
+
+    def connection_lost(self) -> None:
+        """The connection is gone, and its exclusive queues with it."""
+        vpn = self._ctx.vpn
+        if vpn is not None:
+            for queue in self.exclusive_queues:
+                vpn.topology.delete_queue(queue)
+                self._emptied(queue, deleted=True)
+        self.exclusive_queues.clear()

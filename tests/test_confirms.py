@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from pamqp import commands, frame
 
 from bridge import ConfirmKey, Consumed, Event, Published, ReplicationId

@@ -27,11 +27,11 @@ FAILPOINTS: dict[str, str] = {
     "coordinator.after-local-prepare": "the active's prepared row is committed",
     "coordinator.after-prepare": "both sites prepared; the broker commit is not sent",
     "coordinator.after-broker-commit": "the broker committed; no decision recorded",
-    "coordinator.after-apply-ahead": "the standby applied ahead of the stream; commit-ok not sent",
+    "coordinator.after-early-commit": "the standby committed early; commit-ok not sent",
     "coordinator.after-decision": "the decision is durable; commit-ok not sent",
     # standby (participant) side
     "participant.after-prepare": "the standby's prepared row is committed; no vote sent",
-    "participant.after-apply-ahead": "the standby applied ahead of the stream; no answer sent",
+    "participant.after-early-commit": "the standby committed early; no answer sent",
     "participant.after-apply": "the standby applied the transaction; no ack sent",
     # promotion (the node or the CLI running `vpnrepl promote`)
     "promotion.after-begin": "the epoch is raised and the role active; nothing materialised",

@@ -800,7 +800,7 @@ class TxnApplied(_TxnFlagFrame):
     left the transaction to the stream (not ``applied``), whose
     acknowledgement the active waits for instead. The active holds the
     group's copy in the stream until this answer, so the copy never
-    competes with the commit ahead for either node (``bridge._outbound``)."""
+    competes with the early commit for either node (``bridge._outbound``)."""
 
     TYPE: ClassVar[int] = 17
     FLAG: ClassVar[str] = "applied"

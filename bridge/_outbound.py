@@ -286,7 +286,7 @@ class OutboundStream:
                 await asyncio.shield(answer)
         except TimeoutError:
             log.warning(
-                "bridge: VPN %s: no answer to a commit ahead in %.1f s; streaming the group",
+                "bridge: VPN %s: no answer to an early commit in %.1f s; streaming the group",
                 self.vpn,
                 ANSWER_WAIT,
             )

@@ -243,7 +243,7 @@ TRANSITIONS: Final[Mapping[tuple[Role, type[Frame], State], State | _Drop]] = Ma
         **{(_A, TxnOutcome, state): state for state in VpnState},
         # and the standby asks about its prepared ones after a reconnect;
         **{(_S, TxnQuery, state): state for state in VpnState},
-        # the active lets the standby commit ahead of the stream,
+        # the active lets the standby commit early, ahead of the stream,
         **{(_A, TxnCommit, state): state for state in VpnState},
         # and the standby says whether it did.
         **{(_S, TxnApplied, state): state for state in VpnState},

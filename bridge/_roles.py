@@ -74,9 +74,9 @@ class PromotionStart:
     epoch: int
     #: a promotion interrupted earlier is resumed (the epoch was raised then)
     resumed: bool
-    #: in-doubt transactions committed / prepared rows already applied ahead
+    #: in-doubt transactions committed / prepared rows already committed early
     txns_committed: int
-    txns_applied_ahead: int
+    txns_committed_early: int
     #: the standby's applied index: the new active's ledger continues after it
     ledger_index: int
 
@@ -132,7 +132,7 @@ def begin_promotion(conn: psycopg.Connection[Any], vpn: str, site: str) -> Promo
             raise RoleError(f"VPN {vpn!r} is already active on this site", vpn)
         new_epoch = epoch + 1
         applied = found.applied_index
-        committed, ahead, ledger_index = _resolve_in_doubt(conn, vpn, new_epoch, applied)
+        committed, early, ledger_index = _resolve_in_doubt(conn, vpn, new_epoch, applied)
         become_active(conn, vpn, new_epoch, ledger_index)
         cur.execute(_LIVE_INDEX, (vpn, ledger_index))
         # a standby keeps no ledger; rows left from an earlier time as active
@@ -140,16 +140,16 @@ def begin_promotion(conn: psycopg.Connection[Any], vpn: str, site: str) -> Promo
         cur.execute("DELETE FROM ledger WHERE vpn = %s", (vpn,))
         record_epoch(conn, vpn, new_epoch, site, applied)
         cur.execute(_INCARNATIONS_PAST)
-        cur.execute(_RUNNING, (vpn, new_epoch, committed + ahead))
+        cur.execute(_RUNNING, (vpn, new_epoch, committed + early))
         cur.execute("DELETE FROM promotion_queue WHERE vpn = %s", (vpn,))
-    return PromotionStart(vpn, new_epoch, False, committed, ahead, ledger_index)
+    return PromotionStart(vpn, new_epoch, False, committed, early, ledger_index)
 
 
 def _resolve_in_doubt(
     conn: psycopg.Connection[Any], vpn: str, epoch: int, applied: int
 ) -> tuple[int, int, int]:
     """Commit every local transaction the standby voted yes on and holds
-    without a decision; returns (committed now, applied ahead before, the
+    without a decision; returns (committed now, committed early before, the
     index the applied state reaches).
 
     Why commit (presumed commit), not abort: the standby voted yes, so the
@@ -162,7 +162,7 @@ def _resolve_in_doubt(
     committed (its connection dropped during the commit, or its vote came
     after the timeout under ``reject``) is applied too; its client never saw
     ``tx.commit-ok`` and must treat the outcome as unknown anyway. Rows
-    ``applied`` ahead of the stream are in the live state already.
+    ``applied`` (committed early) are in the live state already.
 
     A prepared row's group never reached this standby (else the stream
     would have settled the row), so its events go right after the applied
@@ -171,11 +171,11 @@ def _resolve_in_doubt(
         cur.execute(_PREPARED, (vpn,))
         rows = cur.fetchall()
     committed: list[str] = []
-    ahead: list[str] = []
+    early: list[str] = []
     index = applied
     for txid, state, events in rows:
         if state == "applied":
-            ahead.append(txid)
+            early.append(txid)
             continue
         encoded = split_events(bytes(events))
         entries = [
@@ -186,9 +186,9 @@ def _resolve_in_doubt(
             apply_entries(conn, vpn, entries)
             index += len(entries)
         committed.append(txid)
-    if committed or ahead:
-        conn.execute(_SETTLE, (committed + ahead,))
-    return len(committed), len(ahead), index
+    if committed or early:
+        conn.execute(_SETTLE, (committed + early,))
+    return len(committed), len(early), index
 
 
 def finish_promotion(conn: psycopg.Connection[Any], vpn: str, epoch: int) -> None:

@@ -23,7 +23,7 @@ once and in index order, across crashes, reconnects and replays. Why:
 and its ``applied_index`` in one transaction, for a standby behind the
 active's retained ledger.
 
-**Transactions applied ahead of the stream.** A sync-mode transaction's
+**Transactions committed early.** A sync-mode transaction's
 group reaches the standby twice: first as ``TxnCommit`` (the broker
 committed; the active's ledger write of the group is under way), then as
 ledger entries. :meth:`StandbyApplier.apply_prepared` applies the first,
@@ -31,7 +31,7 @@ from the participant's prepared row, so the client's ``tx.commit-ok`` waits
 for the two sites' commits at once instead of one after the other. It does
 so only when the standby's state is exactly what the active's ledger holds
 before the group (``applied_index`` is the index before it, or an earlier
-group applied ahead in this same connection ends there); else it declines,
+group committed early in this same connection ends there); else it declines,
 and the stream brings the group as usual. In the same database
 transaction the row moves ``prepared`` → ``applied``; ``applied_index``
 does *not* move, because the indexes are the active's promise only once
@@ -93,9 +93,9 @@ WITH gate AS (
       AND EXISTS (SELECT FROM gate)
     RETURNING 1)
 """
-# _passed_ahead: the stream's copy of groups applied ahead, at the indexes
+# _skips_early: the stream's copy of groups committed early, at the indexes
 # they were applied at, right after the applied index
-_SKIP_AHEAD_BATCH = """
+_SKIP_EARLY_BATCH = """
 WITH gate AS (
     SELECT s.vpn FROM vpn_state s JOIN vpn_config c ON c.name = s.vpn
     WHERE s.vpn = %s AND c.role = 'standby' AND s.applied_index = %s
@@ -148,25 +148,25 @@ class NotStandby(StandbyError):
 
 
 @dataclass(frozen=True, slots=True)
-class _Ahead:
-    """One event of a transaction applied ahead of the stream."""
+class _Early:
+    """One event of a transaction committed early."""
 
     txid: str
     index: int  # the index its row was applied at (the active's first assignment)
     last: bool  # the group's last event: the row is settled when it passes
 
 
-def _register(ahead: dict[bytes, _Ahead], txid: str, first: int, encoded: list[bytes]) -> None:
+def _register(early: dict[bytes, _Early], txid: str, first: int, encoded: list[bytes]) -> None:
     """Record ``txid``'s events (its group applied at ``first`` onwards)."""
     last = first + len(encoded) - 1
     for i, data in enumerate(encoded):
-        ahead[data] = _Ahead(txid, first + i, first + i == last)
+        early[data] = _Early(txid, first + i, first + i == last)
 
 
 @dataclass(frozen=True, slots=True)
-class ReadyAhead:
-    """A voted transaction made ready to commit ahead of the stream
-    (:meth:`StandbyApplier.ready_ahead`)."""
+class ReadyEarlyCommit:
+    """A voted transaction made ready to commit early, ahead of the stream
+    (:meth:`StandbyApplier.ready_early_commit`)."""
 
     txid: str
     encoded: tuple[bytes, ...]  # its events' encodings, in order
@@ -184,9 +184,9 @@ class StandbyApplier:
         self._store = store
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
-        #: vpn -> encoded event -> where it was applied ahead of the stream
+        #: vpn -> encoded event -> where it was committed early
         #: (loaded from the ``applied`` rows at a VPN's first batch)
-        self._ahead: dict[str, dict[bytes, _Ahead]] = {}
+        self._early: dict[str, dict[bytes, _Early]] = {}
 
     def close(self) -> None:
         with self._lock:
@@ -245,7 +245,7 @@ class StandbyApplier:
         entry is not ``applied_index + 1`` or the batch skips an index, and
         :class:`StaleEpoch` for an entry older than the newest applied epoch.
         """
-        if self._passed_ahead(vpn, entries):
+        if self._skips_early(vpn, entries):
             return entries[-1].index
         with self._transaction() as conn:
             applied, applied_epoch = self._lock_state(conn, vpn)
@@ -270,52 +270,52 @@ class StandbyApplier:
                         got=entry.epoch,
                     )
                 expected, epoch = expected + 1, entry.epoch
-            ahead = self._applied_ahead(conn, vpn)
-            rest, passed, settled = _skip_ahead(conn, vpn, fresh, ahead)
+            early = self._committed_early_rows(conn, vpn)
+            rest, passed, settled = _skip_early(conn, vpn, fresh, early)
             apply_entries(conn, vpn, rest)
             if settled:
                 conn.execute(_APPLIED_DONE, (settled,))
             set_applied(conn, vpn, fresh[-1].index, epoch)
         for key in passed:
-            ahead.pop(key, None)
+            early.pop(key, None)
         if settled:
             done = set(settled)
-            for key in [k for k, a in ahead.items() if a.txid in done]:
-                del ahead[key]
+            for key in [k for k, a in early.items() if a.txid in done]:
+                del early[key]
         return fresh[-1].index
 
-    def _passed_ahead(self, vpn: str, entries: Sequence[LedgerEntry]) -> bool:
-        """The common batch of a sync-mode transaction's group, applied ahead
+    def _skips_early(self, vpn: str, entries: Sequence[LedgerEntry]) -> bool:
+        """The common batch of a sync-mode transaction's group, committed early
         already at these same indexes, right after the applied index: the
         applied index moves and the rows of the groups it ends settle, in
-        one statement (:meth:`passed_ahead_statement`). False (nothing
+        one statement (:meth:`skip_early_statement`). False (nothing
         written) when it is anything else: :meth:`apply_batch` then checks
         and applies it as usual."""
-        statement = self.passed_ahead_statement(vpn, entries)
+        statement = self.skip_early_statement(vpn, entries)
         if statement is None:
             return False
         with self._session() as conn:
             if conn.execute(*statement).fetchone() is None:
                 return False
-        self.passed_ahead(vpn, entries)
+        self.skipped_early(vpn, entries)
         return True
 
-    def passed_ahead_statement(
+    def skip_early_statement(
         self, vpn: str, entries: Sequence[LedgerEntry]
     ) -> tuple[str, tuple[Any, ...]] | None:
         """The one statement (SQL, parameters) that settles ``entries`` when
-        they are the stream's copy of groups applied ahead at these same
+        they are the stream's copy of groups committed early at these same
         indexes; None when they are anything else. It returns a row only if
         its gate held (the applied index right before them, this site still
         standby), and it may run on any connection to this database — the
-        bridge runs it on its event loop; :meth:`passed_ahead` then."""
-        ahead = self._ahead.get(vpn)
-        if not ahead or not entries:
+        bridge runs it on its event loop; :meth:`skipped_early` then."""
+        early = self._early.get(vpn)
+        if not early or not entries:
             return None
         settled: list[str] = []
         epoch = entries[0].epoch
         for i, entry in enumerate(entries):
-            found = ahead.get(entry.encoded)
+            found = early.get(entry.encoded)
             if found is None or found.index != entry.index:
                 return None
             if entry.index != entries[0].index + i or entry.epoch < epoch:
@@ -325,14 +325,14 @@ class StandbyApplier:
                 settled.append(found.txid)
         first, last = entries[0], entries[-1]
         params = (vpn, first.index - 1, first.epoch, settled, last.index, last.epoch, vpn)
-        return _SKIP_AHEAD_BATCH, params
+        return _SKIP_EARLY_BATCH, params
 
-    def passed_ahead(self, vpn: str, entries: Sequence[LedgerEntry]) -> None:
-        """Record that :meth:`passed_ahead_statement`'s statement settled
+    def skipped_early(self, vpn: str, entries: Sequence[LedgerEntry]) -> None:
+        """Record that :meth:`skip_early_statement`'s statement settled
         ``entries``: they are not awaited any more."""
-        ahead = self._ahead.get(vpn, {})
+        early = self._early.get(vpn, {})
         for entry in entries:
-            ahead.pop(entry.encoded, None)
+            early.pop(entry.encoded, None)
 
     def apply_prepared(
         self,
@@ -343,34 +343,34 @@ class StandbyApplier:
         after: int,
         voted: Sequence[tuple[bytes, Event]] | None = None,
     ) -> int | None:
-        """Apply the prepared transaction ``txid`` ahead of the stream, its
+        """Commit the prepared transaction ``txid`` early, from its row, its
         group at ``first`` onwards; returns the group's last index, or None
         if it is left to the stream (see the module docstring).
 
-        ``after`` is the last index of the group this connection applied
-        ahead before (0: none); the group may follow it directly. ``voted``
+        ``after`` is the last index of the group this connection committed
+        early before (0: none); the group may follow it directly. ``voted``
         is the row's events (encoding, event) as the participant voted on
         them, when it still has them: the common group then goes in one
-        statement that checks, takes the row and applies (:meth:`ready_ahead`,
-        :meth:`ahead_statement` and :meth:`applied_ahead` on this applier's
+        statement that checks, takes the row and applies (:meth:`ready_early_commit`,
+        :meth:`early_commit_statement` and :meth:`committed_early` on this applier's
         own connection — the steps the bridge runs on its event loop, with
         the statement built at the vote), instead of a transaction that
         reads the events back. Without ``voted`` (how the bridge calls it,
         when it has no statement ready) it takes that checked path.
         """
         if voted:
-            ready = self.ready_ahead(vpn, txid, voted)
-            statement = self.ahead_statement(vpn, ready, first, after)
+            ready = self.ready_early_commit(vpn, txid, voted)
+            statement = self.early_commit_statement(vpn, ready, first, after)
             if statement is not None:
                 with self._session() as conn:
                     if run_guarded(conn, statement) is None:
                         return None  # out of order, or not prepared here
-                return self.applied_ahead(vpn, ready, first)
+                return self.committed_early(vpn, ready, first)
         with self._transaction() as conn:
             applied, _ = self._lock_state(conn, vpn)
             if first - 1 != applied and not (after >= applied and first - 1 == after):
                 return None  # the stream has not brought what precedes it, or brought it
-            ahead = self._applied_ahead(conn, vpn)
+            early = self._committed_early_rows(conn, vpn)
             row = conn.execute(_TAKE_PREPARED, (first - 1, txid, vpn)).fetchone()
             if row is None:
                 return None  # not prepared here (aborted, or settled already)
@@ -382,12 +382,14 @@ class StandbyApplier:
                 for i, data in enumerate(encoded)
             ]
             apply_entries(conn, vpn, entries)
-        _register(ahead, txid, first, encoded)
+        _register(early, txid, first, encoded)
         return first + len(encoded) - 1
 
-    def ready_ahead(self, vpn: str, txid: str, voted: Sequence[tuple[bytes, Event]]) -> ReadyAhead:
+    def ready_early_commit(
+        self, vpn: str, txid: str, voted: Sequence[tuple[bytes, Event]]
+    ) -> ReadyEarlyCommit:
         """``txid``'s events as the participant voted on them (encoding and
-        event), made ready to commit ahead: the one statement's costly part
+        event), made ready to commit early: the one statement's costly part
         is built now, before the index its group lands at is known — the
         bridge does it right after the vote, off the client's path."""
         entries = [
@@ -396,44 +398,44 @@ class StandbyApplier:
             for i, (data, event) in enumerate(voted)
         ]
         template = guarded_template(vpn, entries, _TAKE_GUARD) if entries else None
-        return ReadyAhead(txid, tuple(data for data, _ in voted), template)
+        return ReadyEarlyCommit(txid, tuple(data for data, _ in voted), template)
 
-    def ahead_statement(
-        self, vpn: str, ready: ReadyAhead, first: int, after: int
+    def early_commit_statement(
+        self, vpn: str, ready: ReadyEarlyCommit, first: int, after: int
     ) -> GuardedApply | None:
         """:meth:`apply_prepared`'s one statement (gate, row move, apply) for
         the group at ``first``, to run on any connection to this database —
-        the bridge runs it on its event loop — then :meth:`applied_ahead` if
+        the bridge runs it on its event loop — then :meth:`committed_early` if
         it applied. None when the transaction needs the checked path of
-        :meth:`apply_prepared`: the VPN's applied-ahead events not loaded
+        :meth:`apply_prepared`: the VPN's early-committed events not loaded
         yet (after a start), or a group one statement cannot hold."""
-        if ready.template is None or vpn not in self._ahead:
+        if ready.template is None or vpn not in self._early:
             return None
         params = (vpn, first - 1, after, first - 1, after, first - 1, ready.txid, vpn)
         return ready.template.bind(params, first - 1)
 
-    def applied_ahead(self, vpn: str, ready: ReadyAhead, first: int) -> int:
-        """Record that :meth:`ahead_statement`'s statement applied the
+    def committed_early(self, vpn: str, ready: ReadyEarlyCommit, first: int) -> int:
+        """Record that :meth:`early_commit_statement`'s statement applied the
         transaction (its group's copy in the stream is then recognised);
         returns the group's last index."""
-        _register(self._ahead[vpn], ready.txid, first, list(ready.encoded))
+        _register(self._early[vpn], ready.txid, first, list(ready.encoded))
         return first + len(ready.encoded) - 1
 
-    def forget_ahead(self, vpn: str) -> None:
-        """A commit ahead's outcome is unknown (its connection failed): read
-        the VPN's applied-ahead events from the database again before the
+    def forget_early(self, vpn: str) -> None:
+        """An early commit's outcome is unknown (its connection failed): read
+        the VPN's early-committed events from the database again before the
         next batch, so a group that did commit is not applied twice."""
-        self._ahead.pop(vpn, None)
+        self._early.pop(vpn, None)
 
-    def _applied_ahead(self, conn: psycopg.Connection[Any], vpn: str) -> dict[bytes, _Ahead]:
-        """The VPN's events applied ahead of the stream (read at first use)."""
-        ahead = self._ahead.get(vpn)
-        if ahead is None:
-            ahead = {}
+    def _committed_early_rows(self, conn: psycopg.Connection[Any], vpn: str) -> dict[bytes, _Early]:
+        """The VPN's events committed early (read at first use)."""
+        early = self._early.get(vpn)
+        if early is None:
+            early = {}
             for txid, floor, events in conn.execute(_APPLIED_ROWS, (vpn,)).fetchall():
-                _register(ahead, str(txid), int(floor) + 1, split_events(bytes(events)))
-            self._ahead[vpn] = ahead
-        return ahead
+                _register(early, str(txid), int(floor) + 1, split_events(bytes(events)))
+            self._early[vpn] = early
+        return early
 
     def install_checkpoint(
         self, vpn: str, epoch: int, index: int, rows: Iterable[LiveRow | CheckpointRow]
@@ -449,14 +451,14 @@ class StandbyApplier:
             self._lock_state(conn, vpn)
             conn.execute("DELETE FROM live_message WHERE vpn = %s", (vpn,))
             # the checkpoint, and the replay after it, supersede whatever was
-            # applied ahead of the stream: those groups come as usual
+            # committed early: those groups come as usual
             conn.execute(_SETTLE_AHEAD, (vpn,))
             with conn.cursor() as cur, cur.copy(_COPY_CHECKPOINT) as copy:
                 copy.set_types(_CHECKPOINT_TYPES)
                 for row in rows:
                     copy.write_row((vpn, *_live_row(row)))
             set_applied(conn, vpn, index, epoch)
-        self._ahead.pop(vpn, None)
+        self._early.pop(vpn, None)
 
     def applied_index(self, vpn: str) -> int:
         with self._transaction() as conn:
@@ -466,22 +468,22 @@ class StandbyApplier:
         return found[0]
 
 
-def _skip_ahead(
+def _skip_early(
     conn: psycopg.Connection[Any],
     vpn: str,
     fresh: Sequence[LedgerEntry],
-    ahead: dict[bytes, _Ahead],
+    early: dict[bytes, _Early],
 ) -> tuple[Sequence[LedgerEntry], list[bytes], list[str]]:
-    """Split ``fresh`` into the entries to apply and those applied ahead of
-    the stream already; returns them, the latter's encodings, and the
+    """Split ``fresh`` into the entries to apply and those committed early
+    already; returns them, the latter's encodings, and the
     transactions whose group ends in this batch."""
-    if not ahead:
+    if not early:
         return fresh, [], []
     rest: list[LedgerEntry] = []
     passed: list[bytes] = []
     settled: list[str] = []
     for entry in fresh:
-        found = ahead.get(entry.encoded)
+        found = early.get(entry.encoded)
         if found is None:
             rest.append(entry)
             continue

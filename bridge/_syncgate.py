@@ -94,7 +94,7 @@ class SyncGate:
     def withdraw(self, index: int) -> None:
         """Stop waiting for ``index`` without resolving it: its owner learned
         another way that the standby has it (a transaction the standby
-        committed ahead of the stream). Its deadline is no timeout any more."""
+        committed early). Its deadline is no timeout any more."""
         if self._waiting.pop(index, None) is not None:
             self._forget_if_idle()
 

@@ -50,7 +50,7 @@ from ._frames import TxnApplied, TxnCommit, TxnOutcome, TxnPrepare, TxnQuery, Tx
 from ._inbound import InboundStream
 from ._link import Link, describe_error
 from ._outbound import StandbyPeer
-from ._standby import ReadyAhead, StandbyApplier, StandbyUnavailable
+from ._standby import ReadyEarlyCommit, StandbyApplier, StandbyUnavailable
 
 __all__ = ["ActiveTxnLink", "StandbyTxnLink", "TxnOutcomes", "TxnParticipant"]
 
@@ -145,7 +145,7 @@ class ActiveTxnLink:
         if not vote.done():
             vote.set_result(False)
 
-    def commit_ahead(self, vpn: str, txid: str, first: int, on_applied: Callable[[], None]) -> bool:
+    def commit_early(self, vpn: str, txid: str, first: int, on_applied: Callable[[], None]) -> bool:
         """Tell the standby the broker committed ``txid`` (its group at
         ``first`` onwards) so it may commit it early; ``on_applied()`` runs
         if it says it did. The group's copy in the live feed waits for the
@@ -221,7 +221,7 @@ class StandbyTxnLink:
         self.participant: TxnParticipant | None = None
         self.applier: StandbyApplier | None = None
         #: txid -> its voted events made ready to commit early, until the commit or the outcome
-        self._ready: OrderedDict[str, ReadyAhead] = OrderedDict()
+        self._ready: OrderedDict[str, ReadyEarlyCommit] = OrderedDict()
         #: the connection early commits (and the stream's copies of them) run on
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._tasks = _Tasks()
@@ -256,7 +256,7 @@ class StandbyTxnLink:
         commit is not kept waiting for it."""
         if not voted or self.applier is None:
             return
-        self._ready[frame.txid] = self.applier.ready_ahead(frame.vpn, frame.txid, voted)
+        self._ready[frame.txid] = self.applier.ready_early_commit(frame.vpn, frame.txid, voted)
         if len(self._ready) > READY_KEPT:
             self._ready.popitem(last=False)
 
@@ -292,23 +292,23 @@ class StandbyTxnLink:
         try:
             statement = None
             if ready is not None:
-                statement = applier.ahead_statement(vpn, ready, frame.first, stream.early)
+                statement = applier.early_commit_statement(vpn, ready, frame.first, stream.early)
             if ready is not None and statement is not None:
                 # the usual case: one statement, on this loop (no thread hop)
                 if await self._run_early(statement):
-                    last = applier.applied_ahead(vpn, ready, frame.first)
+                    last = applier.committed_early(vpn, ready, frame.first)
             else:
                 last = await asyncio.to_thread(
                     applier.apply_prepared, vpn, txid, frame.epoch, frame.first, stream.early
                 )
         except (BridgeError, psycopg.Error, ValueError) as e:
             if isinstance(e, StandbyUnavailable):
-                applier.forget_ahead(vpn)  # it may have committed
+                applier.forget_early(vpn)  # it may have committed
             why = describe_error(e)
             log.warning("bridge: VPN %s: transaction %s left to the stream: %s", vpn, txid, why)
         if last is not None:
             stream.early = last
-            failpoint("participant.after-apply-ahead")
+            failpoint("participant.after-early-commit")
         epoch = link.conn.known_epoch(vpn)
         link.try_send(TxnApplied(vpn, epoch, txid, last is not None))
 
@@ -328,7 +328,7 @@ class StandbyTxnLink:
         then checks them against what is stored and applies them as usual."""
         applier = self.applier
         assert applier is not None  # noqa: S101 - the receiver set it
-        statement = applier.passed_ahead_statement(vpn, entries)
+        statement = applier.skip_early_statement(vpn, entries)
         if statement is None:
             return None
 
@@ -340,9 +340,9 @@ class StandbyTxnLink:
             if await self._on_own_conn(vpn, run) is None:
                 return None
         except psycopg.Error as e:
-            log.debug("bridge: VPN %s: applied-ahead groups left to the batch: %s", vpn, e)
+            log.debug("bridge: VPN %s: early-committed groups left to the batch: %s", vpn, e)
             return None
-        applier.passed_ahead(vpn, entries)
+        applier.skipped_early(vpn, entries)
         return entries[-1].index
 
     async def _on_own_conn(
@@ -368,7 +368,7 @@ class StandbyTxnLink:
                 raise  # refused by the database: nothing committed, the connection is fine
             self._conn = None
             if self.applier is not None:
-                self.applier.forget_ahead(vpn)
+                self.applier.forget_early(vpn)
             with contextlib.suppress(Exception):
                 await conn.close()
             raise

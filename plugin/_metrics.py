@@ -79,7 +79,7 @@ class Metrics:
         )
         self.counted(
             "vpnrepl_txn_applied_ahead_total",
-            stats.applied_ahead,
+            stats.committed_early,
             ("vpn",),
             "transactions the standby committed before their ledger stream copy",
         )

@@ -65,7 +65,7 @@ class PromotionSummary:
     queues: int
     seconds: float
     txns_committed: int
-    txns_applied_ahead: int
+    txns_committed_early: int
 
     def line(self) -> str:
         rate = self.messages / self.seconds if self.seconds > 0 else 0.0
@@ -74,7 +74,7 @@ class PromotionSummary:
             f"VPN {self.vpn!r} promoted to active at epoch {self.epoch}{again}: "
             f"{self.messages} messages into {self.queues} queues in {self.seconds:.1f} s "
             f"({rate:.0f} msg/s); in-doubt transactions committed: {self.txns_committed} "
-            f"(and {self.txns_applied_ahead} already applied ahead)"
+            f"(and {self.txns_committed_early} already applied ahead)"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -157,7 +157,7 @@ async def promote(
         result.queues + len(result.skipped_queues),
         time.monotonic() - t0,
         start.txns_committed,
-        start.txns_applied_ahead,
+        start.txns_committed_early,
     )
     log.info("%s", summary.line())
     return summary

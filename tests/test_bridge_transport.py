@@ -601,7 +601,7 @@ def test_an_ack_records_applied_index_prunes_and_releases_a_sync_confirm(
 
 
 class HeldStandby(BridgeClient):
-    """A standby that takes up a commit ahead only once ``gate`` is set,
+    """A standby that takes up an early commit only once ``gate`` is set,
     noting how far the stream had reached it by then, and (``silent``)
     may never answer it, like a standby whose answer is lost."""
 
@@ -635,19 +635,19 @@ async def held_standby(
             yield a, b
 
 
-def commit_group(a: Active, txid: str, group: list[Event], applied_ahead: list[str]) -> int:
+def commit_group(a: Active, txid: str, group: list[Event], committed_early: list[str]) -> int:
     """What the coordinator does at a sync transaction's decision: append
     the group, then tell the standby (returns the group's first index)."""
     last = a.writer.append_group(group, None)
     first = last - len(group) + 1
-    assert a.server.txn_link.commit_ahead(VPN, txid, first, lambda: applied_ahead.append(txid))
+    assert a.server.txn_link.commit_early(VPN, txid, first, lambda: committed_early.append(txid))
     return first
 
 
-def test_a_group_committed_ahead_streams_once_the_standby_answered(
+def test_a_group_committed_early_streams_once_the_standby_answered(
     site_a: LocalSite, site_b: LocalSite, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The stream holds a group the standby was asked to commit ahead until
+    """The stream holds a group the standby was asked to commit early until
     it answers — yes (it skips the copy) or no (it applies the copy) — and
     the two sites end equal either way."""
     monkeypatch.setattr(_outbound, "ANSWER_WAIT", 60.0)  # only an answer releases it
@@ -687,7 +687,7 @@ def test_a_group_committed_ahead_streams_once_the_standby_answered(
     run(scenario)
 
 
-def test_a_group_whose_commit_ahead_is_not_answered_streams_after_a_wait(
+def test_a_group_whose_early_commit_is_not_answered_streams_after_a_wait(
     site_a: LocalSite,
     site_b: LocalSite,
     monkeypatch: pytest.MonkeyPatch,
@@ -707,7 +707,7 @@ def test_a_group_whose_commit_ahead_is_not_answered_streams_after_a_wait(
             await until(lambda: applied(b_dsn) == end, "the unanswered group on B")
             assert ahead == []
             await asyncio.to_thread(same_state, a_dsn, b_dsn)
-        waited = [r for r in caplog.records if "no answer to a commit ahead" in r.message]
+        waited = [r for r in caplog.records if "no answer to an early commit" in r.message]
         assert len(waited) == 1
 
     run(scenario)

@@ -94,7 +94,7 @@ def test_in_doubt_transactions_are_committed_after_what_was_applied(standby: str
     prepared_txn(standby, "t-ahead", [pub(VPN, 11, "q2")], state="applied")
     with connect(standby) as conn:
         start = begin_promotion(conn, VPN, "b")
-    assert (start.txns_committed, start.txns_applied_ahead) == (1, 1)
+    assert (start.txns_committed, start.txns_committed_early) == (1, 1)
     # the prepared transaction's events came right after the applied index
     assert start.ledger_index == 7
     assert keys(standby, VPN) == {("q1", 3, 3), ("q2", 3, 3), ("q2", 4, 5), ("q1", 10, 6)}

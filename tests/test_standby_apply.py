@@ -522,7 +522,7 @@ def test_both_sites_compute_the_same_state_with_the_same_apply_code(
     assert state(dsn_a, "orders")[3] == state(dsn_b, "orders")[3] == unknown > 0
 
 
-# ---------------------------------------------------------------- applied ahead
+# ---------------------------------------------------------------- committed early
 
 
 def prepared(dsn: str, vpn: str, txid: str, events: list[Event], state: str = "prepared") -> None:
@@ -547,9 +547,9 @@ def voted(events: list[Event]) -> list[tuple[bytes, Event]]:
     return [(encode_event(e), e) for e in events]
 
 
-def applied_ahead(dsn: str, one_statement: bool = False) -> list[Event]:
+def early_committed_group(dsn: str, one_statement: bool = False) -> list[Event]:
     """VPN ``v`` with entries 1-2 applied and transaction ``t1`` (an ack of
-    1 and a publish) committed ahead of the stream at 3-4; its events.
+    1 and a publish) committed early, ahead of the stream, at 3-4; its events.
     ``one_statement``: from the events the participant voted on."""
     prepare(dsn, v="standby")
     group: list[Event] = [ack("v", 1, "q"), pub("v", 3, "q")]
@@ -562,11 +562,11 @@ def applied_ahead(dsn: str, one_statement: bool = False) -> list[Event]:
 
 
 @pytest.mark.parametrize("one_statement", [False, True], ids=["read-back", "voted"])
-def test_a_transaction_applied_ahead_is_skipped_when_the_stream_brings_it(
+def test_a_transaction_committed_early_is_skipped_when_the_stream_brings_it(
     site_b: LocalSite, one_statement: bool
 ) -> None:
     dsn = site_b.pg.dsn()
-    group = applied_ahead(dsn, one_statement)
+    group = early_committed_group(dsn, one_statement)
     # committed here, but the stream's copy is still to come
     assert keys(dsn, "v") == {("q", 2, 2), ("q", 3, 4)}
     assert txn_state(dsn, "t1") == "applied"
@@ -604,7 +604,7 @@ def test_a_transaction_is_left_to_the_stream_unless_the_state_is_right_before_it
         assert keys(dsn, "v") == {("q", 1, 1)}  # a declined group writes nothing
         applier.apply_batch("v", numbered([pub("v", 2, "q")], start=2))
         assert ahead(applier, "t1", first=3, after=0) == 3
-        # the next group may follow the one applied ahead on this connection
+        # the next group may follow the one committed early on this connection
         assert ahead(applier, "t2", first=4, after=2) is None
         assert ahead(applier, "t2", first=4, after=3) == 4
         assert ahead(applier, "t2", first=4, after=3) is None  # once
@@ -613,13 +613,13 @@ def test_a_transaction_is_left_to_the_stream_unless_the_state_is_right_before_it
 
 
 @pytest.mark.parametrize("one_statement", [False, True], ids=["read-back", "voted"])
-def test_the_streams_copy_of_a_group_applied_ahead_only_moves_the_applied_index(
+def test_the_streams_copy_of_a_group_committed_early_only_moves_the_applied_index(
     site_b: LocalSite, one_statement: bool
 ) -> None:
     """The usual sync-mode case: the stream brings exactly the group, at the
     indexes it was applied at (cut in two here), and later again (a replay)."""
     dsn = site_b.pg.dsn()
-    group = applied_ahead(dsn, one_statement)
+    group = early_committed_group(dsn, one_statement)
     with StandbyApplier(dsn) as applier:
         stream = numbered(group, start=3)
         assert applier.apply_batch("v", stream[:1]) == 3
@@ -633,7 +633,7 @@ def test_the_streams_copy_of_a_group_applied_ahead_only_moves_the_applied_index(
     assert state(dsn, "v")[3] == 0  # the group's ACK was not applied twice
 
 
-def test_the_streams_copy_of_a_group_applied_ahead_keeps_the_gap_check(
+def test_the_streams_copy_of_a_group_committed_early_keeps_the_gap_check(
     site_b: LocalSite,
 ) -> None:
     dsn = site_b.pg.dsn()
@@ -686,9 +686,9 @@ def test_one_statement_declines_a_vpn_no_longer_standby_here(site_b: LocalSite) 
 def test_a_commit_ahead_whose_reply_was_lost_is_recognised_from_its_row(
     site_b: LocalSite,
 ) -> None:
-    """The bridge runs a commit ahead's statement on its own asyncio
+    """The bridge runs an early commit's statement on its own asyncio
     connection; when that connection fails, the statement may have
-    committed without the applier hearing of it. ``forget_ahead`` makes the
+    committed without the applier hearing of it. ``forget_early`` makes the
     applier read the applied rows again, so the stream's copy of the group
     is skipped, not applied a second time."""
     dsn = site_b.pg.dsn()
@@ -697,17 +697,17 @@ def test_a_commit_ahead_whose_reply_was_lost_is_recognised_from_its_row(
     prepared(dsn, "v", "t1", group)
     with StandbyApplier(dsn) as applier:
         applier.apply_batch("v", numbered([pub("v", 1, "q"), pub("v", 2, "q")]))
-        ready = applier.ready_ahead("v", "t1", voted(group))
-        statement = applier.ahead_statement("v", ready, first=3, after=0)
+        ready = applier.ready_early_commit("v", "t1", voted(group))
+        statement = applier.early_commit_statement("v", ready, first=3, after=0)
         assert statement is not None
 
-        async def commit_ahead() -> None:
+        async def commit_early() -> None:
             async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
                 assert await run_guarded_async(conn, statement) is not None
 
-        asyncio.run(commit_ahead())  # committed; the reply "lost": not registered
+        asyncio.run(commit_early())  # committed; the reply "lost": not registered
         assert txn_state(dsn, "t1") == "applied"
-        applier.forget_ahead("v")
+        applier.forget_early("v")
         assert applier.apply_batch("v", numbered(group, start=3)) == 4
     assert keys(dsn, "v") == {("q", 2, 2), ("q", 3, 4)}
     assert state(dsn, "v")[3] == 0  # the group's ACK was not applied twice
@@ -721,7 +721,7 @@ def test_a_group_re_appended_elsewhere_after_the_active_restarted_is_applied_onc
     re-appended the group after another recovered one. A restarted standby
     still recognises it, and its rows take the active's indexes."""
     dsn = site_b.pg.dsn()
-    group = applied_ahead(dsn)
+    group = early_committed_group(dsn)
     with StandbyApplier(dsn) as restarted:
         # split over two batches, as the stream may cut it
         assert restarted.apply_batch("v", numbered([pub("v", 7, "q"), group[0]], start=3)) == 4
@@ -732,7 +732,7 @@ def test_a_group_re_appended_elsewhere_after_the_active_restarted_is_applied_onc
     assert txn_state(dsn, "t1") == "committed"
 
 
-def test_a_checkpoint_supersedes_what_was_applied_ahead(site_b: LocalSite) -> None:
+def test_a_checkpoint_supersedes_what_was_committed_early(site_b: LocalSite) -> None:
     dsn = site_b.pg.dsn()
     prepare(dsn, v="standby")
     prepared(dsn, "v", "t1", [pub("v", 1, "q")])

@@ -111,7 +111,7 @@ def test_deadlines_of_acknowledged_waiters_are_dropped_when_nothing_waits() -> N
 
 
 def test_a_withdrawn_waiter_never_resolves_and_its_deadline_is_no_timeout() -> None:
-    """A transaction the standby committed ahead of the stream leaves the
+    """A transaction the standby committed early leaves the
     gate when that answer comes: its late acknowledgement is no timeout."""
     for policy in (DEGRADE, REJECT):
         gate, out = SyncGate("v", 250, policy), Outcomes()

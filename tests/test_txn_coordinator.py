@@ -207,7 +207,7 @@ def test_commit_soon_answers_once_the_decision_is_recorded(site_a: LocalSite) ->
 
 
 def test_a_participants_yes_vote_returns_the_events_it_was_for(site_a: LocalSite) -> None:
-    """The events a yes vote was for (for the commit ahead of the stream);
+    """The events a yes vote was for (for the early commit);
     none for a no vote, whose row is aborted."""
     dsn = site_a.pg.dsn()
     migrate(dsn)
@@ -293,7 +293,7 @@ class RecordingStandby:
         vote.set_result(True)
         return vote
 
-    def commit_ahead(self, vpn: str, txid: str, first: int, on_applied: object) -> bool:
+    def commit_early(self, vpn: str, txid: str, first: int, on_applied: object) -> bool:
         if txid in self.ahead:
             asyncio.get_running_loop().call_soon(on_applied)  # type: ignore[arg-type]
         return True
@@ -303,13 +303,13 @@ class RecordingStandby:
 
     def wait_standby(self, vpn: str, index: int, resolve: object) -> bool:
         asyncio.get_running_loop().call_soon(resolve, True)  # type: ignore[arg-type]
-        return True  # the stream's acknowledgement, for one not applied ahead
+        return True  # the stream's acknowledgement, for one not committed early
 
     def withdraw(self, vpn: str, index: int) -> None:
         self.calls.append(("withdraw", str(index)))
 
 
-def test_a_commit_applied_ahead_sends_the_standby_no_outcome(site_a: LocalSite) -> None:
+def test_a_transaction_committed_early_sends_the_standby_no_outcome(site_a: LocalSite) -> None:
     """The standby settles a transaction it applied ahead by itself (with
     the stream's copy of its group); one it applied from the stream learns
     its outcome — after the client's answer, never before it."""
@@ -355,12 +355,12 @@ class LateAnswer(RecordingStandby):
         super().__init__(set(), [])
         self.after = after
 
-    def commit_ahead(self, vpn: str, txid: str, first: int, on_applied: object) -> bool:
+    def commit_early(self, vpn: str, txid: str, first: int, on_applied: object) -> bool:
         asyncio.get_running_loop().call_later(self.after, on_applied)  # type: ignore[arg-type]
         return True
 
 
-def test_a_commit_applied_ahead_is_no_sync_timeout_later(site_a: LocalSite) -> None:
+def test_a_transaction_committed_early_is_no_sync_timeout_later(site_a: LocalSite) -> None:
     """When the ledger is durable before the standby's answer, the group
     waits in the VPN's sync gate; the answer settles the transaction and
     takes it out of the gate, so the stream's acknowledgement coming after

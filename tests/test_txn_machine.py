@@ -1,4 +1,10 @@
-"""The coordinator's step table (sans-IO) and the failpoint switch."""
+"""The coordinator's step table (sans-IO) and the failpoint switch.
+
+The machine decides every step of a local transaction; these tests feed it
+inputs as the coordinator would and check the actions it answers, every
+transition of the table, every input it must refuse, and, over random
+input orders, the guarantees the client relies on.
+"""
 
 from __future__ import annotations
 
@@ -9,70 +15,310 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, strategies as st
 
 from bridge import FAILPOINTS
-from txn._machine import Action, Input, Phase, TxnMachine, TxnProtocolError
+from txn._machine import (
+    TRANSITIONS,
+    Answer,
+    AwaitStandbyAck,
+    CommitEarly,
+    Forget,
+    Input,
+    MarkDegraded,
+    OpenStandbyPhase,
+    Phase,
+    RecordDecision,
+    Refuse,
+    RetireMarker,
+    SendBrokerCommit,
+    SendOutcome,
+    StandbySettled,
+    TxnMachine,
+    TxnProtocolError,
+    WithdrawStandbyWait,
+)
+
+I = Input  # noqa: E741 - the table's own shorthand
+FIRST, LAST = 41, 50
 
 
-def test_sync_commit_waits_for_both_votes_then_runs_to_done() -> None:
-    m = TxnMachine("t", needs_standby=True, reject=True)
-    assert m.feed(Input.LOCAL_PREPARED) == []  # the standby has not voted
-    assert m.feed(Input.REMOTE_PREPARED) == [Action.SEND_BROKER_COMMIT]
-    assert m.feed(Input.BROKER_COMMIT_SENT) == []
-    assert m.feed(Input.BROKER_COMMITTED) == [Action.RECORD_DECISION]
-    assert m.feed(Input.BROKER_COMMITTED) == []  # commit-ok after a delivery proved it
-    assert m.feed(Input.DECISION_DURABLE) == [Action.RELEASE_COMMIT_OK]
-    assert m.phase is Phase.DONE and not m.degraded
+def machine(needs_standby: bool = True, reject: bool = True) -> TxnMachine:
+    return TxnMachine("t", needs_standby=needs_standby, reject=reject)
 
 
-def test_votes_in_either_order() -> None:
-    m = TxnMachine("t", needs_standby=True, reject=False)
-    assert m.feed(Input.REMOTE_PREPARED) == []
-    assert m.feed(Input.LOCAL_PREPARED) == [Action.SEND_BROKER_COMMIT]
+def committed(m: TxnMachine) -> None:
+    """Prepared on both sites, broker committed, the group appended."""
+    m.feed(I.LOCAL_PREPARED)
+    if m.needs_standby:
+        m.feed(I.REMOTE_PREPARED)
+    m.feed(I.BROKER_COMMIT_SENT)
+    assert m.feed(I.BROKER_COMMITTED) == [RecordDecision()]
+    m.appended(FIRST, LAST)
 
 
-def test_a_late_standby_under_reject_refuses_and_forgets() -> None:
-    m = TxnMachine("t", needs_standby=True, reject=True)
-    m.feed(Input.LOCAL_PREPARED)
-    assert m.feed(Input.REMOTE_TIMEOUT) == [Action.FORGET, Action.REFUSE]
-    assert m.phase is Phase.ABORTED and "did not prepare in time" in m.refusal
-    with pytest.raises(TxnProtocolError):
-        m.feed(Input.BROKER_COMMIT_SENT)  # nothing may reach the broker now
+SETTLED_FROM_STREAM = [
+    StandbySettled(acked=True, early=False),
+    RetireMarker(),
+    Answer(True),
+    SendOutcome(),
+]
+SETTLED_EARLY = [StandbySettled(acked=True, early=True), RetireMarker(), Answer(True)]
 
 
-def test_a_late_standby_under_degrade_goes_on_degraded() -> None:
-    m = TxnMachine("t", needs_standby=True, reject=False)
-    m.feed(Input.LOCAL_PREPARED)
-    assert m.feed(Input.REMOTE_TIMEOUT) == [Action.SEND_BROKER_COMMIT]
+# -- whole transactions ---------------------------------------------------------
+
+
+def test_a_sync_transaction_committed_early_before_the_decision_is_durable() -> None:
+    m = machine()
+    assert m.feed(I.LOCAL_PREPARED) == []  # the standby has not voted
+    assert m.feed(I.REMOTE_PREPARED) == [SendBrokerCommit()]
+    assert m.feed(I.BROKER_COMMIT_SENT) == []
+    assert m.feed(I.BROKER_COMMITTED) == [RecordDecision()]
+    assert m.appended(FIRST, LAST) == [CommitEarly(FIRST)]
+    assert m.feed(I.BROKER_COMMITTED) == []  # commit-ok after a delivery proved it
+    assert m.feed(I.STANDBY_COMMITTED_EARLY) == []
+    assert m.phase is Phase.EARLY
+    assert m.feed(I.DECISION_DURABLE) == [OpenStandbyPhase(), *SETTLED_EARLY]
+    assert m.phase is Phase.DONE and not m.degraded and m.committed_early
+
+
+def test_a_sync_transaction_committed_early_after_the_decision_is_durable() -> None:
+    m = machine()
+    committed(m)
+    assert m.feed(I.DECISION_DURABLE) == [OpenStandbyPhase(), AwaitStandbyAck(LAST)]
+    assert m.feed(I.STANDBY_COMMITTED_EARLY) == [WithdrawStandbyWait(LAST), *SETTLED_EARLY]
+    assert m.phase is Phase.DONE
+    assert m.feed(I.STANDBY_ACKED) == []  # a late answer of the gate changes nothing
+
+
+def test_a_sync_transaction_the_standby_left_to_the_stream() -> None:
+    m = machine()
+    committed(m)
+    assert m.feed(I.DECISION_DURABLE) == [OpenStandbyPhase(), AwaitStandbyAck(LAST)]
+    assert m.feed(I.STANDBY_ACKED) == SETTLED_FROM_STREAM
+    assert m.phase is Phase.DONE and not m.committed_early
+    assert m.feed(I.STANDBY_COMMITTED_EARLY) == []  # its answer after the stream's ack
+
+
+def test_a_sync_transaction_whose_stream_ack_times_out_is_degraded() -> None:
+    m = machine(reject=False)
+    committed(m)
+    m.feed(I.DECISION_DURABLE)
+    assert m.feed(I.STANDBY_TIMEOUT) == [
+        StandbySettled(acked=False, early=False),
+        MarkDegraded(LAST),
+        RetireMarker(),
+        Answer(True),
+        SendOutcome(),
+    ]
     assert m.degraded
 
 
-def test_async_vpn_needs_only_the_local_prepare() -> None:
-    m = TxnMachine("t", needs_standby=False, reject=True)
-    assert m.feed(Input.LOCAL_PREPARED) == [Action.SEND_BROKER_COMMIT]
+def test_an_async_transaction_waits_for_the_stream_only_where_a_gate_exists() -> None:
+    m = machine(needs_standby=False)
+    assert m.feed(I.LOCAL_PREPARED) == [SendBrokerCommit()]
+    m.feed(I.BROKER_COMMIT_SENT)
+    m.feed(I.BROKER_COMMITTED)
+    assert m.appended(FIRST, LAST) == []  # no early commit without a prepared standby
+    assert m.feed(I.DECISION_DURABLE) == [AwaitStandbyAck(LAST)]
+    assert m.feed(I.STANDBY_ACKED) == SETTLED_FROM_STREAM
+
+
+def test_votes_in_either_order() -> None:
+    m = machine(reject=False)
+    assert m.feed(I.REMOTE_PREPARED) == []
+    assert m.feed(I.LOCAL_PREPARED) == [SendBrokerCommit()]
+
+
+def test_a_late_standby_under_reject_refuses_and_forgets() -> None:
+    m = machine(reject=True)
+    m.feed(I.LOCAL_PREPARED)
+    assert m.feed(I.REMOTE_TIMEOUT) == [Forget(), Refuse("the standby did not prepare in time")]
+    assert m.phase is Phase.ABORTED
+    with pytest.raises(TxnProtocolError):
+        m.feed(I.BROKER_COMMIT_SENT)  # nothing may reach the broker now
+
+
+def test_a_late_standby_under_degrade_goes_on_degraded_without_an_early_commit() -> None:
+    m = machine(reject=False)
+    m.feed(I.LOCAL_PREPARED)
+    assert m.feed(I.REMOTE_TIMEOUT) == [MarkDegraded(), SendBrokerCommit()]
+    assert m.degraded
+    m.feed(I.BROKER_COMMIT_SENT)
+    m.feed(I.BROKER_COMMITTED)
+    assert m.appended(FIRST, LAST) == []
+    assert m.feed(I.DECISION_DURABLE) == SETTLED_FROM_STREAM  # the stream brings it later
+
+
+def test_a_vote_that_beat_its_timer_counts() -> None:
+    m = machine(reject=True)
+    m.feed(I.REMOTE_PREPARED)
+    m.feed(I.LOCAL_PREPARED)
+    with pytest.raises(TxnProtocolError):
+        m.feed(I.REMOTE_TIMEOUT)  # prepared already: the timer is for nothing
+    m = machine(reject=True)
+    m.feed(I.REMOTE_PREPARED)
+    assert m.feed(I.REMOTE_TIMEOUT) == []  # still waiting for the local row
+    assert m.feed(I.LOCAL_PREPARED) == [SendBrokerCommit()]
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_abort_before_the_broker_commit_forgets(prepared: bool) -> None:
+    m = machine()
+    m.feed(I.LOCAL_PREPARED)
+    if prepared:
+        m.feed(I.REMOTE_PREPARED)
+    assert m.feed(I.ABORT) == [Forget()]
+    assert m.phase is Phase.ABORTED
+
+
+@pytest.mark.parametrize("when", ["appending", "durable", "early"])
+def test_a_decision_that_cannot_be_recorded_answers_no(when: str) -> None:
+    m = machine()
+    m.feed(I.LOCAL_PREPARED)
+    m.feed(I.REMOTE_PREPARED)
+    m.feed(I.BROKER_COMMIT_SENT)
+    m.feed(I.BROKER_COMMITTED)
+    if when == "appending":
+        assert m.feed(I.APPEND_FAILED) == [Answer(False)]
+    else:
+        m.appended(FIRST, LAST)
+        if when == "early":
+            m.feed(I.STANDBY_COMMITTED_EARLY)
+        assert m.feed(I.DECISION_LOST) == [Answer(False)]
+    assert m.phase is Phase.UNRECORDED
+    assert m.feed(I.STANDBY_COMMITTED_EARLY) == []
+
+
+# -- the table ------------------------------------------------------------------
+
+#: how to reach each phase, for a sync VPN under degrade
+ROUTES: dict[Phase, list[Input]] = {
+    Phase.PREPARING: [],
+    Phase.PREPARED: [I.LOCAL_PREPARED, I.REMOTE_PREPARED],
+    Phase.COMMITTING: [I.LOCAL_PREPARED, I.REMOTE_PREPARED, I.BROKER_COMMIT_SENT],
+    Phase.DECIDING: [I.LOCAL_PREPARED, I.REMOTE_PREPARED, I.BROKER_COMMIT_SENT, I.BROKER_COMMITTED],
+    Phase.EARLY: [
+        I.LOCAL_PREPARED,
+        I.REMOTE_PREPARED,
+        I.BROKER_COMMIT_SENT,
+        I.BROKER_COMMITTED,
+        I.STANDBY_COMMITTED_EARLY,
+    ],
+    Phase.AWAITING_STANDBY: [
+        I.LOCAL_PREPARED,
+        I.REMOTE_PREPARED,
+        I.BROKER_COMMIT_SENT,
+        I.BROKER_COMMITTED,
+        I.DECISION_DURABLE,
+    ],
+    Phase.DONE: [
+        I.LOCAL_PREPARED,
+        I.REMOTE_PREPARED,
+        I.BROKER_COMMIT_SENT,
+        I.BROKER_COMMITTED,
+        I.DECISION_DURABLE,
+        I.STANDBY_ACKED,
+    ],
+    Phase.ABORTED: [I.ABORT],
+    Phase.UNRECORDED: [
+        I.LOCAL_PREPARED,
+        I.REMOTE_PREPARED,
+        I.BROKER_COMMIT_SENT,
+        I.BROKER_COMMITTED,
+        I.APPEND_FAILED,
+    ],
+}
+
+
+def reach(phase: Phase) -> TxnMachine:
+    m = machine(reject=False)
+    for what in ROUTES[phase]:
+        m.feed(what)
+    assert m.phase is phase
+    return m
+
+
+def test_every_phase_can_be_reached() -> None:
+    assert set(ROUTES) == set(Phase)
+    assert {phase for phase, _ in TRANSITIONS} | {Phase.ABORTED} == set(Phase)
+
+
+@pytest.mark.parametrize(("phase", "what"), sorted(TRANSITIONS, key=str))
+def test_every_transition_is_taken_from_its_phase(phase: Phase, what: Input) -> None:
+    m = reach(phase)
+    m.feed(what)
+    assert m.history[-1] is what
 
 
 @pytest.mark.parametrize(
-    ("steps", "bad"),
-    [
-        ([], Input.BROKER_COMMITTED),  # no broker commit before prepare
-        ([Input.LOCAL_PREPARED], Input.DECISION_DURABLE),
-        ([Input.LOCAL_PREPARED, Input.BROKER_COMMIT_SENT], Input.ABORT),  # too late to abort
-    ],
+    ("phase", "what"),
+    sorted(
+        ((p, i) for p in Phase for i in Input if (p, i) not in TRANSITIONS),
+        key=str,
+    ),
 )
-def test_inputs_out_of_order_are_errors(steps: list[Input], bad: Input) -> None:
-    m = TxnMachine("t", needs_standby=False, reject=True)
-    for step in steps:
-        m.feed(step)
+def test_every_other_input_is_refused_and_changes_nothing(phase: Phase, what: Input) -> None:
+    m = reach(phase)
+    before = (m.phase, len(m.history), m.degraded, m.committed_early)
     with pytest.raises(TxnProtocolError):
-        m.feed(bad)
+        m.feed(what)
+    assert (m.phase, len(m.history), m.degraded, m.committed_early) == before
 
 
-def test_abort_before_the_broker_commit_forgets() -> None:
-    m = TxnMachine("t", needs_standby=True, reject=True)
-    m.feed(Input.LOCAL_PREPARED)
-    assert m.feed(Input.ABORT) == [Action.FORGET]
-    assert m.phase is Phase.ABORTED
+def test_the_end_phases_accept_nothing_that_acts() -> None:
+    for phase in (Phase.DONE, Phase.ABORTED, Phase.UNRECORDED):
+        for what in Input:
+            if (phase, what) in TRANSITIONS:
+                assert reach(phase).feed(what) == [], (phase, what)
+
+
+# -- any order ------------------------------------------------------------------
+
+
+@given(
+    needs_standby=st.booleans(),
+    reject=st.booleans(),
+    inputs=st.lists(st.sampled_from(list(Input)), max_size=30),
+)
+def test_the_guarantees_hold_in_any_input_order(
+    needs_standby: bool, reject: bool, inputs: list[Input]
+) -> None:
+    """Whatever arrives in whatever order (what the table refuses is
+    skipped): commit-ok only once the decision is durable and the standby
+    holds the transaction or it was degraded; nothing reaches the broker
+    after a refusal; no action after the end; one answer at most."""
+    m = machine(needs_standby, reject)
+    seen: list[object] = []
+    durable = standby = refused = False
+    answers = 0
+    for what in inputs:
+        before = m.phase
+        try:
+            actions = m.appended(FIRST, LAST) if what is I.GROUP_APPENDED else m.feed(what)
+        except TxnProtocolError:
+            continue
+        if before in (Phase.DONE, Phase.ABORTED, Phase.UNRECORDED):
+            assert actions == [], (before, what)
+        if what is I.DECISION_DURABLE:
+            durable = True
+        if what in (I.STANDBY_ACKED, I.STANDBY_COMMITTED_EARLY):
+            standby = True
+        for action in actions:
+            if isinstance(action, Refuse):
+                refused = True
+                assert not any(isinstance(a, SendBrokerCommit | RecordDecision) for a in seen)
+            if isinstance(action, SendBrokerCommit | RecordDecision):
+                assert not refused
+            if isinstance(action, CommitEarly):
+                assert m.needs_standby and not m.degraded
+            if isinstance(action, Answer):
+                answers += 1
+                if action.ok:
+                    assert durable and (standby or m.degraded), m.history
+            seen.append(action)
+    assert answers <= 1
 
 
 def test_an_unknown_failpoint_name_stops_the_node_with_one_line(tmp_path: Path) -> None:

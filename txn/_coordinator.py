@@ -35,7 +35,7 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
    the group when the stream brings it (the stream holds the group until
    the answer), like any ledger entries (messages inserted, acked ones
    removed, applied index in the same database transaction), and
-   acknowledges. A group committed ahead is skipped when the stream brings
+   acknowledges. A group committed early is skipped when the stream brings
    it, recognised by its events, not by its index (``bridge._standby``).
    The client's ``tx.commit-ok`` waits for the durable group here and for
    ``TxnApplied`` or the acknowledgement, so it is sent only when prepare
@@ -44,7 +44,7 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
    stream's later acknowledgement is never counted as a sync timeout.)
    Then the
    bookkeeping, in batches rather than a database commit per transaction
-   on the client's path: a participant's row applied ahead is marked
+   on the client's path: a participant's row committed early is marked
    committed with the stream's copy of its group; any other learns its
    outcome from ``TxnOutcome``, sent after the client's answer (the
    participant flushes outcomes together,
@@ -68,7 +68,7 @@ ledger (and, sync mode, applied by the standby). The ledger group is one
 database transaction, the standby applies with its applied index in the
 same transaction, and a lagging or restarted standby replays the ledger, so
 both sites end with all of the group or none of it. A standby that
-committed ahead of a group the active then lost in a crash holds a
+committed early a group the active then lost in a crash holds a
 transaction whose marker exists (``TxnCommit`` is sent only once the broker
 committed), so the active's recovery re-appends the group, and the standby
 recognises it wherever it lands. A crash before the
@@ -117,7 +117,26 @@ from bridge import (
 )
 
 from ._log import COORDINATOR, TxnLog, TxnRow, encode_events
-from ._machine import Action, Input, Phase, TxnMachine
+from ._machine import (
+    Action,
+    Answer,
+    AwaitStandbyAck,
+    CommitEarly,
+    Forget,
+    Input,
+    MarkDegraded,
+    OpenStandbyPhase,
+    Phase,
+    RecordDecision,
+    Refuse,
+    RetireMarker,
+    SendBrokerCommit,
+    SendOutcome,
+    StandbySettled,
+    TxnMachine,
+    TxnProtocolError,
+    WithdrawStandbyWait,
+)
 from ._markers import MarkerError, MarkerStore
 
 __all__ = ["Coordinator", "GroupLedger", "StandbyLink", "TxnStats"]
@@ -156,7 +175,7 @@ class StandbyLink(Protocol):
         once its participant voted yes within ``within`` seconds. ``events``
         in :func:`txn._log.encode_events` form."""
 
-    def commit_ahead(self, vpn: str, txid: str, first: int, on_applied: Callable[[], None]) -> bool:
+    def commit_early(self, vpn: str, txid: str, first: int, on_applied: Callable[[], None]) -> bool:
         """Tell the standby the broker committed ``txid`` (its group at
         ``first`` onwards); ``on_applied()`` runs if it applies it before
         the group comes with the stream. False if nothing was sent."""
@@ -182,8 +201,8 @@ class TxnStats:
 
     #: (vpn, outcome) -> transactions that ended so (the ``txn.outcome`` span attribute)
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
-    #: vpn -> transactions the standby committed ahead of the ledger stream
-    applied_ahead: Counter[str] = field(default_factory=Counter)
+    #: vpn -> transactions the standby committed early (ahead of the ledger stream)
+    committed_early: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -194,11 +213,7 @@ class _Live:
     span: Span  # the transaction's span, parent of one span per phase
     stats: TxnStats
     published: tuple[bytes, ...] = ()
-    last_index: int = 0
     phase: Span | None = None  # the phase under way
-    durable: bool = False  # the decision (the ledger group) is durable here
-    ahead: bool = False  # the standby applied it ahead of the stream
-    settled: bool = False  # the standby's part is over (applied, or given up)
     finished: bool = False  # its outcome is counted and its span ended
     #: the listener's answer to call once the commit is recorded (commit_soon)
     on_done: Callable[[BaseException | None], None] | None = None
@@ -249,6 +264,19 @@ class Coordinator:
         self._decided: dict[str, set[str]] = {}  # vpn -> txids whose markers can go
         self._tasks: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
+        #: how each action after the broker commit is performed
+        self._performers: dict[type[Action], Callable[[_Live, Any], None]] = {
+            RecordDecision: self._record_decision,
+            CommitEarly: self._commit_early,
+            OpenStandbyPhase: self._open_standby_phase,
+            AwaitStandbyAck: self._await_standby_ack,
+            WithdrawStandbyWait: self._withdraw_standby_wait,
+            StandbySettled: self._standby_settled,
+            MarkDegraded: self._mark_degraded,
+            RetireMarker: self._retire_marker,
+            Answer: self._answer,
+            SendOutcome: self._send_outcome,
+        }
 
     def configure(self, settings: VpnSettings) -> None:
         self.settings[settings.name] = settings
@@ -360,24 +388,34 @@ class Coordinator:
             actions = machine.feed(Input.REMOTE_PREPARED if voted else Input.REMOTE_TIMEOUT)
             if live.phase is not None:
                 live.phase.set_attribute("txn.standby_voted", voted)
-        if Action.REFUSE in actions:
-            await self._forget(txn)
-            raise TransactionRefused(
-                f"{machine.refusal} ({settings.sync_timeout_ms} ms); nothing was applied"
-            )
-        if machine.degraded:
-            log.warning(
-                "VPN %s: transaction %s committed without the standby's prepare (degraded)",
-                txn.vpn,
-                txn.txid,
-            )
-            await self.log.move(txn.txid, "prepared", leaving=("prepared",), degraded=True)
-        assert Action.SEND_BROKER_COMMIT in actions  # noqa: S101 - both votes are in
+        await self._perform_prepared(txn, settings, actions)
         failpoint("coordinator.after-prepare")
         machine.feed(Input.BROKER_COMMIT_SENT)
         live.published = tuple(e.repl_id.value for e in txn.events if isinstance(e, Published))
         for rid in live.published:
             self._committing_ids[rid] = txn.txid
+
+    async def _perform_prepared(
+        self, txn: LocalTransaction, settings: VpnSettings, actions: list[Action]
+    ) -> None:
+        """The actions once the votes are in: refuse, or (maybe degraded) let
+        the broker commit."""
+        for action in actions:
+            if isinstance(action, Forget):
+                await self._forget(txn)
+            elif isinstance(action, Refuse):
+                raise TransactionRefused(
+                    f"{action.reason} ({settings.sync_timeout_ms} ms); nothing was applied"
+                )
+            elif isinstance(action, MarkDegraded):
+                log.warning(
+                    "VPN %s: transaction %s committed without the standby's prepare (degraded)",
+                    txn.vpn,
+                    txn.txid,
+                )
+                await self.log.move(txn.txid, "prepared", leaving=("prepared",), degraded=True)
+        if not any(isinstance(a, SendBrokerCommit) for a in actions):
+            raise TxnProtocolError(f"transaction {txn.txid}: prepared without both votes")
 
     def before_consumed(self, event: Consumed | DeadLettered) -> None:
         """A delivery of ``event``'s message was acked: if a committing
@@ -445,100 +483,118 @@ class Coordinator:
             log.exception("transaction %s: answering the client failed", live.txn.txid)
 
     def _decide(self, live: _Live) -> None:
-        actions = live.machine.feed(Input.BROKER_COMMITTED)
-        if Action.RECORD_DECISION not in actions:
-            return  # decided already (a delivery came first)
+        """The broker committed: the machine records the decision (once)."""
+        self._feed(live, Input.BROKER_COMMITTED)
+
+    def _feed(self, live: _Live, what: Input) -> None:
+        """Feed ``what`` to ``live``'s machine and perform what it answers."""
+        try:
+            actions = live.machine.feed(what)
+        except TxnProtocolError:
+            log.exception("transaction %s: a step out of order", live.txn.txid)
+            self._release(live, False)
+            return
+        self._perform(live, actions)
+
+    def _perform(self, live: _Live, actions: list[Action]) -> None:
+        """The actions after the broker commit, in order (the prepare's are
+        performed by :meth:`_prepare`)."""
+        for action in actions:
+            perform = self._performers.get(type(action))
+            if perform is None:
+                raise TxnProtocolError(f"transaction {live.txn.txid}: {action} after the prepare")
+            perform(live, action)
+
+    def _commit_early(self, live: _Live, action: CommitEarly) -> None:
+        if self.link is not None:
+            # the standby commits from its prepared row while the ledger write runs
+            txn = live.txn
+            self.link.commit_early(
+                txn.vpn, txn.txid, action.first, lambda: self._committed_early(live)
+            )
+
+    def _open_standby_phase(self, live: _Live, action: OpenStandbyPhase) -> None:
+        live.enter("txn.standby_commit")
+
+    def _await_standby_ack(self, live: _Live, action: AwaitStandbyAck) -> None:
+        if not self.sync.wait_standby(
+            live.txn.vpn, action.last, lambda acked: self._standby_answered(live, acked)
+        ):
+            self._feed(live, Input.STANDBY_ACKED)  # no sync gate: nothing to wait for
+
+    def _withdraw_standby_wait(self, live: _Live, action: WithdrawStandbyWait) -> None:
+        # the group waits in the sync gate: the stream's acknowledgement may
+        # come after the VPN's sync timeout, which would count as the
+        # standby falling behind
+        self.sync.withdraw(live.txn.vpn, action.last)
+
+    def _standby_settled(self, live: _Live, action: StandbySettled) -> None:
+        if live.phase is not None:
+            live.phase.set_attribute("txn.standby_applied", action.acked)
+            live.phase.set_attribute("txn.committed_early", action.early)
+        live.enter(None)
+
+    def _mark_degraded(self, live: _Live, action: MarkDegraded) -> None:
+        txn = live.txn
+        log.warning(
+            "VPN %s: transaction %s committed; the standby did not apply it in time",
+            txn.vpn,
+            txn.txid,
+        )
+        self._spawn(
+            self.log.move(
+                txn.txid,
+                "committed",
+                leaving=("prepared", "committed"),
+                degraded=True,
+                ledger_last=action.last_index,
+            )
+        )
+
+    def _retire_marker(self, live: _Live, action: RetireMarker) -> None:
+        # decided and recorded: its marker is not needed any more (the row
+        # ends in the sweep, once the standby's acknowledged index passed it)
+        self._decided.setdefault(live.txn.vpn, set()).add(live.txn.txid)
+
+    def _answer(self, live: _Live, action: Answer) -> None:
+        self._release(live, action.ok)
+
+    def _send_outcome(self, live: _Live, action: SendOutcome) -> None:
+        # After the client's answer: the outcome is bookkeeping. A participant
+        # that committed early needs none (its row left 'prepared' in that
+        # commit, and settles with the stream's copy); one that applied from
+        # the stream, or voted late, does.
+        if self.link is not None:
+            self.link.outcome(live.txn.vpn, live.txn.txid, commit=True)
+
+    def _record_decision(self, live: _Live, action: RecordDecision) -> None:
+        """Append the transaction's events as one group: the decision."""
         for rid in live.published:
             self._committing_ids.pop(rid, None)
         txn = live.txn
         live.enter("txn.decision")
         try:
-            live.last_index = self.ledger.append_group(
+            last = self.ledger.append_group(
                 txn.events, lambda ok: self._decision_durable(live, ok), decision=txn.txid
             )
         except LedgerError as e:
             log.error("VPN %s: transaction %s: decision not recorded: %s", txn.vpn, txn.txid, e)
-            self._release(live, False)
+            self._feed(live, Input.APPEND_FAILED)
             return
-        machine = live.machine
-        if machine.needs_standby and not machine.degraded and self.link is not None:
-            # the standby commits from its prepared row while the ledger write runs
-            first = live.last_index - len(txn.events) + 1
-            self.link.commit_ahead(txn.vpn, txn.txid, first, lambda: self._applied_ahead(live))
-
-    def _applied_ahead(self, live: _Live) -> None:
-        """The standby committed the transaction ahead of the stream."""
-        failpoint("coordinator.after-apply-ahead")
-        live.ahead = True
-        self.stats.applied_ahead[live.txn.vpn] += 1
-        if live.durable:
-            if not live.settled:
-                # the ledger was durable first, so the group waits in the
-                # sync gate: the stream's acknowledgement may come after the
-                # VPN's sync timeout, which would count as the standby
-                # falling behind
-                self.sync.withdraw(live.txn.vpn, live.last_index)
-            self._standby_applied(live, True)
+        self._perform(live, live.machine.appended(last - len(txn.events) + 1, last))
 
     def _decision_durable(self, live: _Live, ok: bool) -> None:
-        txn = live.txn
-        if not ok:
-            self._release(live, False)
-            return
-        live.durable = True
-        if live.machine.degraded:
-            # the standby gets it with the ledger stream (the row, committed
-            # with the group and marked degraded at prepare, ends in the sweep
-            # once the standby has acknowledged the group)
-            self._standby_applied(live, True)
-            return
-        if live.machine.needs_standby:  # sync mode: the client waits for the standby
-            live.enter("txn.standby_commit")
-            if live.ahead:  # it has committed already
-                self._standby_applied(live, True)
-                return
-        if not self.sync.wait_standby(
-            txn.vpn, live.last_index, lambda acked: self._standby_applied(live, acked)
-        ):
-            self._standby_applied(live, True)  # async mode: nothing to wait for
+        self._feed(live, Input.DECISION_DURABLE if ok else Input.DECISION_LOST)
 
-    def _standby_applied(self, live: _Live, acked: bool) -> None:
-        if live.settled:  # applied ahead, and now the stream's ack (or its timeout)
-            return
-        live.settled = True
-        txn = live.txn
-        if live.phase is not None:
-            live.phase.set_attribute("txn.standby_applied", acked)
-            live.phase.set_attribute("txn.applied_ahead", live.ahead)
-        live.enter(None)
-        if not acked and not live.machine.degraded:
-            live.machine.degraded = True  # the broker committed: go on without it
-            log.warning(
-                "VPN %s: transaction %s committed; the standby did not apply it in time",
-                txn.vpn,
-                txn.txid,
-            )
-            self._spawn(
-                self.log.move(
-                    txn.txid,
-                    "committed",
-                    leaving=("prepared", "committed"),
-                    degraded=True,
-                    ledger_last=live.last_index,
-                )
-            )
-        release = Action.RELEASE_COMMIT_OK in live.machine.feed(Input.DECISION_DURABLE)
-        # decided and recorded: its marker is not needed any more (the row
-        # ends in the sweep, once the standby's acknowledged index passed it)
-        self._decided.setdefault(txn.vpn, set()).add(txn.txid)
-        if release:
-            self._release(live, True)
-        if self.link is not None and not live.ahead:
-            # After the client's answer: the outcome is bookkeeping. A
-            # participant that applied ahead needs none (its row left
-            # 'prepared' in that commit, and settles with the stream's
-            # copy); one that applied from the stream, or voted late, does.
-            self.link.outcome(txn.vpn, txn.txid, commit=True)
+    def _committed_early(self, live: _Live) -> None:
+        """The standby committed the transaction early (ahead of the stream)."""
+        failpoint("coordinator.after-early-commit")
+        self.stats.committed_early[live.txn.vpn] += 1
+        self._feed(live, Input.STANDBY_COMMITTED_EARLY)
+
+    def _standby_answered(self, live: _Live, acked: bool) -> None:
+        """The sync gate: the stream acknowledged the group, or timed out."""
+        self._feed(live, Input.STANDBY_ACKED if acked else Input.STANDBY_TIMEOUT)
 
     async def abort(self, txn: LocalTransaction) -> None:
         """The broker commit will not happen (the client left, or rolled back)."""

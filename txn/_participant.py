@@ -5,10 +5,10 @@ On ``TxnPrepare`` it writes the transaction's events as a ``prepared``
 worth what its row is. The transaction's effects reach the standby's
 ``live_message`` through the ledger stream like every other event (the
 active appends them as one group when it decides to commit), or, in sync
-mode, ahead of it from the prepared row (``TxnCommit``: a yes vote
+mode, early, from the prepared row (``TxnCommit``: a yes vote
 returns the events decoded here, and the bridge builds the commit's
 statement from them while the active commits the broker,
-:meth:`bridge._standby.StandbyApplier.ready_ahead`); ``TxnOutcome``
+:meth:`bridge._standby.StandbyApplier.ready_early_commit`); ``TxnOutcome``
 settles the row. After a reconnect the standby asks about every row still
 prepared (``TxnQuery``) and the active answers each once it knows
 (presumed abort: an id the active has no row for was never committed).
@@ -59,7 +59,7 @@ class Participant:
         meanwhile: Callable[[Voted], object] | None = None,
     ) -> Voted | None:
         """Persist ``txid`` as prepared. A yes vote returns the events it
-        was for (encoding and event, for the standby to commit it ahead of
+        was for (encoding and event, for the standby to commit it early, ahead of
         the stream without reading them back); None is a no.
 
         The events are decoded while the database writes the row (the

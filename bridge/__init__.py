@@ -72,7 +72,9 @@ from ._events import (
 from ._failpoints import FAILPOINTS, UnknownFailpoint, armed, failpoint
 from ._frames import (
     DEFAULT_MAX_FRAME_SIZE,
+    PREVIOUS_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
     Ack,
     Checkpoint,
     CheckpointRow,
@@ -105,6 +107,7 @@ from ._ids import (
     id_in_header,
 )
 from ._protocol import CLOSED, NEED_DATA, TRANSITIONS, BridgeConnection, Phase, Sentinel, VpnState
+from ._scope_semantics import anchored, unanchored
 from ._settings import (
     DEFAULT_SYNC_TIMEOUT_MS,
     HostPort,
@@ -411,10 +414,14 @@ __all__ = [
     "UnexpectedFrame",
     "UnknownVpn",
     "VersionMismatch",
+    "anchored",
+    "unanchored",
     "CLOSED",
     "DEFAULT_MAX_FRAME_SIZE",
     "NEED_DATA",
+    "PREVIOUS_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
+    "SUPPORTED_VERSIONS",
     "TRANSITIONS",
     "Ack",
     "BridgeConnection",

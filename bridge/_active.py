@@ -52,7 +52,6 @@ from ._errors import (
     UnknownVpn,
 )
 from ._frames import (
-    PROTOCOL_VERSION,
     Ack,
     Error,
     GetAllResources,
@@ -376,7 +375,7 @@ class BridgeServer:
             if isinstance(item, RemoteProtocolError):
                 self._vpn_fault(peer, item)
             elif isinstance(item, Hello):
-                link.send(Hello(self.site, PROTOCOL_VERSION, Role.ACTIVE))
+                link.send(Hello(self.site, link.conn.version, Role.ACTIVE))
                 log.info("bridge: standby site %r connected from %s", item.site, link.peer)
             elif isinstance(item, GetAllResources):
                 await self._send_resources(peer)

@@ -50,7 +50,9 @@ __all__ = [
     "FRAME_OVERHEAD",
     "FRAME_TYPES",
     "MAGIC",
+    "PREVIOUS_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
+    "SUPPORTED_VERSIONS",
     "Ack",
     "Checkpoint",
     "CheckpointRow",
@@ -80,8 +82,15 @@ __all__ = [
 
 MAGIC: Final = 0xBD
 #: 2: TxnCommit / TxnApplied; 3: TxnApplied answers every TxnCommit;
-#: 4: VpnResource carries expose_id and the index its epoch took over at
-PROTOCOL_VERSION: Final = 4
+#: 4: VpnResource carries expose_id and the index its epoch took over at;
+#: 5: VpnResource's queue patterns are searched in a queue name, not
+#: matched against all of it (see :mod:`bridge._scope_semantics`)
+PROTOCOL_VERSION: Final = 5
+#: The oldest version this node still speaks, so that the two sites can be
+#: upgraded one at a time: a connection runs at the lower of the two ends'
+#: versions (agreed in the Hello exchange), and its frames carry it.
+PREVIOUS_PROTOCOL_VERSION: Final = 4
+SUPPORTED_VERSIONS: Final = frozenset({PREVIOUS_PROTOCOL_VERSION, PROTOCOL_VERSION})
 #: RabbitMQ (3.8+) accepts messages up to 128 MiB by default, and one event
 #: must fit in one frame; 8 MiB on top for properties and framing.
 DEFAULT_MAX_FRAME_SIZE: Final = 136 * 2**20
@@ -215,9 +224,10 @@ class _Frame:
     def read(cls, r: _Reader) -> Self:
         raise NotImplementedError
 
-    def encode(self) -> bytes:
+    def encode(self, version: int = PROTOCOL_VERSION) -> bytes:
+        """The wire bytes, stamped with the connection's protocol ``version``."""
         payload = self.payload()
-        header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, self.TYPE, 0, len(payload))
+        header = _HEADER.pack(MAGIC, version, self.TYPE, 0, len(payload))
         return b"".join((header, payload, _CRC.pack(zlib.crc32(payload, zlib.crc32(header)))))
 
     @classmethod
@@ -871,8 +881,11 @@ def _decode_at(data: bytes | bytearray, pos: int, max_frame_size: int) -> tuple[
     magic, version, ftype, flags, length = _HEADER.unpack_from(data, pos)
     if magic != MAGIC:
         raise BadFrame(f"bad magic byte 0x{magic:02x}: the peer does not speak the bridge protocol")
-    if version != PROTOCOL_VERSION:
-        raise VersionMismatch(f"frame version {version}, this node speaks {PROTOCOL_VERSION}")
+    if version not in SUPPORTED_VERSIONS:
+        raise VersionMismatch(
+            f"frame version {version}, this node speaks versions "
+            f"{PREVIOUS_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"
+        )
     if length > max_frame_size:
         raise BadFrame(f"a {length}-byte frame exceeds the {max_frame_size}-byte limit")
     body_end = pos + _HEADER.size + length

@@ -72,7 +72,9 @@ from ._errors import (
 from ._frames import (
     DEFAULT_MAX_FRAME_SIZE,
     FRAME_OVERHEAD,
+    PREVIOUS_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
     TXN_FRAMES,
     VPN_FRAMES,
     Ack,
@@ -97,6 +99,7 @@ from ._frames import (
     TxnVote,
     VpnResource,
 )
+from ._scope_semantics import anchored, unanchored
 from ._settings import Role
 
 __all__ = [
@@ -322,7 +325,13 @@ class BridgeConnection:
         *,
         known_epochs: Mapping[str, int] | None = None,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        version: int = PROTOCOL_VERSION,
     ) -> None:
+        if version not in SUPPORTED_VERSIONS:
+            raise ValueError(f"this node cannot speak bridge protocol version {version}")
+        #: the version this end speaks: the standby's choice, then the
+        #: lower of the two ends' once the active's Hello has answered
+        self.version = version
         self.our_role = Role(our_role)
         self.their_role = Role.STANDBY if self.our_role is Role.ACTIVE else Role.ACTIVE
         self.our_site = our_site
@@ -386,6 +395,7 @@ class BridgeConnection:
                 frame = self._reader.next_frame()
                 if frame is None:
                     return self._no_frame()
+                frame = _from_version(frame, self.version)
                 accepted = self._process(self.their_role, frame, sending=False)
             except RemoteProtocolError as e:
                 if e.closes_connection:
@@ -397,7 +407,7 @@ class BridgeConnection:
 
     def send(self, frame: Frame) -> bytes:
         """The bytes of ``frame``, if we may send it now."""
-        data = frame.encode()
+        data = _for_version(frame, self.version).encode(self.version)
         size = len(data) - FRAME_OVERHEAD
         if size > self.max_frame_size:
             raise LocalProtocolError(
@@ -449,14 +459,22 @@ class BridgeConnection:
 
     def _check_hello(self, hello: Hello, *, sending: bool) -> None:
         if sending:
-            ours = (self.our_site, self.our_role, PROTOCOL_VERSION)
+            ours = (self.our_site, self.our_role, self.version)
             if (hello.site, hello.role, hello.version) != ours:
                 raise LocalProtocolError(f"may not send {hello}: this end is {ours}")
             return
-        if hello.version != PROTOCOL_VERSION:
+        # The standby proposes its version; the active speaks it if it can and
+        # answers with it, and the standby accepts no other answer.
+        if hello.version not in SUPPORTED_VERSIONS or hello.version > self.version:
             raise VersionMismatch(
-                f"peer {hello.site!r} speaks version {hello.version}, this node {PROTOCOL_VERSION}"
+                f"peer {hello.site!r} speaks version {hello.version}, this node "
+                f"{PREVIOUS_PROTOCOL_VERSION} to {self.version}"
             )
+        if self.our_role is Role.STANDBY and hello.version != self.version:
+            raise VersionMismatch(
+                f"peer {hello.site!r} answered version {hello.version} to {self.version}"
+            )
+        self.version = hello.version
         if hello.role is self.our_role:
             raise RoleConflict(f"peer {hello.site!r} is {hello.role} too")
         if hello.site == self.our_site:
@@ -602,3 +620,29 @@ class BridgeConnection:
             what = f"Ack of {frame.index}, outside {stream.acked}..{stream.through}"
             raise self._illegal(sending, what, frame.vpn)
         return replace(stream, acked=frame.index)
+
+
+def _for_version(frame: Frame, version: int) -> Frame:
+    """``frame`` as a peer of ``version`` reads it: before version 5 a queue
+    pattern matched the whole name, so a searched one is sent rewritten."""
+    if version < 5 and isinstance(frame, ResourceList):
+        return ResourceList(
+            tuple(
+                replace(v, queue_patterns=tuple(unanchored(p) for p in v.queue_patterns))
+                for v in frame.vpns
+            )
+        )
+    return frame
+
+
+def _from_version(frame: Frame, version: int) -> Frame:
+    """``frame`` from a peer of ``version`` with this version's meaning: the
+    inverse of :func:`_for_version` (a whole-name pattern becomes anchored)."""
+    if version < 5 and isinstance(frame, ResourceList):
+        return ResourceList(
+            tuple(
+                replace(v, queue_patterns=tuple(anchored(p) for p in v.queue_patterns))
+                for v in frame.vpns
+            )
+        )
+    return frame

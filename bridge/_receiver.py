@@ -53,9 +53,11 @@ from ._errors import (
     RemoteProtocolError,
     StaleEpoch,
     UnknownVpn,
+    VersionMismatch,
 )
 from ._failpoints import failpoint
 from ._frames import (
+    PREVIOUS_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Ack,
     Checkpoint,
@@ -177,6 +179,10 @@ class BridgeClient:
         self._adoption: VpnAdoption | None = None
         #: Established sessions so far (tests and status).
         self.sessions = 0
+        #: the bridge protocol version the next connection proposes: the
+        #: newest, or the previous one for an active that refused the newest
+        #: (an active not yet upgraded); back to the newest after a session
+        self.version = PROTOCOL_VERSION
         #: the transaction link: the participant's prepares and outcomes, and
         #: early commits (the node sets its participant)
         self.txn_link = StandbyTxnLink(dsn)
@@ -323,12 +329,14 @@ class BridgeClient:
             for vpn in session.workers:
                 self._set_state(vpn, DISCONNECTED)
             self._link = None
+            if session.established:  # the active may have been upgraded since
+                self.version = PROTOCOL_VERSION
             await link.close()
 
     async def _connect(self) -> Link:
         reader, writer = await dial(self.peer, self._ssl, self.connect_timeout)
         epochs = await self._known_epochs()
-        conn = BridgeConnection(Role.STANDBY, self.site, known_epochs=epochs)
+        conn = BridgeConnection(Role.STANDBY, self.site, known_epochs=epochs, version=self.version)
         return Link(conn, reader, writer, str(self.peer), self.heartbeat_timeout)
 
     async def _known_epochs(self) -> dict[str, int]:
@@ -338,14 +346,27 @@ class BridgeClient:
 
     async def _greet(self, link: Link) -> None:
         try:
-            link.send(Hello(self.site, PROTOCOL_VERSION, Role.STANDBY))
+            link.send(Hello(self.site, self.version, Role.STANDBY))
             answer = await link.next_frame()
         except LinkClosed as e:
             raise self._hung_up(e.text) from e
         if answer is None:
             raise self._hung_up("it closed the link before answering Hello")
         if isinstance(answer, Error):
-            raise answer.exception()
+            refusal = answer.exception()
+            if isinstance(refusal, VersionMismatch) and self.version > PREVIOUS_PROTOCOL_VERSION:
+                # An active of the previous release: speak its version from
+                # the next dial on (the standby is upgraded first).
+                self.version = PREVIOUS_PROTOCOL_VERSION
+                log.info(
+                    "bridge: the active at %s refused protocol version %d (%s); "
+                    "speaking version %d",
+                    self.peer,
+                    PROTOCOL_VERSION,
+                    refusal.text,
+                    self.version,
+                )
+            raise refusal
         if not isinstance(answer, Hello):  # pragma: no cover - the protocol allows nothing else
             raise PeerFailure(f"expected Hello, got {type(answer).__name__}")
         log.info("bridge: connected to active site %r at %s", answer.site, self.peer)

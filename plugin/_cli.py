@@ -18,6 +18,7 @@ from bridge import (
     BridgeError,
     InvalidSettings,
     ManagementAPI,
+    ManagementUnavailable,
     Mode,
     Role,
     SyncTimeoutPolicy,
@@ -109,7 +110,37 @@ def _cmd_vpn_enable(cfg: SiteConfig, args: argparse.Namespace) -> int:
         created = enable_vpn(conn, settings, cfg.site_name)
     verb = "enabled" if created else "updated"
     print(f"VPN {settings.name!r} {verb}: role {settings.role}, mode {settings.mode}")
+    _print_scope(cfg, settings)
     return EXIT_OK
+
+
+def _print_scope(cfg: SiteConfig, settings: VpnSettings) -> None:
+    """Which of the VPN's queues at the broker now the scope takes; a pattern
+    that matches none of them is warned about. The VPN stays enabled when
+    the broker cannot be asked: the report is advice."""
+    from urllib.parse import quote
+
+    from ._scope_report import scope_report
+    from ._topology import ReplicationScope
+
+    scope = ReplicationScope.of(settings)
+    if scope.everything:
+        print("  scope: every queue of the VPN")
+        return
+    api = ManagementAPI(cfg.management_url, timeout=5)
+    try:
+        listed = api.get(f"queues/{quote(settings.name, safe='')}?columns=name")
+    except ManagementUnavailable as e:
+        if e.not_found:
+            print(
+                f"  the broker has no vhost {settings.name!r} yet: no queue to check the scope on"
+            )
+        else:
+            print(f"  cannot list the VPN's queues to check the scope: {e}")
+        return
+    names = [q["name"] for q in listed if isinstance(q, dict) and "name" in q]  # type: ignore[union-attr]
+    for line in scope_report(scope, names).lines():
+        print(line)
 
 
 def _cmd_vpn_disable(cfg: SiteConfig, args: argparse.Namespace) -> int:

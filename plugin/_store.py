@@ -81,21 +81,35 @@ def add_broker_depths(doc: dict[str, Any], api: Any) -> None:
 
     Publishes that bypass the listener (management UI, direct clients) are
     not replicated; a broker depth above the replicated live count shows
-    them. ``api`` is a :class:`~plugin._refresher.ManagementAPI`; when the
-    broker cannot be asked, ``broker_queues`` is null and ``broker_error``
-    says why, and the rest of the status stands.
+    them. ``out_of_scope`` names the queues holding persistent messages that
+    the VPN's scope does not take (see :func:`~plugin._scope_report.out_of_scope`).
+    ``api`` is a :class:`bridge.ManagementAPI`; when the broker cannot be
+    asked, ``broker_queues`` and ``out_of_scope`` are null and
+    ``broker_error`` says why, and the rest of the status stands.
     """
     from urllib.parse import quote
 
-    from bridge import ManagementUnavailable
+    from bridge import ManagementUnavailable, TopicFilter
+
+    from ._scope_report import out_of_scope
+    from ._topology import ReplicationScope
 
     for vpn in doc["vpns"]:
+        path = f"queues/{quote(vpn['name'], safe='')}?columns=name,messages,messages_persistent"
         try:
-            queues = api.get(f"queues/{quote(vpn['name'], safe='')}?columns=name,messages")
-            vpn["broker_queues"] = {q["name"]: q.get("messages", 0) for q in queues}
+            queues = api.get(path)
         except ManagementUnavailable as e:
             vpn["broker_queues"] = None
+            vpn["out_of_scope"] = None
             vpn["broker_error"] = str(e)
+            continue
+        vpn["broker_queues"] = {q["name"]: q.get("messages", 0) for q in queues}
+        scope = ReplicationScope(
+            tuple(vpn["scope"]["queues"]),
+            tuple(TopicFilter.parse(t) for t in vpn["scope"]["topics"]),
+        )
+        persistent = {q["name"]: q.get("messages_persistent", 0) for q in queues}
+        vpn["out_of_scope"] = out_of_scope(scope, persistent, vpn["queues"])
 
 
 def status(conn: psycopg.Connection[dict[str, Any]], site: str) -> dict[str, Any]:

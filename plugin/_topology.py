@@ -736,7 +736,7 @@ class ReplicationScope:
         return self._learn_queue(queue) if hit is None else hit
 
     def _learn_queue(self, queue: str) -> bool:
-        hit = any(r.fullmatch(queue) for r in self._regexes)
+        hit = any(r.search(queue) for r in self._regexes)
         if len(self._queue_memo) >= _SCOPE_MEMO_LIMIT:
             self._queue_memo.clear()
         self._queue_memo[queue] = hit

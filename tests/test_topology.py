@@ -774,8 +774,8 @@ def test_scope_without_filters_is_everything():
     assert scope.in_scope("any", "key", QS) is QS
 
 
-def test_scope_queue_regexes_fullmatch():
-    scope = ReplicationScope(("orders\\.\\d", "aud"))
+def test_scope_queue_regexes_are_searched():
+    scope = ReplicationScope(("^orders\\.\\d", "^aud$"))
     assert scope.in_scope("x", "k", QS) == {"orders.1", "orders.2"}
     assert scope.in_scope("x", "k", QS) == {"orders.1", "orders.2"}  # memoised
     assert scope.in_scope("x", "k", frozenset({"orders.1"})) == {"orders.1"}

@@ -376,7 +376,12 @@ class BridgeServer:
                 self._vpn_fault(peer, item)
             elif isinstance(item, Hello):
                 link.send(Hello(self.site, link.conn.version, Role.ACTIVE))
-                log.info("bridge: standby site %r connected from %s", item.site, link.peer)
+                log.info(
+                    "bridge: standby site %r connected from %s (protocol version %d)",
+                    item.site,
+                    link.peer,
+                    link.conn.version,
+                )
             elif isinstance(item, GetAllResources):
                 await self._send_resources(peer)
             elif isinstance(item, SyncRequest):

@@ -369,7 +369,12 @@ class BridgeClient:
             raise refusal
         if not isinstance(answer, Hello):  # pragma: no cover - the protocol allows nothing else
             raise PeerFailure(f"expected Hello, got {type(answer).__name__}")
-        log.info("bridge: connected to active site %r at %s", answer.site, self.peer)
+        log.info(
+            "bridge: connected to active site %r at %s (protocol version %d)",
+            answer.site,
+            self.peer,
+            answer.version,
+        )
         self.peer_site = answer.site
         link.send(GetAllResources())
 

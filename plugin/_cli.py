@@ -138,7 +138,8 @@ def _print_scope(cfg: SiteConfig, settings: VpnSettings) -> None:
         else:
             print(f"  cannot list the VPN's queues to check the scope: {e}")
         return
-    names = [q["name"] for q in listed if isinstance(q, dict) and "name" in q]  # type: ignore[union-attr]
+    rows = listed if isinstance(listed, list) else []
+    names = [str(q["name"]) for q in rows if isinstance(q, dict) and "name" in q]
     for line in scope_report(scope, names).lines():
         print(line)
 

@@ -462,11 +462,21 @@ class LocalNode:
     on the terminal is for the caller to pass on), healthy once its admin
     endpoint answers ``/health``."""
 
-    def __init__(self, site: LocalSite, config: Path, log: Path, name: str | None = None) -> None:
+    def __init__(
+        self,
+        site: LocalSite,
+        config: Path,
+        log: Path,
+        name: str | None = None,
+        code: Path | None = None,
+    ) -> None:
+        """``code``: a directory holding another release's packages to run
+        instead of these (an upgrade test's previous release)."""
         self.site = site
         self.config = config
         self.log = log
         self.name = name or site.name
+        self.code = code
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -487,6 +497,7 @@ class LocalNode:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
+                cwd=self.code,  # ``-m plugin`` imports from there first
                 start_new_session=True,
             )
         deadline = time.monotonic() + timeout

@@ -62,9 +62,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -167,6 +167,9 @@ class WriterStats:
     entries: int = 0
     failed_attempts: int = 0
     applies: int = 0
+    #: entries in one committed ledger transaction -> how many such commits
+    #: (``vpnrepl_ledger_commit_entries``: how well group commit batches)
+    batch_sizes: Counter[int] = field(default_factory=Counter)
 
 
 @dataclass(slots=True)
@@ -693,6 +696,7 @@ class LedgerWriter:
     def _resolve(self, batch: list[_Pending], entries: list[LedgerEntry]) -> None:
         self.stats.batches += 1
         self.stats.entries += len(batch)
+        self.stats.batch_sizes[len(batch)] += 1
         for e in entries:
             self._vpns[e.vpn].durable = e.index
         if self._decisions:

@@ -150,6 +150,11 @@ class Replicator:
         gate = self.gates.get(vpn)
         return gate is None or gate.eligible
 
+    def degradations(self) -> dict[str, int]:
+        """Per sync-mode VPN: how often its sync timeout made it ineligible
+        since this node started (a VPN switched to async loses its count)."""
+        return {vpn: gate.degradations for vpn, gate in self.gates.items()}
+
     def start(self) -> None:
         """Nothing runs until a publish waits for the standby (:meth:`_wait`)."""
 

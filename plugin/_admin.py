@@ -1,105 +1,124 @@
-"""The admin HTTP endpoint on ``listen.admin``: health, status JSON, metrics,
-and which VPNs this site serves (``/vpns/VPN/active``, for a load balancer's or
-a DNS health check: 200 where the VPN is active and admits clients, 503
-elsewhere).
+"""The admin HTTP endpoint on ``listen.admin`` (aiohttp).
 
-A deliberately tiny HTTP/1.1 server (GET only, ``Connection: close``) on
-asyncio streams: three read-only resources do not justify a web framework,
-and the endpoint should bind to loopback (the default ``127.0.0.1:9480``).
+* ``/``: the status page (``_static/status.html``), which polls the two
+  JSON resources below and draws the lag of the last minutes;
+* ``/health``: ``ok`` while the node runs;
+* ``/status``: the ``status --json`` document, with broker depths;
+* ``/status/history``: per VPN, the lag samples of the last minutes;
+* ``/metrics``: Prometheus exposition;
+* ``/vpns/VPN/active``: 200 where the VPN is active and admits clients, 503
+  elsewhere (for a load balancer's or a DNS health check).
+
+Every resource is read-only and GET (HEAD) only. The endpoint binds to
+loopback by default (``127.0.0.1:9480``): it has no authentication, and the
+README says how to put it behind a proxy that adds it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
+from importlib import resources
 from typing import Any
-from urllib.parse import unquote
+
+from aiohttp import web
+
+from ._lag_history import LagHistory
+from ._metrics import CONTENT_TYPE
 
 __all__ = ["AdminServer"]
 
 log = logging.getLogger(__name__)
 
-_MAX_REQUEST_LINE = 8192
+_HINT = "try /, /health, /status, /status/history, /metrics or /vpns/VPN/active\n"
 
 
 class AdminServer:
-    """Serves ``/health``, ``/status`` and ``/metrics``."""
+    """Serves the status page and its resources."""
 
     def __init__(
         self,
         status: Callable[[], Awaitable[dict[str, Any]]],
-        metrics: Callable[[], str],
-        serves: Callable[[str], bool] | None = None,
+        metrics: Callable[[], Awaitable[bytes]],
+        serves: Callable[[str], bool],
+        history: LagHistory,
     ) -> None:
-        """``serves(vpn)``: the VPN is active here and admits clients."""
+        """``status()``: the status document; ``metrics()``: the exposition
+        body; ``serves(vpn)``: the VPN is active here and admits clients."""
         self._status = status
         self._metrics = metrics
         self._serves = serves
-        self._server: asyncio.Server | None = None
+        self._history = history
+        self._page = resources.files(__package__).joinpath("_static/status.html").read_bytes()
+        app = web.Application(middlewares=[_plain_errors])
+        app.router.add_get("/", self._index)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/status", self._status_json)
+        app.router.add_get("/status/history", self._history_json)
+        app.router.add_get("/metrics", self._metrics_text)
+        app.router.add_get("/vpns/{vpn:.+}/active", self._active)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._site: web.TCPSite | None = None
 
     async def start(self, host: str, port: int) -> None:
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, host, port, shutdown_timeout=1.0)
         try:
-            self._server = await asyncio.start_server(self._handle, host, port)
+            await self._site.start()
         except OSError as e:
+            await self._runner.cleanup()
             raise OSError(
                 e.errno, f"cannot listen for admin HTTP on {host}:{port}: {e.strerror}"
             ) from e
 
     @property
     def port(self) -> int:
-        assert self._server is not None  # noqa: S101 - after start()
-        return int(self._server.sockets[0].getsockname()[1])
+        server = self._runner.server
+        sockets = self._runner.addresses
+        assert server is not None and sockets  # noqa: S101 - after start()
+        return int(sockets[0][1])
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        await self._runner.cleanup()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), 10)
-            while (await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b"\n", b""):
-                pass
-            status, ctype, body = await self._respond(line[:_MAX_REQUEST_LINE])
-        except (TimeoutError, ConnectionError):
-            writer.close()
-            return
-        head = (
-            f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-        )
-        writer.write(head.encode() + body)
-        try:
-            await writer.drain()
-        except ConnectionError:
-            pass
-        writer.close()
+    async def _index(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._page, content_type="text/html", charset="utf-8")
 
-    async def _respond(self, line: bytes) -> tuple[str, str, bytes]:
-        parts = line.decode("latin-1").split()
-        if len(parts) < 2 or parts[0] != "GET":
-            return "405 Method Not Allowed", "text/plain", b"only GET is served\n"
-        path = parts[1].split("?", 1)[0]
-        if path == "/health":
-            return "200 OK", "text/plain", b"ok\n"
-        if path == "/status":
-            try:
-                doc = await self._status()
-            except Exception as e:  # the status page must say why, not hang up
-                log.warning("status failed: %s", e)
-                return "503 Service Unavailable", "text/plain", f"{e}\n".encode()
-            return "200 OK", "application/json", json.dumps(doc).encode()
-        if path == "/metrics":
-            return "200 OK", "text/plain; version=0.0.4", self._metrics().encode()
-        if path.startswith("/vpns/") and path.endswith("/active") and self._serves is not None:
-            vpn = unquote(path[len("/vpns/") : -len("/active")])
-            if vpn and self._serves(vpn):
-                return "200 OK", "text/plain", f"{vpn}: active here\n".encode()
-            return "503 Service Unavailable", "text/plain", f"{vpn}: not active here\n".encode()
-        return (
-            "404 Not Found",
-            "text/plain",
-            b"try /health, /status, /metrics or /vpns/VPN/active\n",
-        )
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _status_json(self, request: web.Request) -> web.Response:
+        try:
+            doc = await self._status()
+        except Exception as e:  # the page must say why, not hang up
+            log.warning("status failed: %s", e)
+            return web.Response(status=503, text=f"{e}\n")
+        return web.json_response(doc)
+
+    async def _history_json(self, request: web.Request) -> web.Response:
+        return web.json_response(self._history.as_json())
+
+    async def _metrics_text(self, request: web.Request) -> web.Response:
+        body = await self._metrics()
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = CONTENT_TYPE
+        return response
+
+    async def _active(self, request: web.Request) -> web.Response:
+        vpn = request.match_info["vpn"]
+        if self._serves(vpn):
+            return web.Response(text=f"{vpn}: active here\n")
+        return web.Response(status=503, text=f"{vpn}: not active here\n")
+
+
+@web.middleware
+async def _plain_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A 404 names the resources there are; a 405 says only GET is served."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.Response(status=404, text=_HINT)
+    except web.HTTPMethodNotAllowed:
+        return web.Response(status=405, text="only GET is served\n", headers={"Allow": "GET, HEAD"})

@@ -152,29 +152,55 @@ def _cmd_vpn_disable(cfg: SiteConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
-    with connect(cfg.store_dsn) as conn:
-        doc = status(conn, cfg.site_name)
-    add_broker_depths(doc, ManagementAPI(cfg.management_url, timeout=5))
-    if args.json:
-        print(json.dumps(doc))
+    import time
+
+    from ._status_table import render
+
+    api = ManagementAPI(cfg.management_url, timeout=5)
+
+    def once() -> None:
+        with connect(cfg.store_dsn) as conn:
+            doc = status(conn, cfg.site_name)
+        add_broker_depths(doc, api)
+        if args.json:
+            print(json.dumps(doc), flush=True)
+        else:
+            print(render(doc), end="", flush=True)
+
+    if args.watch is None:
+        once()
         return EXIT_OK
-    print(f"site {doc['site']}")
-    if not doc["vpns"]:
-        print("  no VPN is enabled for replication")
-    for v in doc["vpns"]:
-        print(
-            f"  {v['name']}: {v['role']} epoch {v['epoch']} {v['mode']}"
-            f"{'' if v['sync_eligible'] else ' (sync-ineligible)'}"
-            f"{' FENCED' if v['fenced'] else ''}, bridge {v['bridge']}, "
-            f"ledger {v['ledger_index']} applied {v['applied_index']} "
-            f"lag {v['lag_events']} ev/{v['lag_seconds']} s, in-doubt txns {v['in_doubt_txns']}"
-        )
-        broker = v.get("broker_queues") or {}
-        for queue, count in v["queues"].items():
-            print(f"    {queue}: {count} replicated live, {broker.get(queue, '?')} at the broker")
-        if v.get("broker_error"):
-            print(f"    broker depths unavailable: {v['broker_error']}")
-    return EXIT_OK
+    clear = not args.json and sys.stdout.isatty()
+    first = True
+    try:
+        while True:
+            if clear:
+                print("\x1b[H\x1b[2J", end="")
+            if not args.json:
+                print(f"{time.strftime('%H:%M:%S')}, every {args.watch:g} s (Ctrl-C stops)")
+            try:
+                once()
+            except PluginError as e:
+                if first:
+                    raise
+                print(f"vpnrepl: status unavailable: {e}", file=sys.stderr, flush=True)
+            first = False
+            if not clear and not args.json:
+                print()
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _seconds(text: str) -> float:
+    """``--watch``'s interval: a number of seconds, at least 0.5."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.5 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"{text!r}: the interval must be 0.5 to 86400 seconds")
+    return value
 
 
 class _ProgressBar:
@@ -345,7 +371,15 @@ def _build_parser() -> _Parser:
     d.set_defaults(run=_cmd_vpn_disable)
 
     s = sub.add_parser("status", help="per VPN: role, epoch, mode, lag, in-doubt txns, bridge")
-    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument(
+        "--json", action="store_true", help="print one JSON object (one line per refresh)"
+    )
+    s.add_argument(
+        "--watch",
+        type=_seconds,
+        metavar="N",
+        help="refresh every N seconds until interrupted",
+    )
     s.set_defaults(run=_cmd_status)
     c = sub.add_parser("promote", help="standby -> active (after a disaster, or a switchover)")
     c.add_argument("vpn", metavar="VPN")

@@ -27,6 +27,8 @@ class VpnView:
     topology: Topology
     #: consumers see our id header (``vpn enable --expose-id``)
     expose_id: bool = False
+    #: ``sync`` or ``async``, as last read from the site's settings
+    mode: str = "async"
     #: why clients are refused (530) although the VPN is active here: its
     #: promotion is still running, or a newer epoch took it over (fenced)
     refusal: str | None = None

@@ -23,6 +23,7 @@ import functools
 import logging
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +150,9 @@ class _ClientSide(asyncio.Protocol):
         self._close_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._durable: list[tuple[ConfirmKey, bool]] = []
+        #: confirm key -> when its publish went to the sink (monotonic): the
+        #: confirm-delay histogram's start
+        self._held: dict[ConfirmKey, float] = {}
 
     # client transport callbacks ------------------------------------------
 
@@ -238,6 +242,7 @@ class _ClientSide(asyncio.Protocol):
         sink = self.listener.sink
         if out.events:
             self._count(out.events)
+            self._hold(out.events)
             sink.append_many(out.events, self._durable_notice)
         for txn in out.prepare:
             self._spawn(self._prepare(txn, self._start_prepare(txn)))
@@ -262,6 +267,26 @@ class _ClientSide(asyncio.Protocol):
                 if type(event) is not Published:
                     counts[(vpn, EVENT_KINDS[type(event)])] += 1
 
+    def _hold(self, events: list[tuple[Event, ConfirmKey | None]]) -> None:
+        now = time.monotonic()
+        held = self._held
+        for _, key in events:
+            if key is not None:
+                held[key] = now
+
+    def _observe_held(self, done: list[tuple[ConfirmKey, bool]]) -> None:
+        """Each released confirm's time in the sink, into the VPN's
+        ``vpnrepl_confirm_delay_seconds`` buckets for its current mode."""
+        vpn = self.session.vhost or ""
+        view = self.listener.directory.lookup(vpn)
+        buckets = self.listener.stats.confirm_delay(vpn, view.mode if view else "unknown")
+        now = time.monotonic()
+        held = self._held
+        for key, _ in done:
+            start = held.pop(key, None)
+            if start is not None:
+                buckets.observe(now - start)
+
     def _durable_notice(self, key: ConfirmKey, ok: bool) -> None:
         """The sink's verdict on one replicated publish; collected for one
         release pass per loop turn (:meth:`_flush_durable`)."""
@@ -273,6 +298,7 @@ class _ClientSide(asyncio.Protocol):
         """Release held confirms for every durable notice of this loop turn
         at once: one pass over the pending confirms, one write."""
         done, self._durable = self._durable, []
+        self._observe_held(done)
         if not self._closed:
             self.apply(self.session.replicated_done(done))
 

@@ -1,26 +1,74 @@
-"""Metrics: OpenTelemetry SDK instruments, read out as Prometheus text.
+"""Metrics for Prometheus, exposed through ``prometheus_client``.
 
-The hot path never touches an instrument: the listener keeps plain integer
-counters (:class:`ListenerStats`) and observable instruments read them when
-``/metrics`` is scraped, so a publish costs an ``int`` increment, not an SDK
-call. Rendering to the Prometheus text format is done here from the SDK's
-in-memory reader, which avoids a dependency on a separate exporter package.
+The hot path never calls into a metrics library: the listener keeps plain
+counters (:class:`ListenerStats`, a :class:`Buckets` per VPN and mode for the
+confirm delay), the ledger writer and the coordinator keep theirs, and a
+custom collector reads them all when ``/metrics`` is scraped. Per-VPN state
+(lag, indexes, eligibility, bridge, in-doubt transactions) comes from the
+same status document ``vpnrepl status --json`` prints, read at scrape time,
+so the two never disagree. ``prometheus_client`` writes the exposition
+format; nothing here renders text by hand.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import Gauge, InMemoryMetricReader, Sum
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from bridge import WriterStats
 from txn import TxnStats
 
-__all__ = ["ListenerStats", "Metrics"]
+__all__ = ["CONTENT_TYPE", "Buckets", "ListenerStats", "Metrics"]
+
+#: the ``Content-Type`` of :meth:`Metrics.render`
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+#: upper bounds (seconds) of the confirm-delay buckets: a sync confirm waits
+#: for two commits and a round trip (a few ms); a degrading one for the sync
+#: timeout (default 2 s)
+CONFIRM_DELAY_BOUNDS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+#: upper bounds of the ledger commit size buckets (entries per transaction)
+COMMIT_ENTRIES_BOUNDS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
+class Buckets:
+    """A histogram's state, cheap to update inline: one ``bisect`` and two
+    additions per observation."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...] = CONFIRM_DELAY_BOUNDS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """``(le, count)`` pairs as the exposition format has them."""
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += n
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        return out
 
 
 @dataclass
@@ -33,95 +81,218 @@ class ListenerStats:
     events: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: reply code -> client connections closed by the listener for bad input
     protocol_closes: Counter[int] = field(default_factory=Counter)
+    #: (vpn, mode) -> how long publisher confirms were held for replication
+    confirm_held: dict[tuple[str, str], Buckets] = field(default_factory=dict)
+
+    def confirm_delay(self, vpn: str, mode: str) -> Buckets:
+        """The buckets a connection of ``vpn`` in ``mode`` observes into."""
+        key = (vpn, mode)
+        buckets = self.confirm_held.get(key)
+        if buckets is None:
+            buckets = self.confirm_held[key] = Buckets()
+        return buckets
 
 
 class Metrics:
-    """One meter provider per node; instruments registered by component."""
+    """One registry per node; :meth:`render` is the ``/metrics`` body."""
 
     def __init__(self) -> None:
-        self._reader = InMemoryMetricReader()
-        self._provider = MeterProvider(metric_readers=[self._reader])
-        self.meter = self._provider.get_meter("vpnrepl")
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._listener: ListenerStats | None = None
+        self._txn: TxnStats | None = None
+        self._ledger: WriterStats | None = None
+        self._degradations: Callable[[], Mapping[str, int]] | None = None
+        #: the status document of the scrape under way (None: the store was
+        #: unreachable)
+        self._status: dict[str, Any] | None = None
+        self.registry.register(_Collector(self))
 
     def observe_listener(self, stats: ListenerStats) -> None:
-        def gauge(read: Callable[[], int]) -> Callable[[CallbackOptions], Iterable[Observation]]:
-            return lambda _: [Observation(read())]
-
-        self.meter.create_observable_up_down_counter(
-            "vpnrepl_client_connections",
-            callbacks=[gauge(lambda: stats.connections_open)],
-            description="client connections open through the listener",
-        )
-        self.meter.create_observable_counter(
-            "vpnrepl_client_connections_total",
-            callbacks=[gauge(lambda: stats.connections_total)],
-            description="client connections accepted by the listener",
-        )
-        self.counted(
-            "vpnrepl_events_total",
-            stats.events,
-            ("vpn", "kind"),
-            "replication events handed to the sink",
-        )
-        self.counted(
-            "vpnrepl_protocol_closes_total",
-            stats.protocol_closes,
-            ("reply_code",),
-            "client connections closed for bad input, by AMQP reply code",
-        )
+        self._listener = stats
 
     def observe_txn(self, stats: TxnStats) -> None:
-        self.counted(
-            "vpnrepl_txn_total",
-            stats.outcomes,
-            ("vpn", "outcome"),
-            "local transactions coordinated here, by VPN and outcome",
-        )
-        self.counted(
-            "vpnrepl_txn_applied_ahead_total",
-            stats.committed_early,
-            ("vpn",),
-            "transactions the standby committed before their ledger stream copy",
-        )
+        self._txn = stats
 
-    def counted(
-        self, name: str, counts: Counter[Any], labels: tuple[str, ...], description: str
-    ) -> None:
-        """An observable counter read from ``counts``, whose keys are the
-        label values (a tuple, or the one value when there is one label)."""
+    def observe_ledger(self, stats: WriterStats) -> None:
+        self._ledger = stats
 
-        def observe(_: CallbackOptions) -> Iterable[Observation]:
-            for key, n in list(counts.items()):
-                values = key if isinstance(key, tuple) else (key,)
-                yield Observation(n, {k: str(v) for k, v in zip(labels, values, strict=True)})
+    def observe_sync(self, degradations: Callable[[], Mapping[str, int]]) -> None:
+        """``degradations()``: VPN -> sync timeouts that cost eligibility."""
+        self._degradations = degradations
 
-        self.meter.create_observable_counter(name, callbacks=[observe], description=description)
+    def render(self, status: dict[str, Any] | None = None) -> bytes:
+        """The exposition text; ``status`` is this site's status document
+        (``None`` when its store could not be read: ``vpnrepl_store_up 0``
+        and no per-VPN state)."""
+        self._status = status
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._status = None
 
     def prometheus_text(self) -> str:
-        lines: list[str] = []
-        data = self._reader.get_metrics_data()
-        for rm in data.resource_metrics if data is not None else ():
-            for sm in rm.scope_metrics:
-                for metric in sm.metrics:
-                    kind = "gauge"
-                    if isinstance(metric.data, Sum) and metric.data.is_monotonic:
-                        kind = "counter"
-                    elif not isinstance(metric.data, Sum | Gauge):
-                        continue
-                    lines.append(f"# HELP {metric.name} {metric.description}")
-                    lines.append(f"# TYPE {metric.name} {kind}")
-                    for point in metric.data.data_points:
-                        labels = ",".join(
-                            f'{k}="{_escape(str(v))}"'
-                            for k, v in sorted((point.attributes or {}).items())
-                        )
-                        name = metric.name + (f"{{{labels}}}" if labels else "")
-                        lines.append(f"{name} {point.value}")
-        return "\n".join(lines) + "\n"
-
-    def shutdown(self) -> None:
-        self._provider.shutdown()
+        """The process counters alone (no per-VPN state): for tests."""
+        return generate_latest(self.registry).decode()
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class _Collector:
+    """Reads every source when the registry is collected."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        if m._listener is not None:
+            yield from _listener_families(m._listener)
+        if m._txn is not None:
+            yield _counter(
+                "vpnrepl_txn",
+                "local transactions coordinated here, by VPN and outcome",
+                ("vpn", "outcome"),
+                m._txn.outcomes,
+            )
+            yield _counter(
+                "vpnrepl_txn_applied_ahead",
+                "transactions the standby committed before their ledger stream copy",
+                ("vpn",),
+                m._txn.committed_early,
+            )
+        if m._ledger is not None:
+            yield _commit_entries(m._ledger)
+        if m._status is not None or m._degradations is not None:
+            yield from _vpn_families(m._status, m._degradations)
+
+
+def _counter(
+    name: str, doc: str, labels: tuple[str, ...], counts: Mapping[Any, int]
+) -> CounterMetricFamily:
+    """A counter family from ``counts``, whose keys are the label values (a
+    tuple, or the one value when there is one label)."""
+    family = CounterMetricFamily(name, doc, labels=list(labels))
+    for key, n in list(counts.items()):
+        values = key if isinstance(key, tuple) else (key,)
+        family.add_metric([str(v) for v in values], n)
+    return family
+
+
+def _listener_families(stats: ListenerStats) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "vpnrepl_client_connections_open",
+        "client connections open through the listener",
+        value=stats.connections_open,
+    )
+    yield CounterMetricFamily(
+        "vpnrepl_client_connections",
+        "client connections accepted by the listener",
+        value=stats.connections_total,
+    )
+    yield _counter(
+        "vpnrepl_events",
+        "replication events handed to the sink",
+        ("vpn", "kind"),
+        stats.events,
+    )
+    yield _counter(
+        "vpnrepl_protocol_closes",
+        "client connections closed for bad input, by AMQP reply code",
+        ("reply_code",),
+        stats.protocol_closes,
+    )
+    delay = HistogramMetricFamily(
+        "vpnrepl_confirm_delay_seconds",
+        "time a publisher confirm was held for replication (ledger commit, and "
+        "in sync mode the standby's), by VPN and mode",
+        labels=["vpn", "mode"],
+    )
+    for (vpn, mode), buckets in list(stats.confirm_held.items()):
+        delay.add_metric([vpn, mode], buckets.cumulative(), buckets.total)
+    yield delay
+
+
+def _commit_entries(stats: WriterStats) -> HistogramMetricFamily:
+    buckets = Buckets(COMMIT_ENTRIES_BOUNDS)
+    for size, n in list(stats.batch_sizes.items()):
+        buckets.counts[bisect.bisect_left(buckets.bounds, size)] += n
+        buckets.total += size * n
+    family = HistogramMetricFamily(
+        "vpnrepl_ledger_commit_entries",
+        "ledger entries written by one database transaction (group commit)",
+    )
+    family.add_metric([], buckets.cumulative(), buckets.total)
+    return family
+
+
+#: status document key -> (metric, help, kind) for the per-VPN state
+_VPN_GAUGES = (
+    ("lag_events", "vpnrepl_replication_lag_events", "ledger entries the standby has not applied"),
+    (
+        "lag_seconds",
+        "vpnrepl_replication_lag_seconds",
+        "age of the oldest ledger entry the standby has not applied (0 when caught up)",
+    ),
+    ("ledger_index", "vpnrepl_ledger_index", "index of the VPN's newest ledger entry on this site"),
+    (
+        "applied_index",
+        "vpnrepl_applied_index",
+        "newest ledger index the standby applied (on an active: as the standby acknowledged it)",
+    ),
+    ("sync_eligible", "vpnrepl_sync_eligible", "1 when sync mode confirms only after the standby"),
+    ("fenced", "vpnrepl_fenced", "1 when the peer took the VPN over at a newer epoch"),
+    ("epoch", "vpnrepl_epoch", "the VPN's current epoch as this site knows it"),
+    (
+        "in_doubt_txns",
+        "vpnrepl_in_doubt_transactions",
+        "prepared local transactions whose outcome is not decided yet",
+    ),
+)
+
+
+def _vpn_families(
+    status: dict[str, Any] | None, degradations: Callable[[], Mapping[str, int]] | None
+) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "vpnrepl_store_up",
+        "1 when this site's database answered the scrape's status read",
+        value=1 if status is not None else 0,
+    )
+    vpns = status["vpns"] if status is not None else []
+    info = GaugeMetricFamily(
+        "vpnrepl_vpn_info",
+        "one per replicated VPN: its role and mode here",
+        labels=["vpn", "role", "mode"],
+    )
+    for v in vpns:
+        info.add_metric([v["name"], v["role"], v["mode"]], 1)
+    yield info
+    for key, name, doc in _VPN_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=["vpn"])
+        for v in vpns:
+            family.add_metric([v["name"]], float(v[key]))
+        yield family
+    connected = GaugeMetricFamily(
+        "vpnrepl_bridge_connected",
+        "1 while the VPN's bridge to the peer is up (connected or catching up)",
+        labels=["vpn"],
+    )
+    unknown = CounterMetricFamily(
+        "vpnrepl_unknown_acks",
+        "acknowledgements the standby could not match to a replicated message",
+        labels=["vpn"],
+    )
+    for v in vpns:
+        connected.add_metric([v["name"]], 1 if v["bridge"] in ("connected", "syncing") else 0)
+        unknown.add_metric([v["name"]], v["unknown_acks"])
+    yield connected
+    yield unknown
+    degraded = CounterMetricFamily(
+        "vpnrepl_sync_degraded",
+        "times a sync-mode VPN's standby missed the sync timeout and the VPN "
+        "became sync-ineligible, since the node started",
+        labels=["vpn"],
+    )
+    counts = degradations() if degradations is not None else {}
+    for v in vpns:
+        if v["role"] == "active":
+            degraded.add_metric([v["name"]], counts.get(v["name"], 0))
+    yield degraded

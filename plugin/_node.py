@@ -58,6 +58,7 @@ from ._config import SiteConfig
 from ._demote import DemotionSummary, demote, export_tail
 from ._directory import VpnDirectory, VpnView
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
+from ._lag_history import SAMPLE_SECONDS, LagHistory
 from ._listener import BrokerAddress, Listener, site_broker_ssl
 from ._metrics import Metrics
 from ._promote import promote
@@ -140,6 +141,7 @@ class Node:
         self.listener: Listener | None = None
         self.ids: IdSource | None = None
         self.admin: AdminServer | None = None
+        self.lag_history = LagHistory()
         self.bridge_server: BridgeServer | None = None
         self.bridge_client: BridgeClient | None = None
         self._bridge_up = False
@@ -234,18 +236,34 @@ class Node:
             await self.refresher.refresh()  # opens its ledger; the listener admits clients
         return summary.as_dict()
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self, broker: bool = True) -> dict[str, Any]:
+        """The ``status --json`` document; ``broker=False``: without the
+        queue counts, live or at the broker (``/metrics`` and the lag history
+        read it every few seconds)."""
+
         def read() -> dict[str, Any]:
             with connect(self.cfg.store_dsn) as conn:
-                return status(conn, self.cfg.site_name)
+                return status(conn, self.cfg.site_name, queues=broker)
 
         doc = await asyncio.to_thread(read)
-        await asyncio.to_thread(add_broker_depths, doc, self.api)
+        if broker:
+            await asyncio.to_thread(add_broker_depths, doc, self.api)
         for vpn in doc["vpns"]:
             if vpn["role"] == "active":
                 vpn["sync_eligible"] = self.replicator.sync_eligible(vpn["name"])
                 vpn["fenced"] = vpn["fenced"] or vpn["name"] in self.replicator.fenced
         return doc
+
+    async def metrics_text(self) -> bytes:
+        """The ``/metrics`` body: the counters and this site's per-VPN state;
+        with ``vpnrepl_store_up 0`` and no per-VPN state when the database
+        cannot be read (a scrape still answers)."""
+        try:
+            doc: dict[str, Any] | None = await self.status(broker=False)
+        except (PluginError, OSError, psycopg.Error) as e:
+            log.warning("metrics: this site's store cannot be read: %s", e)
+            doc = None
+        return self.metrics.render(doc)
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -316,6 +334,8 @@ class Node:
         )
         self.metrics.observe_listener(self.listener.stats)
         self.metrics.observe_txn(self.coordinator.stats)
+        self.metrics.observe_ledger(self.writer.stats)
+        self.metrics.observe_sync(self.replicator.degradations)
         await self.listener.start(cfg.listen_amqp.host, cfg.listen_amqp.port)
         if cfg.listen_amqps is not None and cfg.client_tls is not None:
             try:
@@ -324,12 +344,13 @@ class Node:
                 )
             except TlsSetupError as e:
                 raise ConfigError(cfg.path, "client_tls", str(e)) from e
-        self.admin = AdminServer(self.status, self.metrics.prometheus_text, self._serves)
+        self.admin = AdminServer(self.status, self.metrics_text, self._serves, self.lag_history)
         await self.admin.start(cfg.listen_admin.host, cfg.listen_admin.port)
         await self.bridge_server.start(cfg.listen_bridge.host, cfg.listen_bridge.port)
         self._bridge_up = True
         self._tasks.append(asyncio.create_task(refresher.run(), name="directory-refresh"))
         self._tasks.append(asyncio.create_task(self._record_eligibility(), name="eligibility"))
+        self._tasks.append(asyncio.create_task(self._sample_lag(), name="lag-history"))
         vpns = [v for n in self.directory.names() if (v := self.directory.lookup(n))]
         log.info(
             "site %s up (incarnation %d): AMQP on %s%s, bridge on %s%s, admin on %s, VPNs: %s",
@@ -500,6 +521,15 @@ class Node:
         except MarkerError as e:
             raise PluginError(f"in-doubt transactions not recovered: {e}") from e
 
+    async def _sample_lag(self) -> None:
+        """Every few seconds, each VPN's lag into the status page's history."""
+        while True:
+            try:
+                self.lag_history.add(await self.status(broker=False))
+            except (PluginError, OSError, psycopg.Error) as e:
+                log.debug("lag sample skipped: %s", e)
+            await asyncio.sleep(SAMPLE_SECONDS)
+
     async def _record_eligibility(self) -> None:
         """Write sync eligibility changes to ``vpn_state``, so ``vpnrepl
         status`` (which reads the database) shows a degraded VPN too."""
@@ -554,7 +584,6 @@ class Node:
         await self.txn_log.close()
         if self.admin is not None:
             await self.admin.close()
-        self.metrics.shutdown()
         await self.tracing.shutdown()
 
 

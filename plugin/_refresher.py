@@ -61,6 +61,7 @@ class DirectoryRefresher:
 
     def _settle(self, view: VpnView, s: VpnSettings) -> None:
         view.role, view.scope, view.expose_id = s.role, ReplicationScope.of(s), s.expose_id
+        view.mode = s.mode.value
         view.refusal = self.refusal(s.name) if self.refusal is not None else None
 
     async def refresh(self) -> None:

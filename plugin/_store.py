@@ -112,13 +112,23 @@ def add_broker_depths(doc: dict[str, Any], api: Any) -> None:
         vpn["out_of_scope"] = out_of_scope(scope, persistent, vpn["queues"])
 
 
-def status(conn: psycopg.Connection[dict[str, Any]], site: str) -> dict[str, Any]:
-    """The ``status --json`` object for this site (key names are a contract)."""
-    queues: dict[str, dict[str, int]] = {}
-    for row in conn.execute(
-        "SELECT vpn, queue, count(*) AS n FROM live_message GROUP BY vpn, queue ORDER BY 1, 2"
+def status(
+    conn: psycopg.Connection[dict[str, Any]], site: str, queues: bool = True
+) -> dict[str, Any]:
+    """The ``status --json`` object for this site (key names are a contract).
+
+    ``queues=False`` leaves each VPN's ``queues`` (live counts) empty: the
+    count reads the whole live state, which ``/metrics`` and the lag history
+    do not need every few seconds."""
+    counts: dict[str, dict[str, int]] = {}
+    for row in (
+        conn.execute(
+            "SELECT vpn, queue, count(*) AS n FROM live_message GROUP BY vpn, queue ORDER BY 1, 2"
+        )
+        if queues
+        else ()
     ):
-        queues.setdefault(row["vpn"], {})[row["queue"]] = row["n"]
+        counts.setdefault(row["vpn"], {})[row["queue"]] = row["n"]
     promotions = {
         row["vpn"]: {
             "state": row["state"],
@@ -159,7 +169,7 @@ def status(conn: psycopg.Connection[dict[str, Any]], site: str) -> dict[str, Any
                 "in_doubt_txns": r.in_doubt_txns,
                 "degraded_txns": r.degraded_txns,
                 "unknown_acks": r.unknown_acks,
-                "queues": queues.get(r.name, {}),
+                "queues": counts.get(r.name, {}),
                 "promotion": promotions.get(
                     r.name, {"state": "none", "materialised": 0, "total": 0}
                 ),

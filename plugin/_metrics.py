@@ -105,6 +105,7 @@ class Metrics:
         #: the status document of the scrape under way (None: the store was
         #: unreachable)
         self._status: dict[str, Any] | None = None
+        self._scraping = False
         self.registry.register(_Collector(self))
 
     def observe_listener(self, stats: ListenerStats) -> None:
@@ -124,11 +125,11 @@ class Metrics:
         """The exposition text; ``status`` is this site's status document
         (``None`` when its store could not be read: ``vpnrepl_store_up 0``
         and no per-VPN state)."""
-        self._status = status
+        self._status, self._scraping = status, True
         try:
             return generate_latest(self.registry)
         finally:
-            self._status = None
+            self._status, self._scraping = None, False
 
     def prometheus_text(self) -> str:
         """The process counters alone (no per-VPN state): for tests."""
@@ -160,7 +161,7 @@ class _Collector:
             )
         if m._ledger is not None:
             yield _commit_entries(m._ledger)
-        if m._status is not None or m._degradations is not None:
+        if m._scraping:
             yield from _vpn_families(m._status, m._degradations)
 
 

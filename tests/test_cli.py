@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -95,7 +96,10 @@ def test_enable_then_status_json_shows_role_and_mode(vpnrepl_a: Vpnrepl) -> None
 
     text = vpnrepl_a("status")
     assert text.returncode == 0
-    assert "orders: active epoch 1 sync" in text.stdout
+    assert re.search(
+        r"^orders\s+active\s+1\s+sync\s+eligible\s+disconnected\s+0\s+0", text.stdout, re.M
+    )
+    assert re.search(r"^audit\s+standby\s+\d+\s+async\s+-\s", text.stdout, re.M)
 
 
 def test_reenable_updates_settings_but_refuses_a_role_change(vpnrepl_a: Vpnrepl) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from plugin._localsites import LocalSite, LocalSites, RabbitNode, free_port
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.fix_tls import Pki
+from tests.prometheus import value
 
 PLUGIN_DIR = Path(__file__).with_name("peer")
 CACHE = Path(sys.prefix) / "peer-suites"
@@ -298,12 +298,10 @@ def differences(
 
 def _published(node: NodeProcess, vpns: tuple[str, ...]) -> int:
     """Persistent publishes the node replicated for ``vpns`` (its /metrics)."""
-    metrics, total = node.get("/metrics"), 0
-    for vpn in vpns:
-        pattern = rf'vpnrepl_events_total\{{kind="published",vpn="{re.escape(vpn)}"\}} (\d+)'
-        found = re.search(pattern, metrics)
-        total += int(found.group(1)) if found else 0
-    return total
+    metrics = node.get("/metrics")
+    return sum(
+        int(value(metrics, "vpnrepl_events_total", vpn=vpn, kind="published") or 0) for vpn in vpns
+    )
 
 
 @pytest.fixture(scope="module")

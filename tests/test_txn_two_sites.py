@@ -22,6 +22,7 @@ from bridge import FAILPOINTS
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
+from tests.prometheus import value
 from tests.two_sites import (
     VPN,
     Publisher,
@@ -155,8 +156,8 @@ def test_transactions_are_on_the_standby_when_the_client_hears_commit_ok(
     # from its prepared row, ahead of the ledger stream's copy (which it
     # then skipped: the state above is whole, and nothing twice)
     metrics = node_a.get("/metrics")
-    assert f'vpnrepl_txn_total{{outcome="committed",vpn="{VPN}"}} 3' in metrics
-    assert f'vpnrepl_txn_applied_ahead_total{{vpn="{VPN}"}} 3' in metrics
+    assert value(metrics, "vpnrepl_txn_total", vpn=VPN, outcome="committed") == 3
+    assert value(metrics, "vpnrepl_txn_applied_ahead_total", vpn=VPN) == 3
     assert scalar(site_b, "SELECT unknown_acks FROM vpn_state WHERE vpn = %s", VPN) == 0
     assert node_b.stop() == 0 and node_a.stop() == 0
 

@@ -1,0 +1,134 @@
+"""``vpnrepl status``: a table an operator reads at a glance, ``--json``
+unchanged, ``--watch N`` refreshing it until interrupted."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plugin._status_table import render
+from tests.fix_cli import Vpnrepl
+
+
+def _vpn(**over: Any) -> dict[str, Any]:
+    v = {
+        "name": "orders",
+        "role": "active",
+        "epoch": 2,
+        "mode": "sync",
+        "sync_eligible": True,
+        "fenced": False,
+        "bridge": "connected",
+        "ledger_index": 1200,
+        "applied_index": 1150,
+        "lag_events": 50,
+        "lag_seconds": 0.25,
+        "in_doubt_txns": 1,
+        "unknown_acks": 0,
+        "queues": {"orders.q1": 7},
+        "broker_queues": {"orders.q1": 7, "audit.q3": 5},
+        "out_of_scope": {"audit.q3": 5},
+        "promotion": {"state": "none", "materialised": 0, "total": 0},
+    }
+    v.update(over)
+    return v
+
+
+def test_the_table_has_a_row_per_vpn_and_its_queues_below() -> None:
+    text = render({"site": "a", "vpns": [_vpn(), _vpn(name="audit", role="standby", mode="async")]})
+    lines = text.splitlines()
+    assert lines[0] == "site a"
+    assert lines[1].split() == [
+        "VPN", "ROLE", "EPOCH", "MODE", "SYNC", "BRIDGE", "LEDGER", "APPLIED", "LAG", "IN-DOUBT",
+    ]  # fmt: skip
+    assert lines[2].split() == [
+        "orders", "active", "2", "sync", "eligible", "connected", "1200", "1150",
+        "50", "ev", "/", "0.25", "s", "1",
+    ]  # fmt: skip
+    assert lines[3].split()[:5] == ["audit", "standby", "2", "async", "-"]
+    # the columns line up
+    assert lines[1].index("BRIDGE") == lines[2].index("connected") == lines[3].index("connected")
+    assert "  orders.q1: 7 replicated live, 7 at the broker" in lines
+    assert "  audit.q3: 5 persistent at the broker, NOT in scope (not replicated)" in lines
+
+
+def test_the_table_flags_what_needs_attention() -> None:
+    text = render(
+        {
+            "site": "b",
+            "vpns": [
+                _vpn(
+                    fenced=True,
+                    sync_eligible=False,
+                    unknown_acks=3,
+                    broker_queues=None,
+                    out_of_scope=None,
+                    broker_error="management API unreachable",
+                    promotion={"state": "running", "materialised": 10, "total": 40},
+                )
+            ],
+        }
+    )
+    assert re.search(r"^orders\s+active FENCED\s+2\s+sync\s+INELIGIBLE\s", text, re.M)
+    assert "  orders.q1: 7 replicated live, ? at the broker" in text
+    assert "  broker depths unavailable: management API unreachable" in text
+    assert "  promotion running: 10/40 materialised" in text
+    assert "  3 acks the standby could not match" in text
+    assert render({"site": "a", "vpns": []}) == "site a\nno VPN is enabled for replication\n"
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [("0", "0.5 to 86400 seconds"), ("soon", "'soon' is not a number of seconds")],
+)
+def test_a_bad_watch_interval_is_a_usage_error(vpnrepl_a: Vpnrepl, value: str, needle: str) -> None:
+    result = vpnrepl_a("status", "--watch", value)
+    assert result.returncode == 2
+    assert "--watch" in result.stderr and needle in result.stderr
+
+
+def _watch(config: Path, *args: str) -> subprocess.Popen[str]:
+    exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))
+    return subprocess.Popen(
+        [exe, "--config", str(config), "status", "--watch", "0.5", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err  # Ctrl-C is how a watch ends: not a failure
+    return out, err
+
+
+def test_watch_refreshes_until_interrupted(vpnrepl_a: Vpnrepl) -> None:
+    assert vpnrepl_a("init").returncode == 0
+    assert vpnrepl_a("vpn", "enable", "orders", "--role", "active").returncode == 0
+    proc = _watch(vpnrepl_a.config)
+    time.sleep(3)
+    assert vpnrepl_a("vpn", "enable", "audit", "--role", "standby").returncode == 0
+    time.sleep(2)
+    out, err = _stop(proc)
+    assert out.count("site a\n") >= 3, out
+    assert "every 0.5 s (Ctrl-C stops)" in out
+    assert re.search(r"^audit\s+standby\s", out, re.M), "a later refresh shows the new VPN"
+    assert "Traceback" not in err
+
+    proc = _watch(vpnrepl_a.config, "--json")
+    time.sleep(2.5)
+    out, _ = _stop(proc)
+    docs = [json.loads(line) for line in out.splitlines()]
+    assert len(docs) >= 2
+    assert all([v["name"] for v in d["vpns"]] == ["audit", "orders"] for d in docs)

@@ -57,12 +57,14 @@ class AdminServer:
         app.router.add_get("/status/history", self._history_json)
         app.router.add_get("/metrics", self._metrics_text)
         app.router.add_get("/vpns/{vpn:.+}/active", self._active)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=1.0
+        )
         self._site: web.TCPSite | None = None
 
     async def start(self, host: str, port: int) -> None:
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, host, port, shutdown_timeout=1.0)
+        self._site = web.TCPSite(self._runner, host, port)
         try:
             await self._site.start()
         except OSError as e:

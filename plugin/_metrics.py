@@ -25,15 +25,16 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from bridge import WriterStats
 from txn import TxnStats
 
 __all__ = ["CONTENT_TYPE", "Buckets", "ListenerStats", "Metrics"]
 
-#: the ``Content-Type`` of :meth:`Metrics.render`
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: the ``Content-Type`` of :meth:`Metrics.render`: the text format 0.0.4,
+#: which every Prometheus reads (``prometheus_client`` writes the same text
+#: for the names here, all of them valid in 0.0.4, under "1.0.0" since 0.22)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 #: upper bounds (seconds) of the confirm-delay buckets: a sync confirm waits
 #: for two commits and a round trip (a few ms); a degrading one for the sync

@@ -7,7 +7,8 @@ line (``plugin``) build these; every layer reads them.
 
 
 A VPN is a RabbitMQ vhost. Its replication scope is the union of two filters:
-queue-name regexes (``--queues``, matched with :func:`re.fullmatch`) and
+queue-name regexes (``--queues``, searched in the name with :func:`re.search`,
+as RabbitMQ searches a policy's pattern) and
 ``EXCHANGE:PATTERN`` topic filters (``--topics``: a publish to EXCHANGE whose
 routing key matches the AMQP topic PATTERN is in scope for every queue it
 reaches). With neither filter, every queue of the VPN is in scope — what an

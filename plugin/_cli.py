@@ -35,10 +35,11 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 log = logging.getLogger("vpnrepl")
 
-#: Libraries that log every connection's open and close at INFO (pika: the
-#: demo's client): noise around the demo's story; their warnings still
-#: show, and ``-v`` shows everything.
-_CHATTY = ("pika",)
+#: Libraries that log routine steps at INFO (pika: every connection's open
+#: and close, the demo's client; alembic: each plugin and revision at
+#: ``init``, which prints its own summary): noise around the command's own
+#: lines; their warnings still show, and ``-v`` shows everything.
+_CHATTY = ("pika", "alembic")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,6 +94,21 @@ def _cmd_demo(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
     from ._demo import run_demo
 
     return run_demo()
+
+
+def _cmd_sandbox(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ._sandbox import start_sandbox, stop_sandbox
+
+    where = Path(args.dir)
+    if args.action == "start":
+        for line in start_sandbox(where):
+            print(line)
+    else:
+        killed = stop_sandbox(where)
+        print(f"sandbox in {where.resolve()} stopped ({killed} servers) and removed")
+    return EXIT_OK
 
 
 def _cmd_vpn_enable(cfg: SiteConfig, args: argparse.Namespace) -> int:
@@ -400,6 +416,12 @@ def _build_parser() -> _Parser:
     c.set_defaults(run=_not_yet("reconcile"))
     c = sub.add_parser("demo", help="two local sites, a workload, a promotion")
     c.set_defaults(run=_cmd_demo, needs_config=False)
+    c = sub.add_parser(
+        "sandbox", help="start (stop) two sites' RabbitMQ and PostgreSQL here, to try things"
+    )
+    c.add_argument("action", choices=("start", "stop"))
+    c.add_argument("dir", metavar="DIR", help="where the servers, configs and addresses go")
+    c.set_defaults(run=_cmd_sandbox, needs_config=False)
     return p
 
 

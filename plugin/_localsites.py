@@ -578,6 +578,23 @@ def _cmdline(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace")
 
 
+def kill_servers_in(base: Path) -> int:
+    """SIGKILL the RabbitMQ nodes and PostgreSQL clusters of the sites in
+    ``base`` (found by their pid files; a process is killed only if its
+    command line names ``base``, so a reused pid is never hit). Returns how
+    many were running."""
+    killed = 0
+    for pidfile in (*base.glob("*/rabbit/rabbit.pid"), *base.glob("*/pg/data/postmaster.pid")):
+        try:
+            pid = int(pidfile.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        if str(base) in _cmdline(pid):
+            _kill_tree(pid)
+            killed += 1
+    return killed
+
+
 def sweep_orphans(tmp: Path | None = None) -> list[Path]:
     """Kill the servers of harnesses whose process died without closing them
     (a test run or benchmark SIGKILLed), and remove their directories.
@@ -596,14 +613,8 @@ def sweep_orphans(tmp: Path | None = None) -> list[Path]:
             continue  # not ours, or not written yet
         if _started_at(owner) == started:
             continue  # its owner still runs
-        for pidfile in (*base.glob("*/rabbit/rabbit.pid"), *base.glob("*/pg/data/postmaster.pid")):
-            try:
-                pid = int(pidfile.read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                continue
-            if str(base) in _cmdline(pid):
-                log.warning("killing server %d left by a dead harness in %s", pid, base)
-                _kill_tree(pid)
+        if kill_servers_in(base):
+            log.warning("killed the servers a dead harness left in %s", base)
         shutil.rmtree(base, ignore_errors=True)
         removed.append(base)
     return removed

@@ -50,7 +50,7 @@ class ScopeReport:
             out.append("  the VPN has no queues yet")
         for pattern in self.unmatched:
             out.append(
-                f"warning: --queues {pattern!r} matches none of the VPN's queues now "
+                f"warning: --queues '{pattern}' matches none of the VPN's queues now "
                 "(patterns are searched in the name, as RabbitMQ policy patterns are: "
                 "'^orders\\.' is a prefix)"
             )

@@ -23,12 +23,9 @@ Both phases ship their rows as array parameters (binary, packed by
 :mod:`bridge._arrays`) and run one
 set-based statement each over ``unnest()``. This replaced binary ``COPY`` into
 session temp tables (``ON COMMIT DELETE ROWS``), which wrote every body twice
-and cost three more round trips; measured on this machine (PostgreSQL 15, 2
-cores shared with other work, 500-entry batches of 1 KiB bodies, median per
-transaction): publishes 16-23 ms with ``unnest`` against 19-31 ms with the
-temp tables, their acks 5-8 ms against 9-13 ms, and PostgreSQL CPU per row
-14-16 us against 17-19 us. (Earlier, ``executemany`` in pipeline mode lost to
-both: 72-94 ms per 1,000 inserts.)
+and cost three more round trips; ``unnest`` was faster and cheaper in
+database CPU per row (``bench/RESULTS.md``, "Measurements behind design
+choices in the code").
 
 The step sequence is a generator of statements (no I/O here, in the psycopg
 style), driven by :func:`apply_entries` on a blocking connection and by

@@ -51,10 +51,8 @@ a standby transaction), and that CPU is what the clients' throughput runs
 out of.
 
 Ledger rows go in as binary array parameters of one ``INSERT ... SELECT FROM
-unnest(...)``: measured on this machine (500-entry batches of 1 KiB
-messages, median) as fast as binary ``COPY`` (10.8 against 11.2 ms a batch)
-and one round trip instead of about six. (Earlier, ``executemany`` took
-40-68 ms per 1,000 entries, binary ``COPY`` 21-44 ms.)
+unnest(...)``: as fast as binary ``COPY`` and one round trip instead of
+about six (``bench/RESULTS.md``).
 """
 
 from __future__ import annotations

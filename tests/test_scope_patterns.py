@@ -215,3 +215,15 @@ def test_a_prefix_pattern_replicates_its_queues_and_status_names_the_others(
     )
     assert status["queues"] == {"orders.q1": 5}
     assert status["scope"]["queues"] == [r"^orders\.", r"^invoices\."]
+    # and the table says it in words
+    table = vpnrepl_a("status")
+    assert table.returncode == 0, table.stderr
+    assert "  audit.q3: 5 persistent at the broker, NOT in scope (not replicated)" in table.stdout
+    assert "  orders.q1: 5 replicated live" in table.stdout
+
+
+def test_enabling_a_vpn_whose_vhost_does_not_exist_yet_says_so(vpnrepl_a: Vpnrepl) -> None:
+    assert vpnrepl_a("init").returncode == 0
+    enabled = vpnrepl_a("vpn", "enable", "not-yet", "--role", "active", "--queues", "^orders\\.")
+    assert enabled.returncode == 0, enabled.stderr  # the report is advice; the VPN is enabled
+    assert "the broker has no vhost 'not-yet' yet: no queue to check the scope on" in enabled.stdout

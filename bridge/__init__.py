@@ -85,6 +85,7 @@ from ._frames import (
     GetAllResources,
     Heartbeat,
     Hello,
+    Repair,
     ResourceList,
     SyncAccepted,
     SyncFinished,
@@ -97,6 +98,19 @@ from ._frames import (
     TxnVote,
     VpnResource,
     decode_frame,
+)
+from ._fullsync import (
+    DIFFERS,
+    EXTRA_ON_STANDBY,
+    KINDS,
+    MISSING_ON_STANDBY,
+    Difference,
+    LiveKey,
+    compare_rows,
+    quote_literal,
+    row_digest_sql,
+    segment_sql,
+    touched,
 )
 from ._ids import (
     INCARNATION_LIMIT,
@@ -172,6 +186,7 @@ if TYPE_CHECKING:
         MaterialiseResult as MaterialiseResult,
         materialise as materialise,
     )
+    from ._outbound import RepairSent as RepairSent
     from ._receiver import BridgeClient as BridgeClient
     from ._replicator import (
         Replicator as Replicator,
@@ -260,6 +275,7 @@ if TYPE_CHECKING:
 #: module -> the names it exports through this package, imported on first use
 _IO_BOUND: dict[str, tuple[str, ...]] = {
     "._active": ("BridgeServer",),
+    "._outbound": ("RepairSent",),
     "._amqp_client": ("BrokerPublisher",),
     "._apply": ("ApplyResult", "apply_entries", "apply_entries_async"),
     "._bridgestate": ("CONNECTED", "DISCONNECTED", "SYNCING"),
@@ -392,6 +408,18 @@ __all__ = [
     "UnknownFailpoint",
     "armed",
     "failpoint",
+    # full-sync: what a comparison of two sites reads and decides
+    "DIFFERS",
+    "EXTRA_ON_STANDBY",
+    "KINDS",
+    "MISSING_ON_STANDBY",
+    "Difference",
+    "LiveKey",
+    "compare_rows",
+    "quote_literal",
+    "row_digest_sql",
+    "segment_sql",
+    "touched",
     # the ledger entry encoding
     "EventDecodeError",
     "LedgerEntry",
@@ -435,6 +463,7 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "Phase",
+    "Repair",
     "ResourceList",
     "Sentinel",
     "SyncAccepted",

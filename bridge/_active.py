@@ -63,6 +63,7 @@ from ._frames import (
     TxnVote,
     VpnResource,
 )
+from ._fullsync import LiveKey
 from ._ledger import LedgerWriter
 from ._ledger_errors import LedgerError
 from ._link import (
@@ -74,7 +75,7 @@ from ._link import (
     server_handshake,
 )
 from ._management import ManagementAPI
-from ._outbound import OutboundStream, StandbyPeer, StreamLimits
+from ._outbound import OutboundStream, RepairSent, StandbyPeer, StreamLimits
 from ._protocol import BridgeConnection, Phase
 from ._replicator import Replicator
 from ._settings import HostPort, InvalidSettings, Role, TlsConfig, VpnSettings
@@ -205,6 +206,21 @@ class BridgeServer:
                     return CONNECTED
                 best = SYNCING
         return best
+
+    async def repair(self, vpn: str, keys: Sequence[LiveKey]) -> RepairSent:
+        """Send a full-sync repair of ``keys`` to the standby streaming
+        ``vpn`` live, below the live entries' priority; returns what was
+        sent. Raises :class:`BridgeError` when no standby streams it live
+        (the caller bounds the wait with ``asyncio.timeout``)."""
+        for peer in self._peers:
+            out = peer.stream_live(vpn)
+            if out is not None and peer.failure is None:
+                break
+        else:
+            raise BridgeError("no standby is connected and streaming this VPN live", vpn)
+        if not keys:
+            return RepairSent(0, 0)
+        return await out.repair(keys)
 
     async def relist(self) -> None:
         """Send every standby a fresh ResourceList (after VPNs were enabled,

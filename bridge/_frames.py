@@ -52,6 +52,7 @@ __all__ = [
     "MAGIC",
     "PREVIOUS_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
+    "Repair",
     "SUPPORTED_VERSIONS",
     "Ack",
     "Checkpoint",
@@ -615,6 +616,49 @@ class Events(_Frame):
 
 
 @dataclass(frozen=True, slots=True)
+class Repair(_Frame):
+    """Active to standby (version 5 on): a full-sync repair of ``vpn``'s live
+    rows. ``rows`` are the rows as the active holds them at the stream
+    position the frame takes (after the entry sent before it), ``absent``
+    the (queue, id) keys the active holds no row for; the standby makes its
+    rows so, in the stream's order, without moving its applied index."""
+
+    TYPE: ClassVar[int] = 18
+    vpn: str
+    epoch: int
+    rows: tuple[CheckpointRow, ...]
+    absent: tuple[tuple[str, ReplicationId], ...]
+
+    def __post_init__(self) -> None:
+        _check_text("vpn", self.vpn)
+        _check_int("epoch", self.epoch, 1)
+        _check_int("row count", len(self.rows), 0, _MAX_U32)
+        _check_int("absent count", len(self.absent), 0, _MAX_U32)
+        if not self.rows and not self.absent:
+            raise ValueError("a Repair holds at least one row or absent key")
+        for queue, _ in self.absent:
+            _check_text("queue", queue)
+
+    def payload(self) -> bytes:
+        head = _str16(self.vpn) + _U64.pack(self.epoch)
+        rows = _U32.pack(len(self.rows)) + b"".join(row.payload() for row in self.rows)
+        absent = _U32.pack(len(self.absent)) + b"".join(
+            _str16(queue) + rid.value for queue, rid in self.absent
+        )
+        return head + rows + absent
+
+    @classmethod
+    def read(cls, r: _Reader) -> Self:
+        vpn, epoch = r.text("vpn"), r.u64("epoch")
+        rows = tuple(CheckpointRow.read(r) for _ in range(r.u32("row count")))
+        absent = tuple(
+            (r.text("queue"), ReplicationId(r.take(16, "repl_id")))
+            for _ in range(r.u32("absent count"))
+        )
+        return cls(vpn, epoch, rows, absent)
+
+
+@dataclass(frozen=True, slots=True)
 class Ack(_IndexFrame):
     """Standby to active: ``vpn`` is durably applied up to ``index``
     (cumulative; never goes back on one stream)."""
@@ -837,6 +881,7 @@ Frame = (
     | TxnQuery
     | TxnCommit
     | TxnApplied
+    | Repair
 )
 
 FRAME_TYPES: dict[int, type[Frame]] = {
@@ -859,6 +904,7 @@ FRAME_TYPES: dict[int, type[Frame]] = {
         TxnQuery,
         TxnCommit,
         TxnApplied,
+        Repair,
     )
 }
 #: the frames of the transaction link, and every frame that names a VPN
@@ -871,6 +917,7 @@ VPN_FRAMES = (
     Events,
     Ack,
     Error,
+    Repair,
     *TXN_FRAMES,
 )
 

@@ -40,22 +40,67 @@ from typing import Final
 from psycopg.rows import tuple_row
 
 from ._bridgestate import CONNECTED, SYNCING, Pool
-from ._entry import LedgerEntry
+from ._entry import LedgerEntry, decode_event
 from ._errors import BridgeError, PeerFailure
 from ._events import Published
-from ._frames import Checkpoint, CheckpointRow, Events, SyncAccepted, SyncFinished, SyncRequest
+from ._frames import (
+    Checkpoint,
+    CheckpointRow,
+    Events,
+    Repair,
+    SyncAccepted,
+    SyncFinished,
+    SyncRequest,
+)
+from ._fullsync import LiveKey, touched
 from ._ids import ReplicationId
 from ._ledger import LedgerWriter
 from ._ledger_errors import LedgerError, LedgerPruned, VpnNotOpen
 from ._link import Link, describe_error
 
-__all__ = ["ANSWER_WAIT", "OutboundStream", "StandbyPeer", "StreamLimits"]
+__all__ = [
+    "ANSWER_WAIT",
+    "REPAIR_VERSION",
+    "OutboundStream",
+    "RepairSent",
+    "StandbyPeer",
+    "StreamLimits",
+]
 
 log = logging.getLogger(__name__)
 
 #: how long the live feed holds a group for the standby's answer to its early commit
 ANSWER_WAIT = 1.0
 _MIB: Final = 2**20
+
+_LEDGER_BETWEEN = "SELECT event FROM ledger WHERE vpn = %s AND idx > %s AND idx <= %s ORDER BY idx"
+
+_ROWS_OF_KEYS = """
+SELECT m.queue, m.repl_id, m.publish_index, m.exchange, m.routing_key, m.properties, m.body
+FROM live_message m JOIN unnest(%s::text[], %s::bytea[]) AS k(queue, repl_id)
+  ON m.queue = k.queue AND m.repl_id = k.repl_id
+WHERE m.vpn = %s
+"""
+
+#: the first bridge protocol version with the Repair frame
+REPAIR_VERSION: Final = 5
+
+
+@dataclass(frozen=True, slots=True)
+class RepairSent:
+    """What one repair request put on the stream."""
+
+    #: rows and absent keys sent
+    sent: int
+    #: keys left to the stream: entries near the repair's point changed them
+    skipped: int
+
+
+@dataclass(eq=False)
+class RepairJob:
+    keys: list[LiveKey]
+    done: asyncio.Future[RepairSent]
+
 
 _LIVE_ROWS = """
 SELECT queue, repl_id, publish_index, exchange, routing_key, properties, body
@@ -94,6 +139,15 @@ class OutboundStream:
     #: first index of a group the standby was asked to commit early -> its
     #: answer (TxnApplied); the group's copy is held until then
     answers: dict[int, asyncio.Future[bool]] = field(default_factory=dict)
+    #: full-sync repairs to send when no live entry waits (module docstring)
+    repairs: deque[RepairJob] = field(default_factory=deque)
+
+    def repair(self, keys: Sequence[LiveKey]) -> asyncio.Future[RepairSent]:
+        """Queue a repair of ``keys``; the future says what was sent."""
+        job = RepairJob(list(keys), asyncio.get_running_loop().create_future())
+        self.repairs.append(job)
+        self.wake.set()
+        return job.done
 
     def push(self, entries: list[LedgerEntry]) -> None:
         """Queue live entries (the ledger subscriber; never blocks)."""
@@ -119,7 +173,7 @@ class OutboundStream:
         await self._catch_up(link, request, ledger, pool, limits, on_synced)
         self.state = CONNECTED
         on_live(self.vpn)
-        await self._pump(link, limits)
+        await self._pump(link, limits, pool)
 
     # -- the replay ------------------------------------------------------------
 
@@ -234,11 +288,16 @@ class OutboundStream:
 
     # -- the live feed ---------------------------------------------------------
 
-    async def _pump(self, link: Link, limits: StreamLimits) -> None:
+    async def _pump(self, link: Link, limits: StreamLimits, pool: Pool) -> None:
         """Live phase: send what the ledger subscriber queued, in order; a
-        group whose early commit is unanswered waits (module docstring)."""
+        group whose early commit is unanswered waits; repairs go when no
+        entry waits (module docstring)."""
         while True:
             if not self.pending:
+                if self.repairs and link.conn.version >= REPAIR_VERSION:
+                    await self._send_repair(link, pool, limits, self.repairs.popleft())
+                    continue
+                self.failed_repairs(f"the standby speaks protocol version {link.conn.version}")
                 self.wake.clear()
                 await self.wake.wait()
                 continue
@@ -292,10 +351,104 @@ class OutboundStream:
             )
 
     def unanswered(self) -> None:
-        """The standby is gone: its early commits will not be answered."""
+        """The standby is gone: its early commits will not be answered, its
+        repairs not sent."""
         for answer in self.answers.values():
             if not answer.done():
                 answer.set_result(False)
+        self.failed_repairs("the standby disconnected")
+
+    def failed_repairs(self, why: str) -> None:
+        """Fail every queued repair (none can be sent on this stream)."""
+        while self.repairs:
+            job = self.repairs.popleft()
+            if not job.done.done():
+                job.done.set_exception(BridgeError(f"repair not sent: {why}", self.vpn))
+
+    # -- full-sync repairs -----------------------------------------------------
+
+    async def _send_repair(
+        self, link: Link, pool: Pool, limits: StreamLimits, job: RepairJob
+    ) -> None:
+        """Read the active's rows of the job's keys and send them as a
+        Repair at this point of the stream; keys that ledger entries between
+        that point and the rows' snapshot touched are left to the stream."""
+        try:
+            rows, absent, skipped = await self._repair_rows(pool, job.keys)
+        except Exception as e:  # the caller hears why; the stream goes on
+            if not job.done.done():
+                job.done.set_exception(e)
+            return
+        sent = 0
+        chunk: list[CheckpointRow] = []
+        size = 0
+        for row in rows:
+            chunk.append(row)
+            size += 64 + len(row.body) + len(row.properties)
+            if size >= limits.checkpoint_chunk_bytes:
+                link.send(Repair(self.vpn, self.epoch, tuple(chunk), ()))
+                sent, chunk, size = sent + len(chunk), [], 0
+        if chunk or absent:
+            link.send(Repair(self.vpn, self.epoch, tuple(chunk), tuple(absent)))
+            sent += len(chunk) + len(absent)
+        await link.flush()
+        log.info(
+            "bridge: VPN %s: full-sync repair sent to %s: %d rows, %d absent; %d keys "
+            "left to the stream (changed by it meanwhile)",
+            self.vpn,
+            link.peer,
+            len(rows),
+            len(absent),
+            len(skipped),
+        )
+        if not job.done.done():
+            job.done.set_result(RepairSent(sent, len(skipped)))
+
+    async def _repair_rows(
+        self, pool: Pool, keys: list[LiveKey]
+    ) -> tuple[list[CheckpointRow], list[tuple[str, ReplicationId]], set[LiveKey]]:
+        """The rows to send for ``keys`` (those the active holds, those it
+        does not) and the keys skipped. Nothing is sent on this stream while
+        it runs (the pump awaits it), so ``next_index - 1`` is where the
+        Repair will be."""
+        at = self.next_index - 1
+        async with pool.connection() as conn, conn.transaction():
+            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            cur = await conn.execute(
+                "SELECT live_index FROM vpn_live_state WHERE vpn = %s", (self.vpn,)
+            )
+            found = await cur.fetchone()
+            if found is None:
+                raise LedgerError("no vpn_live_state row", self.vpn)
+            live = int(found[0])
+            low, high = min(live, at), max(live, at)
+            events = []
+            if high > low:
+                cur = await conn.execute(_LEDGER_BETWEEN, (self.vpn, low, high))
+                for (data,) in await cur.fetchall():
+                    events.append(decode_event(bytes(data), self.vpn))
+            cur = await conn.execute(
+                _ROWS_OF_KEYS, ([q for q, _ in keys], [rid for _, rid in keys], self.vpn)
+            )
+            held = await cur.fetchall()
+        changed, purged = touched(events)
+        skipped = {k for k in keys if k in changed or k[0] in purged}
+        rows = []
+        have = set()
+        for queue, rid, index, exchange, key, props, body in held:
+            k = (queue, bytes(rid))
+            if k in skipped:
+                continue
+            have.add(k)
+            rows.append(
+                CheckpointRow(
+                    queue, ReplicationId(k[1]), index, exchange, key, bytes(props), bytes(body)
+                )
+            )
+        absent = [
+            (q, ReplicationId(r)) for q, r in keys if (q, r) not in have and (q, r) not in skipped
+        ]
+        return rows, absent, skipped
 
 
 @dataclass(eq=False)

@@ -86,6 +86,7 @@ from ._frames import (
     GetAllResources,
     Heartbeat,
     Hello,
+    Repair,
     ResourceList,
     SyncAccepted,
     SyncFinished,
@@ -224,6 +225,12 @@ TRANSITIONS: Final[Mapping[tuple[Role, type[Frame], State], State | _Drop]] = Ma
         (_S, Error, _V.LIVE): _V.DRAINING,
         # A further report about a stream already abandoned (after a Gap, say).
         (_S, Error, _V.DRAINING): _V.DRAINING,
+        # A full-sync repair goes in line with the live stream (version 5 on).
+        (_A, Repair, _V.LIVE): _V.LIVE,
+        # A repair in flight when the standby abandoned the stream, or asked
+        # for a resync, is dropped: the state it was read against is gone.
+        (_A, Repair, _V.DRAINING): DROP,
+        (_A, Repair, _V.RESYNC_REQUESTED): DROP,
         # In flight after the standby abandoned the stream: a checkpoint chunk,
         (_A, Checkpoint, _V.DRAINING): DROP,
         # events,
@@ -289,7 +296,17 @@ class _Stream:
     install: _Install = _Install.DONE
 
 
-_VpnFrame = SyncRequest | SyncAccepted | Checkpoint | SyncFinished | Events | Ack | Error | TxnFrame
+_VpnFrame = (
+    SyncRequest
+    | SyncAccepted
+    | Checkpoint
+    | SyncFinished
+    | Events
+    | Ack
+    | Error
+    | TxnFrame
+    | Repair
+)
 
 
 class BridgeConnection:
@@ -442,6 +459,8 @@ class BridgeConnection:
             return frame
         if self.phase is Phase.FAILED:
             raise LocalProtocolError("after a fault only a connection-level Error may be sent")
+        if isinstance(frame, Repair) and self.version < 5:
+            raise self._illegal(sending, f"Repair in protocol version {self.version}", frame.vpn)
         if isinstance(frame, VPN_FRAMES):
             return self._process_vpn(sender, frame, sending=sending)
         if isinstance(frame, Hello):
@@ -515,7 +534,14 @@ class BridgeConnection:
 
     def _check_epoch(
         self,
-        frame: SyncRequest | SyncAccepted | Checkpoint | SyncFinished | Events | Ack | TxnFrame,
+        frame: SyncRequest
+        | SyncAccepted
+        | Checkpoint
+        | SyncFinished
+        | Events
+        | Ack
+        | TxnFrame
+        | Repair,
         new: VpnState,
         *,
         sending: bool,
@@ -552,7 +578,7 @@ class BridgeConnection:
             return self._finish(frame, stream, sending=sending), frame
         if isinstance(frame, Ack):
             return self._ack(frame, stream, sending=sending), frame
-        if isinstance(frame, TXN_FRAMES):
+        if isinstance(frame, TXN_FRAMES | Repair):
             return stream, frame
         return replace(stream, request=None), frame  # a VPN-level Error
 

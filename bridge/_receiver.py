@@ -65,6 +65,7 @@ from ._frames import (
     Events,
     GetAllResources,
     Hello,
+    Repair,
     ResourceList,
     SyncAccepted,
     SyncFinished,
@@ -106,7 +107,7 @@ class _Resync:
     reason: str
 
 
-_Item = _Relisted | _Resync | SyncAccepted | Checkpoint | Events | SyncFinished | TxnCommit
+_Item = _Relisted | _Resync | SyncAccepted | Checkpoint | Events | SyncFinished | TxnCommit | Repair
 
 
 @dataclass(eq=False)
@@ -414,7 +415,9 @@ class BridgeClient:
                     session.established = True
                     self.sessions += 1
                 await self._listed(session, item)
-            elif isinstance(item, SyncAccepted | Checkpoint | Events | SyncFinished | TxnCommit):
+            elif isinstance(
+                item, SyncAccepted | Checkpoint | Events | SyncFinished | TxnCommit | Repair
+            ):
                 # a TxnCommit goes in line with the stream: it is applied
                 # after what came before it and before what comes after
                 worker = session.workers.get(item.vpn)
@@ -524,6 +527,8 @@ class BridgeClient:
             return await self._apply(session, worker, item)
         elif isinstance(item, TxnCommit):
             await self._commit_early(session, worker, item)
+        elif isinstance(item, Repair):
+            await self._repair(session, worker, item)
         elif stream.finished():  # the SyncFinished of a stream not refused meanwhile
             self._set_state(worker.vpn, CONNECTED)
             self.txn_link.spawn(self.txn_link.ask_in_doubt(session.link, worker.vpn))
@@ -601,6 +606,23 @@ class BridgeClient:
         failpoint("participant.after-apply")
         self._ack(session, worker, applied)
         return held
+
+    async def _repair(self, session: _Session, worker: _Worker, frame: Repair) -> None:
+        """A full-sync repair, in stream order (after what came before it)."""
+        assert self._applier is not None  # noqa: S101 - run() created it
+        try:
+            await asyncio.to_thread(
+                self._applier.apply_repair, worker.vpn, frame.rows, frame.absent
+            )
+        except (NotStandby, UnknownVpn) as e:
+            self._abandon(session, worker, e)
+            return
+        log.info(
+            "bridge: VPN %s: full-sync repair applied: %d rows set, %d removed",
+            worker.vpn,
+            len(frame.rows),
+            len(frame.absent),
+        )
 
     async def _commit_early(self, session: _Session, worker: _Worker, frame: TxnCommit) -> None:
         """The active asks to commit a transaction early (in stream order)."""

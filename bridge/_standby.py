@@ -65,6 +65,7 @@ from ._entry import LedgerEntry, decode_event, split_events
 from ._errors import BridgeError, Gap, StaleEpoch, UnknownVpn
 from ._events import Event, Published
 from ._frames import CheckpointRow
+from ._ids import ReplicationId
 from ._settings import Role
 from ._vpnstore import applied_position, lock_applied, set_applied
 
@@ -125,6 +126,11 @@ _REINDEX = """
 UPDATE live_message SET publish_index = %s
 WHERE vpn = %s AND queue = ANY(%s) AND repl_id = %s AND publish_index = %s
 """
+_REPAIR_DELETE = """
+DELETE FROM live_message m USING unnest(%s::text[], %s::bytea[]) AS k(queue, repl_id)
+WHERE m.vpn = %s AND m.queue = k.queue AND m.repl_id = k.repl_id
+"""
+
 _COPY_CHECKPOINT = (
     "COPY live_message (vpn, queue, repl_id, publish_index, exchange, routing_key,"
     " properties, body) FROM STDIN (FORMAT BINARY)"
@@ -459,6 +465,33 @@ class StandbyApplier:
                     copy.write_row((vpn, *_live_row(row)))
             set_applied(conn, vpn, index, epoch)
         self._early.pop(vpn, None)
+
+    def apply_repair(
+        self,
+        vpn: str,
+        rows: Sequence[CheckpointRow],
+        absent: Sequence[tuple[str, ReplicationId]],
+    ) -> None:
+        """A full-sync repair, in one transaction: ``rows`` become the
+        VPN's rows of their keys (inserted or replaced), the ``absent`` keys
+        lose theirs. The applied index does not move: a repair is not a
+        ledger entry, and applying it twice changes nothing."""
+        with self._transaction() as conn:
+            self._lock_state(conn, vpn)
+            if absent:
+                conn.execute(
+                    _REPAIR_DELETE,
+                    ([q for q, _ in absent], [rid.value for _, rid in absent], vpn),
+                )
+            if rows:
+                conn.execute(
+                    _REPAIR_DELETE,
+                    ([r.queue for r in rows], [r.repl_id.value for r in rows], vpn),
+                )
+                with conn.cursor() as cur, cur.copy(_COPY_CHECKPOINT) as copy:
+                    copy.set_types(_CHECKPOINT_TYPES)
+                    for row in rows:
+                        copy.write_row((vpn, *_live_row(row)))
 
     def applied_index(self, vpn: str) -> int:
         with self._transaction() as conn:

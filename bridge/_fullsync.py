@@ -1,0 +1,129 @@
+"""Full-sync: what a comparison of two sites' live state reads and decides.
+
+A VPN's live state on a site is its ``live_message`` rows. The comparison
+(``vpnrepl reconcile``, run by ``plugin``) cuts it into *segments*, by the
+low 16 bits of each replication id's counter (ids are handed out in
+sequence, so segments fill evenly) modulo the number of segments, and
+compares per (queue, segment) a count and an order-independent sum of row
+digests; only segments that differ are read row by row (Riak's full-sync
+with TicTac trees, one level deep). A row's digest covers everything a
+consumer would get: id, publish index, exchange, routing key, properties
+and body. The queue is part of the key.
+
+Live state moves while it is read: the standby applies the active's ledger
+behind it. Each side is read in one snapshot together with the ledger index
+it reflects (the active's ``vpn_live_state.live_index``, the standby's
+``vpn_state.applied_index``); a row that differs only because events
+between those two indexes touched it is *in flight*, not a difference
+(:func:`touched`). Everything here is SQL text and pure functions: the
+reads run wherever the caller runs them (Spark's JDBC source, or psycopg).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from ._events import Consumed, DeadLettered, Event, Published, Purged
+
+__all__ = [
+    "MISSING_ON_STANDBY",
+    "EXTRA_ON_STANDBY",
+    "DIFFERS",
+    "KINDS",
+    "Difference",
+    "LiveKey",
+    "compare_rows",
+    "quote_literal",
+    "row_digest_sql",
+    "segment_sql",
+    "touched",
+]
+
+MISSING_ON_STANDBY: Final = "missing_on_standby"
+EXTRA_ON_STANDBY: Final = "extra_on_standby"
+DIFFERS: Final = "differs"
+KINDS: Final = (MISSING_ON_STANDBY, EXTRA_ON_STANDBY, DIFFERS)
+
+#: (queue, replication id bytes): a live row's key within a VPN
+LiveKey = tuple[str, bytes]
+
+#: a live row's content without its key: (publish index, exchange, routing
+#: key, properties, body)
+RowContent = tuple[int, str, str, bytes, bytes]
+
+MAX_SEGMENTS: Final = 65536
+
+
+def segment_sql(segments: int) -> str:
+    """The segment of a ``live_message`` row, as SQL."""
+    if not 1 <= segments <= MAX_SEGMENTS:
+        raise ValueError(f"segments must be 1 to {MAX_SEGMENTS}, got {segments}")
+    return f"mod(get_byte(repl_id, 14) * 256 + get_byte(repl_id, 15), {int(segments)})"
+
+
+def row_digest_sql() -> str:
+    """A row's 64-bit digest, computed by PostgreSQL (push-down): the first
+    8 bytes of an MD5 over its fields, each length-prefixed, as a bigint."""
+    return (
+        "('x' || substr(md5(repl_id || int8send(publish_index)"
+        " || int4send(octet_length(exchange)) || convert_to(exchange, 'UTF8')"
+        " || int4send(octet_length(routing_key)) || convert_to(routing_key, 'UTF8')"
+        " || int4send(length(properties)) || properties || body), 1, 16))::bit(64)::bigint"
+    )
+
+
+def quote_literal(text: str) -> str:
+    """``text`` as an SQL string literal, for a statement that takes no
+    parameters (Spark's JDBC source sends the query text as it is). The
+    server's ``standard_conforming_strings`` is on (PostgreSQL's default
+    since 9.1, and the schema's migrations check nothing else); a NUL,
+    which PostgreSQL text cannot hold, is refused."""
+    if "\x00" in text:
+        raise ValueError("a NUL character cannot be in an SQL literal")
+    return "'" + text.replace("'", "''") + "'"
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    """One row that differs: the kind, and the key."""
+
+    kind: str
+    queue: str
+    repl_id: bytes
+
+
+def compare_rows(
+    active: Mapping[LiveKey, RowContent],
+    standby: Mapping[LiveKey, RowContent],
+    keys: Iterable[LiveKey],
+) -> list[Difference]:
+    """How the two sites' rows of ``keys`` differ (rows absent from a map
+    are absent on that site)."""
+    out = []
+    for key in keys:
+        a, b = active.get(key), standby.get(key)
+        if a == b:
+            continue
+        kind = MISSING_ON_STANDBY if b is None else EXTRA_ON_STANDBY if a is None else DIFFERS
+        out.append(Difference(kind, key[0], key[1]))
+    return out
+
+
+def touched(events: Iterable[Event]) -> tuple[set[LiveKey], set[str]]:
+    """The live rows ``events`` change: their keys, and the queues a purge
+    or delete changes as a whole."""
+    keys: set[LiveKey] = set()
+    queues: set[str] = set()
+    for event in events:
+        if isinstance(event, Published):
+            keys.update((q, event.repl_id.value) for q in event.queues)
+        elif isinstance(event, Consumed):
+            keys.add((event.queue, event.repl_id.value))
+        elif isinstance(event, DeadLettered):
+            keys.add((event.queue, event.repl_id.value))
+            keys.update((q, event.repl_id.value) for q in event.to)
+        elif isinstance(event, Purged):
+            queues.add(event.queue)
+    return keys, queues

@@ -107,8 +107,11 @@ from ._fullsync import (
     Difference,
     LiveKey,
     compare_rows,
+    live_rows_query,
     quote_literal,
     row_digest_sql,
+    segment_hashes_query,
+    segment_rows_query,
     segment_sql,
     touched,
 )
@@ -416,8 +419,11 @@ __all__ = [
     "Difference",
     "LiveKey",
     "compare_rows",
+    "live_rows_query",
     "quote_literal",
     "row_digest_sql",
+    "segment_hashes_query",
+    "segment_rows_query",
     "segment_sql",
     "touched",
     # the ledger entry encoding

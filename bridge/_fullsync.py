@@ -35,8 +35,11 @@ __all__ = [
     "Difference",
     "LiveKey",
     "compare_rows",
+    "live_rows_query",
     "quote_literal",
     "row_digest_sql",
+    "segment_hashes_query",
+    "segment_rows_query",
     "segment_sql",
     "touched",
 ]
@@ -83,6 +86,43 @@ def quote_literal(text: str) -> str:
     if "\x00" in text:
         raise ValueError("a NUL character cannot be in an SQL literal")
     return "'" + text.replace("'", "''") + "'"
+
+
+# The queries Spark's JDBC source sends. It takes no bind parameters, so the
+# VPN's name goes in as a literal quoted by quote_literal (the caller checks
+# the server reads literals the standard way); everything else in them is
+# this module's text and integers.
+
+
+def segment_hashes_query(vpn: str, segments: int) -> str:
+    """Per (queue, segment) of ``vpn``: row count and digest sum (as text),
+    computed in PostgreSQL."""
+    return (
+        f"SELECT queue, {segment_sql(segments)} AS segment, count(*) AS n, "  # noqa: S608
+        f"sum({row_digest_sql()})::text AS total "
+        f"FROM live_message WHERE vpn = {quote_literal(vpn)} GROUP BY 1, 2"
+    )
+
+
+def segment_rows_query(vpn: str, segments: int, which: Iterable[int]) -> str:
+    """Key, segment and digest of each row of ``vpn`` in the segments ``which``."""
+    seg = segment_sql(segments)
+    listed = ", ".join(str(int(s)) for s in which)
+    return (
+        f"SELECT queue, repl_id, {seg} AS segment, {row_digest_sql()} AS digest "  # noqa: S608
+        f"FROM live_message WHERE vpn = {quote_literal(vpn)} AND {seg} IN ({listed})"
+    )
+
+
+def live_rows_query(vpn: str, segments: int, partitions: int) -> str:
+    """Every live row of ``vpn`` with its segment and a read partition
+    (``part``, in ``[0, partitions)``) for parallel reads."""
+    return (
+        "SELECT queue, repl_id, publish_index, exchange, routing_key, properties, body, "  # noqa: S608
+        f"{segment_sql(segments)} AS segment, "
+        f"mod(get_byte(repl_id, 15), {int(partitions)}) AS part "
+        f"FROM live_message WHERE vpn = {quote_literal(vpn)}"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -382,16 +382,21 @@ class OutboundStream:
         sent = 0
         chunk: list[CheckpointRow] = []
         size = 0
-        for row in rows:
-            chunk.append(row)
-            size += 64 + len(row.body) + len(row.properties)
-            if size >= limits.checkpoint_chunk_bytes:
-                link.send(Repair(self.vpn, self.epoch, tuple(chunk), ()))
-                sent, chunk, size = sent + len(chunk), [], 0
-        if chunk or absent:
-            link.send(Repair(self.vpn, self.epoch, tuple(chunk), tuple(absent)))
-            sent += len(chunk) + len(absent)
-        await link.flush()
+        try:
+            for row in rows:
+                chunk.append(row)
+                size += 64 + len(row.body) + len(row.properties)
+                if size >= limits.checkpoint_chunk_bytes:
+                    link.send(Repair(self.vpn, self.epoch, tuple(chunk), ()))
+                    sent, chunk, size = sent + len(chunk), [], 0
+            if chunk or absent:
+                link.send(Repair(self.vpn, self.epoch, tuple(chunk), tuple(absent)))
+                sent += len(chunk) + len(absent)
+            await link.flush()
+        except BaseException as e:  # the stream ends: its caller hears why too
+            if not job.done.done():
+                job.done.set_exception(BridgeError(f"repair not sent: {e}", self.vpn))
+            raise
         log.info(
             "bridge: VPN %s: full-sync repair sent to %s: %d rows, %d absent; %d keys "
             "left to the stream (changed by it meanwhile)",

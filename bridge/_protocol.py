@@ -578,7 +578,7 @@ class BridgeConnection:
             return self._finish(frame, stream, sending=sending), frame
         if isinstance(frame, Ack):
             return self._ack(frame, stream, sending=sending), frame
-        if isinstance(frame, TXN_FRAMES | Repair):
+        if isinstance(frame, (*TXN_FRAMES, Repair)):
             return stream, frame
         return replace(stream, request=None), frame  # a VPN-level Error
 

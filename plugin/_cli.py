@@ -1,7 +1,8 @@
 """``vpnrepl``: the broker admin's command line (names are a contract).
 
 Exit status: 0 on success, 2 on a usage or config error, 1 on any other
-failure, always with one line on stderr saying what is wrong.
+failure, always with one line on stderr saying what is wrong; ``reconcile``
+exits 3 when the sites still differ at the end of its run.
 """
 
 from __future__ import annotations
@@ -31,15 +32,16 @@ from ._store import add_broker_depths, connect, disable_vpn, enable_vpn, status
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_DIFFER = 0, 1, 2, 3
 
 log = logging.getLogger("vpnrepl")
 
 #: Libraries that log routine steps at INFO (pika: every connection's open
 #: and close, the demo's client; alembic: each plugin and revision at
-#: ``init``, which prints its own summary): noise around the command's own
+#: ``init``, which prints its own summary; py4j: every Spark gateway
+#: connection of ``reconcile``): noise around the command's own
 #: lines; their warnings still show, and ``-v`` shows everything.
-_CHATTY = ("pika", "alembic")
+_CHATTY = ("pika", "alembic", "py4j")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,10 +49,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message}")
-
-
-class NotImplementedYet(PluginError):
-    """A contract command whose capability has not landed yet."""
 
 
 def _cmd_init(cfg: SiteConfig, args: argparse.Namespace) -> int:
@@ -208,6 +206,47 @@ def _cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+def _cmd_reconcile(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    from datetime import UTC, datetime
+
+    from ._reconcile import Reconciler, repair_through_node, store_failed_run, store_run
+    from ._reconcile_report import render
+
+    rc = cfg.reconcile
+    method = args.method or rc.method
+    started = datetime.now(UTC)
+    job = Reconciler(
+        cfg,
+        args.vpn,
+        method=method,
+        master=args.master or rc.master,
+        segments=args.segments or rc.segments,
+        progress=sys.stderr.isatty() and not args.json,
+    )
+    try:
+        result = job.run(repair_through_node(cfg.store_dsn) if args.repair else None)
+    except PluginError as e:
+        store_failed_run(cfg.store_dsn, args.vpn, method, started, str(e))
+        raise
+    store_run(cfg.store_dsn, result)
+    doc = result.as_dict()
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(render(doc, repaired=args.repair), end="")
+    return EXIT_OK if result.agree else EXIT_DIFFER
+
+
+def _segment_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 1 <= value <= 65536:
+        raise argparse.ArgumentTypeError(f"{value}: expected 1 to 65536 segments")
+    return value
+
+
 def _seconds(text: str) -> float:
     """``--watch``'s interval: a number of seconds, at least 0.5."""
     try:
@@ -322,13 +361,6 @@ def _quiet(done: int, total: int) -> None:
     """No progress to show."""
 
 
-def _not_yet(what: str) -> Callable[[SiteConfig | None, argparse.Namespace], int]:
-    def run(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
-        raise NotImplementedYet(f"`vpnrepl {what}` is not implemented yet")
-
-    return run
-
-
 def _build_parser() -> _Parser:
     p = _Parser(prog="vpnrepl", description="Disaster-recovery replication for RabbitMQ vhosts.")
     p.add_argument("--config", metavar="SITE.TOML", help="the site's configuration file")
@@ -410,10 +442,22 @@ def _build_parser() -> _Parser:
     c = sub.add_parser("republish", help="publish a demoted site's exported tail here")
     c.add_argument("file", metavar="FILE")
     c.set_defaults(run=_cmd_republish)
-    c = sub.add_parser("reconcile", help="full-sync reconciliation of a VPN (PySpark)")
+    c = sub.add_parser(
+        "reconcile", help="on the active: compare (and repair) the standby's live state (Spark)"
+    )
     c.add_argument("vpn", metavar="VPN")
-    c.add_argument("--master", metavar="URL", help="Spark master (default local[*])")
-    c.set_defaults(run=_not_yet("reconcile"))
+    c.add_argument("--repair", action="store_true", help="send what differs to the standby")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.add_argument("--master", metavar="URL", help="Spark master (default [reconcile] master)")
+    c.add_argument(
+        "--segments", type=_segment_count, metavar="N", help="segments per queue (default 1024)"
+    )
+    c.add_argument(
+        "--method",
+        choices=("pushdown", "jdbc"),
+        help="hash segments in PostgreSQL (pushdown, default) or in Spark from JDBC rows",
+    )
+    c.set_defaults(run=_cmd_reconcile)
     c = sub.add_parser("demo", help="two local sites, a workload, a promotion")
     c.set_defaults(run=_cmd_demo, needs_config=False)
     c = sub.add_parser(

@@ -20,7 +20,28 @@ from bridge import HostPort, TlsConfig
 
 from ._errors import ConfigError
 
-__all__ = ["SiteConfig", "load_config"]
+__all__ = ["ReconcileConfig", "SiteConfig", "load_config"]
+
+#: Debian's PostgreSQL JDBC driver (package libpostgresql-jdbc-java)
+DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileConfig:
+    """``[reconcile]``: how ``vpnrepl reconcile`` runs, and whether (and how
+    often) the node runs it on its own."""
+
+    #: the node runs it for each active VPN about this often (None: never)
+    interval_seconds: int | None = None
+    #: scheduled runs repair what they find
+    repair: bool = False
+    #: ``pushdown`` (segment hashes computed in PostgreSQL) or ``jdbc``
+    #: (rows read by Spark's JDBC source, hashed by Spark)
+    method: str = "pushdown"
+    #: the Spark master
+    master: str = "local[*]"
+    segments: int = 1024
+    jdbc_jar: str = DEFAULT_JDBC_JAR
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +76,7 @@ class SiteConfig:
     #: it; reconciliation reads it): a role with read access is enough for
     #: reconciliation, switchover also writes operator requests
     peer_store_dsn: str | None = None
+    reconcile: ReconcileConfig = ReconcileConfig()
 
 
 _REQUIRED = object()
@@ -88,6 +110,32 @@ def _positive(value: int) -> int:
     return value
 
 
+def _interval(value: int) -> int:
+    if value < 60:
+        raise ValueError("expected a number of seconds >= 60")
+    return value
+
+
+def _segments(value: int) -> int:
+    if not 1 <= value <= 65536:
+        raise ValueError("expected 1 to 65536")
+    return value
+
+
+def _method(value: str) -> str:
+    if value not in ("pushdown", "jdbc"):
+        raise ValueError("expected 'pushdown' or 'jdbc'")
+    return value
+
+
+def _spark_master(value: str) -> str:
+    if not value.startswith(("local", "spark://", "yarn", "k8s://", "mesos://")):
+        raise ValueError(
+            "expected a Spark master URL (local[N], spark://HOST:PORT, yarn, k8s://...)"
+        )
+    return value
+
+
 def _file(value: str) -> str:
     if not value:
         raise ValueError("expected a file path")
@@ -116,6 +164,14 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
     },
     "replication": {"ledger_retain_seconds": (int, 300, _non_negative)},
     "telemetry": {"otlp_traces_url": (str, None, _url("http", "https"))},
+    "reconcile": {
+        "interval": (int, None, _interval),
+        "repair": (bool, False, bool),
+        "method": (str, "pushdown", _method),
+        "master": (str, "local[*]", _spark_master),
+        "segments": (int, 1024, _segments),
+        "jdbc_jar": (str, DEFAULT_JDBC_JAR, _file),
+    },
     "tls": {
         "cert": (str, _REQUIRED, _file),
         "key": (str, _REQUIRED, _file),
@@ -127,7 +183,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
         "ca": (str, None, _file),
     },
 }
-_OPTIONAL_SECTIONS = {"peer", "tls", "client_tls", "replication", "telemetry"}
+_OPTIONAL_SECTIONS = {"peer", "tls", "client_tls", "replication", "telemetry", "reconcile"}
 
 
 def _parse_override(path: str, item: str) -> tuple[str, str, object]:
@@ -251,4 +307,21 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         listen_amqps=listen_amqps,
         client_tls=client_tls,
         broker_ca=_existing_file(path, "broker.ca", v["broker"]["ca"]),
+        reconcile=_reconcile(path, v),
+    )
+
+
+def _reconcile(path: str, v: Mapping[str, Mapping[str, Any]]) -> ReconcileConfig:
+    if "reconcile" not in v:
+        return ReconcileConfig()
+    r = v["reconcile"]
+    if r["interval"] is not None and ("peer" not in v or v["peer"]["store_dsn"] is None):
+        raise ConfigError(path, "reconcile.interval", "needs peer.store_dsn (the standby's store)")
+    return ReconcileConfig(
+        interval_seconds=r["interval"],
+        repair=r["repair"],
+        method=r["method"],
+        master=r["master"],
+        segments=r["segments"],
+        jdbc_jar=r["jdbc_jar"],
     )

@@ -82,6 +82,10 @@ SWITCHOVER_DRAIN = 60.0
 PEER_EPOCH_WAIT = 5.0
 
 
+#: how long a repair request may wait for the live stream to leave room
+REPAIR_SECONDS = 120.0
+
+
 def fenced_text(vpn: str, epoch: int, site: str) -> str:
     """What a fenced former active tells the VPN's clients (320 and 530)."""
     where = f"site {site!r}" if site else "the other site"
@@ -154,6 +158,7 @@ class Node:
                 "switchover-prepare": self._switchover_prepare,
                 "switchover-finish": self._switchover_finish,
                 "switchover-abort": self._switchover_abort,
+                "repair": self._repair,
             },
         )
         self.refresher: DirectoryRefresher | None = None
@@ -235,6 +240,29 @@ class Node:
         if self.refresher is not None:
             await self.refresher.refresh()  # opens its ledger; the listener admits clients
         return summary.as_dict()
+
+    async def _repair(
+        self, vpn: str, args: Mapping[str, Any], progress: Progress
+    ) -> dict[str, Any]:
+        """The ``repair`` request of ``vpnrepl reconcile --repair``: the keys
+        go to the standby as Repair frames, below the live stream."""
+        if self.bridge_server is None:
+            raise StateError("the node is not serving its bridge yet")
+        try:
+            keys = [(str(q), bytes.fromhex(str(r))) for q, r in args["keys"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise UsageError(f"a repair request needs keys as [queue, hex id] pairs: {e}") from e
+        try:
+            async with asyncio.timeout(REPAIR_SECONDS):
+                sent = await self.bridge_server.repair(vpn, keys)
+        except TimeoutError:
+            raise StateError(
+                f"VPN {vpn!r}: the repair was not sent in {REPAIR_SECONDS:g} s "
+                "(the live stream kept the bridge busy): run reconcile again"
+            ) from None
+        except BridgeError as e:
+            raise StateError(f"VPN {vpn!r}: repair not sent: {e}") from e
+        return {"sent": sent.sent, "skipped": sent.skipped}
 
     async def status(self, broker: bool = True) -> dict[str, Any]:
         """The ``status --json`` document; ``broker=False``: without the

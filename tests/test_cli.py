@@ -26,10 +26,10 @@ def test_help_lists_every_contract_command(tmp_path: Path) -> None:
 def test_init_creates_the_schema_and_is_idempotent(vpnrepl_a: Vpnrepl, site_a: LocalSite) -> None:
     first = vpnrepl_a("init")
     assert first.returncode == 0, first.stderr
-    assert "upgraded from empty to revision 0008" in first.stdout
+    assert "upgraded from empty to revision 0009" in first.stdout
     second = vpnrepl_a("init")
     assert second.returncode == 0, second.stderr
-    assert "schema is current (revision 0008)" in second.stdout
+    assert "schema is current (revision 0009)" in second.stdout
     with psycopg.connect(site_a.pg.dsn()) as conn:
         tables = {
             r[0]
@@ -199,11 +199,11 @@ def test_promote_refuses_what_is_not_a_standby_with_one_line(vpnrepl_a: Vpnrepl)
     assert missing.returncode == 2 and "cannot read" in missing.stderr
 
 
-@pytest.mark.parametrize("command", [["reconcile", "orders"]])
-def test_commands_not_landed_yet_fail_honestly(vpnrepl_a: Vpnrepl, command: list[str]) -> None:
-    result = vpnrepl_a(*command)
-    assert result.returncode == 1
-    assert "not implemented yet" in result.stderr
+def test_reconcile_without_the_standbys_store_names_the_missing_key(vpnrepl_a: Vpnrepl) -> None:
+    assert vpnrepl_a("init").returncode == 0
+    result = vpnrepl_a("reconcile", "orders")
+    assert result.returncode == 2
+    assert "peer.store_dsn: reconcile reads the standby's store: set it" in result.stderr
 
 
 def test_status_shows_broker_depth_next_to_replicated_count(

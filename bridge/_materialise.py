@@ -57,10 +57,11 @@ missing queue is refused before anything is published.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,7 +236,7 @@ class _Materialisation:
     ) -> MaterialiseResult:
         t0 = time.monotonic()
         self._conn = await self._connect_store()
-        reader: asyncio.Task[None] | None = None
+        reader: _Reader | None = None
         try:
             await self._lock()
             plan = await self._plan()
@@ -246,11 +247,10 @@ class _Materialisation:
             if todo:
                 self._publisher = await self._connect(endpoint, ssl_context)
                 await self._check_queues(todo)
-                batches: asyncio.Queue[_Item] = asyncio.Queue(_READ_AHEAD)
-                reader = asyncio.create_task(self._read([q.name for q in todo], batches))
+                reader = _Reader(self._read, [q.name for q in todo])
                 for q in todo:
                     self.queue = q.name
-                    published, emptied = await self._materialise_queue(q, batches)
+                    published, emptied = await self._materialise_queue(q, reader.batches)
                     messages += published
                     purged += emptied
                 self.queue = None
@@ -340,11 +340,15 @@ class _Materialisation:
         self.total += published - q.messages
         self.done += published
 
-    async def _read(self, queues: list[str], out: asyncio.Queue[_Item]) -> None:
+    async def _read(
+        self, queues: list[str], out: asyncio.Queue[_Item], stop: asyncio.Event
+    ) -> None:
         """Feed ``out`` with each queue's rows in publish order, in batches of
         about ``_FETCH_BYTES``, and None after each queue; on its own
         connection, one transaction per queue. Ends with the error that
-        stopped it, if one did."""
+        stopped it, if one did, or early once ``stop`` is set (checked
+        between batches: a task cancelled inside a psycopg call could leave
+        its server cursor open, see :func:`_stop`)."""
         try:
             async with await self._connect_store() as conn:
                 for queue in queues:
@@ -352,10 +356,12 @@ class _Materialisation:
                         async with conn.cursor(name="vpnrepl_materialise", binary=True) as cur:
                             await cur.execute(_ROWS, (self.vpn, queue))
                             fetch = _FIRST_FETCH
-                            while rows := await cur.fetchmany(fetch):
+                            while not stop.is_set() and (rows := await cur.fetchmany(fetch)):
                                 batch, size = self._batch(queue, rows)
                                 await out.put(batch)
                                 fetch = max(1, min(_MAX_FETCH, _FETCH_BYTES * len(rows) // size))
+                    if stop.is_set():
+                        return
                     await out.put(None)
         except Exception as e:  # handed to the publishing side, raised there
             await out.put(e)
@@ -431,10 +437,9 @@ class _Materialisation:
                 published = await self._publish_rows(q.name, batches)
             else:  # the reader is past this queue: read it again on the side
                 await self.publisher.purge(q.name)
-                again: asyncio.Queue[_Item] = asyncio.Queue(_READ_AHEAD)
-                reread = asyncio.create_task(self._read([q.name], again))
+                reread = _Reader(self._read, [q.name])
                 try:
-                    published = await self._publish_rows(q.name, again)
+                    published = await self._publish_rows(q.name, reread.batches)
                 finally:
                     await _stop(reread)
             depth = await self.publisher.declare_passive(q.name)
@@ -506,10 +511,24 @@ class _Materialisation:
             self.progress(done, self.total)
 
 
-async def _stop(task: asyncio.Task[None]) -> None:
-    if not task.done():
-        task.cancel()
-    await asyncio.wait([task])
+class _Reader:
+    """A :meth:`Materialiser._read` task with the means to stop it."""
+
+    def __init__(self, read: Callable[..., Coroutine[Any, Any, None]], queues: list[str]) -> None:
+        self.batches: asyncio.Queue[_Item] = asyncio.Queue(_READ_AHEAD)
+        self.stopping = asyncio.Event()
+        self.task = asyncio.create_task(read(queues, self.batches, self.stopping))
+
+
+async def _stop(reader: _Reader) -> None:
+    """Stop the reader without cancelling it inside a psycopg call (where
+    psycopg cancels the query and the cursor can be left unclosed): set its
+    flag and make room in its queue until it returns on its own."""
+    reader.stopping.set()
+    while not reader.task.done():
+        with contextlib.suppress(asyncio.QueueEmpty):
+            reader.batches.get_nowait()
+        await asyncio.wait([reader.task], timeout=0.05)
 
 
 def _pg_reason(e: psycopg.Error) -> str:

@@ -111,8 +111,8 @@ def _positive(value: int) -> int:
 
 
 def _interval(value: int) -> int:
-    if value < 60:
-        raise ValueError("expected a number of seconds >= 60")
+    if value < 10:
+        raise ValueError("expected a number of seconds >= 10")
     return value
 
 

@@ -16,6 +16,7 @@ import bisect
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -298,3 +299,38 @@ def _vpn_families(
         if v["role"] == "active":
             degraded.add_metric([v["name"]], counts.get(v["name"], 0))
     yield degraded
+    yield from _reconcile_families(vpns)
+
+
+def _reconcile_families(vpns: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The newest ``vpnrepl reconcile`` run of each VPN (its row in the
+    site's ``reconcile_run``)."""
+    differences = GaugeMetricFamily(
+        "vpnrepl_reconcile_differences",
+        "differences the newest reconcile run left, by kind (broker_drift: queues)",
+        labels=["vpn", "kind"],
+    )
+    last = GaugeMetricFamily(
+        "vpnrepl_reconcile_last_run_timestamp_seconds",
+        "when the newest reconcile run ended (Unix time)",
+        labels=["vpn"],
+    )
+    agree = GaugeMetricFamily(
+        "vpnrepl_reconcile_agree",
+        "1 when the newest reconcile run found the sites equal (after repair)",
+        labels=["vpn"],
+    )
+    took = GaugeMetricFamily(
+        "vpnrepl_reconcile_duration_seconds", "how long the newest run took", labels=["vpn"]
+    )
+    for v in vpns:
+        run = v.get("reconcile")
+        if not run:
+            continue
+        name = v["name"]
+        for kind in ("missing_on_standby", "extra_on_standby", "differs", "broker_drift"):
+            differences.add_metric([name, kind], run[kind])
+        last.add_metric([name], datetime.fromisoformat(run["finished_at"]).timestamp())
+        agree.add_metric([name], 1 if run["outcome"] == "agree" else 0)
+        took.add_metric([name], run["seconds"])
+    yield from (differences, last, agree, took)

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
+import random
 import signal
+import sys
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -129,6 +133,8 @@ class Node:
 
     def __init__(self, cfg: SiteConfig) -> None:
         self.cfg = cfg
+        #: the config file a scheduled ``reconcile`` reads
+        self._config_path = os.path.abspath(cfg.path)
         self.directory = VpnDirectory()
         self.api = ManagementAPI(cfg.management_url)
         self.metrics = Metrics()
@@ -379,6 +385,13 @@ class Node:
         self._tasks.append(asyncio.create_task(refresher.run(), name="directory-refresh"))
         self._tasks.append(asyncio.create_task(self._record_eligibility(), name="eligibility"))
         self._tasks.append(asyncio.create_task(self._sample_lag(), name="lag-history"))
+        if cfg.reconcile.interval_seconds is not None:
+            self._tasks.append(
+                asyncio.create_task(
+                    self._reconcile_periodically(cfg.reconcile.interval_seconds),
+                    name="reconcile-schedule",
+                )
+            )
         vpns = [v for n in self.directory.names() if (v := self.directory.lookup(n))]
         log.info(
             "site %s up (incarnation %d): AMQP on %s%s, bridge on %s%s, admin on %s, VPNs: %s",
@@ -548,6 +561,48 @@ class Node:
                     await self.coordinator.recover()
         except MarkerError as e:
             raise PluginError(f"in-doubt transactions not recovered: {e}") from e
+
+    async def _reconcile_periodically(self, interval: int) -> None:
+        """``[reconcile] interval``: about that often (±10 %, so that sites
+        and VPNs do not run in step), ``vpnrepl reconcile`` of each VPN
+        active here, one at a time, as a child process: the Spark job's JVM
+        and memory stay out of the node, and the run records itself in
+        ``reconcile_run`` like one an operator starts."""
+        while True:
+            await asyncio.sleep(interval * random.uniform(0.9, 1.1))  # noqa: S311 - jitter
+            for name in self.directory.names():
+                view = self.directory.lookup(name)
+                if view is not None and view.role is Role.ACTIVE and self._serves(name):
+                    await self._reconcile_once(name)
+
+    async def _reconcile_once(self, vpn: str) -> None:
+        argv = [sys.executable, "-m", "plugin", "--config", self._config_path]
+        argv += ["reconcile", vpn, "--json"] + (["--repair"] if self.cfg.reconcile.repair else [])
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await proc.communicate()
+        if proc.returncode not in (0, 3):
+            why = (err.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+            log.error(
+                "scheduled reconcile of VPN %s failed (exit %s): %s", vpn, proc.returncode, why
+            )
+            return
+        doc = json.loads(out)
+        remaining = doc["remaining"]
+        log.log(
+            logging.INFO if proc.returncode == 0 else logging.WARNING,
+            "scheduled reconcile of VPN %s: %s (missing on standby %d, extra %d, differs %d; "
+            "repaired %d; broker drift in %d queues) in %.1f s",
+            vpn,
+            "the sites agree" if proc.returncode == 0 else "the sites DIFFER",
+            remaining["missing_on_standby"],
+            remaining["extra_on_standby"],
+            remaining["differs"],
+            doc["repaired"],
+            len(doc["broker_drift"]),
+            doc["seconds"],
+        )
 
     async def _sample_lag(self) -> None:
         """Every few seconds, each VPN's lag into the status page's history."""

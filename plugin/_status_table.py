@@ -71,6 +71,15 @@ def _details(v: dict[str, Any]) -> list[str]:
             f"  promotion {promotion['state']}: {promotion['materialised']}"
             f"/{promotion['total']} materialised"
         )
+    run = v.get("reconcile")
+    if run:
+        left = run["missing_on_standby"] + run["extra_on_standby"] + run["differs"]
+        verdict = "sites agree" if run["outcome"] == "agree" else run["outcome"]
+        out.append(
+            f"  last reconcile {run['finished_at'][:19].replace('T', ' ')}: {verdict}"
+            + (f", {left} differences left" if left else "")
+            + (f", {run['repaired']} repaired" if run["repaired"] else "")
+        )
     if v["unknown_acks"]:
         out.append(f"  {v['unknown_acks']} acks the standby could not match (see the README)")
     return out

@@ -141,6 +141,23 @@ def status(
             "SELECT vpn, state, materialised, total, epoch, txns_committed FROM promotion"
         )
     }
+    reconciled = {
+        row["vpn"]: {
+            "finished_at": row["finished_at"].isoformat(),
+            "outcome": row["outcome"],
+            "missing_on_standby": row["missing_on_standby"],
+            "extra_on_standby": row["extra_on_standby"],
+            "differs": row["differs"],
+            "repaired": row["repaired"],
+            "broker_drift": len(row["broker_drift"] or {}),
+            "seconds": round(row["seconds"], 3),
+        }
+        for row in conn.execute(
+            "SELECT DISTINCT ON (vpn) vpn, finished_at, outcome, missing_on_standby,"
+            " extra_on_standby, differs, repaired, broker_drift, seconds"
+            " FROM reconcile_run ORDER BY vpn, id DESC"
+        )
+    }
     epochs: dict[str, list[dict[str, Any]]] = {}
     for row in conn.execute("SELECT vpn, epoch, site, since FROM vpn_epoch ORDER BY vpn, epoch"):
         epochs.setdefault(row["vpn"], []).append(
@@ -174,6 +191,7 @@ def status(
                     r.name, {"state": "none", "materialised": 0, "total": 0}
                 ),
                 "epochs": epochs.get(r.name, []),
+                "reconcile": reconciled.get(r.name),
             }
         )
     return {"site": site, "vpns": vpns}

@@ -15,6 +15,7 @@ import pytest
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
+from tests.prometheus import value
 from tests.two_sites import (
     VPN,
     ConsumerThread,
@@ -23,6 +24,7 @@ from tests.two_sites import (
     enable,
     live,
     setup_vpn,
+    until,
 )
 
 
@@ -170,3 +172,34 @@ def test_reconcile_on_the_standby_or_of_an_unknown_vpn_says_what_to_do(
     assert unknown.returncode == 1 and "VPN 'nope' is not enabled" in unknown.stderr
     bad = vpnrepl("reconcile", VPN, "--segments", "0")
     assert bad.returncode == 2 and "expected 1 to 65536 segments" in bad.stderr
+
+
+def test_the_node_reconciles_on_its_schedule_and_exports_the_result(
+    vpnrepl_a: Vpnrepl, node_a: NodeProcess, node_b: NodeProcess
+) -> None:
+    setup_vpn(node_a.site)
+    enable(vpnrepl_a)
+    with open(vpnrepl_a.config, "a") as f:
+        f.write(f'\n[peer]\nstore_dsn = "{node_b.site.pg.dsn()}"\n')
+        f.write("\n[reconcile]\ninterval = 10\nsegments = 32\n")
+    node_a.start()
+    node_b.start()
+    Publisher(node_a.site, range(1, 51)).run()
+    assert_same_state(node_a, node_b)
+    with psycopg.connect(node_b.site.pg.dsn(), autocommit=True) as db:
+        db.execute("DELETE FROM live_message WHERE ctid IN (SELECT ctid FROM live_message LIMIT 2)")
+
+    def ran() -> bool:
+        with psycopg.connect(node_a.site.pg.dsn()) as db:
+            row = db.execute("SELECT count(*) FROM reconcile_run WHERE vpn = %s", (VPN,)).fetchone()
+        return bool(row and row[0])
+
+    until(ran, "a scheduled reconcile run", 120)
+    metrics = node_a.get("/metrics")
+    assert value(metrics, "vpnrepl_reconcile_differences", vpn=VPN, kind="missing_on_standby") == 2
+    assert value(metrics, "vpnrepl_reconcile_agree", vpn=VPN) == 0
+    assert value(metrics, "vpnrepl_reconcile_last_run_timestamp_seconds", vpn=VPN) > 0
+    line = "scheduled reconcile of VPN orders: the sites DIFFER (missing on standby 2"
+    until(lambda: line in node_a.log_text(), "the node to log the run", 30)
+    table = vpnrepl_a("status").stdout
+    assert "last reconcile" in table and "2 differences left" in table

@@ -215,3 +215,37 @@ def test_amqps_listener_can_be_set_by_overrides(tmp_path: Path) -> None:
     )
     assert cfg.listen_amqps == HostPort("127.0.0.1", 6001)
     assert cfg.client_tls is not None and cfg.client_tls.ca is None
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "problem"),
+    [
+        ("interval = 5", "reconcile.interval", "seconds >= 10"),
+        ('method = "fast"', "reconcile.method", "'pushdown' or 'jdbc'"),
+        ('master = "nowhere"', "reconcile.master", "Spark master URL"),
+        ("segments = 0", "reconcile.segments", "1 to 65536"),
+        ('repair = "yes"', "reconcile.repair", "expected bool"),
+        ("interval = 3600", "reconcile.interval", "needs peer.store_dsn"),
+    ],
+)
+def test_reconcile_settings_are_checked(
+    tmp_path: Path, section: str, key: str, problem: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, GOOD + f"\n[reconcile]\n{section}\n"))
+    assert key in str(info.value) and problem in str(info.value)
+
+
+def test_reconcile_settings_load_with_their_defaults(tmp_path: Path) -> None:
+    text = GOOD.replace(
+        "[peer]\n", '[peer]\nstore_dsn = "postgresql://reader@standby.example/vpnrepl"\n'
+    )
+    cfg = load_config(write(tmp_path, text + "\n[reconcile]\ninterval = 21600\n"))
+    rc = cfg.reconcile
+    assert (rc.interval_seconds, rc.repair, rc.method, rc.segments) == (
+        21600,
+        False,
+        "pushdown",
+        1024,
+    )
+    assert load_config(write(tmp_path, GOOD)).reconcile.interval_seconds is None

@@ -191,6 +191,12 @@ class Reconciler:
     # -- 1. compare ----------------------------------------------------------------
 
     def _compare(self, result: ReconcileResult) -> list[Difference]:
+        with SparkRun(self.master, self.cfg.reconcile.jdbc_jar, self.progress) as spark:
+            return self.compare(spark, result)
+
+    def compare(self, spark: SparkRun, result: ReconcileResult) -> list[Difference]:
+        """The first pass on ``spark``: each site in a snapshot of its own;
+        fills ``result``'s counts and indexes, returns the candidates."""
         active = SiteSnapshot(self.cfg.store_dsn, self.vpn, "active")
         try:
             standby = SiteSnapshot(self.peer_dsn, self.vpn, "standby")
@@ -199,9 +205,9 @@ class Reconciler:
             raise
         result.active_index, result.standby_index = active.index, standby.index
         try:
-            with SparkRun(self.master, self.cfg.reconcile.jdbc_jar, self.progress) as spark:
-                return self._compare_on(spark, active, standby, result)
+            return self._compare_on(spark, active, standby, result)
         finally:
+            spark.spark.catalog.clearCache()  # the jdbc method's cached digests
             active.close()
             standby.close()
 

@@ -64,14 +64,27 @@ def _inject(site: LocalSite) -> dict[str, int]:
     return {"missing_on_standby": gone, "extra_on_standby": extra, "differs": altered}
 
 
+def _reader_dsn(site: LocalSite) -> str:
+    """A role on ``site``'s store with the README's read-only grants."""
+    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
+        db.execute(  # roles are the cluster's: made once, granted per database
+            "DO $$ BEGIN CREATE ROLE vpnrepl_reader LOGIN;"
+            " EXCEPTION WHEN duplicate_object THEN NULL; END $$"
+        )
+        db.execute("GRANT CONNECT ON DATABASE vpnrepl TO vpnrepl_reader")
+        db.execute("GRANT USAGE ON SCHEMA public TO vpnrepl_reader")
+        db.execute("GRANT SELECT ON ALL TABLES IN SCHEMA public TO vpnrepl_reader")
+    return site.pg.dsn().replace("postgres@", "vpnrepl_reader@")
+
+
 @pytest.fixture
 def two_sites(
     vpnrepl_a: Vpnrepl, node_a: NodeProcess, node_b: NodeProcess
 ) -> tuple[Vpnrepl, NodeProcess, NodeProcess]:
     setup_vpn(node_a.site)
     enable(vpnrepl_a)
-    with open(vpnrepl_a.config, "a") as f:
-        f.write(f'\n[peer]\nstore_dsn = "{node_b.site.pg.dsn()}"\n')
+    with open(vpnrepl_a.config, "a") as f:  # the standby's store, read-only
+        f.write(f'\n[peer]\nstore_dsn = "{_reader_dsn(node_b.site)}"\n')
     node_a.start()
     node_b.start()
     return vpnrepl_a, node_a, node_b

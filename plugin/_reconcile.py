@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 READ_PARTITIONS = 4
 #: how long the re-check waits for the standby to pass the first pass's index
 CATCH_UP_SECONDS = 60.0
+#: how long the check after a repair waits for the standby to have applied it
+REPAIR_SETTLE_SECONDS = 30.0
 #: between the two broker-drift readings: more than RabbitMQ's default
 #: statistics interval (5 s), so the second reading is a fresh one
 DRIFT_WAIT_SECONDS = 6.0
@@ -169,6 +171,13 @@ class Reconciler:
     # -- the whole run -----------------------------------------------------------
 
     def run(self, repair: Repairer | None = None) -> ReconcileResult:
+        try:
+            return self._run(repair)
+        except psycopg.Error as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise PluginError(f"reconcile of VPN {self.vpn!r}: a store failed: {reason}") from e
+
+    def _run(self, repair: Repairer | None) -> ReconcileResult:
         t0 = time.monotonic()
         result = ReconcileResult(self.vpn, self.method, datetime.now(UTC), segments=self.segments)
         candidates = self._compare(result)
@@ -180,19 +189,37 @@ class Reconciler:
             keys = [(d.queue, d.repl_id) for d in result.found]
             sent = repair(self.vpn, keys)
             log.info("VPN %s: repair sent: %s", self.vpn, sent)
-            after = self._active_ledger_index()
-            remaining, _ = self.recheck(keys_to_candidates(keys), after)
-            result.remaining = remaining
-            result.repaired = len(result.found) - len(remaining)
+            result.remaining = self._settled(keys_to_candidates(keys))
+            result.repaired = len(result.found) - len(result.remaining)
         result.broker_drift = self.broker_drift()
         result.seconds = time.monotonic() - t0
         return result
+
+    def _settled(self, candidates: list[Difference]) -> list[Difference]:
+        """What still differs of the repaired keys once the standby applied
+        the repair: it is in the stream's order, after the entries sent
+        before it, and acknowledges nothing of its own, so the keys are
+        read again until they agree or :data:`REPAIR_SETTLE_SECONDS` pass."""
+        deadline = time.monotonic() + REPAIR_SETTLE_SECONDS
+        while True:
+            remaining, _ = self.recheck(candidates, self._active_ledger_index())
+            if not remaining or time.monotonic() > deadline:
+                return remaining
+            time.sleep(0.5)
 
     # -- 1. compare ----------------------------------------------------------------
 
     def _compare(self, result: ReconcileResult) -> list[Difference]:
         with SparkRun(self.master, self.cfg.reconcile.jdbc_jar, self.progress) as spark:
-            return self.compare(spark, result)
+            try:
+                return self.compare(spark, result)
+            except (PluginError, psycopg.Error):
+                raise
+            except Exception as e:  # a Spark (py4j) error: one line, and where its log is
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise PluginError(
+                    f"the Spark job failed: {first[:300]} (Spark's log: {spark.log_path})"
+                ) from e
 
     def compare(self, spark: SparkRun, result: ReconcileResult) -> list[Difference]:
         """The first pass on ``spark``: each site in a snapshot of its own;
@@ -217,15 +244,36 @@ class Reconciler:
         from pyspark.sql import functions as F  # noqa: N812 - Spark's own idiom
 
         run.phase("segment hashes")
+        sites = {"a": active, "b": standby}
+        # One DataFrame for both sites, so that one Spark job reads them side
+        # by side (every partition of both on the available cores).
+        rows = None
         if self.method == "pushdown":
-            seg_a, seg_b = (self._segments_pushed(run, s) for s in (active, standby))
+            segs = _union(
+                run.read_jdbc(
+                    s,
+                    segment_hashes_query(self.vpn, self.segments),
+                    ("segment", self.segments, READ_PARTITIONS),
+                ).withColumn("site", F.lit(name))
+                for name, s in sites.items()
+            )
         else:
-            rows_a, rows_b = (self._digests_jdbc(run, s) for s in (active, standby))
-            seg_a, seg_b = (_segment_table(r) for r in (rows_a, rows_b))
-        seg_a, seg_b = seg_a.cache(), seg_b.cache()
-        result.rows_active = int(seg_a.agg(F.sum("n")).first()[0] or 0)
-        result.rows_standby = int(seg_b.agg(F.sum("n")).first()[0] or 0)
-        a, b = seg_a.alias("a"), seg_b.alias("b")
+            rows = _union(
+                self._digests_jdbc(run, s).withColumn("site", F.lit(name))
+                for name, s in sites.items()
+            ).cache()
+            segs = rows.groupBy("site", "queue", "segment").agg(
+                F.count("*").alias("n"),
+                F.sum(F.col("digest").cast("decimal(38,0)")).cast("string").alias("total"),
+            )
+        segs = segs.cache()
+        for name, n in segs.groupBy("site").agg(F.sum("n")).collect():
+            if name == "a":
+                result.rows_active = int(n or 0)
+            else:
+                result.rows_standby = int(n or 0)
+        a = segs.where(F.col("site") == "a").alias("a")
+        b = segs.where(F.col("site") == "b").alias("b")
         dirty = (
             a.join(b, ["queue", "segment"], "full_outer")
             .where(
@@ -241,17 +289,19 @@ class Reconciler:
         if not dirty_rows:
             return []
         run.phase("differing segments")
-        if self.method == "pushdown":
-            segs = sorted({s for _, s in dirty_rows})
-            keys_a, keys_b = (self._drill_pushed(run, s, segs) for s in (active, standby))
-        else:
-            keys_a, keys_b = (
-                rows_a.select("queue", "repl_id", "segment", "digest"),
-                rows_b.select("queue", "repl_id", "segment", "digest"),
+        if rows is None:
+            keys = _union(
+                run.read_jdbc(
+                    s, segment_rows_query(self.vpn, self.segments, dirty_rows)
+                ).withColumn("site", F.lit(name))
+                for name, s in sites.items()
             )
-        wanted = run.spark.createDataFrame(dirty_rows, "queue string, segment int")
-        keys_a = keys_a.join(wanted, ["queue", "segment"]).alias("a")
-        keys_b = keys_b.join(wanted, ["queue", "segment"]).alias("b")
+        else:
+            wanted = run.spark.createDataFrame(dirty_rows, "queue string, segment int")
+            keys = rows.join(F.broadcast(wanted), ["queue", "segment"])
+        keys = keys.select("site", "queue", "repl_id", "digest")
+        keys_a = keys.where(F.col("site") == "a").alias("a")
+        keys_b = keys.where(F.col("site") == "b").alias("b")
         differing = (
             keys_a.join(keys_b, ["queue", "repl_id"], "full_outer")
             .where(~F.col("a.digest").eqNullSafe(F.col("b.digest")))
@@ -268,26 +318,19 @@ class Reconciler:
             out.append(Difference(kind, r["queue"], bytes(r["repl_id"])))
         return out
 
-    def _segments_pushed(self, run: SparkRun, site: SiteSnapshot) -> Any:
-        """Per (queue, segment): count and digest sum, computed in PostgreSQL."""
-        return run.read_jdbc(site, segment_hashes_query(self.vpn, self.segments))
-
-    def _drill_pushed(self, run: SparkRun, site: SiteSnapshot, segments: list[int]) -> Any:
-        """Key and digest of each row of ``segments``, computed in PostgreSQL."""
-        return run.read_jdbc(site, segment_rows_query(self.vpn, self.segments, segments))
-
     def _digests_jdbc(self, run: SparkRun, site: SiteSnapshot) -> Any:
         """Every live row read by Spark's JDBC source (in parallel sessions
         sharing the site's snapshot), reduced to key, segment and a digest
-        Spark computes; cached, so the drill reads no row twice."""
+        Spark computes (the caller caches it, so the drill reads no row
+        twice)."""
         from pyspark.sql import functions as F  # noqa: N812
 
         query = live_rows_query(self.vpn, self.segments, READ_PARTITIONS)
-        rows = run.read_jdbc(site, query, ("part", READ_PARTITIONS))
+        rows = run.read_jdbc(site, query, ("part", READ_PARTITIONS, READ_PARTITIONS))
         digest = F.xxhash64(
             "repl_id", "publish_index", "exchange", "routing_key", "properties", "body"
         )
-        return rows.select("queue", "repl_id", "segment", digest.alias("digest")).cache()
+        return rows.select("queue", "repl_id", "segment", digest.alias("digest"))
 
     # -- 2. re-check ------------------------------------------------------------------
 
@@ -424,13 +467,11 @@ def _read_keys(
     return index, rows
 
 
-def _segment_table(rows: Any) -> Any:
-    from pyspark.sql import functions as F  # noqa: N812
-
-    return rows.groupBy("queue", "segment").agg(
-        F.count("*").alias("n"),
-        F.sum(F.col("digest").cast("decimal(38,0)")).cast("string").alias("total"),
-    )
+def _union(frames: Iterable[Any]) -> Any:
+    out = None
+    for frame in frames:
+        out = frame if out is None else out.unionByName(frame)
+    return out
 
 
 def store_run(dsn: str, result: ReconcileResult) -> None:

@@ -207,11 +207,12 @@ class SparkRun:
         self,
         site: SiteSnapshot,
         query: str,
-        partition: tuple[str, int] | None = None,
+        partition: tuple[str, int, int] | None = None,
     ) -> Any:
         """A DataFrame of ``query`` (a sub-select) on ``site``, in its
         snapshot; ``partition``: (an integer column of the query in
-        ``[0, n)``, n) to read in n parallel sessions."""
+        ``[0, upper)``, upper, n) to read in n parallel sessions, each
+        taking a range of the column."""
         url, props = jdbc_url(site.dsn)
         reader = (
             self.spark.read.format("jdbc")
@@ -224,11 +225,11 @@ class SparkRun:
         for key, value in props.items():
             reader = reader.option(key, value)
         if partition is not None:
-            column, n = partition
+            column, upper, n = partition
             reader = (
                 reader.option("partitionColumn", column)
                 .option("lowerBound", "0")
-                .option("upperBound", str(n))
+                .option("upperBound", str(upper))
                 .option("numPartitions", str(n))
             )
         return reader.load()

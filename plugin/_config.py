@@ -42,6 +42,9 @@ class ReconcileConfig:
     master: str = "local[*]"
     segments: int = 1024
     jdbc_jar: str = DEFAULT_JDBC_JAR
+    #: seconds between the two broker-drift readings: more than the
+    #: broker's ``collect_statistics_interval`` (5 s by default)
+    drift_interval: int = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +174,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
         "master": (str, "local[*]", _spark_master),
         "segments": (int, 1024, _segments),
         "jdbc_jar": (str, DEFAULT_JDBC_JAR, _file),
+        "drift_interval": (int, 6, _positive),
     },
     "tls": {
         "cert": (str, _REQUIRED, _file),
@@ -324,4 +328,5 @@ def _reconcile(path: str, v: Mapping[str, Mapping[str, Any]]) -> ReconcileConfig
         master=r["master"],
         segments=r["segments"],
         jdbc_jar=r["jdbc_jar"],
+        drift_interval=r["drift_interval"],
     )

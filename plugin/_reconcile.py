@@ -22,7 +22,8 @@ differs from the active's. Runs on the active site.
    counts what now agrees as repaired.
 4. **Broker drift**: per queue of the scope, the broker's
    ``messages_persistent`` against the active's replicated live count, read
-   twice a statistics interval apart; a difference in the same direction
+   twice ``[reconcile] drift_interval`` apart (more than the broker's
+   statistics interval); a difference in the same direction
    both times is reported (publishes that bypassed the listener), never
    repaired, never part of the exit status.
 
@@ -78,9 +79,6 @@ READ_PARTITIONS = 4
 CATCH_UP_SECONDS = 60.0
 #: how long the check after a repair waits for the standby to have applied it
 REPAIR_SETTLE_SECONDS = 30.0
-#: between the two broker-drift readings: more than RabbitMQ's default
-#: statistics interval (5 s), so the second reading is a fresh one
-DRIFT_WAIT_SECONDS = 6.0
 
 _ROWS_OF_KEYS = """
 SELECT m.queue, m.repl_id, m.publish_index, m.exchange, m.routing_key, m.properties, m.body
@@ -157,7 +155,6 @@ class Reconciler:
         master: str,
         segments: int,
         progress: bool = False,
-        drift_wait: float = DRIFT_WAIT_SECONDS,
     ) -> None:
         if cfg.peer_store_dsn is None:
             raise ConfigError(
@@ -165,7 +162,7 @@ class Reconciler:
             )
         self.cfg, self.vpn, self.method = cfg, vpn, method
         self.master, self.segments, self.progress = master, segments, progress
-        self.drift_wait = drift_wait
+        self.drift_wait = cfg.reconcile.drift_interval
         self.peer_dsn: str = cfg.peer_store_dsn
 
     # -- the whole run -----------------------------------------------------------

@@ -255,7 +255,7 @@ class _ProgressThread(threading.Thread):
                 if info is not None:
                     total += info.numTasks
                     finished += info.numCompletedTasks
-            bar.set_description(self.phase, refresh=False)
+            bar.set_description_str(self.phase, refresh=False)
             bar.total, bar.n = total, finished
             bar.refresh()
         bar.close()

@@ -112,6 +112,14 @@ def add_broker_depths(doc: dict[str, Any], api: Any) -> None:
         vpn["out_of_scope"] = out_of_scope(scope, persistent, vpn["queues"])
 
 
+def _has_table(conn: psycopg.Connection[dict[str, Any]], name: str) -> bool:
+    """Whether the schema has ``name`` yet: ``status`` also reads a site
+    whose node still runs the previous release (an upgrade one site at a
+    time), before its ``init``."""
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL AS found", (name,)).fetchone()
+    return bool(row and row["found"])
+
+
 def status(
     conn: psycopg.Connection[dict[str, Any]], site: str, queues: bool = True
 ) -> dict[str, Any]:
@@ -141,23 +149,27 @@ def status(
             "SELECT vpn, state, materialised, total, epoch, txns_committed FROM promotion"
         )
     }
-    reconciled = {
-        row["vpn"]: {
-            "finished_at": row["finished_at"].isoformat(),
-            "outcome": row["outcome"],
-            "missing_on_standby": row["missing_on_standby"],
-            "extra_on_standby": row["extra_on_standby"],
-            "differs": row["differs"],
-            "repaired": row["repaired"],
-            "broker_drift": len(row["broker_drift"] or {}),
-            "seconds": round(row["seconds"], 3),
+    reconciled = (
+        {
+            row["vpn"]: {
+                "finished_at": row["finished_at"].isoformat(),
+                "outcome": row["outcome"],
+                "missing_on_standby": row["missing_on_standby"],
+                "extra_on_standby": row["extra_on_standby"],
+                "differs": row["differs"],
+                "repaired": row["repaired"],
+                "broker_drift": len(row["broker_drift"] or {}),
+                "seconds": round(row["seconds"], 3),
+            }
+            for row in conn.execute(
+                "SELECT DISTINCT ON (vpn) vpn, finished_at, outcome, missing_on_standby,"
+                " extra_on_standby, differs, repaired, broker_drift, seconds"
+                " FROM reconcile_run ORDER BY vpn, id DESC"
+            )
         }
-        for row in conn.execute(
-            "SELECT DISTINCT ON (vpn) vpn, finished_at, outcome, missing_on_standby,"
-            " extra_on_standby, differs, repaired, broker_drift, seconds"
-            " FROM reconcile_run ORDER BY vpn, id DESC"
-        )
-    }
+        if _has_table(conn, "reconcile_run")
+        else {}
+    )
     epochs: dict[str, list[dict[str, Any]]] = {}
     for row in conn.execute("SELECT vpn, epoch, site, since FROM vpn_epoch ORDER BY vpn, epoch"):
         epochs.setdefault(row["vpn"], []).append(

@@ -47,6 +47,7 @@ from bridge import (
     Published,
     Purged,
     RemoteProtocolError,
+    Repair,
     ReplicationId,
     ResourceList,
     Role,
@@ -152,6 +153,8 @@ SAMPLES: list[Frame] = [
     TxnCommit(VPN, 3, "7.1.1.1", 2**64 - 1),
     TxnApplied(VPN, 3, "7.1.1.1", True),
     TxnApplied(VPN, 3, "7.1.1.1", False),
+    Repair(VPN, 3, (row(4), row(5, "orders.q2")), (("orders.q1", rid(6)),)),
+    Repair(VPN, 3, (), (("orders.q1", rid(7)),)),
 ]
 
 

@@ -27,6 +27,9 @@ from tests.two_sites import (
     until,
 )
 
+#: the harness's RabbitMQ refreshes its statistics every second
+DRIFT = "\n[reconcile]\ndrift_interval = 2\n"
+
 
 def _reconcile(vpnrepl: Vpnrepl, *args: str) -> tuple[int, dict[str, Any], str]:
     done = vpnrepl("reconcile", VPN, "--json", "--segments", "64", *args)
@@ -85,6 +88,7 @@ def two_sites(
     enable(vpnrepl_a)
     with open(vpnrepl_a.config, "a") as f:  # the standby's store, read-only
         f.write(f'\n[peer]\nstore_dsn = "{_reader_dsn(node_b.site)}"\n')
+        f.write(DRIFT)
     node_a.start()
     node_b.start()
     return vpnrepl_a, node_a, node_b
@@ -98,11 +102,6 @@ def test_injected_divergence_is_found_exactly_and_repaired(
     assert published.error is None and len(published.confirmed) == 400
     assert_same_state(node_a, node_b)
 
-    code, doc, err = _reconcile(vpnrepl)
-    assert code == 0, err
-    assert (doc["rows_active"], doc["rows_standby"]) == (720, 720)  # 400 + 320 routed twice
-    assert doc["dirty_segments"] == 0
-
     injected = _inject(node_b.site)
     assert injected == {"missing_on_standby": 8, "extra_on_standby": 4, "differs": 6}
     for method in ("pushdown", "jdbc"):
@@ -110,6 +109,7 @@ def test_injected_divergence_is_found_exactly_and_repaired(
         assert code == 3, err
         found = {k: doc[k] for k in injected}
         assert found == injected, (method, doc)
+        assert doc["rows_active"] == 720  # 400 publishes, 320 of them routed to both queues
         assert doc["rows_standby"] == 720 - 8 + 4
         assert 0 < doc["dirty_segments"] <= 18
 
@@ -128,7 +128,6 @@ def test_injected_divergence_is_found_exactly_and_repaired(
             (VPN,),
         ).fetchall()
     assert runs == [
-        ("agree", 0, 0, 0, 0),
         ("differ", 8, 4, 6, 0),
         ("differ", 8, 4, 6, 0),
         ("agree", 0, 0, 0, 18),
@@ -194,7 +193,7 @@ def test_the_node_reconciles_on_its_schedule_and_exports_the_result(
     enable(vpnrepl_a)
     with open(vpnrepl_a.config, "a") as f:
         f.write(f'\n[peer]\nstore_dsn = "{node_b.site.pg.dsn()}"\n')
-        f.write("\n[reconcile]\ninterval = 10\nsegments = 32\n")
+        f.write("\n[reconcile]\ninterval = 10\nsegments = 32\ndrift_interval = 2\n")
     node_a.start()
     node_b.start()
     Publisher(node_a.site, range(1, 51)).run()

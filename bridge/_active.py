@@ -542,3 +542,11 @@ class BridgeServer:
                 describe_error(e),
             )
             peer.fail(e)
+        except Exception as e:  # a bug: never a stream that stops without a word
+            log.exception(
+                "bridge: VPN %s: serving %s failed unexpectedly; closing the link (it will "
+                "resync)",
+                out.vpn,
+                peer.name,
+            )
+            peer.fail(e)

@@ -15,6 +15,8 @@ import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
+import psycopg
+
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import (
@@ -125,6 +127,18 @@ def test_the_status_page_shows_the_sites_vpn_bridge_and_applied_index(
     assert f[(VPN, "", "ledger_index")] == str(status["ledger_index"])
     assert f[(VPN, "", "lag")] == "0 events, 0 s"
     assert f[(VPN, "", "in_doubt_txns")] == "0"
+    assert f[(VPN, "", "reconcile")] == "never"
+
+    # a reconcile run that left differences is on the page at its next refresh
+    with psycopg.connect(node_a.site.pg.dsn(), autocommit=True) as db:
+        db.execute(
+            "INSERT INTO reconcile_run (vpn, started_at, outcome, method, missing_on_standby,"
+            " differs) VALUES (%s, now(), 'differ', 'pushdown', 2, 1)",
+            (VPN,),
+        )
+    page = _Fields()
+    page.feed(_browse(url, tmp_path / "profile", "--dump-dom"))
+    assert page.fields[(VPN, "", "reconcile")].startswith("3 differences")
     assert int(page.attrs[(VPN, "", "lag_chart")]["data-points"]) >= 3
     for queue, n in status["queues"].items():
         assert f[(VPN, queue, "live")] == str(n)

@@ -544,8 +544,7 @@ class BridgeServer:
             peer.fail(e)
         except Exception as e:  # a bug: never a stream that stops without a word
             log.exception(
-                "bridge: VPN %s: serving %s failed unexpectedly; closing the link (it will "
-                "resync)",
+                "bridge: VPN %s: serving %s failed unexpectedly; closing the link (it will resync)",
                 out.vpn,
                 peer.name,
             )

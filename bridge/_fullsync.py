@@ -32,6 +32,7 @@ __all__ = [
     "EXTRA_ON_STANDBY",
     "DIFFERS",
     "KINDS",
+    "ROWS_OF_KEYS",
     "Difference",
     "LiveKey",
     "compare_rows",
@@ -58,6 +59,15 @@ RowContent = tuple[int, str, str, bytes, bytes]
 
 MAX_SEGMENTS: Final = 65536
 
+#: a VPN's live rows of given keys: parameters (queues, ids, vpn), the keys
+#: as two arrays (``live_message`` column order)
+ROWS_OF_KEYS: Final = """
+SELECT m.queue, m.repl_id, m.publish_index, m.exchange, m.routing_key, m.properties, m.body
+FROM live_message m JOIN unnest(%s::text[], %s::bytea[]) AS k(queue, repl_id)
+  ON m.queue = k.queue AND m.repl_id = k.repl_id
+WHERE m.vpn = %s
+"""
+
 
 def segment_sql(segments: int) -> str:
     """The segment of a ``live_message`` row, as SQL."""
@@ -75,8 +85,7 @@ def row_digest_sql() -> str:
     (``bench/RESULTS.md``); not cryptographic, which a comparison of two
     sites' own copies does not need."""
     return (
-        "hash_record_extended("
-        "(repl_id, publish_index, exchange, routing_key, properties, body), 0)"
+        "hash_record_extended((repl_id, publish_index, exchange, routing_key, properties, body), 0)"
     )
 
 

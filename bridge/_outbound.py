@@ -52,7 +52,7 @@ from ._frames import (
     SyncFinished,
     SyncRequest,
 )
-from ._fullsync import LiveKey, touched
+from ._fullsync import ROWS_OF_KEYS, LiveKey, touched
 from ._ids import ReplicationId
 from ._ledger import LedgerWriter
 from ._ledger_errors import LedgerError, LedgerPruned, VpnNotOpen
@@ -74,13 +74,6 @@ ANSWER_WAIT = 1.0
 _MIB: Final = 2**20
 
 _LEDGER_BETWEEN = "SELECT event FROM ledger WHERE vpn = %s AND idx > %s AND idx <= %s ORDER BY idx"
-
-_ROWS_OF_KEYS = """
-SELECT m.queue, m.repl_id, m.publish_index, m.exchange, m.routing_key, m.properties, m.body
-FROM live_message m JOIN unnest(%s::text[], %s::bytea[]) AS k(queue, repl_id)
-  ON m.queue = k.queue AND m.repl_id = k.repl_id
-WHERE m.vpn = %s
-"""
 
 #: the first bridge protocol version with the Repair frame
 REPAIR_VERSION: Final = 5
@@ -433,7 +426,7 @@ class OutboundStream:
                 for (data,) in await cur.fetchall():
                     events.append(decode_event(bytes(data), self.vpn))
             cur = await conn.execute(
-                _ROWS_OF_KEYS, ([q for q, _ in keys], [rid for _, rid in keys], self.vpn)
+                ROWS_OF_KEYS, ([q for q, _ in keys], [rid for _, rid in keys], self.vpn)
             )
             held = await cur.fetchall()
         changed, purged = touched(events)

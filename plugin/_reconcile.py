@@ -50,6 +50,7 @@ from bridge import (
     EXTRA_ON_STANDBY,
     KINDS,
     MISSING_ON_STANDBY,
+    ROWS_OF_KEYS,
     Difference,
     LiveKey,
     ManagementAPI,
@@ -79,13 +80,6 @@ READ_PARTITIONS = 4
 CATCH_UP_SECONDS = 60.0
 #: how long the check after a repair waits for the standby to have applied it
 REPAIR_SETTLE_SECONDS = 30.0
-
-_ROWS_OF_KEYS = """
-SELECT m.queue, m.repl_id, m.publish_index, m.exchange, m.routing_key, m.properties, m.body
-FROM live_message m JOIN unnest(%s::text[], %s::bytea[]) AS k(queue, repl_id)
-  ON m.queue = k.queue AND m.repl_id = k.repl_id
-WHERE m.vpn = %s
-"""
 
 
 @dataclass
@@ -457,7 +451,7 @@ def _read_keys(
     for start in range(0, len(keys), 10_000):
         part = keys[start : start + 10_000]
         for queue, rid, pindex, exchange, rkey, props, body in conn.execute(
-            _ROWS_OF_KEYS, ([q for q, _ in part], [r for _, r in part], vpn)
+            ROWS_OF_KEYS, ([q for q, _ in part], [r for _, r in part], vpn)
         ):
             rows[(queue, bytes(rid))] = (pindex, exchange, rkey, bytes(props), bytes(body))
     conn.rollback()

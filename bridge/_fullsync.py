@@ -32,6 +32,8 @@ __all__ = [
     "EXTRA_ON_STANDBY",
     "DIFFERS",
     "KINDS",
+    "MAX_SEGMENTS",
+    "REFLECTED_INDEX",
     "ROWS_OF_KEYS",
     "Difference",
     "LiveKey",
@@ -58,6 +60,14 @@ LiveKey = tuple[str, bytes]
 RowContent = tuple[int, str, str, bytes, bytes]
 
 MAX_SEGMENTS: Final = 65536
+
+#: role -> the ledger index a site's live state of a VPN reflects: the
+#: active's ``live_index`` (its ``live_message`` follows its ledger), the
+#: standby's ``applied_index``; parameter (vpn)
+REFLECTED_INDEX: Final = {
+    "active": "SELECT live_index FROM vpn_live_state WHERE vpn = %s",
+    "standby": "SELECT applied_index FROM vpn_state WHERE vpn = %s",
+}
 
 #: a VPN's live rows of given keys: parameters (queues, ids, vpn), the keys
 #: as two arrays (``live_message`` column order)

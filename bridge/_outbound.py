@@ -35,8 +35,9 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
+import psycopg
 from psycopg.rows import tuple_row
 
 from ._bridgestate import CONNECTED, SYNCING, Pool
@@ -52,7 +53,7 @@ from ._frames import (
     SyncFinished,
     SyncRequest,
 )
-from ._fullsync import ROWS_OF_KEYS, LiveKey, touched
+from ._fullsync import REFLECTED_INDEX, ROWS_OF_KEYS, LiveKey, touched
 from ._ids import ReplicationId
 from ._ledger import LedgerWriter
 from ._ledger_errors import LedgerError, LedgerPruned, VpnNotOpen
@@ -234,11 +235,7 @@ class OutboundStream:
             await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             # The index live_message reflects (the ledger may be further on:
             # the replay after the checkpoint covers the difference).
-            cur = await conn.execute("SELECT live_index FROM vpn_live_state WHERE vpn = %s", (vpn,))
-            found = await cur.fetchone()
-            if found is None:
-                raise LedgerError("no vpn_live_state row", vpn)
-            at = int(found[0])
+            at = await _live_index(conn, vpn)
             link.send(SyncAccepted(vpn, self.epoch, at + 1))
             ready: list[CheckpointRow] | None = None
             chunk: list[CheckpointRow] = []
@@ -412,13 +409,7 @@ class OutboundStream:
         at = self.next_index - 1
         async with pool.connection() as conn, conn.transaction():
             await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            cur = await conn.execute(
-                "SELECT live_index FROM vpn_live_state WHERE vpn = %s", (self.vpn,)
-            )
-            found = await cur.fetchone()
-            if found is None:
-                raise LedgerError("no vpn_live_state row", self.vpn)
-            live = int(found[0])
+            live = await _live_index(conn, self.vpn)
             low, high = min(live, at), max(live, at)
             events = []
             if high > low:
@@ -447,6 +438,16 @@ class OutboundStream:
             (q, ReplicationId(r)) for q, r in keys if (q, r) not in have and (q, r) not in skipped
         ]
         return rows, absent, skipped
+
+
+async def _live_index(conn: psycopg.AsyncConnection[Any], vpn: str) -> int:
+    """The index the active's ``live_message`` reflects, in ``conn``'s
+    snapshot (the ledger may be further on)."""
+    cur = await conn.execute(REFLECTED_INDEX["active"], (vpn,))
+    found = await cur.fetchone()
+    if found is None:
+        raise LedgerError("no vpn_live_state row", vpn)
+    return int(found[0])
 
 
 @dataclass(eq=False)

@@ -75,9 +75,8 @@ class AdminServer:
 
     @property
     def port(self) -> int:
-        server = self._runner.server
         sockets = self._runner.addresses
-        assert server is not None and sockets  # noqa: S101 - after start()
+        assert sockets  # noqa: S101 - after start()
         return int(sockets[0][1])
 
     async def close(self) -> None:

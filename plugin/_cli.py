@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from bridge import (
     DEFAULT_SYNC_TIMEOUT_MS,
+    MAX_SEGMENTS,
     BridgeError,
     InvalidSettings,
     ManagementAPI,
@@ -242,8 +243,8 @@ def _segment_count(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 1 <= value <= 65536:
-        raise argparse.ArgumentTypeError(f"{value}: expected 1 to 65536 segments")
+    if not 1 <= value <= MAX_SEGMENTS:
+        raise argparse.ArgumentTypeError(f"{value}: expected 1 to {MAX_SEGMENTS} segments")
     return value
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from bridge import HostPort, TlsConfig
+from bridge import MAX_SEGMENTS, HostPort, TlsConfig
 
 from ._errors import ConfigError
 
@@ -120,8 +120,8 @@ def _interval(value: int) -> int:
 
 
 def _segments(value: int) -> int:
-    if not 1 <= value <= 65536:
-        raise ValueError("expected 1 to 65536")
+    if not 1 <= value <= MAX_SEGMENTS:
+        raise ValueError(f"expected 1 to {MAX_SEGMENTS}")
     return value
 
 

@@ -107,7 +107,6 @@ class Metrics:
         #: the status document of the scrape under way (None: the store was
         #: unreachable)
         self._status: dict[str, Any] | None = None
-        self._scraping = False
         self.registry.register(_Collector(self))
 
     def observe_listener(self, stats: ListenerStats) -> None:
@@ -127,15 +126,11 @@ class Metrics:
         """The exposition text; ``status`` is this site's status document
         (``None`` when its store could not be read: ``vpnrepl_store_up 0``
         and no per-VPN state)."""
-        self._status, self._scraping = status, True
+        self._status = status
         try:
             return generate_latest(self.registry)
         finally:
-            self._status, self._scraping = None, False
-
-    def prometheus_text(self) -> str:
-        """The process counters alone (no per-VPN state): for tests."""
-        return generate_latest(self.registry).decode()
+            self._status = None
 
 
 class _Collector:
@@ -163,8 +158,7 @@ class _Collector:
             )
         if m._ledger is not None:
             yield _commit_entries(m._ledger)
-        if m._scraping:
-            yield from _vpn_families(m._status, m._degradations)
+        yield from _vpn_families(m._status, m._degradations)
 
 
 def _counter(

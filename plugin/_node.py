@@ -571,8 +571,7 @@ class Node:
         while True:
             await asyncio.sleep(interval * random.uniform(0.9, 1.1))  # noqa: S311 - jitter
             for name in self.directory.names():
-                view = self.directory.lookup(name)
-                if view is not None and view.role is Role.ACTIVE and self._serves(name):
+                if self._serves(name):  # active here, admitting clients, not fenced
                     await self._reconcile_once(name)
 
     async def _reconcile_once(self, vpn: str) -> None:

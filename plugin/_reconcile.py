@@ -50,18 +50,21 @@ from bridge import (
     EXTRA_ON_STANDBY,
     KINDS,
     MISSING_ON_STANDBY,
+    REFLECTED_INDEX,
     ROWS_OF_KEYS,
     Difference,
     LiveKey,
     ManagementAPI,
     ManagementUnavailable,
     TopicFilter,
+    applied_position,
     compare_rows,
     decode_event,
     live_rows_query,
     redact_url,
     segment_hashes_query,
     segment_rows_query,
+    stored_ledger_index,
     touched,
 )
 
@@ -362,10 +365,8 @@ class Reconciler:
         deadline = time.monotonic() + CATCH_UP_SECONDS
         with psycopg.connect(self.peer_dsn, connect_timeout=10, autocommit=True) as conn:
             while True:
-                row = conn.execute(
-                    "SELECT applied_index FROM vpn_state WHERE vpn = %s", (self.vpn,)
-                ).fetchone()
-                if row is not None and int(row[0]) >= index:
+                found = applied_position(conn, self.vpn)
+                if found is not None and found[0] >= index:
                     return
                 if time.monotonic() > deadline:
                     log.warning(
@@ -379,10 +380,7 @@ class Reconciler:
 
     def _active_ledger_index(self) -> int:
         with psycopg.connect(self.cfg.store_dsn, connect_timeout=10) as conn:
-            row = conn.execute(
-                "SELECT ledger_index FROM vpn_state WHERE vpn = %s", (self.vpn,)
-            ).fetchone()
-        return int(row[0]) if row is not None else 0
+            return stored_ledger_index(conn, self.vpn)
 
     # -- 4. broker drift --------------------------------------------------------------
 
@@ -440,12 +438,7 @@ def _read_keys(
     """The index a site's live state reflects and its rows of ``keys``, in
     one snapshot."""
     conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-    sql = (
-        "SELECT live_index FROM vpn_live_state WHERE vpn = %s"
-        if role == "active"
-        else "SELECT applied_index FROM vpn_state WHERE vpn = %s"
-    )
-    row = conn.execute(sql, (vpn,)).fetchone()
+    row = conn.execute(REFLECTED_INDEX[role], (vpn,)).fetchone()
     index = int(row[0]) if row is not None else 0
     rows = {}
     for start in range(0, len(keys), 10_000):

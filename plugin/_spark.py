@@ -32,7 +32,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import psycopg
 
-from bridge import redact_url
+from bridge import REFLECTED_INDEX, redact_url
 
 from ._errors import PluginError
 
@@ -92,12 +92,7 @@ class SiteSnapshot:
                     "reconcile with the active site's config, whose [peer] store_dsn is "
                     "the standby's store"
                 )
-            sql = (
-                "SELECT live_index FROM vpn_live_state WHERE vpn = %s"
-                if role == "active"
-                else "SELECT applied_index FROM vpn_state WHERE vpn = %s"
-            )
-            row = self._conn.execute(sql, (vpn,)).fetchone()
+            row = self._conn.execute(REFLECTED_INDEX[role], (vpn,)).fetchone()
             self.index = int(row[0]) if row is not None else 0
             snap = self._conn.execute("SELECT pg_export_snapshot()").fetchone()
             assert snap is not None  # noqa: S101 - the function returns a row

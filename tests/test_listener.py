@@ -300,7 +300,7 @@ def test_metrics_count_connections_events_and_protocol_closes(
             pass
     metrics = Metrics()
     metrics.observe_listener(listener_a.listener.stats)
-    text = metrics.prometheus_text()
+    text = metrics.render().decode()
     assert value(text, "vpnrepl_events_total", vpn="orders", kind="published") == 3
     assert value(text, "vpnrepl_protocol_closes_total", reply_code="501") == 1
     assert value(text, "vpnrepl_client_connections_total") == 2

@@ -36,6 +36,7 @@ from ._amqp_wire import (
     NotFound,
     PreconditionFailed,
     PublishRejected,
+    persistent_properties,
 )
 from ._entry import EventDecodeError, LedgerEntry, decode_event, encode_event, split_events
 from ._errors import (
@@ -58,6 +59,7 @@ from ._errors import (
 from ._events import (
     EVENT_KINDS,
     MARKER_QUEUE,
+    XA_TXID_PREFIX,
     ConfirmKey,
     Consumed,
     DeadLettered,
@@ -68,6 +70,7 @@ from ._events import (
     TransactionRefused,
     Voted,
     future_callback,
+    xid_of_txid,
 )
 from ._failpoints import FAILPOINTS, UnknownFailpoint, armed, failpoint
 from ._frames import (
@@ -405,11 +408,14 @@ __all__ = [
     "DeadLettered",
     "Event",
     "LocalTransaction",
+    "XA_TXID_PREFIX",
     "Published",
     "Purged",
     "TransactionRefused",
     "Voted",
     "future_callback",
+    "persistent_properties",
+    "xid_of_txid",
     "FAILPOINTS",
     "UnknownFailpoint",
     "armed",

@@ -83,8 +83,12 @@ class BrokerPublisher(asyncio.Protocol):
 
     CHANNEL = 1
 
-    def __init__(self, vhost: str, heartbeat: int, connection_name: str) -> None:
+    def __init__(
+        self, vhost: str, heartbeat: int, connection_name: str, transactional: bool = False
+    ) -> None:
         self.vhost = vhost
+        #: the channel is in transaction mode (:meth:`commit`), not confirm mode
+        self.transactional = transactional
         self.connection_name = connection_name
         self.frame_max = 131072
         self.heartbeat = heartbeat
@@ -122,8 +126,11 @@ class BrokerPublisher(asyncio.Protocol):
         connect_timeout: float = 30.0,
         heartbeat: int = 30,
         connection_name: str = "vpnrepl",
+        transactional: bool = False,
     ) -> BrokerPublisher:
-        """Connect, log in, open ``vhost`` and a confirm channel.
+        """Connect, log in, open ``vhost`` and a confirm channel (with
+        ``transactional``, a channel in transaction mode instead: what is
+        published waits for :meth:`commit`).
 
         ``ssl_context`` is used for ``amqps``; without one, the system's
         trusted CAs and hostname checking (TLS 1.2 or later)."""
@@ -135,7 +142,7 @@ class BrokerPublisher(asyncio.Protocol):
         try:
             async with asyncio.timeout(connect_timeout):
                 _, proto = await loop.create_connection(
-                    lambda: cls(vhost, heartbeat, connection_name),
+                    lambda: cls(vhost, heartbeat, connection_name, transactional),
                     endpoint.host,
                     endpoint.port,
                     ssl=context if endpoint.tls else None,
@@ -231,6 +238,13 @@ class BrokerPublisher(asyncio.Protocol):
             await self._written
         finally:
             self._batch, self._written = None, None
+
+    async def commit(self) -> None:
+        """Commit what was published on a transactional channel, all or none."""
+        if not self.transactional:
+            raise RuntimeError("commit() needs a publisher connected with transactional=True")
+        await self._call(commands.Tx.Commit(), commands.Tx.CommitOk)
+        self._tracker = ConfirmTracker()  # nothing is confirmed on such a channel
 
     async def wait_confirmed(self) -> None:
         """Return once the broker confirmed everything published so far."""
@@ -472,7 +486,10 @@ class BrokerPublisher(asyncio.Protocol):
         await self._call(commands.Channel.Open(), commands.Channel.OpenOk)
         self._channel_open = True
         self._tracker = ConfirmTracker()
-        await self._call(commands.Confirm.Select(), commands.Confirm.SelectOk)
+        if self.transactional:
+            await self._call(commands.Tx.Select(), commands.Tx.SelectOk)
+        else:
+            await self._call(commands.Confirm.Select(), commands.Confirm.SelectOk)
 
     def _tick(self) -> None:
         """Heartbeats: send one when we wrote nothing for half the interval;

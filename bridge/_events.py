@@ -29,9 +29,11 @@ __all__ = [
     "LocalTransaction",
     "Published",
     "Purged",
+    "XA_TXID_PREFIX",
     "TransactionRefused",
     "Voted",
     "future_callback",
+    "xid_of_txid",
 ]
 
 #: The durable queue of each replicated VPN that holds commit markers: the
@@ -134,11 +136,28 @@ class LocalTransaction:
     events: tuple[Event, ...]
     #: the listener process's incarnation: with it the id is unique for ever
     incarnation: int = 0
+    #: a client's XA branch: its XA id in text form (``txn.Xid``)
+    xid: str | None = None
 
     @property
     def txid(self) -> str:
-        """``incarnation.connection.channel.sequence``: unique across restarts."""
-        return f"{self.incarnation}.{self.connection}.{self.channel}.{self.sequence}"
+        """``incarnation.connection.channel.sequence``: unique across restarts;
+        an XA branch's is ``xa/<xid>/`` before it (:func:`xid_of_txid`), so
+        the standby knows its rows for XA branches from the id alone."""
+        local = f"{self.incarnation}.{self.connection}.{self.channel}.{self.sequence}"
+        return local if self.xid is None else f"{XA_TXID_PREFIX}{self.xid}/{local}"
+
+
+#: how an XA branch's transaction id starts
+XA_TXID_PREFIX = "xa/"
+
+
+def xid_of_txid(txid: str) -> str | None:
+    """The XA id (text form) of an XA branch's transaction id; None for a
+    local transaction's."""
+    if not txid.startswith(XA_TXID_PREFIX):
+        return None
+    return txid[len(XA_TXID_PREFIX) :].partition("/")[0] or None
 
 
 class TransactionRefused(Exception):

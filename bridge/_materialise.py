@@ -105,7 +105,13 @@ _ATTEMPTS = 3
 
 _LOCK = "SELECT pg_try_advisory_lock(%s, hashtext(%s))"
 _PROMOTION = "SELECT epoch FROM promotion WHERE vpn = %s FOR UPDATE"
-_LIVE_COUNTS = "SELECT queue, count(*) FROM live_message WHERE vpn = %s GROUP BY queue"
+# a message a prepared XA branch acked waits for the branch (xa_held)
+_LIVE_COUNTS = """
+SELECT queue, count(*) FROM live_message m
+WHERE vpn = %s AND NOT EXISTS (SELECT 1 FROM xa_held h
+    WHERE h.vpn = m.vpn AND h.repl_id = m.repl_id AND h.queue = m.queue)
+GROUP BY queue
+"""
 _FORGET_OLDER = "DELETE FROM promotion_queue WHERE vpn = %s AND epoch <> %s"
 # a queue not done yet is recorded with its current count; a done one stays
 _RECORD = """
@@ -121,8 +127,9 @@ WHERE vpn = %s AND NOT done AND NOT (queue = ANY(%s::text[]))
 _QUEUES = "SELECT queue, messages, done FROM promotion_queue WHERE vpn = %s ORDER BY queue"
 _TOTALS = "UPDATE promotion SET total = %s, materialised = %s WHERE vpn = %s AND epoch = %s"
 _ROWS = """
-SELECT repl_id, properties, body FROM live_message
-WHERE vpn = %s AND queue = %s
+SELECT repl_id, properties, body FROM live_message m
+WHERE vpn = %s AND queue = %s AND NOT EXISTS (SELECT 1 FROM xa_held h
+    WHERE h.vpn = m.vpn AND h.repl_id = m.repl_id AND h.queue = m.queue)
 ORDER BY publish_index, repl_id
 """
 _MARK_DONE = """

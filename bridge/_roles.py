@@ -35,6 +35,7 @@ from psycopg.rows import tuple_row
 from ._apply import apply_entries
 from ._entry import LedgerEntry, decode_event, split_events
 from ._errors import BridgeError
+from ._events import Consumed, DeadLettered
 from ._settings import Role
 from ._vpnstore import (
     become_active,
@@ -84,8 +85,22 @@ class PromotionStart:
 _PREPARED = """
 SELECT txid, state, events FROM txn_log
 WHERE vpn = %s AND side = 'participant' AND state IN ('prepared', 'applied')
+    AND (xid IS NULL OR state = 'applied')
 ORDER BY created_at, txid
 FOR UPDATE
+"""
+# A client's XA branch prepared here waits for its transaction manager: the
+# new active's row now, and the messages it acked stay out of the broker
+# (xa_held) until it is committed (they are gone) or rolled back (published).
+_XA_TAKEN = """
+UPDATE txn_log SET side = 'coordinator', acks_held = true, updated_at = now()
+WHERE vpn = %s AND side = 'participant' AND state = 'prepared' AND xid IS NOT NULL
+RETURNING txid, events
+"""
+_XA_HOLD = """
+INSERT INTO xa_held (vpn, repl_id, queue, txid)
+SELECT %s, r, q, t FROM unnest(%s::bytea[], %s::text[], %s::text[]) AS h(r, q, t)
+ON CONFLICT DO NOTHING
 """
 _SETTLE = "UPDATE txn_log SET state = 'committed', updated_at = now() WHERE txid = ANY(%s)"
 _LIVE_INDEX = """
@@ -170,6 +185,7 @@ def _resolve_in_doubt(
     with conn.cursor(row_factory=tuple_row) as cur:
         cur.execute(_PREPARED, (vpn,))
         rows = cur.fetchall()
+        _take_xa_branches(cur, vpn)
     committed: list[str] = []
     early: list[str] = []
     index = applied
@@ -189,6 +205,24 @@ def _resolve_in_doubt(
     if committed or early:
         conn.execute(_SETTLE, (committed + early,))
     return len(committed), len(early), index
+
+
+def _take_xa_branches(cur: psycopg.Cursor[Any], vpn: str) -> None:
+    """XA branches prepared here become the new active's, their acked
+    messages held (see ``_XA_TAKEN``)."""
+    cur.execute(_XA_TAKEN, (vpn,))
+    ids: list[bytes] = []
+    queues: list[str] = []
+    txids: list[str] = []
+    for txid, events in cur.fetchall():
+        for data in split_events(bytes(events)):
+            event = decode_event(data, vpn)
+            if isinstance(event, Consumed | DeadLettered):
+                ids.append(event.repl_id.value)
+                queues.append(event.queue)
+                txids.append(str(txid))
+    if ids:
+        cur.execute(_XA_HOLD, (vpn, ids, queues, txids))
 
 
 def finish_promotion(conn: psycopg.Connection[Any], vpn: str, epoch: int) -> None:

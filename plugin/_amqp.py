@@ -251,6 +251,19 @@ def decode_method(buf: bytes, f: Frame) -> base.Frame:
     return value
 
 
+def decode_properties(buf: bytes, f: Frame) -> commands.Basic.Properties:
+    """Decode a rare content header's properties with pamqp; faults become
+    502 SYNTAX_ERROR."""
+    try:
+        _, _, value = frame.unmarshal(buf[f.start : f.end])
+    except Exception as e:  # pamqp raises several types for malformed properties
+        raise SyntaxError_("malformed content header properties") from e
+    properties = getattr(value, "properties", None)
+    if not isinstance(properties, commands.Basic.Properties):
+        raise SyntaxError_("malformed content header properties")
+    return properties
+
+
 def marshal_method(method: base.Frame, channel: int) -> bytes:
     return frame.marshal(method, channel)
 

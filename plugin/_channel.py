@@ -51,12 +51,13 @@ from bridge import (
     ReplicationId,
     id_in_header,
 )
+from txn import XA_EXCHANGE
 
 from . import _amqp as amqp
 from ._amqp import AMQPError, Frame
 from ._confirms import ConfirmTracker
 from ._directory import VpnView
-from ._output import Output
+from ._output import Output, XaCall
 from ._publish import HeaderTemplates, header_frame, in_scope_queues, stamped
 from ._topology_changes import TopologyChange
 
@@ -116,6 +117,10 @@ class Publish:
     properties: bytes = b""
     queues: tuple[str, ...] = ()
     chunks: list[bytes] = field(default_factory=list)
+    #: an XA request (to ``vpnrepl.xa``): taken out of the stream
+    control: bool = False
+    correlation_id: str | None = None
+    reply_to: str | None = None
 
 
 @dataclass(slots=True)
@@ -158,6 +163,10 @@ class Channel:
         "tx_events",
         "tx_prepared",
         "tx_sequence",
+        "xa",
+        "xa_acked",
+        "xa_frozen",
+        "xa_waiter",
     )
 
     def __init__(self, number: int, ctx: ChannelContext) -> None:
@@ -186,6 +195,15 @@ class Channel:
         self.held_commit = b""
         #: a transaction whose tx.commit went to the broker, commit-ok due
         self.tx_committing: LocalTransaction | None = None
+        #: the XA branch whose work this channel's transaction is (its id)
+        self.xa: str | None = None
+        #: the branch is being prepared or is prepared: no more work here
+        self.xa_frozen = False
+        #: the prepared branch's acks: unacked again if it is rolled back
+        self.xa_acked: dict[int, tuple[ReplicationId, str]] = {}
+        #: told of the broker's answer to our tx.commit or tx.rollback
+        #: (True), or of the channel's end before it (False)
+        self.xa_waiter: Callable[[bool], None] | None = None
         #: consumer tag -> (queue, no_ack)
         self.consumers: dict[str, tuple[str, bool]] = {}
         #: basic.consume requests awaiting consume-ok, in order
@@ -207,6 +225,12 @@ class Channel:
 
     def on_publish(self, buf: bytes, f: Frame) -> bytes | None:
         exchange, key, _ = amqp.decode_publish(buf, f)
+        if exchange == XA_EXCHANGE and self.ctx.replicating and self.confirms is None:
+            # an XA request: no confirm numbering depends on it, so it is ours
+            self.publish = Publish(exchange, key, None, control=True)
+            return b""
+        if self.xa_frozen:
+            return self._refuse_work()
         confirms = self.confirms
         seq = None
         if confirms is not None:
@@ -219,6 +243,12 @@ class Channel:
         if p is None or p.body_size >= 0:
             raise amqp.UnexpectedFrame(f"content header on channel {f.channel} without a publish")
         p.body_size = amqp.content_body_size(buf, f)
+        if p.control:
+            props = amqp.decode_properties(buf, f)
+            p.correlation_id, p.reply_to = props.correlation_id, props.reply_to
+            if p.body_size == 0:
+                self._publish_complete()
+            return b""
         replacement = None
         if self.ctx.replicating:
             replacement = self._stamp(p, buf[f.start + 7 : f.end - 1])
@@ -249,16 +279,21 @@ class Channel:
             raise amqp.FrameError(
                 f"content body of {p.received} bytes exceeds the declared size {p.body_size}"
             )
-        if p.repl_id is not None:
+        if p.repl_id is not None or p.control:
             p.chunks.append(buf[f.start + 7 : f.end - 1])
         if p.received == p.body_size:
             self._publish_complete()
-        return None
+        return b"" if p.control else None
 
     def _publish_complete(self) -> None:
         p = self.publish
         assert p is not None  # noqa: S101 - caller checked
         self.publish = None
+        if p.control:
+            body = b"".join(p.chunks)
+            call = XaCall(self.number, p.routing_key, p.correlation_id, p.reply_to, body)
+            self.ctx.out.xa_calls.append(call)
+            return
         vpn = self.ctx.vpn
         if p.repl_id is None or vpn is None:
             return
@@ -426,6 +461,8 @@ class Channel:
         delivery becomes a :class:`Consumed` event, or :class:`DeadLettered`
         when a reject dead-letters it; into the transaction if one is open.
         Requeued ones are forgotten."""
+        if self.xa_frozen:
+            return self._refuse_work()
         deliveries = self.deliveries
         if not deliveries:
             return None
@@ -483,6 +520,8 @@ class Channel:
         """tx.commit: held until the sink has prepared the transaction (see
         ``Session.transaction_prepared``); passed at once if it replicates
         nothing."""
+        if self.xa is not None:
+            return self._refuse_tx("tx.commit")
         ctx = self.ctx
         if not self.tx_events or ctx.vpn is None:
             self._forget_tx_acks()
@@ -504,6 +543,8 @@ class Channel:
         return b""
 
     def on_tx_rollback(self, buf: bytes, f: Frame) -> bytes | None:
+        if self.xa is not None:
+            return self._refuse_tx("tx.rollback")
         self.tx_events.clear()
         self.deliveries.update(self.tx_acked)  # rolled-back acks: still unacked
         self.tx_acked.clear()
@@ -528,7 +569,89 @@ class Channel:
         self.tx_committing = txn
         return commit_marker(self.number, txn.txid) + held
 
+    # -- XA branches (txn._xa drives them through plugin._xa_gateway) --------
+
+    def _refuse_work(self) -> bytes:
+        """Work on a channel whose XA branch is prepared (or being prepared)
+        would join a broker transaction the prepared row does not hold."""
+        self.close_both_sides(
+            amqp.PRECONDITION_FAILED,
+            f"XA branch {self.xa} is ended: no more work on its channel before its commit"
+            " or rollback",
+        )
+        return b""
+
+    def _refuse_tx(self, what: str) -> bytes:
+        self.close_both_sides(
+            amqp.PRECONDITION_FAILED,
+            f"{what} on a channel holding XA branch {self.xa}: commit or roll it back with XA",
+        )
+        return b""
+
+    def xa_take_work(self, xid: str) -> LocalTransaction | None:
+        """The replicated events of the channel's transaction, as XA branch
+        ``xid``'s transaction (None: nothing replicated); the channel takes
+        no more work until the branch ends."""
+        self.xa_frozen = True
+        ctx = self.ctx
+        if not self.tx_events or ctx.vpn is None:
+            return None
+        self.tx_sequence += 1
+        txn = LocalTransaction(
+            vpn=ctx.vpn.name,
+            connection=ctx.connection_id,
+            channel=self.number,
+            sequence=self.tx_sequence,
+            events=tuple(self.tx_events),
+            incarnation=ctx.ids.incarnation,
+            xid=xid,
+        )
+        self.tx_events.clear()
+        self.xa_acked = dict(self.tx_acked)
+        self._forget_tx_acks()
+        return txn
+
+    def xa_unbind(self) -> None:
+        """The branch is over: the channel's next transaction is its own."""
+        self.xa, self.xa_frozen, self.xa_waiter = None, False, None
+        self.xa_acked = {}
+
+    def xa_broker_commit(self, txid: str | None, answer: Callable[[bool], None]) -> bytes:
+        """The frames committing the branch's broker transaction (behind
+        ``txid``'s marker); ``answer`` hears of the commit-ok."""
+        self.xa_waiter = answer
+        commit = amqp.marshal_method(commands.Tx.Commit(), self.number)
+        return commit if txid is None else commit_marker(self.number, txid) + commit
+
+    def xa_broker_rollback(self, answer: Callable[[bool], None]) -> bytes:
+        """The frame rolling the branch's broker transaction back."""
+        self.xa_waiter = answer
+        return amqp.marshal_method(commands.Tx.Rollback(), self.number)
+
+    def _xa_answered(self, ok: bool) -> bytes | None:
+        """The broker's answer to our tx.commit or tx.rollback: swallowed."""
+        waiter, self.xa_waiter = self.xa_waiter, None
+        if waiter is None:
+            return None
+        if ok:
+            self.tx_events.clear()
+        waiter(True)
+        return b""
+
+    def on_tx_rollback_ok(self, buf: bytes, f: Frame) -> bytes | None:
+        if self.xa_waiter is None:
+            return None
+        # the rolled-back acks: their deliveries are unacked again
+        self.deliveries.update(self.xa_acked)
+        self.deliveries.update(self.tx_acked)
+        self.tx_acked.clear()
+        self.xa_acked = {}
+        return self._xa_answered(True)
+
     def on_tx_commit_ok(self, buf: bytes, f: Frame) -> bytes | None:
+        if self.xa_waiter is not None:
+            self._forget_tx_acks()
+            return self._xa_answered(True)
         txn = self.commit_ok()
         if txn is None:
             return None
@@ -547,6 +670,11 @@ class Channel:
         is left to its marker (``unresolved``), one still being prepared is
         aborted."""
         out = self.ctx.out
+        if self.xa is not None:
+            out.xa_gone.append(self.number)
+            waiter, self.xa_waiter = self.xa_waiter, None
+            if waiter is not None:
+                waiter(False)
         if self.tx_committing is not None:
             out.unresolved.append(self.tx_committing)
             self.tx_committing = None

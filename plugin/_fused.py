@@ -22,6 +22,7 @@ import enum
 import struct
 
 from bridge import Published
+from txn import XA_EXCHANGE
 
 from . import _amqp as amqp
 from ._amqp import AMQPError, Frame
@@ -82,6 +83,7 @@ class FusedPublish:
             or ch.closing
             or ch.held is not None
             or ch.publish is not None
+            or ch.xa_frozen
             or h.type != amqp.FRAME_HEADER
             or b.type != amqp.FRAME_BODY
             or h.channel != channel
@@ -96,6 +98,8 @@ class FusedPublish:
             if _BODY_SIZE.unpack_from(payload, 4)[0] != b.end - b.start - 8:
                 return DECLINED
             exchange, routing_key, queues = self._route(buf, f)
+            if exchange == XA_EXCHANGE:
+                return DECLINED  # an XA request: the general path takes it out
             if template.layout.delivery_mode != 2:
                 queues = ()
             elif template.layout.flags & 0x2000:  # headers may change the route (CC, BCC, x-match)

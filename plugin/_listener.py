@@ -50,6 +50,7 @@ from ._refusal import BrokerUnavailable
 from ._session import Output, Session
 from ._sink import ReplicationSink
 from ._tls_server import TLS_SHUTDOWN_TIMEOUT, TlsServer
+from ._xa_gateway import XaGateway
 
 __all__ = ["BrokerAddress", "Listener", "broker_context", "site_broker_ssl"]
 
@@ -249,6 +250,8 @@ class _ClientSide(asyncio.Protocol):
         for txn in out.commit:
             self.listener.sink.commit_soon(txn, functools.partial(self._committed, txn))
         self._settle(out)
+        if out.xa_calls or out.xa_gone:
+            self._xa(out)
         if out.drop_broker and self.broker is not None and self.broker.transport is not None:
             self.broker.transport.close()
         if self.session.closing and not self._close_timer and not self._closed:
@@ -310,6 +313,18 @@ class _ClientSide(asyncio.Protocol):
             self._spawn(sink.abort(txn))
         for txn in out.unresolved:
             self._spawn(sink.resolve(txn))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _xa(self, out: Output) -> None:
+        """XA requests to answer, XA branches whose channels closed."""
+        gateway = self.listener.xa
+        for call in out.xa_calls:
+            gateway.requested(self, call)
+        for number in out.xa_gone:
+            gateway.channel_gone(self, number)
 
     def _start_prepare(self, txn: LocalTransaction) -> Awaitable[None]:
         """The sink's prepare, started now (see ReplicationSink.prepare)."""
@@ -389,6 +404,8 @@ class _ClientSide(asyncio.Protocol):
             self._count(last.events)
             self.listener.sink.append_many(last.events, self._durable_notice)
         self._settle(last)
+        self._xa(last)
+        self.listener.xa.connection_gone(self)
         stats = self.listener.stats
         stats.connections_open -= 1
         if self.session.fault_code is not None:
@@ -400,6 +417,13 @@ class _ClientSide(asyncio.Protocol):
         self.listener.connections.discard(self)
         if not self.listener.connections and self.listener._idle is not None:
             self.listener._idle.set()
+
+
+class _NoReplies:
+    """A listener without a node answers no XA request."""
+
+    async def send(self, vhost: str, queue: str, correlation_id: str, body: bytes) -> None:
+        raise RuntimeError("this listener has no broker connection to answer XA requests with")
 
 
 class Listener:
@@ -420,6 +444,8 @@ class Listener:
         self.broker_ssl = broker_ssl or (broker_context() if broker.tls else None)
         self.connections: set[_ClientSide] = set()
         self.stats = ListenerStats()
+        #: answers clients' XA requests (the node sets one with a resource manager)
+        self.xa = XaGateway(None, _NoReplies())
         self._idle: asyncio.Event | None = None  # set when the last one closed
         #: client and broker transports not yet lost: a TLS one is lost only
         #: after the close_notify exchange, some loop turns after close()

@@ -368,7 +368,7 @@ class PostgresCluster:
             )
         options = (
             f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 "
-            "-c max_connections=200 -c shared_buffers=64MB"
+            "-c max_connections=200 -c shared_buffers=64MB -c max_prepared_transactions=20"
         )
         self._run(
             "pg_ctl",

@@ -28,7 +28,7 @@ from prometheus_client.core import (
 )
 
 from bridge import WriterStats
-from txn import TxnStats
+from txn import TxnStats, XaStats
 
 __all__ = ["CONTENT_TYPE", "Buckets", "ListenerStats", "Metrics"]
 
@@ -102,6 +102,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self._listener: ListenerStats | None = None
         self._txn: TxnStats | None = None
+        self._xa: XaStats | None = None
         self._ledger: WriterStats | None = None
         self._degradations: Callable[[], Mapping[str, int]] | None = None
         #: the status document of the scrape under way (None: the store was
@@ -114,6 +115,9 @@ class Metrics:
 
     def observe_txn(self, stats: TxnStats) -> None:
         self._txn = stats
+
+    def observe_xa(self, stats: XaStats) -> None:
+        self._xa = stats
 
     def observe_ledger(self, stats: WriterStats) -> None:
         self._ledger = stats
@@ -155,6 +159,14 @@ class _Collector:
                 "transactions the standby committed before their ledger stream copy",
                 ("vpn",),
                 m._txn.committed_early,
+            )
+        if m._xa is not None:
+            yield _counter(
+                "vpnrepl_xa",
+                "client XA branches handled here, by VPN and outcome (committed, rolled_back,"
+                " refused, read_only, hazard, heuristic_commit, heuristic_rollback)",
+                ("vpn", "outcome"),
+                m._xa.outcomes,
             )
         if m._ledger is not None:
             yield _commit_entries(m._ledger)

@@ -55,7 +55,7 @@ from bridge import (
     record_sync_eligible_async,
     redact_url,
 )
-from txn import Coordinator, MarkerError, MarkerStore, Participant, TxnLog
+from txn import Coordinator, MarkerError, MarkerStore, Participant, TxnLog, XaCoordinator
 
 from ._admin import AdminServer
 from ._config import SiteConfig
@@ -70,6 +70,9 @@ from ._refresher import DirectoryRefresher
 from ._requests import Progress, RequestServer
 from ._store import add_broker_depths, connect, status
 from ._tracing import Tracing
+from ._xa_admin import decide_branch
+from ._xa_gateway import XaGateway
+from ._xa_publish import BranchPublisher, ReplyPublisher
 
 __all__ = ["run_node"]
 
@@ -148,6 +151,11 @@ class Node:
         )
         self.replicator.coordinator = self.coordinator
         self.participant = Participant(self.txn_log)
+        self.xa = XaCoordinator(
+            self.coordinator,
+            BranchPublisher(cfg.amqp_url, cfg.store_dsn, self.coordinator.markers, self.broker_ssl),
+        )
+        self.xa_replies = ReplyPublisher(cfg.amqp_url, self.broker_ssl)
         self.listener: Listener | None = None
         self.ids: IdSource | None = None
         self.admin: AdminServer | None = None
@@ -165,6 +173,7 @@ class Node:
                 "switchover-finish": self._switchover_finish,
                 "switchover-abort": self._switchover_abort,
                 "repair": self._repair,
+                "xa-decide": lambda vpn, args, _progress: decide_branch(self.xa, vpn, args),
             },
         )
         self.refresher: DirectoryRefresher | None = None
@@ -366,7 +375,9 @@ class Node:
             self.replicator,
             broker_ssl=self.broker_ssl,
         )
+        self.listener.xa = XaGateway(self.xa, self.xa_replies)
         self.metrics.observe_listener(self.listener.stats)
+        self.metrics.observe_xa(self.xa.stats)
         self.metrics.observe_txn(self.coordinator.stats)
         self.metrics.observe_ledger(self.writer.stats)
         self.metrics.observe_sync(self.replicator.degradations)
@@ -642,6 +653,8 @@ class Node:
     async def stop(self) -> None:
         if self.listener is not None:
             await self.listener.close()
+            await self.listener.xa.close()
+        await self.xa_replies.close()
         if self.bridge_client is not None:
             await self.bridge_client.close()
         for task in self._tasks:

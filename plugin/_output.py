@@ -14,7 +14,19 @@ from dataclasses import dataclass, field
 
 from bridge import ConfirmKey, Event, LocalTransaction
 
-__all__ = ["Output"]
+__all__ = ["Output", "XaCall"]
+
+
+@dataclass(frozen=True, slots=True)
+class XaCall:
+    """An XA request a client published on ``channel`` (``txn._xa_wire``),
+    taken out of the stream: the node answers it."""
+
+    channel: int
+    verb: str
+    correlation_id: str | None
+    reply_to: str | None
+    body: bytes
 
 
 @dataclass(slots=True)
@@ -34,5 +46,9 @@ class Output:
     #: transactions whose tx.commit went to the broker but whose commit-ok
     #: will never be seen: the outcome is the marker's (sink.resolve).
     unresolved: list[LocalTransaction] = field(default_factory=list)
+    #: XA requests to answer (``plugin._xa_gateway``).
+    xa_calls: list[XaCall] = field(default_factory=list)
+    #: channels holding an XA branch that closed (the broker rolled it back).
+    xa_gone: list[int] = field(default_factory=list)
     #: the upstream connection is to be dropped without an AMQP close.
     drop_broker: bool = False

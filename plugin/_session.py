@@ -259,6 +259,25 @@ class Session:
             out.to_client.append(amqp.marshal_method(commands.Tx.CommitOk(), channel))
         return out
 
+    def xa_channel(self, channel: int) -> Channel | None:
+        """Channel ``channel`` if it is open (an XA branch's work is on it)."""
+        ch = self._channels.get(channel)
+        if ch is None or ch.closing or self._state in CLOSING:
+            return None
+        return ch
+
+    def refuse_channel(self, ch: Channel, code: int, text: str) -> Output:
+        """Close ``ch`` on both sides with ``code`` and ``text``."""
+        out = self._begin()
+        if not ch.closing:
+            self._close_channel(ch, code, text)
+        return out
+
+    def owns_queue(self, queue: str) -> bool:
+        """``queue`` is an exclusive queue this connection declared (where
+        the node may send it XA answers)."""
+        return queue in self._topology.exclusive_queues
+
     def shutdown(self, reason: str) -> Output:
         """The listener is stopping: close both sides with AMQP, as RabbitMQ
         itself does on shutdown (320), so nothing is dropped mid-frame."""
@@ -750,6 +769,7 @@ _BROKER_CHANNEL_METHODS: dict[tuple[int, int], _OnChannel] = {
     amqp.BASIC_NACK: Channel.on_confirm,
     amqp.BASIC_RETURN: Channel.on_return,
     amqp.TX_COMMIT_OK: Channel.on_tx_commit_ok,
+    amqp.TX_ROLLBACK_OK: Channel.on_tx_rollback_ok,
 }
 #: requests for messages, tracked only on a replicated vhost
 _CONSUMING = frozenset({amqp.BASIC_CONSUME, amqp.BASIC_GET})

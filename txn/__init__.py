@@ -1,4 +1,5 @@
-"""Local transactions as an internal two-phase (XA) commit over both sites.
+"""Transactions over both sites: local transactions as an internal
+two-phase (XA) commit, and clients' own XA branches.
 
 The middle layer (``plugin`` → ``txn`` → ``bridge``). Its public API is
 listed here once: the sans-IO step table (:class:`TxnMachine`) is imported
@@ -13,6 +14,24 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from ._machine import TRANSITIONS, Action, Input, Phase, TxnMachine, TxnProtocolError
+from ._xa_states import BranchState
+from ._xa_wire import (
+    XA_EXCHANGE,
+    Branch,
+    Verb,
+    XaDuplicate,
+    XaError,
+    XaHeuristic,
+    XaInvalid,
+    XaNotFound,
+    XaProtocolError,
+    XaReply,
+    XaRequest,
+    XaResourceError,
+    XaResourceFailure,
+    XaRolledBack,
+)
+from ._xid import Xid, XidError
 
 if TYPE_CHECKING:
     from ._coordinator import (
@@ -29,6 +48,13 @@ if TYPE_CHECKING:
     )
     from ._markers import MarkerError as MarkerError, MarkerStore as MarkerStore
     from ._participant import Participant as Participant
+    from ._resource import XAResource as XAResource
+    from ._xa import (
+        BranchChannel as BranchChannel,
+        LogPublisher as LogPublisher,
+        XaCoordinator as XaCoordinator,
+        XaStats as XaStats,
+    )
 
 #: module -> the names it exports through this package, imported on first use
 _IO_BOUND: dict[str, tuple[str, ...]] = {
@@ -36,6 +62,8 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
     "._log": ("TxnLog", "TxnRow", "decode_events", "encode_events"),
     "._markers": ("MarkerError", "MarkerStore"),
     "._participant": ("Participant",),
+    "._resource": ("XAResource",),
+    "._xa": ("BranchChannel", "LogPublisher", "XaCoordinator", "XaStats"),
 }
 _LAZY = {name: module for module, names in _IO_BOUND.items() for name in names}
 
@@ -54,6 +82,24 @@ __all__ = [
     "Phase",
     "TxnMachine",
     "TxnProtocolError",
+    # client XA: the id, the wire, the branch states
+    "XA_EXCHANGE",
+    "Branch",
+    "BranchState",
+    "Verb",
+    "XaDuplicate",
+    "XaError",
+    "XaHeuristic",
+    "XaInvalid",
+    "XaNotFound",
+    "XaProtocolError",
+    "XaReply",
+    "XaRequest",
+    "XaResourceError",
+    "XaResourceFailure",
+    "XaRolledBack",
+    "Xid",
+    "XidError",
     # the I/O-bound parts
 ]
 __all__ += _LAZY

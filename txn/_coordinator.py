@@ -213,6 +213,8 @@ class _Live:
     span: Span  # the transaction's span, parent of one span per phase
     stats: TxnStats
     published: tuple[bytes, ...] = ()
+    #: a client's XA branch: its id (the broker commit waits for its commit)
+    xid: str | None = None
     phase: Span | None = None  # the phase under way
     finished: bool = False  # its outcome is counted and its span ended
     #: the listener's answer to call once the commit is recorded (commit_soon)
@@ -298,23 +300,32 @@ class Coordinator:
 
     # -- the listener's side (through the Replicator sink) -------------------
 
-    def prepare(self, txn: LocalTransaction) -> Awaitable[None]:
+    def prepare(self, txn: LocalTransaction, xid: str | None = None) -> Awaitable[None]:
         """Start ``txn``'s prepare now and return what finishes it (raises
         :class:`TransactionRefused` from the awaitable, or at once for a VPN
         not replicated here). The standby's request goes out before this
         returns when the VPN's marker queue is known to exist: the
         standby's round is the longer one, and the caller's task that
-        awaits the rest starts an event-loop turn later."""
+        awaits the rest starts an event-loop turn later.
+
+        With ``xid`` it is a client's XA branch: the standby's durable vote
+        is needed whatever the VPN's mode and policy (a late vote is a no),
+        and the prepare ends there: the broker commit waits for the
+        transaction manager's commit (:meth:`xa_commit_sent`)."""
         settings = self.settings.get(txn.vpn)
         if settings is None:
             raise TransactionRefused(f"VPN {txn.vpn!r} is not replicated as active here")
+        if xid is not None and self.link is None:
+            raise TransactionRefused("no standby site is linked: an XA branch needs its vote")
         machine = TxnMachine(
             txn.txid,
-            needs_standby=settings.mode is Mode.SYNC and self.link is not None,
-            reject=settings.on_sync_timeout is SyncTimeoutPolicy.REJECT,
+            needs_standby=(settings.mode is Mode.SYNC or xid is not None) and self.link is not None,
+            reject=settings.on_sync_timeout is SyncTimeoutPolicy.REJECT or xid is not None,
         )
-        span = tracer.start_span("txn", attributes=_attrs(txn))
+        attrs = _attrs(txn) if xid is None else {**_attrs(txn), "xid": xid}
+        span = tracer.start_span("txn" if xid is None else "xa", attributes=attrs)
         live = _Live(txn, machine, asyncio.get_running_loop().create_future(), span, self.stats)
+        live.xid = xid
         self._live[txn.txid] = live
         live.enter("txn.prepare")
         encoded = encode_events(txn.events)  # once: the local row and the standby's
@@ -356,7 +367,7 @@ class Coordinator:
             self._live.pop(txn.txid, None)
             live.finish("interrupted", "the prepare was interrupted")
             raise
-        live.enter("txn.broker_commit")
+        live.enter("txn.broker_commit" if live.xid is None else None)
 
     async def _prepare(
         self,
@@ -374,7 +385,9 @@ class Coordinator:
         if asked is None:  # the first of its VPN: the standby is asked once the queue exists
             asked = self._ask_standby(live, settings, encoded)
         remote = None if asked is None else asyncio.ensure_future(asked)
-        local = self.log.prepare(txn.txid, txn.vpn, COORDINATOR, encoded, ledger_floor=floor)
+        local = self.log.prepare(
+            txn.txid, txn.vpn, COORDINATOR, encoded, ledger_floor=floor, xid=live.xid
+        )
         try:
             await local
         except BaseException:
@@ -390,10 +403,32 @@ class Coordinator:
                 live.phase.set_attribute("txn.standby_voted", voted)
         await self._perform_prepared(txn, settings, actions)
         failpoint("coordinator.after-prepare")
-        machine.feed(Input.BROKER_COMMIT_SENT)
-        live.published = tuple(e.repl_id.value for e in txn.events if isinstance(e, Published))
+        if live.xid is None:
+            self._commit_sent(live)
+
+    def _commit_sent(self, live: _Live) -> None:
+        """The broker commit went out: a delivery of a message the
+        transaction published now proves the broker committed it."""
+        live.machine.feed(Input.BROKER_COMMIT_SENT)
+        live.published = tuple(e.repl_id.value for e in live.txn.events if isinstance(e, Published))
         for rid in live.published:
-            self._committing_ids[rid] = txn.txid
+            self._committing_ids[rid] = live.txn.txid
+
+    def xa_commit_sent(self, txid: str) -> None:
+        """A prepared XA branch's broker commit (its marker and tx.commit)
+        went out on its channel; :meth:`commit` follows its commit-ok."""
+        live = self._live.get(txid)
+        if live is None or live.machine.phase is not Phase.PREPARED:
+            raise TransactionRefused(f"XA branch {txid} is not prepared here")
+        live.enter("txn.broker_commit")
+        self._commit_sent(live)
+
+    def detach(self, txid: str) -> None:
+        """A prepared XA branch lost its channel (the broker rolled its
+        transaction back): it lives on in ``txn_log`` alone."""
+        live = self._live.pop(txid, None)
+        if live is not None:
+            live.finish("detached")
 
     async def _perform_prepared(
         self, txn: LocalTransaction, settings: VpnSettings, actions: list[Action]
@@ -631,9 +666,41 @@ class Coordinator:
             await self._forget(txn)
 
     async def _forget(self, txn: LocalTransaction) -> None:
-        await self.log.move(txn.txid, "aborted", leaving=("prepared",))
+        await self.forget_branch(txn.vpn, txn.txid)
+
+    async def forget_branch(self, vpn: str, txid: str) -> None:
+        """Mark ``txid``'s prepared rows aborted on both sites."""
+        await self.log.move(txid, "aborted", leaving=("prepared",))
         if self.link is not None:
-            self.link.outcome(txn.vpn, txn.txid, commit=False)
+            self.link.outcome(vpn, txid, commit=False)
+
+    async def decide_logged(self, row: TxnRow) -> bool:
+        """Record the commit of a prepared XA branch whose work reached the
+        broker from its row (its channel had closed): its events as one
+        ledger group, then the standby's acknowledgement (up to the VPN's
+        sync timeout; True if it came) and its outcome. Raises
+        :class:`TransactionRefused` when the decision could not be recorded
+        (the branch stays prepared; its marker settles it at the next start)."""
+        events = row.recorded_events()
+        acked = True
+        if not events:
+            await self.log.move(row.txid, "committed", leaving=("prepared",))
+        else:
+            loop = asyncio.get_running_loop()
+            durable: asyncio.Future[bool] = loop.create_future()
+            try:
+                last = self.ledger.append_group(events, future_callback(durable), decision=row.txid)
+            except LedgerError as e:
+                raise TransactionRefused(f"the commit decision could not be recorded: {e}") from e
+            if not await durable:
+                raise TransactionRefused("the commit decision could not be made durable")
+            answered: asyncio.Future[bool] = loop.create_future()
+            if self.sync.wait_standby(row.vpn, last, future_callback(answered)):
+                acked = await answered
+        self._decided.setdefault(row.vpn, set()).add(row.txid)
+        if self.link is not None:
+            self.link.outcome(row.vpn, row.txid, commit=True)
+        return acked
 
     # -- recovery and housekeeping -------------------------------------------
 
@@ -660,18 +727,21 @@ class Coordinator:
 
     async def _recover_one(self, row: TxnRow, markers: set[str]) -> str:
         with tracer.start_as_current_span("txn.recover", attributes={"txid": row.txid}):
+            events = row.recorded_events()
             first = await self.log.decision_index(row)
             if first is not None:  # a group ledgered before decisions moved rows with it
-                last = first + len(row.events) - 1
+                last = first + len(events) - 1
                 await self.log.move(row.txid, "committed", leaving=("prepared",), ledger_last=last)
                 return "committed"
             if row.txid in markers:
                 loop = asyncio.get_running_loop()
                 durable: asyncio.Future[bool] = loop.create_future()
-                self.ledger.append_group(row.events, future_callback(durable), decision=row.txid)
+                self.ledger.append_group(events, future_callback(durable), decision=row.txid)
                 if not await durable:
                     return "prepared"  # the ledger is down: stays in doubt, retried next start
                 return "committed"
+            if row.xid is not None:  # an XA branch: its transaction manager decides
+                return "prepared"
             await self.log.move(row.txid, "aborted", leaving=("prepared",))
             if self.link is not None:
                 self.link.outcome(row.vpn, row.txid, commit=False)

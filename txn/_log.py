@@ -22,7 +22,7 @@ from psycopg import AsyncConnection
 from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool
 
-from bridge import Event, decode_event, encode_event, split_events
+from bridge import Event, Published, decode_event, encode_event, split_events
 
 __all__ = ["TxnLog", "TxnRow", "decode_events", "encode_events"]
 
@@ -53,10 +53,25 @@ class TxnRow:
     degraded: bool
     ledger_floor: int
     events: tuple[Event, ...]
+    #: a client's XA branch: its id, how it ended heuristically, what
+    #: happened (see ``sql/versions/0010_xa.py``)
+    xid: str | None = None
+    heuristic: str | None = None
+    hazard: str | None = None
+    acks_held: bool = False
+
+    def recorded_events(self) -> tuple[Event, ...]:
+        """The events its commit decision records: all of them, or — a
+        branch committed from its log after its channel closed (``hazard``)
+        — its publishes alone: the broker had requeued what it acked."""
+        if self.hazard is None or self.acks_held:
+            return self.events
+        return tuple(e for e in self.events if isinstance(e, Published))
 
 
 _SELECT = """
-SELECT txid, vpn, side, state, degraded, ledger_floor, events FROM txn_log
+SELECT txid, vpn, side, state, degraded, ledger_floor, events, xid, heuristic, hazard, acks_held
+FROM txn_log
 """
 
 
@@ -83,6 +98,7 @@ class TxnLog:
         events: Sequence[Event] | bytes,
         *,
         ledger_floor: int = 0,
+        xid: str | None = None,
     ) -> bool:
         """Persist a prepared row; False if ``txid`` already has a row (a
         repeated prepare: the first one stands). ``events`` may come
@@ -90,9 +106,9 @@ class TxnLog:
         data = events if isinstance(events, bytes) else encode_events(events)
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                "INSERT INTO txn_log (txid, vpn, side, state, events, ledger_floor)"
-                " VALUES (%s, %s, %s, 'prepared', %s, %s) ON CONFLICT (txid) DO NOTHING",
-                (txid, vpn, side, data, ledger_floor),
+                "INSERT INTO txn_log (txid, vpn, side, state, events, ledger_floor, xid)"
+                " VALUES (%s, %s, %s, 'prepared', %s, %s, %s) ON CONFLICT (txid) DO NOTHING",
+                (txid, vpn, side, data, ledger_floor, xid),
             )
             return cur.rowcount == 1
 
@@ -148,6 +164,46 @@ class TxnLog:
             )
             return [_row(r) for r in await cur.fetchall()]
 
+    async def xa_branches(self, vpn: str) -> list[TxnRow]:
+        """The VPN's XA branches a transaction manager must still hear of:
+        prepared, or ended heuristically and not forgotten."""
+        return await self._select(
+            " WHERE vpn = %s AND side = %s AND xid IS NOT NULL"
+            " AND (state = 'prepared' OR heuristic IS NOT NULL) ORDER BY created_at",
+            (vpn, COORDINATOR),
+        )
+
+    async def xa_branch(self, vpn: str, xid: str) -> TxnRow | None:
+        """The newest coordinator row of XA branch ``xid`` (a prepared one
+        first)."""
+        rows = await self._select(
+            " WHERE vpn = %s AND side = %s AND xid = %s"
+            " ORDER BY state = 'prepared' DESC, created_at DESC LIMIT 1",
+            (vpn, COORDINATOR, xid),
+        )
+        return rows[0] if rows else None
+
+    async def _select(self, where: str, params: tuple[object, ...]) -> list[TxnRow]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            await cur.execute(_SELECT + where, params)
+            return [_row(r) for r in await cur.fetchall()]
+
+    async def mark_xa(self, txid: str, *, heuristic: str | None, hazard: str | None = None) -> None:
+        """Record how an XA branch ended heuristically (None: forgotten)."""
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                "UPDATE txn_log SET heuristic = %s, hazard = COALESCE(%s, hazard),"
+                " updated_at = now() WHERE txid = %s",
+                (heuristic, hazard, txid),
+            )
+
+    async def release_held(self, txid: str) -> None:
+        """A promoted site's branch is resolved: the messages it acked are
+        held for it no more."""
+        async with self.pool.connection() as conn:
+            await conn.execute("DELETE FROM xa_held WHERE txid = %s", (txid,))
+
     async def states(self, txids: Sequence[str]) -> dict[str, str]:
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=tuple_row)
@@ -162,20 +218,21 @@ class TxnLog:
         made. The group's first event is unique (a fresh id, or the one
         consumption of a message), so finding it finds the group; the group
         is all or nothing (``LedgerWriter.append_group``)."""
-        if not row.events:
+        events = row.recorded_events()
+        if not events:
             return None
         async with self.pool.connection() as conn:
             cur = await conn.execute(
                 "SELECT idx FROM ledger WHERE vpn = %s AND idx > %s AND event = %s"
                 " ORDER BY idx LIMIT 1",
-                (row.vpn, row.ledger_floor, encode_event(row.events[0])),
+                (row.vpn, row.ledger_floor, encode_event(events[0])),
             )
             found = await cur.fetchone()
         return None if found is None else int(found[0])
 
 
 def _row(r: tuple[object, ...]) -> TxnRow:
-    txid, vpn, side, state, degraded, floor, events = r
+    txid, vpn, side, state, degraded, floor, events, xid, heuristic, hazard, held = r
     assert isinstance(events, bytes | memoryview)  # noqa: S101 - bytea column
     return TxnRow(
         str(txid),
@@ -185,4 +242,8 @@ def _row(r: tuple[object, ...]) -> TxnRow:
         bool(degraded),
         int(floor),  # type: ignore[call-overload]
         decode_events(bytes(events), str(vpn)),
+        None if xid is None else str(xid),
+        None if heuristic is None else str(heuristic),
+        None if hazard is None else str(hazard),
+        bool(held),
     )

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import psycopg
 
-from bridge import EventDecodeError, Voted, decode_event, failpoint, split_events
+from bridge import EventDecodeError, Voted, decode_event, failpoint, split_events, xid_of_txid
 
 from ._log import PARTICIPANT, TxnLog
 
@@ -69,7 +69,9 @@ class Participant:
         the caller prepares for a yes is ready when the vote goes out, and
         nothing runs between the vote and the active's next step (on one
         machine, the active's node waits for the CPU this one holds)."""
-        write = asyncio.ensure_future(self.log.prepare(txid, vpn, PARTICIPANT, events))
+        write = asyncio.ensure_future(
+            self.log.prepare(txid, vpn, PARTICIPANT, events, xid=xid_of_txid(txid))
+        )
         try:
             await asyncio.sleep(0)  # the insert is sent
             try:

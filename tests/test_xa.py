@@ -1,0 +1,196 @@
+"""Client XA: a branch on the listener next to a psycopg TPC branch on an
+application database, under one transaction manager (:class:`Manager`).
+
+Publishes in a branch use numbers that are multiples of five (routing key
+``order.eu.created``: only ``orders.q2`` in scope); the messages a branch
+acks are seeded in ``orders.q1`` and ``orders.q2`` with other numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import pika
+import psycopg
+import pytest
+
+from plugin._localsites import LocalSite
+from tests.fix_cli import Vpnrepl
+from tests.fix_node import NodeProcess
+from tests.two_sites import (
+    Publisher,
+    amqp_url,
+    broker_depths,
+    caught_up,
+    enable,
+    live_caught_up,
+    live_numbers,
+    number,
+    setup_vpn,
+    until,
+    vpn_status,
+)
+from tests.xa_clients import Manager, app_database, app_rows, publish, take
+from txn import XaNotFound, XAResource, XaRolledBack, Xid
+
+SEEDED = [n for n in range(1, 31) if n % 5]
+
+
+def start_sync(vpnrepl_a: Vpnrepl, node_a: NodeProcess, node_b: NodeProcess) -> None:
+    setup_vpn(node_a.site)
+    enable(vpnrepl_a, "--mode", "sync", "--sync-timeout-ms", "5000")
+    node_a.start()
+    node_b.start()
+    until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby to connect")
+    publisher = Publisher(node_a.site, SEEDED).run()
+    assert publisher.error is None and publisher.confirmed == set(SEEDED)
+    caught_up(node_a, node_b)
+
+
+@contextlib.contextmanager
+def client(site: LocalSite) -> Iterator[tuple[pika.BlockingConnection, XAResource, Any]]:
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(site)))
+    try:
+        yield conn, XAResource(conn, timeout=20), conn.channel()
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+
+
+def xa_rows(site: LocalSite, side: str) -> list[tuple[str, str]]:
+    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
+        return [
+            (str(x), str(s))
+            for x, s in db.execute(
+                "SELECT xid, state FROM txn_log WHERE xid IS NOT NULL AND side = %s"
+                " ORDER BY created_at",
+                (side,),
+            ).fetchall()
+        ]
+
+
+def numbers_live(site: LocalSite) -> set[int]:
+    return {n for n, _ in live_numbers(site)}
+
+
+def test_a_global_transaction_commits_and_rolls_back_atomically(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+) -> None:
+    start_sync(vpnrepl_a, node_a, node_b)
+    app = app_database(site_a)
+    before = broker_depths(site_a)
+    with client(site_a) as (conn, xa, work):
+        # 1. commit: the order row, a publish and an ack, all or nothing
+        manager = Manager(xa, app, "order-1")
+        manager.begin(work)
+        publish(work, (100,))
+        acked = take(work, "orders.q1", 1)
+        manager.app_insert(100)
+        manager.end_and_prepare()
+        # prepared on both sites, invisible to consumers, nothing in the live state
+        xid = str(manager.broker_xid)
+        assert xa_rows(site_a, "coordinator") == [(xid, "prepared")]
+        until(lambda: xa_rows(site_b, "participant") == [(xid, "prepared")], "B's prepared row")
+        assert broker_depths(site_a)["orders.q2"] == before["orders.q2"]
+        assert 100 not in numbers_live(site_a) | numbers_live(site_b)
+        assert xa.recover() == [manager.broker_xid]
+        manager.commit()
+        assert app_rows(app) == [100]
+        assert broker_depths(site_a)["orders.q2"] == before["orders.q2"] + 1
+        assert broker_depths(site_a)["orders.q1"] == before["orders.q1"] - 1
+        caught_up(node_a, node_b)
+        live_caught_up(site_a)
+        for site in (site_a, site_b):
+            assert 100 in numbers_live(site)
+            assert (acked[0], "orders.q1") not in live_numbers(site)
+        assert xa.recover() == []
+
+        # 2. rollback after prepare: no trace on either site, the ack undone
+        manager = Manager(xa, app, "order-2")
+        manager.begin(work)
+        publish(work, (105,))
+        take(work, "orders.q1", 1)
+        manager.app_insert(105)
+        manager.end_and_prepare()
+        manager.rollback()
+        assert app_rows(app) == [100]
+        caught_up(node_a, node_b)
+        for site in (site_a, site_b):
+            assert 105 not in numbers_live(site)
+        assert xa_rows(site_a, "coordinator")[-1] == (str(manager.broker_xid), "aborted")
+        until(
+            lambda: xa_rows(site_b, "participant")[-1] == (str(manager.broker_xid), "aborted"),
+            "B's row aborted",
+        )
+        work.basic_recover(requeue=True)  # the rolled-back ack's message is unacked again
+    until(
+        lambda: broker_depths(site_a)["orders.q1"] == before["orders.q1"] - 1,
+        "the rolled-back ack's message back in its queue",
+    )
+    assert broker_depths(site_a)["orders.q2"] == before["orders.q2"] + 1
+
+
+def test_verbs_out_of_order_and_unknown_branches_get_xa_errors(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+) -> None:
+    start_sync(vpnrepl_a, node_a, node_b)
+    with client(site_a) as (conn, xa, work):
+        unknown = Xid.from_parts(7, "nobody", "b")
+        with pytest.raises(XaNotFound):
+            xa.commit(unknown)
+        xid = Xid.from_parts(7, "g", "b")
+        xa.start(xid, work)
+        publish(work, (110,))
+        from txn import XaProtocolError
+
+        with pytest.raises(XaProtocolError, match="not allowed when active"):
+            xa.prepare(xid)
+        xa.end(xid)
+        with pytest.raises(XaProtocolError, match="not prepared"):
+            xa.commit(xid)
+        xa.commit(xid, one_phase=True)
+        assert 110 in {number(b) for b in _drain(conn, "orders.q2")}
+
+
+def test_a_prepare_without_the_standby_votes_no_whatever_the_policy(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+) -> None:
+    setup_vpn(site_a)
+    enable(vpnrepl_a, "--mode", "async")
+    node_a.start()  # no standby
+    until(lambda: vpn_status(node_a).get("role") == "active", "A active")
+    before = broker_depths(site_a)
+    with client(site_a) as (conn, xa, work):
+        xid = Xid.from_parts(1, "lonely", "b")
+        xa.start(xid, work)
+        publish(work, (115,))
+        xa.end(xid)
+        with pytest.raises(XaRolledBack, match="standby"):
+            xa.prepare(xid)
+        assert xa.recover() == []
+    assert broker_depths(site_a) == before
+    assert xa_rows(site_a, "coordinator") in ([], [(str(xid), "aborted")])
+
+
+def _drain(conn: pika.BlockingConnection, queue: str) -> Iterable[bytes]:
+    ch = conn.channel()
+    while True:
+        method, _props, payload = ch.basic_get(queue, auto_ack=True)
+        if method is None:
+            break
+        yield payload
+    ch.close()

@@ -305,6 +305,16 @@ def _vpn_families(
         if v["role"] == "active":
             degraded.add_metric([v["name"]], counts.get(v["name"], 0))
     yield degraded
+    branches = GaugeMetricFamily(
+        "vpnrepl_xa_branches",
+        "client XA branches this site coordinates, by kind: prepared (awaiting their"
+        " transaction manager), heuristic and hazards (not forgotten yet)",
+        labels=["vpn", "kind"],
+    )
+    for v in vpns:
+        for kind, n in v.get("xa", {}).items():
+            branches.add_metric([v["name"], kind], n)
+    yield branches
     yield from _reconcile_families(vpns)
 
 

@@ -120,6 +120,16 @@ def _has_table(conn: psycopg.Connection[dict[str, Any]], name: str) -> bool:
     return bool(row and row["found"])
 
 
+# client XA branches this site coordinates: prepared (awaiting their
+# transaction manager), ended heuristically, and with a hazard, not forgotten
+_XA_BRANCHES = """
+SELECT vpn, count(*) FILTER (WHERE state = 'prepared') AS prepared,
+       count(*) FILTER (WHERE heuristic IS NOT NULL) AS heuristic,
+       count(*) FILTER (WHERE heuristic = 'hazard') AS hazards
+FROM txn_log WHERE side = 'coordinator' AND xid IS NOT NULL GROUP BY vpn
+"""
+
+
 def status(
     conn: psycopg.Connection[dict[str, Any]], site: str, queues: bool = True
 ) -> dict[str, Any]:
@@ -170,6 +180,18 @@ def status(
         if _has_table(conn, "reconcile_run")
         else {}
     )
+    branches = (
+        {
+            row["vpn"]: {
+                "prepared": row["prepared"],
+                "heuristic": row["heuristic"],
+                "hazards": row["hazards"],
+            }
+            for row in conn.execute(_XA_BRANCHES)
+        }
+        if _has_table(conn, "xa_held")
+        else {}
+    )
     epochs: dict[str, list[dict[str, Any]]] = {}
     for row in conn.execute("SELECT vpn, epoch, site, since FROM vpn_epoch ORDER BY vpn, epoch"):
         epochs.setdefault(row["vpn"], []).append(
@@ -204,6 +226,7 @@ def status(
                 ),
                 "epochs": epochs.get(r.name, []),
                 "reconcile": reconciled.get(r.name),
+                "xa": branches.get(r.name, {"prepared": 0, "heuristic": 0, "hazards": 0}),
             }
         )
     return {"site": site, "vpns": vpns}

@@ -343,6 +343,48 @@ def _cmd_republish(cfg: SiteConfig, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_xa(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from ._requests import Progress, run_command
+    from ._xa_admin import list_branches
+
+    if args.xa_command == "list":
+        branches = list_branches(cfg.store_dsn, args.vpn)
+        if args.json:
+            print(json.dumps({"vpn": args.vpn, "branches": branches}))
+            return EXIT_OK
+        if not branches:
+            print(f"VPN {args.vpn!r}: no XA branch is prepared or heuristic on this site")
+        for b in branches:
+            how = f" heuristic {b['heuristic']}" if b["heuristic"] else ""
+            hazard = f": {b['hazard']}" if b["hazard"] else ""
+            print(f"{b['xid']}  {b['state']}{how}  since {b['prepared_at']}{hazard}")
+        return EXIT_OK
+    from txn import Xid, XidError
+
+    try:
+        xid = str(Xid.from_string(args.xid))
+    except XidError as e:
+        raise UsageError(str(e)) from e
+
+    async def here(progress: Progress) -> dict[str, Any]:
+        raise PluginError(
+            "an XA branch is resolved through the broker: the active site's node must be running"
+        )
+
+    request = {"xid": xid, "commit": args.xa_command == "commit"}
+    result = asyncio.run(
+        run_command(cfg.store_dsn, "xa-decide", args.vpn, request, here, lambda done, total: None)
+    )
+    verb = "committed" if request["commit"] else "rolled back"
+    print(f"XA branch {result['xid']} of VPN {args.vpn!r} {verb} (recorded as heuristic)")
+    if result["code"] == "XA_HEURHAZ":
+        print(f"  hazard: {result['text']}")
+    return EXIT_OK
+
+
 def _cmd_switchover(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
 
@@ -459,6 +501,20 @@ def _build_parser() -> _Parser:
         help="hash segments in PostgreSQL (pushdown, default) or in Spark from JDBC rows",
     )
     c.set_defaults(run=_cmd_reconcile)
+    xa = sub.add_parser("xa", help="list, commit or roll back client XA branches of a VPN")
+    xsub = xa.add_subparsers(dest="xa_command", metavar="ACTION", parser_class=_Parser)
+    xsub.required = True
+    c = xsub.add_parser("list", help="the VPN's prepared and heuristic branches on this site")
+    c.add_argument("vpn", metavar="VPN")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.set_defaults(run=_cmd_xa, xid=None)
+    for action, what in (("commit", "commit"), ("rollback", "roll back")):
+        c = xsub.add_parser(
+            action, help=f"{what} a prepared branch whose transaction manager is gone"
+        )
+        c.add_argument("vpn", metavar="VPN")
+        c.add_argument("xid", metavar="XID", help="format_id:gtrid-hex:bqual-hex")
+        c.set_defaults(run=_cmd_xa, json=False)
     c = sub.add_parser("demo", help="two local sites, a workload, a promotion")
     c.set_defaults(run=_cmd_demo, needs_config=False)
     c = sub.add_parser(

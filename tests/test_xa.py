@@ -13,13 +13,16 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pika
+import pika.exceptions
 import psycopg
 import pytest
 
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
+from tests.prometheus import value
 from tests.two_sites import (
+    VPN,
     Publisher,
     amqp_url,
     broker_depths,
@@ -33,7 +36,7 @@ from tests.two_sites import (
     vpn_status,
 )
 from tests.xa_clients import Manager, app_database, app_rows, publish, take
-from txn import XaNotFound, XAResource, XaRolledBack, Xid
+from txn import Verb, XaHeuristic, XaNotFound, XaProtocolError, XAResource, XaRolledBack, Xid
 
 SEEDED = [n for n in range(1, 31) if n % 5]
 
@@ -194,3 +197,155 @@ def _drain(conn: pika.BlockingConnection, queue: str) -> Iterable[bytes]:
             break
         yield payload
     ch.close()
+
+
+def _raw_request(conn: pika.BlockingConnection, verb: str, body: bytes) -> dict[str, Any]:
+    """Publish an XA request by hand and read its answer."""
+    import json
+
+    ch = conn.channel()
+    reply = ch.queue_declare("", exclusive=True).method.queue
+    ch.basic_publish(
+        "vpnrepl.xa", verb, body, pika.BasicProperties(correlation_id="c1", reply_to=reply)
+    )
+    for _ in range(100):
+        method, props, payload = ch.basic_get(reply, auto_ack=True)
+        if method is not None:
+            assert props.correlation_id == "c1"
+            ch.close()
+            return dict(json.loads(payload))
+        conn.sleep(0.1)
+    raise AssertionError(f"no answer to {verb}")
+
+
+def test_bad_xa_requests_get_specific_errors_and_leave_other_clients_alone(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+) -> None:
+    start_sync(vpnrepl_a, node_a, node_b)
+    with client(site_a) as (conn, xa, work):
+        assert _raw_request(conn, "prepare", b"not json")["code"] == "XAER_INVAL"
+        answer = _raw_request(conn, "dance", b"{}")
+        assert answer["code"] == "XAER_INVAL" and "unknown XA verb" in answer["text"]
+        answer = _raw_request(conn, "commit", b'{"xid": "1:zz:01"}')
+        assert answer["code"] == "XAER_INVAL" and "not an XA id" in answer["text"]
+        with pytest.raises(XaProtocolError, match="tx.select"):
+            xa._call(Verb.START, Xid.from_parts(1, "g", "b"), channel=conn.channel())
+
+        # an answer may only go to this connection's own exclusive queue
+        ch = conn.channel()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+            ch.basic_publish(
+                "vpnrepl.xa",
+                "recover",
+                b"{}",
+                pika.BasicProperties(correlation_id="c", reply_to="audit"),
+            )
+            ch.queue_declare("audit", passive=True)
+        assert refused.value.reply_code == 406 and "exclusive queue" in refused.value.reply_text
+
+        # on a confirm channel the request is not ours: the broker has no such exchange
+        confirming = conn.channel()
+        confirming.confirm_delivery()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as missing:
+            confirming.basic_publish("vpnrepl.xa", "recover", b"{}")
+        assert missing.value.reply_code == 404
+
+        # no more work on a branch's channel once it is ended, no tx.commit of its own
+        xid = Xid.from_parts(1, "ended", "b")
+        xa.start(xid, work)
+        publish(work, (120,))
+        xa.end(xid)
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as closed:
+            xa.prepare(xid)
+            publish(work, (125,))
+            work.tx_commit()
+        assert closed.value.reply_code == 406 and "XA branch" in closed.value.reply_text
+        # the prepared branch outlived its channel: committed from its row
+        xa.commit(xid)
+        other = conn.channel()
+        other.tx_select()
+        bound = Xid.from_parts(1, "own-commit", "b")
+        xa.start(bound, other)
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="commit or roll it back"):
+            other.tx_commit()
+        with pytest.raises(XaRolledBack, match="channel closed"):
+            xa.prepare(bound)
+    assert 120 in _queue_numbers(site_a, "orders.q2")
+    assert 125 not in _queue_numbers(site_a, "orders.q2")
+
+
+def test_an_operator_resolves_branches_whose_transaction_manager_is_gone(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+) -> None:
+    start_sync(vpnrepl_a, node_a, node_b)
+    xids = [Xid.from_parts(1, f"orphan-{i}", "b") for i in (1, 2)]
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(site_a)))
+    xa = XAResource(conn, timeout=20)
+    for xid, n in zip(xids, (130, 135), strict=True):
+        work = conn.channel()
+        xa.start(xid, work)
+        publish(work, (n,))
+        xa.end(xid)
+        xa.prepare(xid)
+    conn.close()  # the transaction manager is gone
+
+    listed = vpnrepl_a("xa", "list", VPN, "--json")
+    assert listed.returncode == 0, listed.stderr
+    import json
+
+    doc = json.loads(listed.stdout)
+    assert [(b["xid"], b["state"]) for b in doc["branches"]] == [(str(x), "prepared") for x in xids]
+    done = vpnrepl_a("xa", "commit", VPN, str(xids[0]))
+    assert done.returncode == 0, done.stderr
+    assert "committed (recorded as heuristic)" in done.stdout
+    done = vpnrepl_a("xa", "rollback", VPN, str(xids[1]))
+    assert done.returncode == 0, done.stderr
+    bad = vpnrepl_a("xa", "commit", VPN, "1:zz")
+    assert bad.returncode == 2 and "not an XA id" in bad.stderr
+    missing = vpnrepl_a("xa", "commit", VPN, str(Xid.from_parts(1, "none", "b")))
+    assert missing.returncode == 1 and "XAER_NOTA" in missing.stderr
+
+    text = vpnrepl_a("xa", "list", VPN).stdout
+    assert f"{xids[0]}  committed heuristic commit" in text
+    assert f"{xids[1]}  aborted heuristic rollback" in text
+    caught_up(node_a, node_b)
+    assert 130 in numbers_live(site_b) and 135 not in numbers_live(site_b)
+    assert _queue_numbers(site_a, "orders.q2").count(130) == 1
+
+    # the transaction manager comes back: it hears what the operator did, then forgets
+    with client(site_a) as (_conn, xa2, _work):
+        assert set(xa2.recover()) == set(xids)
+        with pytest.raises(XaHeuristic) as heard:
+            xa2.commit(xids[0])
+        assert heard.value.code == "XA_HEURCOM"
+        with pytest.raises(XaHeuristic) as heard:
+            xa2.commit(xids[1])
+        assert heard.value.code == "XA_HEURRB"
+        for xid in xids:
+            xa2.forget(xid)
+        assert xa2.recover() == []
+    metrics = node_a.get("/metrics")
+    assert value(metrics, "vpnrepl_xa_total", vpn=VPN, outcome="heuristic_commit") == 1
+    assert value(metrics, "vpnrepl_xa_total", vpn=VPN, outcome="heuristic_rollback") == 1
+    assert value(metrics, "vpnrepl_xa_branches", vpn=VPN, kind="heuristic") == 0
+
+
+def _queue_numbers(site: LocalSite, queue: str) -> list[int]:
+    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url(VPN)))
+    ch = conn.channel()
+    got = []
+    while True:
+        method, _props, payload = ch.basic_get(queue)
+        if method is None:
+            break
+        got.append(number(payload))
+    conn.close()
+    return got

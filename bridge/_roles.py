@@ -35,7 +35,7 @@ from psycopg.rows import tuple_row
 from ._apply import apply_entries
 from ._entry import LedgerEntry, decode_event, split_events
 from ._errors import BridgeError
-from ._events import Consumed, DeadLettered
+from ._events import Consumed, DeadLettered, Published
 from ._settings import Role
 from ._vpnstore import (
     become_active,
@@ -92,10 +92,18 @@ FOR UPDATE
 # A client's XA branch prepared here waits for its transaction manager: the
 # new active's row now, and the messages it acked stay out of the broker
 # (xa_held) until it is committed (they are gone) or rolled back (published).
+_XA_PREPARED = """
+SELECT txid, events FROM txn_log
+WHERE vpn = %s AND side = 'participant' AND state = 'prepared' AND xid IS NOT NULL
+ORDER BY created_at, txid
+"""
 _XA_TAKEN = """
 UPDATE txn_log SET side = 'coordinator', acks_held = true, updated_at = now()
-WHERE vpn = %s AND side = 'participant' AND state = 'prepared' AND xid IS NOT NULL
-RETURNING txid, events
+WHERE txid = ANY(%s)
+"""
+_LIVE_OF = """
+SELECT count(*) FROM live_message WHERE vpn = %s AND (repl_id, queue) IN
+    (SELECT * FROM unnest(%s::bytea[], %s::text[]))
 """
 _XA_HOLD = """
 INSERT INTO xa_held (vpn, repl_id, queue, txid)
@@ -209,20 +217,48 @@ def _resolve_in_doubt(
 
 def _take_xa_branches(cur: psycopg.Cursor[Any], vpn: str) -> None:
     """XA branches prepared here become the new active's, their acked
-    messages held (see ``_XA_TAKEN``)."""
-    cur.execute(_XA_TAKEN, (vpn,))
-    ids: list[bytes] = []
-    queues: list[str] = []
-    txids: list[str] = []
-    for txid, events in cur.fetchall():
-        for data in split_events(bytes(events)):
-            event = decode_event(data, vpn)
-            if isinstance(event, Consumed | DeadLettered):
-                ids.append(event.repl_id.value)
-                queues.append(event.queue)
-                txids.append(str(txid))
-    if ids:
+    messages held (see ``_XA_TAKEN``) — except a branch the old active
+    committed whose outcome did not arrive: its group came with the stream
+    (its publishes are live here, or every message it acked is gone), so
+    it is settled committed instead of being committed twice."""
+    cur.execute(_XA_PREPARED, (vpn,))
+    taken: list[str] = []
+    settled: list[str] = []
+    held: list[tuple[bytes, str, str]] = []
+    for txid, data in cur.fetchall():
+        events = [decode_event(d, vpn) for d in split_events(bytes(data))]
+        published = [(e.repl_id.value, q) for e in events if isinstance(e, Published)
+                     for q in e.queues]  # fmt: skip
+        acked = [(e.repl_id.value, e.queue) for e in events
+                 if isinstance(e, Consumed | DeadLettered)]  # fmt: skip
+        if _committed_by_stream(cur, vpn, published, acked):
+            settled.append(str(txid))
+            continue
+        taken.append(str(txid))
+        held += [(r, q, str(txid)) for r, q in acked]
+    if settled:
+        cur.execute(_SETTLE, (settled,))
+    if taken:
+        cur.execute(_XA_TAKEN, (taken,))
+    if held:
+        ids, queues, txids = (list(c) for c in zip(*held, strict=True))
         cur.execute(_XA_HOLD, (vpn, ids, queues, txids))
+
+
+def _committed_by_stream(
+    cur: psycopg.Cursor[Any],
+    vpn: str,
+    published: list[tuple[bytes, str]],
+    acked: list[tuple[bytes, str]],
+) -> bool:
+    def live(keys: list[tuple[bytes, str]]) -> int:
+        cur.execute(_LIVE_OF, (vpn, [k[0] for k in keys], [k[1] for k in keys]))
+        row = cur.fetchone()
+        return int(row[0]) if row else 0
+
+    if published:
+        return live(published) > 0
+    return bool(acked) and live(acked) == 0
 
 
 def finish_promotion(conn: psycopg.Connection[Any], vpn: str, epoch: int) -> None:

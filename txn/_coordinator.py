@@ -233,7 +233,8 @@ class _Live:
         if self.finished:
             return
         self.finished = True
-        self.stats.outcomes[(self.txn.vpn, outcome)] += 1
+        if self.xid is None:  # a client's XA branch is counted as such (txn._xa)
+            self.stats.outcomes[(self.txn.vpn, outcome)] += 1
         self.enter(None)
         self.span.set_attribute("txn.outcome", outcome)
         if error is not None:

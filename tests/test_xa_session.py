@@ -1,0 +1,159 @@
+"""The listener's side of client XA, fed scripted frames (sans-IO): requests
+taken out of the stream only where no numbering depends on them, a branch's
+channel closed to more work, our own broker commit and rollback swallowed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pamqp import commands as C
+
+from bridge import MARKER_QUEUE, ReplicationId
+from plugin._session import Session
+from tests.test_session import (
+    content,
+    decode_all,
+    deliver,
+    m,
+    make_session,
+    open_session,
+    publish,
+)
+
+
+def xa_request(channel: int, verb: str, doc: dict[str, object], reply: str = "replies") -> bytes:
+    body = json.dumps(doc).encode()
+    return m(C.Basic.Publish(exchange="vpnrepl.xa", routing_key=verb), channel) + content(
+        channel, body, correlation_id="c7", reply_to=reply
+    )
+
+
+@pytest.fixture
+def tx() -> Session:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Tx.Select(), 1))
+    s.broker_data(m(C.Tx.SelectOk(), 1))
+    return s
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_request_is_taken_out_of_the_stream(tx: Session, split: bool) -> None:
+    data = xa_request(1, "start", {"xid": "1:61:62"}) + publish(1, b"work")
+    outs = (
+        [tx.client_data(data[i : i + 1]) for i in range(len(data))]
+        if split
+        else [tx.client_data(data)]
+    )
+    to_broker = b"".join(b"".join(o.to_broker) for o in outs)
+    calls = [c for o in outs for c in o.xa_calls]
+    assert [v.name for _, v in decode_all([to_broker])] == [
+        "Basic.Publish",
+        "ContentHeader",
+        "ContentBody",
+    ]  # only the work: the request never reaches the broker
+    [call] = calls
+    assert (call.channel, call.verb, call.correlation_id, call.reply_to) == (
+        1,
+        "start",
+        "c7",
+        "replies",
+    )
+    assert json.loads(call.body) == {"xid": "1:61:62"}
+
+
+def test_on_a_confirm_channel_a_request_is_relayed_untouched() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Confirm.Select(), 1))
+    data = xa_request(1, "recover", {})
+    out = s.client_data(data)
+    assert out.xa_calls == [] and b"".join(out.to_broker) == data
+
+
+def test_on_a_vhost_not_replicated_a_request_is_relayed_untouched() -> None:
+    s = make_session(vhost="orders")
+    open_session(s, vhost="elsewhere")
+    data = xa_request(1, "recover", {})
+    out = s.client_data(data)
+    assert out.xa_calls == [] and b"".join(out.to_broker) == data
+
+
+def branch_prepared(s: Session) -> None:
+    """Channel 1 holds a branch whose work is taken for its prepare."""
+    s.client_data(publish(1, b"a"))
+    ch = s.xa_channel(1)
+    assert ch is not None
+    ch.xa = "1:61:62"
+    txn = ch.xa_take_work("1:61:62")
+    assert txn is not None and [e.body for e in txn.events] == [b"a"]
+    assert txn.txid.startswith("xa/1:61:62/")
+
+
+@pytest.mark.parametrize(
+    ("frames", "why"),
+    [
+        (publish(1, b"more"), "no more work"),
+        (m(C.Tx.Commit(), 1), "commit or roll it back with XA"),
+        (m(C.Tx.Rollback(), 1), "commit or roll it back with XA"),
+    ],
+)
+def test_work_or_a_tx_verb_on_a_prepared_branch_closes_its_channel(
+    tx: Session, frames: bytes, why: str
+) -> None:
+    branch_prepared(tx)
+    out = tx.client_data(frames)
+    [(_, close)] = decode_all(out.to_client)
+    assert isinstance(close, C.Channel.Close) and close.reply_code == 406
+    assert why in close.reply_text
+    assert [type(v) for _, v in decode_all(out.to_broker)] == [C.Channel.Close]
+    assert out.xa_gone == [1]  # the broker rolls the channel's transaction back
+
+
+def test_our_broker_commit_goes_behind_the_marker_and_its_ok_is_swallowed(tx: Session) -> None:
+    branch_prepared(tx)
+    ch = tx.xa_channel(1)
+    assert ch is not None
+    answers: list[bool] = []
+    frames = ch.xa_broker_commit("xa/1:61:62/1.1.1.1", answers.append)
+    sent = decode_all([frames])
+    assert [v.name for _, v in sent] == [
+        "Basic.Publish",
+        "ContentHeader",
+        "ContentBody",
+        "Tx.Commit",
+    ]
+    assert sent[0][1].routing_key == MARKER_QUEUE
+    out = tx.broker_data(m(C.Tx.CommitOk(), 1))
+    assert out.to_client == [] and out.commit == [] and answers == [True]
+    ch.xa_unbind()
+    out = tx.client_data(publish(1, b"next"))  # the channel's own again
+    assert out.to_client == []
+
+
+def test_our_rollback_makes_the_branch_acks_unacked_again(tx: Session) -> None:
+    tx.client_data(m(C.Basic.Consume(queue="q", consumer_tag="t"), 1))
+    tx.broker_data(m(C.Basic.ConsumeOk(consumer_tag="t"), 1))
+    deliver(tx, 1, "t", ReplicationId.from_parts(7, 1))
+    tx.client_data(m(C.Basic.Ack(delivery_tag=1), 1))
+    ch = tx.xa_channel(1)
+    assert ch is not None
+    ch.xa = "1:61:62"
+    ch.xa_take_work("1:61:62")
+    answers: list[bool] = []
+    frames = ch.xa_broker_rollback(answers.append)
+    assert [v.name for _, v in decode_all([frames])] == ["Tx.Rollback"]
+    out = tx.broker_data(m(C.Tx.RollbackOk(), 1))
+    assert out.to_client == [] and answers == [True]
+    assert 1 in ch.deliveries
+
+
+def test_a_channel_closing_under_our_commit_says_so(tx: Session) -> None:
+    branch_prepared(tx)
+    ch = tx.xa_channel(1)
+    assert ch is not None
+    answers: list[bool] = []
+    ch.xa_broker_commit("xa/1:61:62/1.1.1.1", answers.append)
+    out = tx.connection_lost()
+    assert answers == [False] and out.xa_gone == [1]

@@ -129,3 +129,44 @@ def test_a_telemetry_url_that_is_not_http_is_refused_at_start(vpnrepl_a: Vpnrepl
     done = vpnrepl_a("status")
     assert done.returncode != 0
     assert "telemetry.otlp_traces_url" in done.stderr and "http or https URL" in done.stderr
+
+
+def test_an_xa_branch_exports_a_span_per_verb_and_its_phases(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+    collector: Collector,
+) -> None:
+    from txn import XAResource, Xid
+
+    setup_vpn(site_a)
+    enable(vpnrepl_a, "--mode", "sync", "--sync-timeout-ms", "10000")
+    with open(vpnrepl_a.config, "a") as f:
+        f.write(f'\n[telemetry]\notlp_traces_url = "{collector.url}"\n')
+    node_a.start()
+    node_b.start()
+    until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby to connect")
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(site_a)))
+    xa = XAResource(conn, timeout=20)
+    work = conn.channel()
+    xid = Xid.from_parts(1, "traced", "b")
+    xa.start(xid, work)
+    work.basic_publish("events", routing_key(15), body(15), properties(15))
+    xa.end(xid)
+    xa.prepare(xid)
+    xa.commit(xid)
+    conn.close()
+    node_a.stop()
+
+    verbs = [s for s in collector.spans if s["name"].startswith("xa.")]
+    assert [s["name"] for s in verbs] == ["xa.start", "xa.end", "xa.prepare", "xa.commit"]
+    assert all(s["attributes"]["xid"] == str(xid) for s in verbs)
+    assert all(s["attributes"]["xa.code"] == "XA_OK" for s in verbs)
+    [branch] = [s for s in collector.spans if s["name"] == "xa"]
+    assert branch["parent"] == verbs[2]["id"]  # begun by the prepare, ended by the commit
+    assert branch["attributes"]["txn.outcome"] == "committed"
+    phases = [s["name"] for s in collector.spans if s["parent"] == branch["id"]]
+    assert phases == ["txn.prepare", "txn.broker_commit", "txn.decision", "txn.standby_commit"]
+    assert not any(body(15) in data for data in collector.bodies)

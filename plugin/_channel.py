@@ -27,6 +27,16 @@ Invariants, and why the code keeps them:
   the sink has committed them; ``tx.rollback`` and a close discard them
   (acks rolled back are restored, as the deliveries stay unacked at the
   broker).
+* **An XA request is ours only where nothing counts it.** A publish to
+  ``vpnrepl.xa`` on a channel without confirms is taken out of the stream
+  (method, header and body) and handed up as an ``XaCall``; on a confirm
+  channel it is relayed, since the client numbers that channel's
+  publishes. A channel holding an XA branch accepts no ``tx.commit`` or
+  ``tx.rollback`` of the client's, and no work once the branch is being
+  prepared (406): its broker transaction is what the prepared row holds.
+  Our own ``tx.commit``/``tx.rollback`` on it (``xa_broker_commit``,
+  ``xa_broker_rollback``) are answered to the branch, their ``-ok`` never
+  reaching the client.
 """
 
 from __future__ import annotations

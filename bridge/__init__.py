@@ -167,6 +167,7 @@ if TYPE_CHECKING:
         LedgerWriter as LedgerWriter,
         WriterStats as WriterStats,
     )
+    from ._ledger_bound import LedgerBound as LedgerBound
     from ._ledger_errors import (
         LedgerClosed as LedgerClosed,
         LedgerConflict as LedgerConflict,
@@ -290,6 +291,7 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
     "._bridgestate": ("CONNECTED", "DISCONNECTED", "SYNCING"),
     "._configsync": ("ConfigSyncError", "import_vpn_definitions", "reimport", "vpn_definitions"),
     "._ledger": ("LedgerWriter", "WriterStats"),
+    "._ledger_bound": ("LedgerBound",),
     "._ledger_errors": (
         "LedgerClosed",
         "LedgerConflict",

@@ -64,6 +64,11 @@ class SiteConfig:
     #: acknowledged ledger entries are kept this long before pruning, so a
     #: standby that reconnects within it catches up by replay, not checkpoint
     ledger_retain_seconds: int = 300
+    #: past this many bytes of events the ledger is pruned even where the
+    #: standby has not acknowledged it (0: no bound; ``bridge._ledger_bound``)
+    ledger_max_bytes: int = 8 << 30
+    #: how often that bound is checked
+    ledger_check_seconds: int = 30
     #: how often the node re-reads each VPN's definitions from the broker
     topology_refresh_seconds: int = 30
     #: an OTLP/HTTP traces endpoint for the transaction spans (None: off)
@@ -165,7 +170,11 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
         "bridge": (str, None, HostPort.parse),
         "store_dsn": (str, None, _url("postgresql", "postgres")),
     },
-    "replication": {"ledger_retain_seconds": (int, 300, _non_negative)},
+    "replication": {
+        "ledger_retain_seconds": (int, 300, _non_negative),
+        "ledger_max_bytes": (int, 8 << 30, _non_negative),
+        "ledger_check_seconds": (int, 30, _positive),
+    },
     "telemetry": {"otlp_traces_url": (str, None, _url("http", "https"))},
     "reconcile": {
         "interval": (int, None, _interval),
@@ -305,6 +314,10 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         tls=tls,
         ledger_retain_seconds=(
             v["replication"]["ledger_retain_seconds"] if "replication" in v else 300
+        ),
+        ledger_max_bytes=v["replication"]["ledger_max_bytes"] if "replication" in v else 8 << 30,
+        ledger_check_seconds=(
+            v["replication"]["ledger_check_seconds"] if "replication" in v else 30
         ),
         topology_refresh_seconds=v["broker"]["topology_refresh_seconds"],
         otlp_traces_url=v["telemetry"]["otlp_traces_url"] if "telemetry" in v else None,

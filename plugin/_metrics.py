@@ -103,6 +103,7 @@ class Metrics:
         self._listener: ListenerStats | None = None
         self._txn: TxnStats | None = None
         self._xa: XaStats | None = None
+        self._bound: Mapping[str, int] | None = None
         self._ledger: WriterStats | None = None
         self._degradations: Callable[[], Mapping[str, int]] | None = None
         #: the status document of the scrape under way (None: the store was
@@ -118,6 +119,10 @@ class Metrics:
 
     def observe_xa(self, stats: XaStats) -> None:
         self._xa = stats
+
+    def observe_ledger_bound(self, unacknowledged: Mapping[str, int]) -> None:
+        """VPN -> ledger entries pruned before the standby acknowledged them."""
+        self._bound = unacknowledged
 
     def observe_ledger(self, stats: WriterStats) -> None:
         self._ledger = stats
@@ -167,6 +172,14 @@ class _Collector:
                 " refused, read_only, hazard, heuristic_commit, heuristic_rollback)",
                 ("vpn", "outcome"),
                 m._xa.outcomes,
+            )
+        if m._bound is not None:
+            yield _counter(
+                "vpnrepl_ledger_pruned_unacknowledged",
+                "ledger entries pruned past [replication] ledger_max_bytes before the standby"
+                " acknowledged them (it resyncs from a checkpoint)",
+                ("vpn",),
+                m._bound,
             )
         if m._ledger is not None:
             yield _commit_entries(m._ledger)

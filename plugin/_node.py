@@ -40,6 +40,7 @@ from bridge import (
     BridgeError,
     BridgeServer,
     IdSource,
+    LedgerBound,
     LedgerError,
     LedgerWriter,
     ManagementAPI,
@@ -156,6 +157,9 @@ class Node:
             BranchPublisher(cfg.amqp_url, cfg.store_dsn, self.coordinator.markers, self.broker_ssl),
         )
         self.xa_replies = ReplyPublisher(cfg.amqp_url, self.broker_ssl)
+        self.ledger_bound = LedgerBound(
+            cfg.store_dsn, cfg.ledger_max_bytes, cfg.ledger_check_seconds
+        )
         self.listener: Listener | None = None
         self.ids: IdSource | None = None
         self.admin: AdminServer | None = None
@@ -367,6 +371,7 @@ class Node:
         await refresher.refresh()
         await self._recover_transactions()
         self.coordinator.start()
+        self.ledger_bound.start()
         self.ids = IdSource(incarnation, on_low=self._renew_incarnation)
         self.listener = Listener(
             BrokerAddress.from_url(cfg.amqp_url),
@@ -378,6 +383,7 @@ class Node:
         self.listener.xa = XaGateway(self.xa, self.xa_replies)
         self.metrics.observe_listener(self.listener.stats)
         self.metrics.observe_xa(self.xa.stats)
+        self.metrics.observe_ledger_bound(self.ledger_bound.unacknowledged)
         self.metrics.observe_txn(self.coordinator.stats)
         self.metrics.observe_ledger(self.writer.stats)
         self.metrics.observe_sync(self.replicator.degradations)
@@ -672,6 +678,7 @@ class Node:
             except Exception as e:  # the node is stopping: say so, stop anyway
                 log.warning("the last directory refresh failed: %s", e)
         await self.requests.close()
+        await self.ledger_bound.close()
         await self.coordinator.close()
         await self.replicator.close()
         await self.writer.close()

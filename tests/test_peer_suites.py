@@ -108,11 +108,8 @@ SUITES = (
         version="10.2.1",
         default=(
             # connection, channel, publish/confirm/return, consume/ack, tx, DLX
+            # (RPC, Master/Worker and type tests run in the whole suite, -m fault)
             "tests/test_amqp.py",
-            "tests/test_master.py",  # persistent messages, Master/Worker
-            "tests/test_rpc.py",
-            "tests/test_json_rpc.py",
-            "tests/test_types.py",
             "tests/test_message.py",
             "tests/test_connect.py",
             "tests/test_connection_close_state.py",

@@ -1,0 +1,755 @@
+"""The fault suite's workload, nemeses and runs (Jepsen-style).
+
+A :class:`Run` sets up the two-site harness, starts a workload — confirmed
+publishers, acking consumers and transactional clients, pika and aio-pika,
+each on connections of its own — that records what every client was told
+(:class:`~tests.checker.History`, with timestamps), applies a
+:class:`Nemesis` during it and heals it, stops the workload, drains both
+sites, and hands what they hold to :mod:`tests.checker`. Every run writes a
+report: JSON, a text table and a plot of throughput and lag over time with
+the fault marked (``VPNREPL_FAULT_REPORTS=DIR`` keeps them; by default they
+go to the test's temporary directory).
+
+Numbers say everything: a publisher's numbers that are not multiples of
+five are routed to ``orders.q1`` and ``orders.q2``; a transactional
+client's are multiples of five, routed to ``orders.q2`` alone. Consumers
+take from ``orders.q1``; nobody consumes ``orders.q2``, where order and
+transaction atomicity are checked.
+
+Clients reconnect after a failure, trying both sites' listeners (a standby
+refuses with 530, so they find the active one), and a publisher publishes
+again a number whose confirm it never got: the at-least-once client every
+real one is, and the duplicate that retry can make is the checker's to
+explain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+import psycopg
+
+from plugin._localsites import LocalSite, _stat_fields
+from tests.checker import Fault, Final, History, Publish, Txn, check, report_json, table, violations
+from tests.fix_cli import Vpnrepl
+from tests.fix_node import NodeProcess
+from tests.two_sites import VPN, cli_status, setup_vpn, until, vpn_status
+
+Q1, Q2 = "orders.q1", "orders.q2"
+PADDING = b"." * 200
+#: what a client's connection failure can raise
+CLIENT_ERRORS = (pika.exceptions.AMQPError, OSError, ConnectionError, AssertionError)
+
+
+def body(n: int) -> bytes:
+    return b"%d:" % n + PADDING
+
+
+def number(payload: bytes) -> int:
+    return int(payload.split(b":", 1)[0])
+
+
+def routing_key(n: int) -> str:
+    return "order.eu.created" if n % 5 == 0 else "order.created"
+
+
+def queues_of(n: int) -> tuple[str, ...]:
+    return (Q2,) if n % 5 == 0 else (Q1, Q2)
+
+
+PERSISTENT = pika.BasicProperties(delivery_mode=2)
+
+
+class Recorder:
+    """The history, written by every client thread."""
+
+    def __init__(self, mode: str) -> None:
+        self.t0 = time.monotonic()
+        self.history = History(mode, consumed_queues=frozenset({Q1}))
+        self.lock = threading.Lock()
+        self.confirmed = 0
+        self.errors: list[tuple[float, str, str]] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def sent(self, n: int, publisher: int) -> None:
+        with self.lock:
+            p = self.history.published.get(n)
+            if p is None:
+                self.history.published[n] = Publish(queues_of(n), "uncertain", publisher)
+            else:
+                p.attempts += 1
+
+    def told(self, n: int, outcome: str) -> None:
+        with self.lock:
+            self.history.published[n].outcome = outcome
+            self.confirmed += outcome == "confirmed"
+
+    def acked(self, n: int, queue: str) -> None:
+        with self.lock:
+            self.history.acked[(n, queue)] = self.now()
+
+    def txn(self, t: Txn) -> None:
+        with self.lock:
+            self.history.txns.append(t)
+
+    def error(self, who: str, e: BaseException) -> None:
+        with self.lock:
+            self.errors.append((self.now(), who, f"{type(e).__name__}: {e}"[:200]))
+
+
+def connect(urls: list[str]) -> pika.BlockingConnection:
+    """A connection to the first listener that takes it (the active site)."""
+    last: BaseException | None = None
+    for url in urls:
+        params = pika.URLParameters(url)
+        params.connection_attempts = 1
+        params.socket_timeout = 5
+        params.blocked_connection_timeout = 30
+        try:
+            return pika.BlockingConnection(params)
+        except CLIENT_ERRORS as e:
+            last = e
+    raise ConnectionError(f"no listener took the connection: {last!r}")
+
+
+class Client(threading.Thread):
+    """A workload client: runs :meth:`session` on a fresh connection until
+    stopped, reconnecting after each failure."""
+
+    def __init__(self, name: str, recorder: Recorder, urls: list[str], stop: threading.Event):
+        super().__init__(name=name, daemon=True)
+        self.recorder, self.urls, self.stop_event = recorder, urls, stop
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                conn = connect(self.urls)
+            except CLIENT_ERRORS as e:
+                self.recorder.error(self.name, e)
+                time.sleep(0.5)
+                continue
+            try:
+                self.session(conn)
+            except CLIENT_ERRORS as e:
+                self.recorder.error(self.name, e)
+                time.sleep(0.2)
+            finally:
+                with contextlib.suppress(Exception):
+                    conn.close()
+
+    def session(self, conn: pika.BlockingConnection) -> None:
+        raise NotImplementedError
+
+
+class Publisher(Client):
+    """Confirmed publishes, one at a time (pika blocks until each confirm);
+    a number left unconfirmed by a failure is published again."""
+
+    def __init__(self, ident: int, recorder: Recorder, urls: list[str], stop: threading.Event):
+        super().__init__(f"publisher-{ident}", recorder, urls, stop)
+        self.publisher_id = ident
+        self.numbers = (n for n in itertools.count(ident * 1_000_000 + 1) if n % 5)
+        self.retry: int | None = None
+
+    def session(self, conn: pika.BlockingConnection) -> None:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        while not self.stop_event.is_set():
+            n = self.retry if self.retry is not None else next(self.numbers)
+            self.retry = n
+            self.recorder.sent(n, self.publisher_id)
+            try:
+                ch.basic_publish("events", routing_key(n), body(n), PERSISTENT)
+            except pika.exceptions.NackError:
+                self.recorder.told(n, "nacked")
+            else:
+                self.recorder.told(n, "confirmed")
+            self.retry = None
+
+
+class Consumer(Client):
+    """Acks ``orders.q1``'s deliveries one by one; the ack's time is when it was sent."""
+
+    def session(self, conn: pika.BlockingConnection) -> None:
+        ch = conn.channel()
+        ch.basic_qos(prefetch_count=20)
+        for method, _props, payload in ch.consume(Q1, inactivity_timeout=0.5):
+            if self.stop_event.is_set():
+                break
+            if method is None:
+                continue
+            n = number(payload)
+            self.recorder.acked(n, Q1)
+            ch.basic_ack(method.delivery_tag)
+
+
+class TxPublisher(Client):
+    """Transactions of three publishes to ``orders.q2``."""
+
+    def __init__(self, ident: int, recorder: Recorder, urls: list[str], stop: threading.Event):
+        super().__init__(f"tx-{ident}", recorder, urls, stop)
+        self.numbers = itertools.count(ident * 1_000_000 + 5, 5)
+
+    def session(self, conn: pika.BlockingConnection) -> None:
+        ch = conn.channel()
+        ch.tx_select()
+        while not self.stop_event.is_set():
+            numbers = tuple(next(self.numbers) for _ in range(3))
+            for n in numbers:
+                ch.basic_publish("events", routing_key(n), body(n), PERSISTENT)
+            try:
+                ch.tx_commit()
+            except pika.exceptions.ChannelClosedByBroker:
+                self.recorder.txn(Txn(numbers, (Q2,), "failed"))
+                raise
+            except CLIENT_ERRORS:
+                self.recorder.txn(Txn(numbers, (Q2,), "uncertain"))
+                raise
+            self.recorder.txn(Txn(numbers, (Q2,), "committed"))
+
+
+class AioPublisher(threading.Thread):
+    """Confirmed publishes through aio-pika (its own asyncio loop), 20 in
+    flight; reconnects (aio-pika's robust connection) and retries."""
+
+    def __init__(self, ident: int, recorder: Recorder, urls: list[str], stop: threading.Event):
+        super().__init__(name=f"aio-publisher-{ident}", daemon=True)
+        self.publisher_id, self.recorder, self.urls, self.stop_event = ident, recorder, urls, stop
+        self.numbers = (n for n in itertools.count(ident * 1_000_000 + 1) if n % 5)
+
+    def run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        import aio_pika
+
+        retry: list[int] = []
+        while not self.stop_event.is_set():
+            try:
+                conn = await self._connect(aio_pika)
+            except Exception as e:  # noqa: BLE001 - recorded; the client tries again
+                self.recorder.error(self.name, e)
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                async with conn:
+                    ch = await conn.channel(publisher_confirms=True)
+                    ex = await ch.get_exchange("events", ensure=False)
+                    while not self.stop_event.is_set():
+                        batch = retry or [next(self.numbers) for _ in range(20)]
+                        retry = list(batch)
+                        for n in batch:
+                            self.recorder.sent(n, self.publisher_id)
+                        outcomes = await asyncio.gather(
+                            *(
+                                ex.publish(
+                                    aio_pika.Message(body(n), delivery_mode=2), routing_key(n)
+                                )
+                                for n in batch
+                            ),
+                            return_exceptions=True,
+                        )
+                        for n, outcome in zip(batch, outcomes, strict=True):
+                            if isinstance(outcome, aio_pika.exceptions.DeliveryError):
+                                self.recorder.told(n, "nacked")
+                                retry.remove(n)
+                            elif not isinstance(outcome, BaseException):
+                                self.recorder.told(n, "confirmed")
+                                retry.remove(n)
+                        if retry:
+                            raise ConnectionError(f"{len(retry)} publishes unconfirmed")
+            except Exception as e:  # noqa: BLE001 - recorded; the client tries again
+                self.recorder.error(self.name, e)
+                await asyncio.sleep(0.2)
+
+    async def _connect(self, aio_pika: Any) -> Any:
+        last: BaseException | None = None
+        for url in self.urls:
+            try:
+                return await aio_pika.connect(url, timeout=5)
+            except Exception as e:  # noqa: BLE001 - the next listener
+                last = e
+        raise ConnectionError(f"no listener took the connection: {last!r}")
+
+
+# ---------------------------------------------------------------- processes
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = _stat_fields(stat)
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, found = [pid], []
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def signal_tree(pid: int | None, sig: signal.Signals) -> None:
+    """Send ``sig`` to every process of a server: stopping a postmaster
+    alone does not pause its backends."""
+    if pid is None:
+        raise AssertionError("the server is not running")
+    for p in process_tree(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, sig)
+
+
+# ---------------------------------------------------------------- the bridge
+
+
+class FaultProxy:
+    """A TCP proxy standing between the two sites' bridge: ``pass``,
+    ``cut`` (every connection closed and new ones refused), ``blackhole``
+    (connections stay open, nothing goes through) or ``delay`` (each chunk
+    held ``delay`` seconds)."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.mode = "pass"
+        self.delay = 0.0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._socks: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name="fault-proxy", daemon=True).start()
+
+    def set(self, mode: str, delay: float = 0.0) -> None:
+        self.mode, self.delay = mode, delay
+        if mode == "cut":
+            with self._lock:
+                for s in list(self._socks):
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_RDWR)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            if self.mode == "cut":
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._socks |= {client, upstream}
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                while self.mode == "blackhole":
+                    time.sleep(0.05)
+                if self.mode == "cut":
+                    break
+                if self.delay:
+                    time.sleep(self.delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            with self._lock:
+                self._socks -= {src, dst}
+
+    def close(self) -> None:
+        self._closed = True
+        self.set("cut")
+        self._server.close()
+
+
+# ---------------------------------------------------------------- nemeses
+
+
+@dataclass
+class Nemesis:
+    """A fault: ``apply`` it, wait ``hold`` seconds, ``heal`` it."""
+
+    name: str
+    apply: Callable[[Run], None]
+    heal: Callable[[Run], None]
+    hold: float = 5.0
+
+
+def _node(run: Run, side: str) -> NodeProcess:
+    return run.node_a if side == "a" else run.node_b
+
+
+def _site(run: Run, side: str) -> LocalSite:
+    return _node(run, side).site
+
+
+def kill_node(side: str) -> Nemesis:
+    return Nemesis(
+        f"SIGKILL node {side}",
+        lambda r: _node(r, side).kill(),
+        lambda r: _node(r, side).start(),
+    )
+
+
+def pause_node(side: str) -> Nemesis:
+    return Nemesis(
+        f"SIGSTOP node {side}",
+        lambda r: signal_tree(_node(r, side).pid, signal.SIGSTOP),
+        lambda r: signal_tree(_node(r, side).pid, signal.SIGCONT),
+    )
+
+
+def kill_rabbit(side: str) -> Nemesis:
+    return Nemesis(
+        f"SIGKILL RabbitMQ {side}",
+        lambda r: _site(r, side).rabbit.kill(),
+        lambda r: _site(r, side).rabbit.start(),
+    )
+
+
+def pause_rabbit(side: str) -> Nemesis:
+    return Nemesis(
+        f"SIGSTOP RabbitMQ {side}",
+        lambda r: signal_tree(_site(r, side).rabbit._proc.pid, signal.SIGSTOP),  # type: ignore[union-attr]
+        lambda r: signal_tree(_site(r, side).rabbit._proc.pid, signal.SIGCONT),  # type: ignore[union-attr]
+    )
+
+
+def kill_pg(side: str) -> Nemesis:
+    return Nemesis(
+        f"SIGKILL PostgreSQL {side}",
+        lambda r: _site(r, side).pg.kill(),
+        lambda r: _site(r, side).pg.start(),
+    )
+
+
+def pause_pg(side: str) -> Nemesis:
+    return Nemesis(
+        f"SIGSTOP PostgreSQL {side}",
+        lambda r: signal_tree(_site(r, side).pg.postmaster_pid(), signal.SIGSTOP),
+        lambda r: signal_tree(_site(r, side).pg.postmaster_pid(), signal.SIGCONT),
+    )
+
+
+def bridge(mode: str, delay: float = 0.0) -> Nemesis:
+    return Nemesis(
+        f"bridge {mode}" + (f" {delay:g} s" if delay else ""),
+        lambda r: r.proxy.set(mode, delay),
+        lambda r: r.proxy.set("pass"),
+    )
+
+
+def _promote(run: Run) -> None:
+    done = Vpnrepl(run.node_b.config)("promote", VPN)
+    assert done.returncode == 0, done.stderr
+    run.active = "b"
+
+
+def _demote_old(run: Run) -> None:
+    """The old active is fenced: demote it (its tail exported), so it
+    follows the new active."""
+    until(lambda: cli_status(run.node_a).get("fenced"), "the old active to be fenced", 60)
+    tail = run.tmp / "tail.jsonl"
+    done = Vpnrepl(run.node_a.config)("demote", VPN, "--export", str(tail))
+    assert done.returncode == 0, done.stderr
+    run.history.exported_tail = frozenset(
+        number(base64.b64decode(json.loads(line)["body"]))
+        for line in tail.read_text().splitlines()
+        if line.strip()
+    )
+
+
+def promotion() -> Nemesis:
+    return Nemesis("promotion of the standby", _promote, _demote_old, hold=2.0)
+
+
+def _switchover(run: Run) -> None:
+    done = Vpnrepl(run.node_b.config)("switchover", VPN)
+    assert done.returncode == 0, done.stderr
+    run.active = "b"
+
+
+def switchover() -> Nemesis:
+    return Nemesis("switchover", _switchover, lambda r: None, hold=2.0)
+
+
+#: every nemesis of the fault suite
+NEMESES: dict[str, Callable[[], Nemesis]] = {
+    "kill-node-a": lambda: kill_node("a"),
+    "kill-node-b": lambda: kill_node("b"),
+    "pause-node-a": lambda: pause_node("a"),
+    "pause-node-b": lambda: pause_node("b"),
+    "kill-rabbit-a": lambda: kill_rabbit("a"),
+    "kill-rabbit-b": lambda: kill_rabbit("b"),
+    "pause-rabbit-a": lambda: pause_rabbit("a"),
+    "pause-rabbit-b": lambda: pause_rabbit("b"),
+    "kill-pg-a": lambda: kill_pg("a"),
+    "kill-pg-b": lambda: kill_pg("b"),
+    "pause-pg-a": lambda: pause_pg("a"),
+    "pause-pg-b": lambda: pause_pg("b"),
+    "bridge-cut": lambda: bridge("cut"),
+    "bridge-blackhole": lambda: bridge("blackhole"),
+    "bridge-delay": lambda: bridge("delay", 0.2),
+    "promotion": promotion,
+    "switchover": switchover,
+}
+
+
+# ---------------------------------------------------------------- a run
+
+
+@dataclass
+class Sample:
+    t: float
+    confirmed: int
+    lag_events: int | None
+
+
+@dataclass
+class Run:
+    node_a: NodeProcess
+    node_b: NodeProcess
+    vpnrepl_a: Vpnrepl
+    mode: str
+    tmp: Path
+    recorder: Recorder = field(init=False)
+    proxy: FaultProxy = field(init=False)
+    active: str = "a"
+    samples: list[Sample] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.recorder = Recorder(self.mode)
+        self._stop = threading.Event()
+        self._clients: list[threading.Thread] = []
+        a, b = self.node_a.site, self.node_b.site
+        self.proxy = FaultProxy(("127.0.0.1", a.bridge_port))
+        # each site names the other, as deployed: after a promotion A learns
+        # of the new epoch from B and is fenced
+        a.write_config(self.node_a.config, peer=b)
+        # B reaches A's bridge through the proxy (A reaches B's directly:
+        # after a promotion the proxy still stands between the sites)
+        text = self.node_b.config.read_text().replace(
+            f'bridge = "127.0.0.1:{a.bridge_port}"', f'bridge = "127.0.0.1:{self.proxy.port}"'
+        )
+        self.node_b.config.write_text(text)
+
+    @property
+    def history(self) -> History:
+        return self.recorder.history
+
+    def urls(self) -> list[str]:
+        return [
+            f"amqp://guest:guest@127.0.0.1:{n.site.amqp_port}/{VPN}"
+            for n in (self.node_a, self.node_b)
+        ]
+
+    def setup(self) -> None:
+        setup_vpn(self.node_a.site)
+        options = ["--mode", self.mode, "--sync-timeout-ms", "3000"]
+        if self.mode == "sync":
+            options += ["--on-sync-timeout", "reject"]
+        done = self.vpnrepl_a(
+            "vpn", "enable", VPN, "--role", "active", "--queues", r"orders\..*", *options
+        )
+        assert done.returncode == 0, done.stderr
+        self.node_a.start()
+        self.node_b.start()
+        until(lambda: vpn_status(self.node_a).get("bridge") == "connected", "the standby")
+
+    def start_workload(self, publishers: int = 2, consumers: int = 1, tx: int = 1) -> None:
+        urls, rec, stop = self.urls(), self.recorder, self._stop
+        self._clients = [Publisher(i + 1, rec, urls, stop) for i in range(publishers)]
+        self._clients.append(AioPublisher(publishers + 1, rec, urls, stop))
+        self._clients += [Consumer(f"consumer-{i}", rec, urls, stop) for i in range(consumers)]
+        self._clients += [TxPublisher(8 + i, rec, urls, stop) for i in range(tx)]
+        sampler = threading.Thread(target=self._sample, name="sampler", daemon=True)
+        for c in [*self._clients, sampler]:
+            c.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            lag = None
+            with contextlib.suppress(Exception):
+                lag = int(vpn_status(self.active_node())["lag_events"])
+            self.samples.append(Sample(self.recorder.now(), self.recorder.confirmed, lag))
+            time.sleep(0.5)
+
+    def active_node(self) -> NodeProcess:
+        return self.node_a if self.active == "a" else self.node_b
+
+    def standby_node(self) -> NodeProcess:
+        return self.node_b if self.active == "a" else self.node_a
+
+    def wait_confirmed(self, more: int, timeout: float = 60.0) -> None:
+        goal = self.recorder.confirmed + more
+        until(lambda: self.recorder.confirmed >= goal, f"{more} more confirmed publishes", timeout)
+
+    def apply(self, nemesis: Nemesis) -> None:
+        start = self.recorder.now()
+        nemesis.apply(self)
+        time.sleep(nemesis.hold)
+        nemesis.heal(self)
+        self.faults.append(Fault(nemesis.name, start, self.recorder.now()))
+        self.history.faults.append(self.faults[-1])
+
+    def stop_workload(self) -> None:
+        self._stop.set()
+        for c in self._clients:
+            c.join(60)
+            assert not c.is_alive(), f"{c.name} did not stop"
+
+    def drain(self) -> Final:
+        """Both sites healed and caught up: what they hold."""
+        active, standby = self.active_node(), self.standby_node()
+        for node in (active, standby):
+            assert node.alive(), f"node {node.name} is not running at the drain"
+        until(
+            lambda: (
+                (a := vpn_status(active))
+                and (b := vpn_status(standby))
+                and a.get("bridge") == "connected"
+                and a["ledger_index"] == a["applied_index"] == b["applied_index"]
+            ),
+            "the standby to catch up at the drain",
+            120,
+        )
+        until(lambda: _live_caught_up(active.site), "the active's live state", 60)
+        return Final(
+            {q: broker_numbers(active.site, q) for q in (Q1, Q2)},
+            live_numbers(active.site),
+            live_numbers(standby.site),
+        )
+
+    def report(self, final: Final, name: str) -> dict[str, dict[str, list[Any]]]:
+        verdicts = check(self.history, final)
+        broken = violations(self.history, verdicts)
+        out = Path(os.environ.get("VPNREPL_FAULT_REPORTS", str(self.tmp)))
+        out.mkdir(parents=True, exist_ok=True)
+        extra = {
+            "nemesis": name,
+            "client_errors": self.recorder.errors[-50:],
+            "samples": [(s.t, s.confirmed, s.lag_events) for s in self.samples],
+        }
+        (out / f"{name}.json").write_text(report_json(self.history, verdicts, extra))
+        text = f"{name} ({self.mode}): faults {[f.name for f in self.faults]}\n{table(verdicts)}\n"
+        (out / f"{name}.txt").write_text(text)
+        plot(self.samples, self.faults, out / f"{name}.png", f"{name} ({self.mode})")
+        print(text)
+        return broken
+
+    def close(self) -> None:
+        self._stop.set()
+        self.proxy.close()
+
+
+def _live_caught_up(site: LocalSite) -> bool:
+    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
+        row = db.execute(
+            "SELECT s.ledger_index = l.live_index FROM vpn_state s"
+            " JOIN vpn_live_state l USING (vpn) WHERE s.vpn = %s",
+            (VPN,),
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def broker_numbers(site: LocalSite, queue: str) -> list[int]:
+    """The numbers in ``queue`` of ``site``'s broker, in queue order (read
+    directly, unacked: they go back when the connection closes)."""
+    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url(VPN)))
+    try:
+        ch = conn.channel()
+        depth = ch.queue_declare(queue, passive=True).method.message_count
+        got: list[int] = []
+        if depth:
+            ch.basic_qos(prefetch_count=0)
+            for method, _props, payload in ch.consume(queue, inactivity_timeout=5):
+                if method is None:
+                    break
+                got.append(number(payload))
+                if len(got) >= depth:
+                    break
+        return got
+    finally:
+        conn.close()
+
+
+def live_numbers(site: LocalSite) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
+        for queue, payload in db.execute(
+            "SELECT queue, body FROM live_message WHERE vpn = %s", (VPN,)
+        ).fetchall():
+            out.setdefault(str(queue), set()).add(number(bytes(payload)))
+    return out
+
+
+def plot(samples: list[Sample], faults: list[Fault], path: Path, title: str) -> None:
+    """Throughput (confirms per second) and lag over time, faults shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 5))
+    pairs = list(itertools.pairwise(samples))
+    top.plot(
+        [b.t for _, b in pairs],
+        [(b.confirmed - a.confirmed) / max(b.t - a.t, 1e-3) for a, b in pairs],
+    )
+    top.set_ylabel("confirms / s")
+    bottom.plot([s.t for s in samples], [s.lag_events or 0 for s in samples])
+    bottom.set_ylabel("lag (events)")
+    bottom.set_xlabel("seconds")
+    for f in faults:
+        for ax in (top, bottom):
+            ax.axvspan(f.start, f.end, alpha=0.2, color="red")
+        top.annotate(f.name, (f.start, 0), fontsize=7)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+@contextlib.contextmanager
+def run(
+    node_a: NodeProcess, node_b: NodeProcess, vpnrepl_a: Vpnrepl, mode: str, tmp: Path
+) -> Iterator[Run]:
+    r = Run(node_a, node_b, vpnrepl_a, mode, tmp)
+    try:
+        yield r
+    finally:
+        r.close()

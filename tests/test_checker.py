@@ -1,0 +1,126 @@
+"""The fault suite's checker, fed histories built by hand: each kind of
+violation is found, and each allowed anomaly is allowed only with its cause."""
+
+from __future__ import annotations
+
+import json
+
+from tests.checker import (
+    Fault,
+    Final,
+    History,
+    Publish,
+    Txn,
+    check,
+    report_json,
+    table,
+    violations,
+)
+
+Q1, Q2 = "orders.q1", "orders.q2"
+
+
+def history(mode: str = "sync") -> History:
+    h = History(mode, consumed_queues=frozenset({Q1}))
+    for n in range(1, 6):
+        h.published[n] = Publish((Q1, Q2), "confirmed")
+    return h
+
+
+def final(broker: dict[str, list[int]], standby: dict[str, set[int]] | None = None) -> Final:
+    live = {q: set(ns) for q, ns in broker.items()}
+    return Final(broker, live, live if standby is None else standby)
+
+
+def broken(h: History, f: Final) -> dict[str, dict[str, list[object]]]:
+    return violations(h, check(h, f))
+
+
+def test_a_clean_run_has_no_violation() -> None:
+    h = history()
+    h.acked[(1, Q1)] = 10.0
+    assert broken(h, final({Q1: [2, 3, 4, 5], Q2: [1, 2, 3, 4, 5]})) == {}
+
+
+def test_a_confirmed_message_missing_is_lost() -> None:
+    assert broken(history(), final({Q1: [1, 2, 3, 4, 5], Q2: [1, 2, 4, 5]})) == {Q2: {"lost": [3]}}
+
+
+def test_in_async_mode_only_the_exported_tail_may_be_lost() -> None:
+    h = history("async")
+    h.exported_tail = frozenset({5})
+    verdicts = check(h, final({Q1: [1, 2, 3, 4], Q2: [1, 2, 3]}))
+    assert violations(h, verdicts) == {Q2: {"lost": [4]}}
+    assert [v.lost_in_tail for v in verdicts] == [[5], [5]]
+
+
+def test_a_duplicate_is_allowed_only_after_a_client_retry() -> None:
+    h = history()
+    h.published[2].attempts = 2
+    got = broken(h, final({Q1: [1, 2, 2, 3, 3, 4, 5], Q2: [1, 2, 3, 4, 5]}))
+    assert got == {Q1: {"duplicated_unexplained": [3]}}
+
+
+def test_a_message_nobody_published_is_unexpected() -> None:
+    assert broken(history(), final({Q1: [1, 2, 3, 4, 5, 99], Q2: [1, 2, 3, 4, 5]})) == {
+        Q1: {"unexpected": [99]}
+    }
+
+
+def test_a_resurrection_is_allowed_only_for_an_ack_in_flight() -> None:
+    h = history()
+    h.faults.append(Fault("kill node a", 100.0, 105.0))
+    h.acked[(1, Q1)] = 95.0  # in flight when the fault began
+    h.acked[(2, Q1)] = 50.0  # long before: it was replicated
+    got = broken(h, final({Q1: [1, 2, 3, 4, 5], Q2: [1, 2, 3, 4, 5]}))
+    assert got == {Q1: {"resurrected_unexplained": [2]}}
+
+
+def test_order_is_checked_per_publisher_on_queues_nobody_consumes() -> None:
+    h = history()
+    for n in (6, 7):
+        h.published[n] = Publish((Q1, Q2), "confirmed", publisher=1)
+    # 6 and 7 interleave with publisher 0's numbers freely; 3 before 2 does not
+    got = broken(h, final({Q1: [3, 2, 1, 4, 5, 6, 7], Q2: [1, 6, 3, 2, 7, 4, 5]}))
+    assert got == {Q2: {"order": [(3, 2)]}}
+
+
+def test_a_transaction_half_present_is_half_applied() -> None:
+    h = history()
+    h.txns.append(Txn((10, 15), (Q2,), "committed"))
+    h.txns.append(Txn((20, 25), (Q2,), "uncertain"))
+    got = broken(h, final({Q1: [1, 2, 3, 4, 5], Q2: [1, 2, 3, 4, 5, 10, 20, 25]}))
+    assert got == {Q2: {"lost": [15], "half_applied": [(10, 15)]}}
+
+
+def test_the_standby_must_hold_what_the_active_holds() -> None:
+    f = final({Q1: [1, 2, 3, 4, 5], Q2: [1, 2, 3, 4, 5]})
+    f.standby_live = {Q1: {1, 2, 3, 4, 5, 6}, Q2: {1, 2, 3, 4}}
+    assert broken(history(), f) == {Q1: {"standby_extra": [6]}, Q2: {"standby_missing": [5]}}
+
+
+def test_the_report_is_json_and_a_table() -> None:
+    h = history()
+    verdicts = check(h, final({Q1: [1, 2, 3, 4, 5], Q2: [1, 2, 4, 5]}))
+    doc = json.loads(report_json(h, verdicts, {"nemesis": "none"}))
+    assert doc["violations"] == {Q2: {"lost": [3]}} and doc["nemesis"] == "none"
+    text = table(verdicts)
+    assert text.splitlines()[0].split()[:3] == ["queue", "expected", "present"]
+    assert "orders.q2" in text
+
+
+def test_a_confirmed_message_the_live_state_lacks_is_unreplicated() -> None:
+    f = final({Q1: [1, 2, 3, 4, 5], Q2: [1, 2, 3, 4, 5]})
+    f.active_live = f.standby_live = {Q1: {1, 2, 3, 4, 5}, Q2: {1, 2, 4, 5}}
+    assert broken(history(), f) == {Q2: {"unreplicated": [3]}}
+
+
+def test_a_phantom_is_allowed_only_from_an_unconfirmed_publish() -> None:
+    h = history()
+    h.published[6] = Publish((Q1, Q2), "uncertain")
+    h.published[7] = Publish((Q1, Q2), "uncertain")
+    f = final({Q1: [1, 2, 3, 4, 5, 7], Q2: [1, 2, 3, 4, 5, 7]})
+    f.active_live = f.standby_live = {q: {1, 2, 3, 4, 5, 6, 7} for q in (Q1, Q2)}
+    verdicts = check(h, f)
+    assert violations(h, verdicts) == {}
+    assert [v.phantoms for v in verdicts] == [[6], [6]]

@@ -539,6 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             for name in _CHATTY:
                 logging.getLogger(name).setLevel(logging.WARNING)
+            # pika logs a failed connect as an ERROR with a traceback; every
+            # such failure reaches our code, which says what it means
+            logging.getLogger("pika").setLevel(logging.CRITICAL)
         run: Callable[[Any, argparse.Namespace], int] = args.run
         cfg = None
         if getattr(args, "needs_config", True):

@@ -396,3 +396,50 @@ def test_a_transaction_committed_early_is_no_sync_timeout_later(site_a: LocalSit
         await log.close()
 
     asyncio.run(scenario())
+
+
+class SlowVote(RecordingStandby):
+    """A standby whose vote comes after ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(set(), [])
+        self.delay = delay
+
+    def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> asyncio.Future[bool]:
+        vote: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(self.delay, vote.set_result, False)
+        return vote
+
+
+def test_a_client_gone_while_the_standby_votes_ends_the_prepare_quietly(
+    site_a: LocalSite,
+) -> None:
+    """The client's connection died during the prepare (its broker was
+    killed): the listener aborts the transaction; the vote that comes
+    later ends the prepare with a refusal, not a step out of order."""
+    dsn = active_site(site_a)
+    ids = IdSource(23)
+    t = txn(ids, 1)
+
+    async def scenario() -> None:
+        log, writer = await opened(dsn)
+        settings = VpnSettings.from_args("v", "active", "sync", sync_timeout_ms=300)
+        c = Coordinator(
+            log, MarkerStore(site_a.rabbit.amqp_url()), writer, NoStandby(), SlowVote(0.2)
+        )
+        c.configure(settings)
+        prepared = asyncio.ensure_future(c.prepare(t))
+        await asyncio.sleep(0.1)  # the local row is written, the vote not in
+        await c.abort(t)
+        try:
+            await prepared
+        except TransactionRefused as e:
+            assert "aborted while it was being prepared" in str(e)
+        else:
+            raise AssertionError("the prepare went on after the abort")
+        assert states(dsn) == {t.txid: "aborted"}
+        await c.close()
+        await writer.close()
+        await log.close()
+
+    asyncio.run(scenario())

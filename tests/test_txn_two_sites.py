@@ -33,6 +33,7 @@ from tests.two_sites import (
     caught_up,
     cli_status,
     enable,
+    live_caught_up,
     live_numbers,
     number,
     properties,
@@ -328,11 +329,29 @@ def test_a_crash_at_every_step_keeps_both_sites_whole(
     for c in clients:
         c.join(120)
         assert not c.is_alive()
+    txns = [t for c in clients for t in c.txns]
+    # what each client was told: a killed active cuts its connection (only
+    # the transaction in flight is in doubt); a killed standby costs nothing
+    # but time (degrade)
+    for c in clients:
+        if victim is node_b or c.error is None:
+            assert c.error is None and len(c.txns) == 4, f"{c.kind}: {c.error!r}"
+            assert all(t.committed for t in c.txns), f"{c.kind}: a commit-ok missing"
+        else:
+            assert isinstance(c.error, pika.exceptions.AMQPConnectionError | OSError), c.error
+            assert all(t.committed for t in c.txns[:-1]), f"{c.kind}: only the last in doubt"
+    # while the victim is still down, the other site holds every transaction
+    # its client was told committed
+    survivor = site_b if victim is node_a else site_a
+    if survivor is site_a:
+        live_caught_up(site_a)
+    held = live_numbers(survivor)
+    for txn in txns:
+        if txn.committed:
+            assert applied_on(held, txn) is True, f"{txn} confirmed, not on {survivor.name}"
+    assert any(t.committed for t in txns) or victim is node_a
     victim.start()
     caught_up(node_a, node_b)
-
-    txns = [t for c in clients for t in c.txns]
-    assert any(t.committed for t in txns) or victim is node_a
     a_rows = {(number(bytes(r[6])), r[0]) for r in assert_same_state(node_a, node_b)}  # (d)
     b_rows = live_numbers(site_b)
     for txn in txns:

@@ -395,10 +395,12 @@ class Coordinator:
             if remote is not None:
                 remote.cancel()
             raise
+        _still_wanted(machine)
         actions = machine.feed(Input.LOCAL_PREPARED)
         failpoint("coordinator.after-local-prepare")
         if remote is not None:
             voted = await remote
+            _still_wanted(machine)
             actions = machine.feed(Input.REMOTE_PREPARED if voted else Input.REMOTE_TIMEOUT)
             if live.phase is not None:
                 live.phase.set_attribute("txn.standby_voted", voted)
@@ -790,6 +792,13 @@ class Coordinator:
             log.warning(
                 "transaction bookkeeping failed (settled at the next start): %s", task.exception()
             )
+
+
+def _still_wanted(machine: TxnMachine) -> None:
+    """The client left (or rolled back) while the prepare awaited a vote:
+    :meth:`Coordinator.abort` aborted it; the prepare ends here."""
+    if machine.phase is Phase.ABORTED:
+        raise TransactionRefused("the transaction was aborted while it was being prepared")
 
 
 def _attrs(txn: LocalTransaction) -> dict[str, str | int]:

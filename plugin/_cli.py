@@ -225,7 +225,10 @@ def _cmd_reconcile(cfg: SiteConfig, args: argparse.Namespace) -> int:
         progress=sys.stderr.isatty() and not args.json,
     )
     try:
-        result = job.run(repair_through_node(cfg.store_dsn) if args.repair else None)
+        result = job.run(
+            repair_through_node(cfg.store_dsn) if args.repair else None,
+            repair_through_node(cfg.store_dsn, "retire-uncertain") if args.repair else None,
+        )
     except PluginError as e:
         store_failed_run(cfg.store_dsn, args.vpn, method, started, str(e))
         raise

@@ -103,6 +103,14 @@ class ConfirmTracker:
         entry = self.pending[seq]
         entry.replicated, entry.event = True, event
 
+    def unanswered(self) -> list[Published]:
+        """The replicated publishes the broker has not answered yet."""
+        return [
+            e.event
+            for e in self.pending.values()
+            if e.replicated and e.broker is None and e.event is not None
+        ]
+
     def broker_answered(self, tag: int, multiple: bool, ok: bool) -> list[int]:
         """The broker's ack (``ok``) or nack of ``tag`` (and every lower tag
         with ``multiple``); returns the sequence numbers it answered."""

@@ -24,7 +24,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -148,6 +148,7 @@ class _ClientSide(asyncio.Protocol):
         self._early: list[bytes] = []
         self._paused_by: set[str] = set()
         self._closed = False
+        self._broker_died = False
         self._close_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._durable: list[tuple[ConfirmKey, bool]] = []
@@ -390,7 +391,10 @@ class _ClientSide(asyncio.Protocol):
             self.apply(self.session.shutdown("vpnrepl listener shutting down"))
 
     def broker_lost(self, exc: Exception | None) -> None:
-        """The broker closed the TCP connection: so does the client's."""
+        """The broker closed the TCP connection: so does the client's (its
+        unconfirmed replicated publishes are uncertain, unless we were
+        closing anyway)."""
+        self._broker_died = not self._closed and not self.session.broker_done
         self.close()
 
     def close(self) -> None:
@@ -399,7 +403,9 @@ class _ClientSide(asyncio.Protocol):
         self._closed = True
         if self._close_timer is not None:
             self._close_timer.cancel()
-        last = self.session.connection_lost()
+        last = self.session.connection_lost(self._broker_died)
+        if last.uncertain:
+            self.listener.on_uncertain(last.uncertain)
         if last.events:  # the connection's exclusive queues are gone
             self._count(last.events)
             self.listener.sink.append_many(last.events, self._durable_notice)
@@ -444,6 +450,9 @@ class Listener:
         self.broker_ssl = broker_ssl or (broker_context() if broker.tls else None)
         self.connections: set[_ClientSide] = set()
         self.stats = ListenerStats()
+        #: told of replicated publishes left unconfirmed by a dead broker
+        #: connection (the node records them: ``plugin._uncertain``)
+        self.on_uncertain: Callable[[list[Published]], None] = lambda events: None
         #: answers clients' XA requests (the node sets one with a resource manager)
         self.xa = XaGateway(None, _NoReplies())
         self._idle: asyncio.Event | None = None  # set when the last one closed

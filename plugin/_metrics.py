@@ -328,6 +328,15 @@ def _vpn_families(
         for kind, n in v.get("xa", {}).items():
             branches.add_metric([v["name"], kind], n)
     yield branches
+    uncertain = GaugeMetricFamily(
+        "vpnrepl_uncertain_publishes",
+        "replicated publishes still live whose broker confirm never came (the broker"
+        " connection died): possible phantoms, until consumed or retired by reconcile",
+        labels=["vpn"],
+    )
+    for v in vpns:
+        uncertain.add_metric([v["name"]], v.get("uncertain_publishes", 0))
+    yield uncertain
     yield from _reconcile_families(vpns)
 
 

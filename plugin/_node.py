@@ -71,6 +71,7 @@ from ._refresher import DirectoryRefresher
 from ._requests import Progress, RequestServer
 from ._store import add_broker_depths, connect, status
 from ._tracing import Tracing
+from ._uncertain import UncertainLog, retire
 from ._xa_admin import decide_branch
 from ._xa_gateway import XaGateway
 from ._xa_publish import BranchPublisher, ReplyPublisher
@@ -157,6 +158,7 @@ class Node:
             BranchPublisher(cfg.amqp_url, cfg.store_dsn, self.coordinator.markers, self.broker_ssl),
         )
         self.xa_replies = ReplyPublisher(cfg.amqp_url, self.broker_ssl)
+        self.uncertain = UncertainLog(cfg.store_dsn)
         self.ledger_bound = LedgerBound(
             cfg.store_dsn, cfg.ledger_max_bytes, cfg.ledger_check_seconds
         )
@@ -178,6 +180,7 @@ class Node:
                 "switchover-abort": self._switchover_abort,
                 "repair": self._repair,
                 "xa-decide": lambda vpn, args, _progress: decide_branch(self.xa, vpn, args),
+                "retire-uncertain": self._retire_uncertain,
             },
         )
         self.refresher: DirectoryRefresher | None = None
@@ -283,6 +286,17 @@ class Node:
             raise StateError(f"VPN {vpn!r}: repair not sent: {e}") from e
         return {"sent": sent.sent, "skipped": sent.skipped}
 
+    async def _retire_uncertain(
+        self, vpn: str, args: Mapping[str, Any], progress: Progress
+    ) -> dict[str, Any]:
+        """``reconcile --repair``: uncertain publishes the broker does not hold
+        are consumed through the ledger (``plugin._uncertain``)."""
+        try:
+            keys = [(str(q), bytes.fromhex(str(r))) for q, r in args["keys"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise UsageError(f"a retire request needs keys as [queue, hex id] pairs: {e}") from e
+        return {"retired": await retire(self.writer, self.cfg.store_dsn, vpn, keys)}
+
     async def status(self, broker: bool = True) -> dict[str, Any]:
         """The ``status --json`` document; ``broker=False``: without the
         queue counts, live or at the broker (``/metrics`` and the lag history
@@ -381,6 +395,7 @@ class Node:
             broker_ssl=self.broker_ssl,
         )
         self.listener.xa = XaGateway(self.xa, self.xa_replies)
+        self.listener.on_uncertain = self.uncertain.record
         self.metrics.observe_listener(self.listener.stats)
         self.metrics.observe_xa(self.xa.stats)
         self.metrics.observe_ledger_bound(self.ledger_bound.unacknowledged)
@@ -661,6 +676,7 @@ class Node:
             await self.listener.close()
             await self.listener.xa.close()
         await self.xa_replies.close()
+        await self.uncertain.close()
         if self.bridge_client is not None:
             await self.bridge_client.close()
         for task in self._tasks:

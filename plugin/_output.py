@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bridge import ConfirmKey, Event, LocalTransaction
+from bridge import ConfirmKey, Event, LocalTransaction, Published
 
 __all__ = ["Output", "XaCall"]
 
@@ -46,6 +46,8 @@ class Output:
     #: transactions whose tx.commit went to the broker but whose commit-ok
     #: will never be seen: the outcome is the marker's (sink.resolve).
     unresolved: list[LocalTransaction] = field(default_factory=list)
+    #: replicated publishes the broker never answered: it died (``plugin._uncertain``).
+    uncertain: list[Published] = field(default_factory=list)
     #: XA requests to answer (``plugin._xa_gateway``).
     xa_calls: list[XaCall] = field(default_factory=list)
     #: channels holding an XA branch that closed (the broker rolled it back).

@@ -25,7 +25,10 @@ differs from the active's. Runs on the active site.
    twice ``[reconcile] drift_interval`` apart (more than the broker's
    statistics interval); a difference in the same direction
    both times is reported (publishes that bypassed the listener), never
-   repaired, never part of the exit status.
+   part of the exit status. Uncertain publishes (``plugin._uncertain``)
+   still live in the queue are counted beside it: where the live state
+   holds exactly that many more than the broker in both readings, they are
+   the phantoms, and ``--repair`` retires them through the node.
 
 Each run is stored in the active's ``reconcile_run`` table, which the node
 exports as metrics.
@@ -160,18 +163,24 @@ class Reconciler:
         self.cfg, self.vpn, self.method = cfg, vpn, method
         self.master, self.segments, self.progress = master, segments, progress
         self.drift_wait = cfg.reconcile.drift_interval
+        #: uncertain publishes still live, by queue, at the last drift reading
+        self._uncertain: dict[str, list[bytes]] = {}
         self.peer_dsn: str = cfg.peer_store_dsn
 
     # -- the whole run -----------------------------------------------------------
 
-    def run(self, repair: Repairer | None = None) -> ReconcileResult:
+    def run(
+        self, repair: Repairer | None = None, retire: Repairer | None = None
+    ) -> ReconcileResult:
+        """``repair``: sends what differs to the standby; ``retire``: consumes
+        the phantoms the broker drift shows (both through the node)."""
         try:
-            return self._run(repair)
+            return self._run(repair, retire)
         except psycopg.Error as e:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise PluginError(f"reconcile of VPN {self.vpn!r}: a store failed: {reason}") from e
 
-    def _run(self, repair: Repairer | None) -> ReconcileResult:
+    def _run(self, repair: Repairer | None, retire: Repairer | None) -> ReconcileResult:
         t0 = time.monotonic()
         result = ReconcileResult(self.vpn, self.method, datetime.now(UTC), segments=self.segments)
         candidates = self._compare(result)
@@ -186,6 +195,8 @@ class Reconciler:
             result.remaining = self._settled(keys_to_candidates(keys))
             result.repaired = len(result.found) - len(result.remaining)
         result.broker_drift = self.broker_drift()
+        if retire is not None:
+            self._retire(result.broker_drift, retire)
         result.seconds = time.monotonic() - t0
         return result
 
@@ -396,14 +407,33 @@ class Reconciler:
         except ManagementUnavailable as e:
             log.warning("VPN %s: broker drift not checked: %s", self.vpn, e)
             return {}
-        out = {}
+        out: dict[str, dict[str, int]] = {}
         for queue, (broker, live) in sorted(second.items()):
             before = first.get(queue)
             if before is None or broker == live:
                 continue
             if (before[0] - before[1]) * (broker - live) > 0:  # the same direction both times
                 out[queue] = {"broker": broker, "replicated": live}
+                uncertain = self._uncertain.get(queue, [])
+                if uncertain:
+                    out[queue]["uncertain"] = len(uncertain)
+                    # phantoms: exactly the uncertain ones are missing, both times
+                    if before[1] - before[0] == live - broker == len(uncertain):
+                        out[queue]["phantoms"] = len(uncertain)
         return out
+
+    def _retire(self, drift: dict[str, dict[str, int]], retire: Repairer) -> None:
+        keys = [
+            (queue, rid)
+            for queue, d in drift.items()
+            if d.get("phantoms")
+            for rid in self._uncertain.get(queue, [])
+        ]
+        if keys:
+            done = retire(self.vpn, keys)
+            log.info("VPN %s: phantoms retired: %s", self.vpn, done)
+            for queue in {q for q, _ in keys}:
+                drift[queue]["retired"] = drift[queue]["phantoms"]
 
     def _drift_reading(self, api: ManagementAPI) -> dict[str, tuple[int, int]]:
         with psycopg.connect(self.cfg.store_dsn, connect_timeout=10) as conn:
@@ -413,6 +443,9 @@ class Reconciler:
                     (self.vpn,),
                 ).fetchall()
             )
+            self._uncertain = {}
+            for queue, rid in conn.execute(_UNCERTAIN_LIVE, (self.vpn,)).fetchall():
+                self._uncertain.setdefault(str(queue), []).append(bytes(rid))
             scope_row = conn.execute(
                 "SELECT queue_patterns, topic_filters FROM vpn_config WHERE name = %s",
                 (self.vpn,),
@@ -426,6 +459,14 @@ class Reconciler:
             if name in live or scope.names_queue(name):
                 out[name] = (int(q.get("messages_persistent") or 0), int(live.get(name, 0)))
         return out
+
+
+#: uncertain publishes still live, by queue (plugin._uncertain)
+_UNCERTAIN_LIVE = """
+SELECT u.queue, u.repl_id FROM uncertain_publish u
+JOIN live_message m ON m.vpn = u.vpn AND m.queue = u.queue AND m.repl_id = u.repl_id
+WHERE u.vpn = %s
+"""
 
 
 def keys_to_candidates(keys: Iterable[LiveKey]) -> list[Difference]:
@@ -499,17 +540,19 @@ def store_failed_run(dsn: str, vpn: str, method: str, started: datetime, error: 
         log.warning("the failed run was not recorded: %s", redact_url(str(e)))
 
 
-def repair_through_node(dsn: str) -> Repairer:
-    """A :data:`Repairer` that hands the keys to the site's running node."""
+def repair_through_node(dsn: str, request: str = "repair") -> Repairer:
+    """A :data:`Repairer` that hands the keys to the site's running node
+    (``request``: ``repair``, or ``retire-uncertain`` for phantoms)."""
     from ._requests import Progress, run_command
 
     def repair(vpn: str, keys: list[LiveKey]) -> dict[str, Any]:
         async def here(progress: Progress) -> dict[str, Any]:
             raise PluginError(
-                "repairs travel over the bridge: the active site's node must be running"
+                "repairs go through the ledger and the bridge: the active site's node must"
+                " be running"
             )
 
         args = {"keys": [[q, r.hex()] for q, r in keys]}
-        return asyncio.run(run_command(dsn, "repair", vpn, args, here, lambda done, total: None))
+        return asyncio.run(run_command(dsn, request, vpn, args, here, lambda done, total: None))
 
     return repair

@@ -37,7 +37,13 @@ def render(doc: dict[str, Any], repaired: bool) -> str:
     for d in doc["differences"][:20]:
         lines.append(f"    {d['kind']}: {d['queue']} {d['repl_id']}")
     if doc["broker_drift"]:
-        lines.append("  broker drift (persistent at the broker vs replicated; not repaired):")
+        lines.append("  broker drift (persistent at the broker vs replicated):")
         for queue, n in doc["broker_drift"].items():
-            lines.append(f"    {queue}: {n['broker']} at the broker, {n['replicated']} replicated")
+            line = f"    {queue}: {n['broker']} at the broker, {n['replicated']} replicated"
+            if n.get("uncertain"):
+                line += f"; {n['uncertain']} uncertain publishes"
+            if n.get("phantoms"):
+                how = "retired" if n.get("retired") else "retire them with --repair"
+                line += f": {n['phantoms']} phantoms the broker never took ({how})"
+            lines.append(line)
     return "\n".join(lines) + "\n"

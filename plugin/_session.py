@@ -287,14 +287,18 @@ class Session:
             self.fault_code = None  # not a protocol fault of the client
         return out
 
-    def connection_lost(self) -> Output:
+    def connection_lost(self, broker_died: bool = False) -> Output:
         """Either side went away: exclusive queues of this connection are
         gone; a transaction whose tx.commit reached the broker without its
         commit-ok coming back is left to the marker (``unresolved``), one
-        still being prepared is aborted."""
+        still being prepared is aborted. ``broker_died``: the broker's side
+        ended without a close: replicated publishes it had not confirmed
+        are ``uncertain``."""
         out = self._begin()
         self._topology.connection_lost()
         for ch in self._channels.values():
+            if broker_died and ch.confirms is not None:
+                out.uncertain.extend(ch.confirms.unanswered())
             ch.gone()
         self._channels.clear()
         self._advance(Trigger.LOST)

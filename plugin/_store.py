@@ -130,6 +130,14 @@ FROM txn_log WHERE side = 'coordinator' AND xid IS NOT NULL GROUP BY vpn
 """
 
 
+# replicated publishes a dead broker never confirmed, still live (plugin._uncertain)
+_UNCERTAIN = """
+SELECT u.vpn, count(*) AS n FROM uncertain_publish u
+JOIN live_message m ON m.vpn = u.vpn AND m.queue = u.queue AND m.repl_id = u.repl_id
+GROUP BY u.vpn
+"""
+
+
 def status(
     conn: psycopg.Connection[dict[str, Any]], site: str, queues: bool = True
 ) -> dict[str, Any]:
@@ -192,6 +200,11 @@ def status(
         if _has_table(conn, "xa_held")
         else {}
     )
+    uncertain = (
+        {row["vpn"]: row["n"] for row in conn.execute(_UNCERTAIN)}
+        if _has_table(conn, "uncertain_publish")
+        else {}
+    )
     epochs: dict[str, list[dict[str, Any]]] = {}
     for row in conn.execute("SELECT vpn, epoch, site, since FROM vpn_epoch ORDER BY vpn, epoch"):
         epochs.setdefault(row["vpn"], []).append(
@@ -227,6 +240,7 @@ def status(
                 "epochs": epochs.get(r.name, []),
                 "reconcile": reconciled.get(r.name),
                 "xa": branches.get(r.name, {"prepared": 0, "heuristic": 0, "hazards": 0}),
+                "uncertain_publishes": uncertain.get(r.name, 0),
             }
         )
     return {"site": site, "vpns": vpns}

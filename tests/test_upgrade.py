@@ -149,7 +149,7 @@ def test_the_standby_then_the_active_upgraded_without_stopping_replication(
     # 2. The active is upgraded: its clients reconnect to the new node.
     assert node_a.stop() == 0
     done = Vpnrepl(a_cfg)("init")
-    assert done.returncode == 0 and "to revision 0010" in done.stdout, done.stderr
+    assert done.returncode == 0 and "to revision 0011" in done.stdout, done.stderr
     node_a = NodeProcess(site_a, a_cfg, tmp_path / "a-new.log", "a")
     nodes.append(node_a)
     node_a.start()

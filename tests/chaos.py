@@ -753,3 +753,39 @@ def run(
         yield r
     finally:
         r.close()
+
+
+def summary(reports: Path) -> str:
+    """A Markdown table of the JSON reports in ``reports`` (one row per run):
+    ``python -m tests.chaos DIR``."""
+    head = (
+        "| run | published | acked | txns committed | lost | in exported tail | duplicates"
+        " (all explained) | resurrected (all explained) | half-applied | phantoms | violations |"
+    )
+    rows = [head, "|" + " --- |" * 11]
+    for path in sorted(reports.glob("*.json")):
+        doc = json.loads(path.read_text())
+        if "verdicts" not in doc:
+            continue
+        v = doc["verdicts"]
+
+        def total(kind: str, verdicts: list[dict[str, Any]] = v) -> int:
+            return sum(len(x[kind]) for x in verdicts)
+
+        explained = total("duplicated_unexplained") == 0
+        resurrected_ok = total("resurrected_unexplained") == 0
+        rows.append(
+            f"| {path.stem} | {doc['published']} | {doc['acked']} |"
+            f" {doc['transactions'].get('committed', 0)} | {total('lost')} |"
+            f" {total('lost_in_tail')} | {total('duplicated')} ({'yes' if explained else 'NO'}) |"
+            f" {total('resurrected')} ({'yes' if resurrected_ok else 'NO'}) |"
+            f" {total('half_applied')} | {total('phantoms')} |"
+            f" {'none' if not doc['violations'] else 'SEE REPORT'} |"
+        )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(summary(Path(sys.argv[1])))

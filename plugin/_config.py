@@ -221,6 +221,8 @@ def _read_file(path: str) -> dict[str, Any]:
         raise ConfigError(path, None, f"cannot read: {e.strerror}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(path, None, f"not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(path, None, f"not UTF-8 text (byte {e.start}): TOML is UTF-8") from e
 
 
 def _validated_section(path: str, section: str, given: Mapping[str, Any]) -> dict[str, Any]:

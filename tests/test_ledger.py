@@ -122,6 +122,26 @@ def test_an_unstorable_event_is_refused_without_taking_an_index(site_a: LocalSit
 # ------------------------------------------------------------- durability
 
 
+async def _until_blocked(dsn: str) -> None:
+    """Wait until a session of the database waits for a lock (the writer
+    behind a blocker): what a test then sees not happening is held back."""
+
+    def blocked() -> bool:
+        return bool(
+            scalar(
+                dsn,
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND datname = current_database()",
+            )
+        )
+
+    deadline = time.monotonic() + 10.0
+    while not await asyncio.to_thread(blocked):
+        if time.monotonic() > deadline:
+            raise AssertionError("nothing waited for the blocker's lock")
+        await asyncio.sleep(0.02)
+
+
 async def _hold_vpn_state(dsn: str, vpn: str) -> psycopg.AsyncConnection[Any]:
     """A transaction holding ``vpn``'s vpn_state row: the writer's commit blocks."""
     blocker = await psycopg.AsyncConnection.connect(dsn)
@@ -141,7 +161,7 @@ def test_durability_is_reported_only_after_the_commit(site_a: LocalSite) -> None
             blocker = await _hold_vpn_state(dsn, "v")
             for n in range(1, 6):
                 writer.append(pub("v", n, "q"), durable.cb(n))
-            await asyncio.sleep(0.3)
+            await _until_blocked(dsn)
             assert durable.calls == [] and seen == []
             assert writer.durable_index("v") == 0
             assert scalar(dsn, "SELECT count(*) FROM ledger") == 0
@@ -195,7 +215,7 @@ def test_backpressure_holds_until_entries_are_durable(site_a: LocalSite) -> None
             writer.append(pub("v", 11, "q"))
             assert writer.full()
             room = asyncio.create_task(writer.wait_for_room())
-            await asyncio.sleep(0.2)
+            await _until_blocked(dsn)
             assert not room.done()
             await blocker.commit()
             await blocker.close()
@@ -308,7 +328,7 @@ def test_a_second_writer_stops_the_first_and_nothing_is_confirmed(site_a: LocalS
         async with LedgerWriter(dsn) as writer:
             blocker = await _hold_vpn_state(dsn, "v")
             entries = [writer.append(pub("v", n, "q"), durable.cb(n)) for n in range(1, 4)]
-            await asyncio.sleep(0.1)
+            await _until_blocked(dsn)
             other = [LedgerEntry("v", 1, e.index, pub("v", 100 + e.index, "q")) for e in entries]
             await _commit_in(blocker, other[:2])
             with pytest.raises(LedgerClosed):
@@ -458,7 +478,7 @@ def test_a_groups_decision_moves_its_txn_row_in_the_same_commit(site_a: LocalSit
             blocker = await _hold_vpn_state(dsn, "v")
             second = writer.append_group([pub("v", n, "q") for n in (4, 5)], decision="t-2")
             entries = [LedgerEntry("v", 1, n, pub("v", n, "q")) for n in (4, 5)]
-            await asyncio.sleep(0.1)
+            await _until_blocked(dsn)
             await _commit_in(blocker, entries)
             await writer.wait_durable("v", second)
             assert row("t-2") == ("committed", 5)

@@ -13,7 +13,7 @@ from bridge import Event
 from bridge._apply import apply_entries_async
 from bridge._ledger import LedgerWriter
 from plugin._localsites import LocalSite
-from tests.test_ledger import Durable, ack, live_keys, prepare, pub, run, scalar
+from tests.test_ledger import Durable, _until_blocked, ack, live_keys, prepare, pub, run, scalar
 
 
 async def _hold_live_state(dsn: str, vpn: str) -> psycopg.AsyncConnection[Any]:
@@ -57,7 +57,7 @@ def test_confirms_wait_for_the_ledger_commit_not_for_the_live_state(site_a: Loca
                 writer.append(pub("v", n, "q"), durable.cb(n))
             await writer.wait_durable("v", 5)
             assert durable.calls == [(n, True) for n in range(1, 6)]
-            await asyncio.sleep(0.2)
+            await _until_blocked(dsn)  # the live state's apply waits for the blocker
             assert writer.live_index("v") == 0
             assert live_keys(dsn, "v") == set()
             await blocker.rollback()

@@ -510,3 +510,37 @@ def test_a_standby_refuses_the_vpns_clients_from_its_first_listing(sites: Sites)
         pika.BlockingConnection(pika.URLParameters(amqp_url(sites.b.site)))
     # pika reports a close during the handshake as a probable access denial
     assert "(530)" in str(refused.value) and "is a replication standby" in str(refused.value)
+
+
+def test_a_fenced_active_tells_its_clients_no(sites: Sites) -> None:
+    """Both sites up, the standby promoted: the old active learns it is
+    fenced; a client it still serves has its next publish refused (a nack,
+    or the connection closed with 320 naming the new active), never
+    confirmed; a new client is refused with 530."""
+    setup_vpn(sites.a.site)
+    done = sites.cli_a("vpn", "enable", VPN, "--role", "active", "--queues", r"orders\..*",
+                       "--mode", "sync", "--on-sync-timeout", "reject")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    sites.a.start()
+    sites.b.start()
+    until(lambda: vpn_status(sites.b).get("bridge") == "connected", "B to follow A")
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(sites.a.site)))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("events", routing_key(1), body(1), properties(1))  # confirmed
+    promoted = sites.cli_b("promote", VPN)
+    assert promoted.returncode == 0, promoted.stderr
+    until(lambda: cli_status(sites.a)["fenced"], "A to learn it is fenced")
+    with pytest.raises(
+        (pika.exceptions.NackError, pika.exceptions.ConnectionClosedByBroker)
+    ) as refused:
+        ch.basic_publish("events", routing_key(2), body(2), properties(2))
+    if isinstance(refused.value, pika.exceptions.ConnectionClosedByBroker):
+        assert refused.value.reply_code == 320
+        assert "active on site 'b'" in refused.value.reply_text
+    with contextlib.suppress(pika.exceptions.AMQPError):
+        conn.close()
+    with pytest.raises(pika.exceptions.AMQPConnectionError) as new:
+        pika.BlockingConnection(pika.URLParameters(amqp_url(sites.a.site)))
+    assert "(530)" in str(new.value) and "active on site 'b'" in str(new.value)
+    assert 2 not in {n for n, _ in live_numbers(sites.b.site)}

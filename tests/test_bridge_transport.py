@@ -859,3 +859,28 @@ def test_unusable_tls_files_are_named(pki: Pki, tmp_path: Path) -> None:
     assert server.minimum_version.name == client.minimum_version.name == "TLSv1_2"
     assert client.check_hostname is False  # verified against the private CA instead
     assert make_client_context(pki.tls("b", None)).check_hostname is True
+
+
+def test_a_plaintext_standby_is_refused_by_a_tls_active(
+    site_a: LocalSite, site_b: LocalSite, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A standby without ``[tls]`` dialling an active that speaks TLS: no
+    session, nothing applied, and each side says why."""
+    prepare(site_a, orders="active")
+    b_dsn = prepare(site_b)
+    caplog.set_level(logging.INFO, logger="bridge")
+    peer = f"127.0.0.1:{site_a.bridge_port}"
+
+    def refused() -> list[str]:
+        return [r.message for r in caplog.records if r.message.startswith(f"bridge to {peer}: ")]
+
+    async def scenario() -> None:
+        async with active(site_a, tls=pki.tls("a", "ca")) as a:
+            await feed(a.writer, events(1, 5))
+            async with standby(site_b, site_a.bridge_port) as b:
+                await until(lambda: len(refused()) >= 2, "two refused attempts")
+                assert b.sessions == 0
+
+    run(scenario)
+    assert applied(b_dsn) == -1
+    assert all("; retrying in" in line for line in refused()[:2]), refused()

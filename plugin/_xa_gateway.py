@@ -29,6 +29,7 @@ from txn import (
     XaError,
     XaReply,
     XaRequest,
+    XaResourceError,
     XaResourceFailure,
 )
 
@@ -165,6 +166,9 @@ class XaGateway:
             reply = await self.xa.call(vhost, request, self._branch(conn, call.channel))
         except XaError as e:
             reply = XaReply.of_error(e)
+        except Exception as e:  # a bug: the client hears of it, the log has it
+            log.exception("VPN %s: XA %s failed unexpectedly", vhost, call.verb[:40])
+            reply = XaReply.of_error(XaResourceError(f"the node failed: {type(e).__name__}"))
         try:
             await self.replies.send(vhost, reply_to, call.correlation_id or "", reply.encode())
         except Exception as e:  # the client times out: its resource reports it

@@ -14,10 +14,12 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from bridge import CLOSED, NEED_DATA, BridgeConnection, BridgeError, Role
 from plugin import ConfigError, load_config
 from plugin._admin import AdminServer
 from plugin._lag_history import LagHistory
 from tests.test_config import GOOD
+from tests.test_session import make_session, open_session
 
 SECTIONS = ["site", "broker", "listen", "store", "peer", "tls", "replication", "reconcile",
             "telemetry", "client_tls", "nonsense"]  # fmt: skip
@@ -103,3 +105,33 @@ def test_the_admin_endpoint_answers_any_request_without_a_server_error(
 
     for code in asyncio.run(run()):
         assert code < 500 or code == 503, code  # 503: a VPN not active here
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400), st.sampled_from(["active", "standby"]))
+def test_random_bridge_bytes_fail_the_connection_with_a_bridge_error(
+    data: bytes, role: str
+) -> None:
+    """Whatever a peer sends, the bridge connection yields frames or fails
+    with one of the protocol's own errors (which it can report to the peer)."""
+    conn = BridgeConnection(Role(role), "nyc")
+    conn.receive_data(data)
+    try:
+        for _ in range(100):
+            if conn.next_event() in (NEED_DATA, CLOSED):
+                break
+    except BridgeError as e:
+        assert e.code  # a wire code the peer is told
+    except Exception as e:  # noqa: BLE001 - the property: nothing else escapes
+        raise AssertionError(f"{type(e).__name__} escaped the bridge codec: {e}") from e
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=1, max_size=400))
+def test_random_broker_bytes_close_the_client_with_a_reply_code(data: bytes) -> None:
+    """A broker that sends garbage after the handshake: the session closes
+    the client's connection with an AMQP reply code, never crashes."""
+    s = make_session()
+    open_session(s)
+    s.broker_data(data)  # a fault becomes a connection.close to the client
+    assert s.fault_code is None or 300 <= s.fault_code < 600

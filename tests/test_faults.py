@@ -122,4 +122,7 @@ def test_soak_mixed_load_with_a_fault_every_minute(
     for i, name in ((1, "node a"), (2, "node b")):
         first, peak = settled[0][i], max(s[i] for s in settled)
         assert peak < 1.5 * first + 50_000, f"{name} RSS grew from {first} to {peak} KiB"
-    assert max(s[3] for s in settled) < 200_000, "the ledger kept growing"
+    # the ledger holds about ledger_retain_seconds of events: level, not growing
+    half = len(settled) // 2
+    early, late = max(s[3] for s in settled[:half]), max(s[3] for s in settled[half:])
+    assert late < 1.5 * early + 10_000, f"the ledger grew from {early} to {late} rows"

@@ -662,6 +662,12 @@ def start_ready(argv: list[str], what: str) -> subprocess.Popen[bytes]:
     return proc
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def vpnrepl_exe() -> str:
     exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))
     if not Path(exe).exists():

@@ -64,6 +64,7 @@ from _common import (
     BenchError,
     SpanCollector,
     beam_pid,
+    percentile,
     process_cpu,
     start_py_spy,
     start_ready,
@@ -195,11 +196,6 @@ def _floor_database(site: LocalSite, role: str) -> str:
 
 
 # ---------------------------------------------------------------- the runs
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Bench:
@@ -371,9 +367,9 @@ def report(
     cpu: dict[str, dict[str, float]],
 ) -> float:
     """Print the run's results; returns the plugin's added p50 in ms."""
-    d50, d99 = statistics.median(got["direct"]), _percentile(got["direct"], 0.99)
-    f50, f99 = statistics.median(got["floor"]), _percentile(got["floor"], 0.99)
-    p50, p99 = statistics.median(got["plugin"]), _percentile(got["plugin"], 0.99)
+    d50, d99 = statistics.median(got["direct"]), percentile(got["direct"], 0.99)
+    f50, f99 = statistics.median(got["floor"]), percentile(got["floor"], 0.99)
+    p50, p99 = statistics.median(got["plugin"]), percentile(got["plugin"], 0.99)
     added, floor = 1000 * (p50 - d50), 1000 * (f50 - d50)
     print(
         f"\n{opts.per_txn} x {opts.size} B persistent per transaction, "
@@ -458,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                     events += opts.txns * opts.per_txn  # one ledger event per publish
                 print(
                     f"round {r + 1}: {target:6} p50 {1000 * statistics.median(lat):6.2f} ms"
-                    f"  p99 {1000 * _percentile(lat, 0.99):6.2f} ms"
+                    f"  p99 {1000 * percentile(lat, 0.99):6.2f} ms"
                 )
             bench.check_replicated(events)
         for name, spy in spies:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pika
 import psycopg
-from _common import BenchError, vpnrepl
+from _common import BenchError, percentile, vpnrepl
 
 from plugin._localsites import HarnessError, LocalNode, LocalSites
 from txn import XAResource, Xid
@@ -40,11 +40,6 @@ from txn import XAResource, Xid
 VPN = "orders"
 QUEUE = "bench.xa"
 VARIANTS = ("direct", "local", "xa", "xa-1pc")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Bench:
@@ -126,9 +121,9 @@ def report(got: dict[str, list[float]], opts: argparse.Namespace) -> None:
         " publishes, sync mode (ms):"
     )
     local50 = statistics.median(got["local"])
-    local99 = _percentile(got["local"], 0.99)
+    local99 = percentile(got["local"], 0.99)
     for variant in VARIANTS:
-        p50, p99 = statistics.median(got[variant]), _percentile(got[variant], 0.99)
+        p50, p99 = statistics.median(got[variant]), percentile(got[variant], 0.99)
         extra = ""
         if variant.startswith("xa"):
             extra = (
@@ -158,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 got[variant] += lat
                 print(
                     f"round {r + 1}: {variant:7} p50 {1000 * statistics.median(lat):6.2f} ms"
-                    f"  p99 {1000 * _percentile(lat, 0.99):6.2f} ms"
+                    f"  p99 {1000 * percentile(lat, 0.99):6.2f} ms"
                 )
         report(got, opts)
         return 0

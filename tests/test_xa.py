@@ -23,7 +23,6 @@ from tests.fix_node import NodeProcess
 from tests.prometheus import value
 from tests.two_sites import (
     VPN,
-    Publisher,
     amqp_url,
     broker_depths,
     caught_up,
@@ -35,33 +34,24 @@ from tests.two_sites import (
     until,
     vpn_status,
 )
-from tests.xa_clients import Manager, app_database, app_rows, publish, take
+from tests.xa_clients import (
+    Manager,
+    app_database,
+    app_rows,
+    publish,
+    queue_numbers,
+    resource,
+    start_sites,
+    take,
+)
 from txn import Verb, XaHeuristic, XaNotFound, XaProtocolError, XAResource, XaRolledBack, Xid
-
-SEEDED = [n for n in range(1, 31) if n % 5]
-
-
-def start_sync(
-    vpnrepl_a: Vpnrepl, node_a: NodeProcess, node_b: NodeProcess, mode: str = "sync"
-) -> None:
-    setup_vpn(node_a.site)
-    enable(vpnrepl_a, "--mode", mode, "--sync-timeout-ms", "5000")
-    node_a.start()
-    node_b.start()
-    until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby to connect")
-    publisher = Publisher(node_a.site, SEEDED).run()
-    assert publisher.error is None and publisher.confirmed == set(SEEDED)
-    caught_up(node_a, node_b)
 
 
 @contextlib.contextmanager
 def client(site: LocalSite) -> Iterator[tuple[pika.BlockingConnection, XAResource, Any]]:
-    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(site)))
-    try:
-        yield conn, XAResource(conn, timeout=20), conn.channel()
-    finally:
-        with contextlib.suppress(Exception):
-            conn.close()
+    """``resource`` and a channel for the branch's work."""
+    with resource(site, timeout=20) as (conn, xa):
+        yield conn, xa, conn.channel()
 
 
 def xa_rows(site: LocalSite, side: str) -> list[tuple[str, str]]:
@@ -91,7 +81,7 @@ def test_a_global_transaction_commits_and_rolls_back_atomically(
 ) -> None:
     """Whatever the VPN's mode, the standby holds the branch prepared before
     the prepare's answer."""
-    start_sync(vpnrepl_a, node_a, node_b, mode)
+    start_sites(vpnrepl_a, node_a, node_b, mode)
     app = app_database(site_a)
     before = broker_depths(site_a)
     with client(site_a) as (conn, xa, work):
@@ -152,7 +142,7 @@ def test_verbs_out_of_order_and_unknown_branches_get_xa_errors(
     node_a: NodeProcess,
     node_b: NodeProcess,
 ) -> None:
-    start_sync(vpnrepl_a, node_a, node_b)
+    start_sites(vpnrepl_a, node_a, node_b)
     with client(site_a) as (conn, xa, work):
         unknown = Xid.from_parts(7, "nobody", "b")
         with pytest.raises(XaNotFound):
@@ -231,7 +221,7 @@ def test_bad_xa_requests_get_specific_errors_and_leave_other_clients_alone(
     node_a: NodeProcess,
     node_b: NodeProcess,
 ) -> None:
-    start_sync(vpnrepl_a, node_a, node_b)
+    start_sites(vpnrepl_a, node_a, node_b)
     with client(site_a) as (conn, xa, work):
         assert _raw_request(conn, "prepare", b"not json")["code"] == "XAER_INVAL"
         answer = _raw_request(conn, "dance", b"{}")
@@ -280,8 +270,8 @@ def test_bad_xa_requests_get_specific_errors_and_leave_other_clients_alone(
             other.tx_commit()
         with pytest.raises(XaRolledBack, match="channel closed"):
             xa.prepare(bound)
-    assert 120 in _queue_numbers(site_a, "orders.q2")
-    assert 125 not in _queue_numbers(site_a, "orders.q2")
+    assert 120 in queue_numbers(site_a, "orders.q2")
+    assert 125 not in queue_numbers(site_a, "orders.q2")
 
 
 def test_an_operator_resolves_branches_whose_transaction_manager_is_gone(
@@ -291,7 +281,7 @@ def test_an_operator_resolves_branches_whose_transaction_manager_is_gone(
     node_a: NodeProcess,
     node_b: NodeProcess,
 ) -> None:
-    start_sync(vpnrepl_a, node_a, node_b)
+    start_sites(vpnrepl_a, node_a, node_b)
     xids = [Xid.from_parts(1, f"orphan-{i}", "b") for i in (1, 2)]
     conn = pika.BlockingConnection(pika.URLParameters(amqp_url(site_a)))
     xa = XAResource(conn, timeout=20)
@@ -324,7 +314,7 @@ def test_an_operator_resolves_branches_whose_transaction_manager_is_gone(
     assert f"{xids[1]}  aborted heuristic rollback" in text
     caught_up(node_a, node_b)
     assert 130 in numbers_live(site_b) and 135 not in numbers_live(site_b)
-    assert _queue_numbers(site_a, "orders.q2").count(130) == 1
+    assert queue_numbers(site_a, "orders.q2").count(130) == 1
 
     # the transaction manager comes back: it hears what the operator did, then forgets
     with client(site_a) as (_conn, xa2, _work):
@@ -342,16 +332,3 @@ def test_an_operator_resolves_branches_whose_transaction_manager_is_gone(
     assert value(metrics, "vpnrepl_xa_total", vpn=VPN, outcome="heuristic_commit") == 1
     assert value(metrics, "vpnrepl_xa_total", vpn=VPN, outcome="heuristic_rollback") == 1
     assert value(metrics, "vpnrepl_xa_branches", vpn=VPN, kind="heuristic") == 0
-
-
-def _queue_numbers(site: LocalSite, queue: str) -> list[int]:
-    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url(VPN)))
-    ch = conn.channel()
-    got = []
-    while True:
-        method, _props, payload = ch.basic_get(queue)
-        if method is None:
-            break
-        got.append(number(payload))
-    conn.close()
-    return got

@@ -7,14 +7,11 @@ active broker and in the standby's live state.
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pika
 import psycopg
 import pytest
 
@@ -23,43 +20,26 @@ from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import (
     VPN,
-    Publisher,
     amqp_url,
     caught_up,
     cli_status,
-    enable,
     live_caught_up,
     live_numbers,
-    number,
-    setup_vpn,
     until,
     vpn_status,
 )
-from tests.xa_clients import Manager, app_database, app_prepared, app_rows, publish, recover_commit
-from txn import XaHeuristic, XAResource, Xid
-
-SEEDED = [n for n in range(1, 31) if n % 5]
-
-
-def start_sync(vpnrepl_a: Vpnrepl, node_a: NodeProcess, node_b: NodeProcess) -> None:
-    setup_vpn(node_a.site)
-    enable(vpnrepl_a, "--mode", "sync", "--sync-timeout-ms", "3000")
-    node_a.start()
-    node_b.start()
-    until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby to connect")
-    publisher = Publisher(node_a.site, SEEDED).run()
-    assert publisher.error is None and publisher.confirmed == set(SEEDED)
-    caught_up(node_a, node_b)
-
-
-@contextlib.contextmanager
-def resource(site: LocalSite) -> Iterator[tuple[pika.BlockingConnection, XAResource]]:
-    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(site)))
-    try:
-        yield conn, XAResource(conn, timeout=30)
-    finally:
-        with contextlib.suppress(Exception):
-            conn.close()
+from tests.xa_clients import (
+    Manager,
+    app_database,
+    app_prepared,
+    app_rows,
+    publish,
+    queue_numbers,
+    recover_commit,
+    resource,
+    start_sites,
+)
+from txn import XaHeuristic, Xid
 
 
 def prepared_rows(site: LocalSite, side: str) -> list[str]:
@@ -72,20 +52,6 @@ def prepared_rows(site: LocalSite, side: str) -> list[str]:
                 (side,),
             ).fetchall()
         ]
-
-
-def queue_numbers(site: LocalSite, queue: str) -> list[int]:
-    """The numbers in ``queue`` of ``site``'s broker (read directly, requeued)."""
-    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url(VPN)))
-    ch = conn.channel()
-    got = []
-    while True:
-        method, _props, payload = ch.basic_get(queue)
-        if method is None:
-            break
-        got.append(number(payload))
-    conn.close()
-    return got
 
 
 def client_process(site: LocalSite, app: str, gtrid: str, n: int, *ack: str) -> Any:
@@ -127,7 +93,7 @@ def test_a_prepared_transaction_survives_the_client_process_killed(
     node_a: NodeProcess,
     node_b: NodeProcess,
 ) -> None:
-    start_sync(vpnrepl_a, node_a, node_b)
+    start_sites(vpnrepl_a, node_a, node_b, sync_timeout_ms=3000)
     app = app_database(site_a)
     q1_before = queue_numbers(site_a, "orders.q1")
     plain = client_process(site_a, app, "kill-1", 200)
@@ -169,7 +135,7 @@ def test_a_prepared_transaction_survives_the_active_node_killed(
     node_a: NodeProcess,
     node_b: NodeProcess,
 ) -> None:
-    start_sync(vpnrepl_a, node_a, node_b)
+    start_sites(vpnrepl_a, node_a, node_b, sync_timeout_ms=3000)
     app = app_database(site_a)
     proc = client_process(site_a, app, "node-a", 210)
     node_a.kill()
@@ -199,7 +165,7 @@ def test_a_prepared_transaction_survives_the_standby_node_killed(
     node_a: NodeProcess,
     node_b: NodeProcess,
 ) -> None:
-    start_sync(vpnrepl_a, node_a, node_b)
+    start_sites(vpnrepl_a, node_a, node_b, sync_timeout_ms=3000)
     app = app_database(site_a)
     with resource(site_a) as (conn, xa):
         work = conn.channel()
@@ -229,7 +195,7 @@ def test_a_branch_prepared_before_a_disaster_is_resolved_on_the_promoted_site(
     node_a: NodeProcess,
     node_b: NodeProcess,
 ) -> None:
-    start_sync(vpnrepl_a, node_a, node_b)
+    start_sites(vpnrepl_a, node_a, node_b, sync_timeout_ms=3000)
     app = app_database(site_a)
     held = queue_numbers(site_a, "orders.q1")[:2]  # the branches ack these two
     committing = client_process(site_a, app, "disaster-1", 220, "orders.q1")

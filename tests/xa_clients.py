@@ -8,19 +8,83 @@ prepares a global transaction, writes ``prepared`` to stdout and waits.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pika
 import psycopg
 
 from plugin._localsites import LocalSite
-from tests.two_sites import body, number, properties, routing_key
+from tests.fix_cli import Vpnrepl
+from tests.fix_node import NodeProcess
+from tests.two_sites import (
+    VPN,
+    Publisher,
+    amqp_url,
+    body,
+    caught_up,
+    enable,
+    number,
+    properties,
+    routing_key,
+    setup_vpn,
+    until,
+    vpn_status,
+)
 from txn import XAResource, Xid
 
 APP_DB = "app"
+#: messages the XA tests' branches ack: not multiples of five (orders.q1 and .q2)
+SEEDED = [n for n in range(1, 31) if n % 5]
+
+
+def start_sites(
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+    mode: str = "sync",
+    sync_timeout_ms: int = 5000,
+) -> None:
+    """The VPN replicated A to B in ``mode``, both nodes running, SEEDED
+    published and on the standby."""
+    setup_vpn(node_a.site)
+    enable(vpnrepl_a, "--mode", mode, "--sync-timeout-ms", str(sync_timeout_ms))
+    node_a.start()
+    node_b.start()
+    until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby to connect")
+    publisher = Publisher(node_a.site, SEEDED).run()
+    assert publisher.error is None and publisher.confirmed == set(SEEDED)
+    caught_up(node_a, node_b)
+
+
+@contextlib.contextmanager
+def resource(
+    site: LocalSite, timeout: float = 30
+) -> Iterator[tuple[pika.BlockingConnection, XAResource]]:
+    """A connection through ``site``'s listener and its XA resource."""
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(site)))
+    try:
+        yield conn, XAResource(conn, timeout=timeout)
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+
+
+def queue_numbers(site: LocalSite, queue: str) -> list[int]:
+    """The numbers in ``queue`` of ``site``'s broker (read directly, requeued)."""
+    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url(VPN)))
+    ch = conn.channel()
+    got = []
+    while True:
+        method, _props, payload = ch.basic_get(queue)
+        if method is None:
+            break
+        got.append(number(payload))
+    conn.close()
+    return got
 
 
 def app_database(site: LocalSite) -> str:

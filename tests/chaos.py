@@ -131,7 +131,10 @@ def connect(urls: list[str]) -> pika.BlockingConnection:
 
 class Client(threading.Thread):
     """A workload client: runs :meth:`session` on a fresh connection until
-    stopped, reconnecting after each failure."""
+    stopped, reconnecting after each failure; ``pace`` seconds between two
+    publishes (a transaction, a batch) bound the rate of a long run."""
+
+    pace = 0.0
 
     def __init__(self, name: str, recorder: Recorder, urls: list[str], stop: threading.Event):
         super().__init__(name=name, daemon=True)
@@ -182,6 +185,8 @@ class Publisher(Client):
             else:
                 self.recorder.told(n, "confirmed")
             self.retry = None
+            if self.pace:
+                conn.sleep(self.pace)
 
 
 class Consumer(Client):
@@ -223,11 +228,15 @@ class TxPublisher(Client):
                 self.recorder.txn(Txn(numbers, (Q2,), "uncertain"))
                 raise
             self.recorder.txn(Txn(numbers, (Q2,), "committed"))
+            if self.pace:
+                conn.sleep(self.pace)
 
 
 class AioPublisher(threading.Thread):
     """Confirmed publishes through aio-pika (its own asyncio loop), 20 in
     flight; reconnects (aio-pika's robust connection) and retries."""
+
+    pace = 0.0
 
     def __init__(self, ident: int, recorder: Recorder, urls: list[str], stop: threading.Event):
         super().__init__(name=f"aio-publisher-{ident}", daemon=True)
@@ -275,6 +284,7 @@ class AioPublisher(threading.Thread):
                                 retry.remove(n)
                         if retry:
                             raise ConnectionError(f"{len(retry)} publishes unconfirmed")
+                        await asyncio.sleep(self.pace * len(batch))
             except Exception as e:  # noqa: BLE001 - recorded; the client tries again
                 self.recorder.error(self.name, e)
                 await asyncio.sleep(0.2)
@@ -591,12 +601,21 @@ class Run:
         self.node_b.start()
         until(lambda: vpn_status(self.node_a).get("bridge") == "connected", "the standby")
 
-    def start_workload(self, publishers: int = 2, consumers: int = 1, tx: int = 1) -> None:
+    def start_workload(
+        self, publishers: int = 2, consumers: int = 1, tx: int = 1, pace: float = 0.0
+    ) -> None:
+        """Start the clients; ``pace`` > 0 spaces each publisher's publishes
+        (a long run's unconsumed ``orders.q2`` stays small enough to check)."""
         urls, rec, stop = self.urls(), self.recorder, self._stop
-        self._clients = [Publisher(i + 1, rec, urls, stop) for i in range(publishers)]
-        self._clients.append(AioPublisher(publishers + 1, rec, urls, stop))
+        senders: list[Client | AioPublisher] = [
+            *(Publisher(i + 1, rec, urls, stop) for i in range(publishers)),
+            AioPublisher(publishers + 1, rec, urls, stop),
+            *(TxPublisher(8 + i, rec, urls, stop) for i in range(tx)),
+        ]
+        for sender in senders:
+            sender.pace = pace
+        self._clients = [*senders]
         self._clients += [Consumer(f"consumer-{i}", rec, urls, stop) for i in range(consumers)]
-        self._clients += [TxPublisher(8 + i, rec, urls, stop) for i in range(tx)]
         sampler = threading.Thread(target=self._sample, name="sampler", daemon=True)
         for c in [*self._clients, sampler]:
             c.start()

@@ -14,19 +14,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from txn import XaCoordinator, Xid, XidError
+from txn import XA_PENDING, XaCoordinator, Xid, XidError
 
 from ._errors import StateError, UsageError
 from ._store import connect
 
 __all__ = ["decide_branch", "list_branches"]
 
-_BRANCHES = """
-SELECT xid, state, heuristic, hazard, created_at, updated_at FROM txn_log
-WHERE vpn = %s AND side = 'coordinator' AND xid IS NOT NULL
-  AND (state = 'prepared' OR heuristic IS NOT NULL)
-ORDER BY created_at
-"""
+#: two constants, no input
+_BRANCHES = "SELECT xid, state, heuristic, hazard, created_at, updated_at FROM txn_log" + XA_PENDING  # noqa: S608
 
 
 async def decide_branch(xa: XaCoordinator, vpn: str, args: Mapping[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         TxnStats as TxnStats,
     )
     from ._log import (
+        XA_PENDING as XA_PENDING,
         TxnLog as TxnLog,
         TxnRow as TxnRow,
         decode_events as decode_events,
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 #: module -> the names it exports through this package, imported on first use
 _IO_BOUND: dict[str, tuple[str, ...]] = {
     "._coordinator": ("Coordinator", "GroupLedger", "StandbyLink", "TxnStats"),
-    "._log": ("TxnLog", "TxnRow", "decode_events", "encode_events"),
+    "._log": ("XA_PENDING", "TxnLog", "TxnRow", "decode_events", "encode_events"),
     "._markers": ("MarkerError", "MarkerStore"),
     "._participant": ("Participant",),
     "._resource": ("XAResource",),
@@ -77,6 +78,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "TRANSITIONS",
+    "XA_PENDING",
     "Action",
     "Input",
     "Phase",

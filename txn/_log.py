@@ -69,6 +69,13 @@ class TxnRow:
         return tuple(e for e in self.events if isinstance(e, Published))
 
 
+#: the VPN's XA branches a transaction manager must still hear of: prepared,
+#: or ended heuristically and not forgotten (parameters: vpn)
+XA_PENDING = (
+    " WHERE vpn = %s AND side = 'coordinator' AND xid IS NOT NULL"
+    " AND (state = 'prepared' OR heuristic IS NOT NULL) ORDER BY created_at"
+)
+
 _SELECT = """
 SELECT txid, vpn, side, state, degraded, ledger_floor, events, xid, heuristic, hazard, acks_held
 FROM txn_log
@@ -167,11 +174,7 @@ class TxnLog:
     async def xa_branches(self, vpn: str) -> list[TxnRow]:
         """The VPN's XA branches a transaction manager must still hear of:
         prepared, or ended heuristically and not forgotten."""
-        return await self._select(
-            " WHERE vpn = %s AND side = %s AND xid IS NOT NULL"
-            " AND (state = 'prepared' OR heuristic IS NOT NULL) ORDER BY created_at",
-            (vpn, COORDINATOR),
-        )
+        return await self._select(XA_PENDING, (vpn,))
 
     async def xa_branch(self, vpn: str, xid: str) -> TxnRow | None:
         """The newest coordinator row of XA branch ``xid`` (a prepared one

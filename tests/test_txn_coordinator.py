@@ -446,3 +446,36 @@ def test_a_client_gone_while_the_standby_votes_ends_the_prepare_quietly(
         await log.close()
 
     asyncio.run(scenario())
+
+
+def test_a_transaction_aborted_before_its_row_is_written_leaves_no_prepared_row(
+    site_a: LocalSite,
+) -> None:
+    """The client left as the prepare began: the abort ran before the
+    local row existed; the row that lands afterwards is aborted too, not
+    left prepared until the next restart."""
+    dsn = active_site(site_a)
+    ids = IdSource(24)
+    t = txn(ids, 1)
+
+    async def scenario() -> None:
+        log, writer = await opened(dsn)
+        settings = VpnSettings.from_args("v", "active", "sync", sync_timeout_ms=300)
+        c = Coordinator(
+            log, MarkerStore(site_a.rabbit.amqp_url()), writer, NoStandby(), SlowVote(0.2)
+        )
+        c.configure(settings)
+        prepared = asyncio.ensure_future(c.prepare(t))
+        await c.abort(t)  # before the prepare's task took a step
+        try:
+            await prepared
+        except TransactionRefused as e:
+            assert "aborted while it was being prepared" in str(e)
+        else:
+            raise AssertionError("the prepare went on after the abort")
+        assert states(dsn) == {t.txid: "aborted"}
+        await c.close()
+        await writer.close()
+        await log.close()
+
+    asyncio.run(scenario())

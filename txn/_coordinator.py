@@ -395,6 +395,8 @@ class Coordinator:
             if remote is not None:
                 remote.cancel()
             raise
+        if machine.phase is Phase.ABORTED:  # abort() may have run before the row existed
+            await self._forget(txn)
         _still_wanted(machine)
         actions = machine.feed(Input.LOCAL_PREPARED)
         failpoint("coordinator.after-local-prepare")

@@ -393,13 +393,25 @@ def _catch_up_live(conn: psycopg.Connection[Any], vpn: str, live: int, ledger_in
     conn.execute("UPDATE vpn_live_state SET live_index = %s WHERE vpn = %s", (ledger_index, vpn))
 
 
+_RETIRE_PREPARED = """
+UPDATE txn_log SET state = 'ended', updated_at = now()
+WHERE vpn = %s AND side = 'coordinator' AND state = 'prepared'
+"""
+
+
 def demote_to_standby(conn: psycopg.Connection[Any], vpn: str) -> int:
     """Make a fenced former active a standby of the epoch that took it over,
     with nothing applied (the new active sends it a checkpoint); returns
-    that epoch. Its ledger and live state go: they are the old epoch's."""
+    that epoch. Its ledger and live state go: they are the old epoch's. So
+    do its transactions still prepared: the new active decided them (a
+    client's XA branch is its row now), and a stale row here would list a
+    branch the transaction manager has settled, and commit it a second
+    time, once this site is active again."""
     with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
         _, _, epoch, _ = _fenced_here(conn, vpn)
         become_standby(conn, vpn, epoch)
+        cur.execute(_RETIRE_PREPARED, (vpn,))
+        cur.execute("DELETE FROM xa_held WHERE vpn = %s", (vpn,))
         cur.execute("DELETE FROM ledger WHERE vpn = %s", (vpn,))
         cur.execute("DELETE FROM live_message WHERE vpn = %s", (vpn,))
         cur.execute("UPDATE vpn_live_state SET live_index = 0 WHERE vpn = %s", (vpn,))

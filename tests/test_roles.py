@@ -11,6 +11,7 @@ import pytest
 from bridge._roles import (
     RoleError,
     begin_promotion,
+    demote_to_standby,
     fail_promotion,
     finish_promotion,
     record_fenced,
@@ -135,3 +136,27 @@ def test_a_fenced_former_active_is_told_to_demote(site_a: LocalSite) -> None:
             begin_promotion(conn, VPN, "a")
     assert one(dsn, "SELECT fenced FROM vpn_state WHERE vpn = %s", VPN) == (True,)
     assert one(dsn, "SELECT site FROM vpn_epoch WHERE vpn = %s AND epoch = 2", VPN) == ("b",)
+
+
+def test_demotion_retires_the_old_epochs_prepared_transactions(site_a: LocalSite) -> None:
+    """A branch prepared on the old active was the new active's to decide:
+    once this site is active again, its transaction manager must not find
+    it in ``recover`` (and commit it a second time)."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, **{VPN: "active"})
+    rows = [("xa/1:61:62/1.1", "prepared", "1:61:62"), ("1.1.2", "prepared", None)]
+    rows.append(("1.1.3", "committed", None))
+    with psycopg.connect(dsn) as conn:
+        for txid, state, xid in rows:
+            conn.execute(
+                "INSERT INTO txn_log (txid, vpn, side, state, events, xid)"
+                " VALUES (%s, %s, 'coordinator', %s, %s, %s)",
+                (txid, VPN, state, encode_events([pub(VPN, 1, "q1")]), xid),
+            )
+    with connect(dsn) as conn:
+        assert record_fenced(conn, VPN, 2, "b")
+        assert demote_to_standby(conn, VPN) == 2
+    with psycopg.connect(dsn) as conn:
+        states = dict(conn.execute("SELECT txid, state FROM txn_log").fetchall())
+    assert states == {"xa/1:61:62/1.1": "ended", "1.1.2": "ended", "1.1.3": "committed"}
+    assert one(dsn, "SELECT role, epoch FROM vpn_config WHERE name = %s", VPN) == ("standby", 2)

@@ -37,6 +37,8 @@ FAILPOINTS: dict[str, str] = {
     "promotion.after-begin": "the epoch is raised and the role active; nothing materialised",
     "promotion.mid-materialise": "about half the live messages are in the broker",
     "promotion.before-finish": "every live message is in the broker; not recorded done",
+    # a promoted site's XA branch
+    "xa.after-restore": "a rolled-back branch's held messages are back; the branch prepared",
 }
 
 _ENV = "VPNREPL_FAILPOINT"

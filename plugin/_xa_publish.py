@@ -12,7 +12,8 @@ client published them (stored properties, replication id included), into
 their queues and the branch's commit marker into the marker queue, in one
 broker transaction: the marker is there exactly when the messages are, so
 a repeated commit that finds it publishes nothing. On a promoted site it
-also puts back the messages a rolled-back branch had acked.
+also puts back the messages a rolled-back branch had acked, with the
+branch's restore marker in the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Sequence
-from typing import Any
 
 import psycopg
 from pamqp import commands
@@ -38,7 +38,7 @@ from bridge import (
     Published,
     persistent_properties,
 )
-from txn import MarkerStore
+from txn import MarkerStore, restored_marker
 
 __all__ = ["BranchPublisher", "ReplyPublisher"]
 
@@ -129,13 +129,15 @@ class BranchPublisher:
         if txid in await self.markers.present(vpn):
             log.info("VPN %s: XA branch %s reached the broker already", vpn, txid)
             return
-        async with await self._connect(vpn, transactional=True) as publisher:
-            for message in messages:
-                pair = [(persistent_properties(message.properties), message.body)]
-                for queue in message.queues:
-                    await publisher.publish(queue, pair, _NO_WINDOW)
-            await publisher.publish(MARKER_QUEUE, [(_MARKER_PROPERTIES, txid.encode())], _NO_WINDOW)
-            await publisher.commit()
+        await self._with_marker(
+            vpn,
+            txid,
+            [
+                (queue, persistent_properties(message.properties), message.body)
+                for message in messages
+                for queue in message.queues
+            ],
+        )
         log.info(
             "VPN %s: XA branch %s: %d message(s) published from its prepared row",
             vpn,
@@ -143,18 +145,34 @@ class BranchPublisher:
             len(messages),
         )
 
-    async def restore(self, vpn: str, consumed: Sequence[Consumed | DeadLettered]) -> int:
-        rows: list[tuple[Any, ...]] = []
+    async def restore(
+        self, vpn: str, txid: str, consumed: Sequence[Consumed | DeadLettered]
+    ) -> int:
+        marker = restored_marker(txid)
+        await self.markers.declare(vpn)
+        if marker in await self.markers.present(vpn):
+            log.info("VPN %s: XA branch %s: its held messages were put back already", vpn, txid)
+            return 0
+        rows: list[tuple[str, bytes, bytes]] = []
         async with await psycopg.AsyncConnection.connect(self.store_dsn) as conn:
             cur = conn.cursor(row_factory=tuple_row)
             for event in consumed:
                 await cur.execute(_LIVE, (vpn, event.repl_id.value, event.queue))
-                rows.extend(await cur.fetchall())
-        if not rows:
-            return 0
-        async with await self._connect(vpn, transactional=False) as publisher:
-            for queue, properties, body in rows:
-                pair = [(persistent_properties(bytes(properties)), bytes(body))]
-                await publisher.publish(str(queue), pair, 100)
-            await publisher.wait_confirmed()
+                rows.extend(
+                    (str(queue), persistent_properties(bytes(properties)), bytes(body))
+                    for queue, properties, body in await cur.fetchall()
+                )
+        await self._with_marker(vpn, marker, rows)
         return len(rows)
+
+    async def _with_marker(
+        self, vpn: str, marker: str, messages: Sequence[tuple[str, bytes, bytes]]
+    ) -> None:
+        """``messages`` (queue, properties, body) and the marker ``marker``
+        in one broker transaction."""
+        async with await self._connect(vpn, transactional=True) as publisher:
+            for queue, properties, body in messages:
+                await publisher.publish(queue, [(properties, body)], _NO_WINDOW)
+            marked = [(_MARKER_PROPERTIES, marker.encode())]
+            await publisher.publish(MARKER_QUEUE, marked, _NO_WINDOW)
+            await publisher.commit()

@@ -47,7 +47,12 @@ if TYPE_CHECKING:
         decode_events as decode_events,
         encode_events as encode_events,
     )
-    from ._markers import MarkerError as MarkerError, MarkerStore as MarkerStore
+    from ._markers import (
+        MarkerError as MarkerError,
+        MarkerStore as MarkerStore,
+        marker_txid as marker_txid,
+        restored_marker as restored_marker,
+    )
     from ._participant import Participant as Participant
     from ._resource import XAResource as XAResource
     from ._xa import (
@@ -61,7 +66,7 @@ if TYPE_CHECKING:
 _IO_BOUND: dict[str, tuple[str, ...]] = {
     "._coordinator": ("Coordinator", "GroupLedger", "StandbyLink", "TxnStats"),
     "._log": ("XA_PENDING", "TxnLog", "TxnRow", "decode_events", "encode_events"),
-    "._markers": ("MarkerError", "MarkerStore"),
+    "._markers": ("MarkerError", "MarkerStore", "marker_txid", "restored_marker"),
     "._participant": ("Participant",),
     "._resource": ("XAResource",),
     "._xa": ("BranchChannel", "LogPublisher", "XaCoordinator", "XaStats"),
@@ -78,7 +83,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "TRANSITIONS",
-    "XA_PENDING",
     "Action",
     "Input",
     "Phase",

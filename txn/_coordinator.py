@@ -137,7 +137,7 @@ from ._machine import (
     TxnProtocolError,
     WithdrawStandbyWait,
 )
-from ._markers import MarkerError, MarkerStore
+from ._markers import MarkerError, MarkerStore, marker_txid
 
 __all__ = ["Coordinator", "GroupLedger", "StandbyLink", "TxnStats"]
 
@@ -679,6 +679,10 @@ class Coordinator:
         if self.link is not None:
             self.link.outcome(vpn, txid, commit=False)
 
+    def marker_done(self, vpn: str, name: str) -> None:
+        """The marker ``name`` is not needed any more: the next sweep takes it."""
+        self._decided.setdefault(vpn, set()).add(name)
+
     async def decide_logged(self, row: TxnRow) -> bool:
         """Record the commit of a prepared XA branch whose work reached the
         broker from its row (its channel had closed): its events as one
@@ -726,7 +730,7 @@ class Coordinator:
                 ", ".join(f"{t} {o}" for t, o in outcomes.items()),
             )
         for vpn, present in markers.items():
-            done = {t for t in present if outcomes.get(t) != "prepared"}
+            done = {t for t in present if outcomes.get(marker_txid(t)) != "prepared"}
             await self.markers.remove(vpn, done)
         return outcomes
 

@@ -25,6 +25,11 @@ requeue with ``basic.nack`` and then ask the queue for its depth on the
 same channel, which the queue answers only after it has taken the requeued
 markers back (messages between two Erlang processes keep their order); a
 channel close alone requeues later, asynchronously.
+
+One more kind of marker, ``<txid>#restored`` (:func:`restored_marker`):
+a promoted site that rolls back a client's XA branch whose acks it held
+puts those messages back in the broker with it, in one broker
+transaction, so a rollback repeated after a crash puts nothing back twice.
 """
 
 from __future__ import annotations
@@ -42,11 +47,27 @@ import pika.exceptions
 
 from bridge import MARKER_QUEUE
 
-__all__ = ["MarkerError", "MarkerStore"]
+__all__ = ["MarkerError", "MarkerStore", "marker_txid", "restored_marker"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+#: a promoted site's rollback of a branch whose acks it held publishes the
+#: held messages with the marker ``<txid>#restored``: a repeated rollback
+#: (after a crash) that finds it publishes nothing
+_RESTORED = "#restored"
+
+
+def restored_marker(txid: str) -> str:
+    """The marker of ``txid``'s held messages put back in the broker."""
+    return txid + _RESTORED
+
+
+def marker_txid(name: str) -> str:
+    """The transaction a marker named ``name`` is for."""
+    return name.removesuffix(_RESTORED)
 
 
 class MarkerError(RuntimeError):

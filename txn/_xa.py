@@ -51,11 +51,12 @@ from bridge import (
     LocalTransaction,
     Published,
     TransactionRefused,
+    failpoint,
 )
 
 from ._coordinator import RESOLVE_DELAY, Coordinator
 from ._log import TxnRow
-from ._markers import MarkerError
+from ._markers import MarkerError, restored_marker
 from ._xa_states import BranchState, begin, settle
 from ._xa_wire import (
     Branch,
@@ -124,9 +125,13 @@ class LogPublisher(Protocol):
         """``messages`` into their queues and ``txid``'s commit marker in one
         broker transaction — nothing when the marker is there already."""
 
-    async def restore(self, vpn: str, consumed: Sequence[Consumed | DeadLettered]) -> int:
+    async def restore(
+        self, vpn: str, txid: str, consumed: Sequence[Consumed | DeadLettered]
+    ) -> int:
         """Publish the live messages ``consumed`` names into their queues
-        again (a promoted site held them back for the branch)."""
+        again (a promoted site held them back for branch ``txid``), with
+        ``txid``'s restore marker in one broker transaction — nothing when
+        the marker is there already."""
 
 
 @dataclass
@@ -417,9 +422,12 @@ class XaCoordinator:
             if held:
                 if self.publisher is None:
                     raise XaResourceError("this node cannot put held messages back")
-                await self.publisher.restore(row.vpn, held)
+                await self.publisher.restore(row.vpn, row.txid, held)
+                failpoint("xa.after-restore")
             await self.log.release_held(row.txid)
         await self.coordinator.forget_branch(row.vpn, row.txid)
+        if row.acks_held:
+            self.coordinator.marker_done(row.vpn, restored_marker(row.txid))
         self._count(row.vpn, "rolled_back")
 
     # -- operators and the listener ------------------------------------------

@@ -763,6 +763,33 @@ def plot(samples: list[Sample], faults: list[Fault], path: Path, title: str) -> 
     plt.close(fig)
 
 
+def plot_resources(
+    samples: list[tuple[float, int, int, int]], faults: list[Fault], path: Path, title: str
+) -> None:
+    """Both nodes' RSS and the active's ledger rows over time (the soak's
+    ``(t, rss a KiB, rss b KiB, ledger rows)`` samples), faults shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 5))
+    t = [s[0] for s in samples]
+    top.plot(t, [s[1] / 1024 for s in samples], label="node a")
+    top.plot(t, [s[2] / 1024 for s in samples], label="node b")
+    top.set_ylabel("RSS (MiB)")
+    top.legend(loc="upper left")
+    bottom.plot(t, [s[3] for s in samples])
+    bottom.set_ylabel("ledger rows")
+    bottom.set_xlabel("seconds")
+    for f in faults:
+        for ax in (top, bottom):
+            ax.axvspan(f.start, f.end, alpha=0.2, color="red")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 @contextlib.contextmanager
 def run(
     node_a: NodeProcess, node_b: NodeProcess, vpnrepl_a: Vpnrepl, mode: str, tmp: Path

@@ -8,6 +8,9 @@ in both modes runs with ``./run test -m fault``. Each run writes its report
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -94,9 +97,6 @@ def test_soak_mixed_load_with_a_fault_every_minute(
 ) -> None:
     """``VPNREPL_SOAK_MINUTES`` (30) of the workload with a fault a minute:
     nothing broken, and both nodes' RSS and the ledger stay bounded."""
-    import os
-    import time
-
     from tests.two_sites import scalar
 
     minutes = int(os.environ.get("VPNREPL_SOAK_MINUTES", "30"))
@@ -111,12 +111,12 @@ def test_soak_mixed_load_with_a_fault_every_minute(
             while time.monotonic() < start + 60 * (minute + 1):
                 time.sleep(5)
                 rows = scalar(r.active_node().site, "SELECT count(*) FROM ledger") or 0
-                samples.append(
-                    (time.monotonic() - start, _rss_kib(node_a.pid), _rss_kib(node_b.pid), rows)
-                )
+                samples.append((r.recorder.now(), _rss_kib(node_a.pid), _rss_kib(node_b.pid), rows))
         r.stop_workload()
         broken = r.report(r.drain(), "soak")
-    (tmp_path / "soak-resources.json").write_text(__import__("json").dumps(samples))
+    out = Path(os.environ.get("VPNREPL_FAULT_REPORTS", str(tmp_path)))
+    (out / "soak-resources.json").write_text(json.dumps(samples))
+    chaos.plot_resources(samples, r.faults, out / "soak-resources.png", "soak: RSS and ledger")
     assert broken == {}
     # after the first quarter (warm caches), memory and the ledger stay level
     settled = [s for s in samples if s[0] > 60 * minutes / 4]

@@ -21,7 +21,7 @@ from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from sql import migrate
 from txn._coordinator import Coordinator
-from txn._log import TxnLog, encode_events
+from txn._log import PARTICIPANT, TxnLog, encode_events
 from txn._markers import MARKER_QUEUE, MarkerStore
 from txn._participant import OUTCOME_FLUSH_SECONDS, Participant
 
@@ -452,6 +452,33 @@ def test_a_client_gone_during_the_prepare_ends_it_quietly_and_aborted(
         assert states(dsn) == {t.txid: "aborted"}
         await c.close()
         await writer.close()
+        await log.close()
+
+    asyncio.run(scenario())
+
+
+def test_in_doubt_reads_the_prepared_rows_of_its_vpn_only(site_a: LocalSite) -> None:
+    """A standby keeps a ``committed`` participant row per transaction it
+    ever applied; a resync asks which rows are in doubt, and reads only
+    the prepared ones of its VPN (not every row not ended, with events)."""
+    dsn = active_site(site_a)
+    with connect(dsn) as conn:
+        enable_vpn(conn, VpnSettings.from_args("w", "standby"))
+    rows = [(f"1.1.{i}", "v", "committed") for i in range(200)]
+    rows += [("1.2.1", "v", "prepared"), ("1.2.2", "w", "prepared"), ("1.2.3", "v", "aborted")]
+    with psycopg.connect(dsn) as db:
+        for txid, vpn, state in rows:
+            db.execute(
+                "INSERT INTO txn_log (txid, vpn, side, state, events)"
+                " VALUES (%s, %s, 'participant', %s, %s)",
+                (txid, vpn, state, b""),
+            )
+
+    async def scenario() -> None:
+        log = TxnLog(dsn)
+        await log.open()
+        assert sorted(r.txid for r in await log.prepared_rows(PARTICIPANT)) == ["1.2.1", "1.2.2"]
+        assert await Participant(log).in_doubt("v") == ["1.2.1"]
         await log.close()
 
     asyncio.run(scenario())

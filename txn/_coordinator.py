@@ -717,7 +717,7 @@ class Coordinator:
         """Resolve every coordinator row left prepared by a crash; returns
         ``{txid: outcome}`` (``committed``/``aborted``) for the log."""
         outcomes: dict[str, str] = {}
-        rows = [r for r in await self.log.open_rows(COORDINATOR) if r.state == "prepared"]
+        rows = await self.log.prepared_rows(COORDINATOR)
         markers: dict[str, set[str]] = {}
         for row in rows:
             if row.vpn not in markers:

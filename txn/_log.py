@@ -160,16 +160,18 @@ class TxnLog:
             )
             return cur.rowcount
 
-    async def open_rows(self, side: str) -> list[TxnRow]:
-        """Rows of ``side`` still prepared or committed (not ended/aborted)."""
-        async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=tuple_row)
-            await cur.execute(
-                _SELECT
-                + " WHERE side = %s AND state IN ('prepared', 'committed') ORDER BY created_at",
-                (side,),
-            )
-            return [_row(r) for r in await cur.fetchall()]
+    async def prepared_rows(self, side: str, vpn: str | None = None) -> list[TxnRow]:
+        """Rows of ``side`` (of ``vpn``, or of every VPN) still prepared.
+
+        Only those: a standby's participant rows stay ``committed`` once
+        applied, one per transaction the VPN ever had, and a reader of
+        every row not ended held them all (with their events) at each
+        resync and start."""
+        return await self._select(
+            " WHERE side = %s AND state = 'prepared' AND (%s::text IS NULL OR vpn = %s)"
+            " ORDER BY created_at",
+            (side, vpn, vpn),
+        )
 
     async def xa_branches(self, vpn: str) -> list[TxnRow]:
         """The VPN's XA branches a transaction manager must still hear of:

@@ -143,9 +143,5 @@ class Participant:
 
     async def in_doubt(self, vpn: str) -> list[str]:
         """Prepared rows of ``vpn`` whose outcome this site does not know."""
-        rows = await self.log.open_rows(PARTICIPANT)
-        return [
-            r.txid
-            for r in rows
-            if r.vpn == vpn and r.state == "prepared" and r.txid not in self._committed
-        ]
+        rows = await self.log.prepared_rows(PARTICIPANT, vpn)
+        return [r.txid for r in rows if r.txid not in self._committed]

@@ -20,7 +20,7 @@ from bridge._replicator import Replicator
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from sql import migrate
-from txn._coordinator import Coordinator
+from txn._coordinator import TXN_RETAIN_SECONDS, Coordinator
 from txn._log import PARTICIPANT, TxnLog, encode_events
 from txn._markers import MARKER_QUEUE, MarkerStore
 from txn._participant import OUTCOME_FLUSH_SECONDS, Participant
@@ -482,3 +482,50 @@ def test_in_doubt_reads_the_prepared_rows_of_its_vpn_only(site_a: LocalSite) -> 
         await log.close()
 
     asyncio.run(scenario())
+
+
+def test_rows_of_transactions_over_on_both_sites_are_pruned_after_their_retention(
+    site_a: LocalSite,
+) -> None:
+    """``txn_log`` does not grow with every transaction a VPN ever had: the
+    sweep deletes the rows of transactions over on both sites once they
+    are an hour old, and keeps what is still undecided, unacknowledged, or
+    a heuristic outcome a transaction manager must still hear of."""
+    dsn = active_site(site_a)
+    rows = [
+        ("c-ended", "coordinator", "ended", None, "2 hours"),
+        ("c-aborted", "coordinator", "aborted", None, "2 hours"),
+        ("p-committed", "participant", "committed", None, "2 hours"),
+        ("p-aborted", "participant", "aborted", None, "2 hours"),
+        ("c-committed", "coordinator", "committed", None, "2 hours"),  # not acknowledged
+        ("c-prepared", "coordinator", "prepared", None, "2 hours"),
+        ("p-prepared", "participant", "prepared", None, "2 hours"),
+        ("p-applied", "participant", "applied", None, "2 hours"),
+        ("c-heuristic", "coordinator", "ended", "rollback", "2 hours"),
+        ("c-recent", "coordinator", "ended", None, "10 minutes"),
+    ]
+    with psycopg.connect(dsn) as db:
+        for txid, side, state, heuristic, age in rows:
+            db.execute(
+                "INSERT INTO txn_log (txid, vpn, side, state, events, heuristic, updated_at)"
+                " VALUES (%s, 'v', %s, %s, %s, %s, now() - %s::interval)",
+                (txid, side, state, b"", heuristic, age),
+            )
+
+    async def scenario() -> None:
+        log = TxnLog(dsn)
+        await log.open()
+        assert await log.prune(TXN_RETAIN_SECONDS, limit=3) == 3  # a bounded statement
+        assert await log.prune(TXN_RETAIN_SECONDS) == 1
+        assert await log.prune(TXN_RETAIN_SECONDS) == 0
+        await log.close()
+
+    asyncio.run(scenario())
+    assert sorted(states(dsn)) == [
+        "c-committed",
+        "c-heuristic",
+        "c-prepared",
+        "c-recent",
+        "p-applied",
+        "p-prepared",
+    ]

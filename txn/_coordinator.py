@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -148,6 +149,11 @@ tracer = trace.get_tracer("vpnrepl.txn")
 RESOLVE_DELAY = 1.0
 #: markers of ended transactions are removed in sweeps this often
 SWEEP_SECONDS = 5.0
+#: how long a transaction's row stays in ``txn_log`` after it is over on
+#: both sites (kept for an operator to look at; pruned by the sweep)
+TXN_RETAIN_SECONDS = 3600.0
+#: every how many sweeps the over rows are pruned
+PRUNE_EVERY = 12
 
 
 class GroupLedger(Protocol):
@@ -772,10 +778,12 @@ class Coordinator:
         return out
 
     async def _sweep_loop(self) -> None:
-        while True:
+        for sweep in itertools.count(1):
             await asyncio.sleep(SWEEP_SECONDS)
             with contextlib.suppress(psycopg.Error):
                 await self.log.end_acknowledged()
+                if sweep % PRUNE_EVERY == 0:
+                    await self.log.prune(TXN_RETAIN_SECONDS)
             for vpn in list(self._decided):
                 txids = self._decided.pop(vpn)
                 try:

@@ -76,6 +76,20 @@ XA_PENDING = (
     " AND (state = 'prepared' OR heuristic IS NOT NULL) ORDER BY created_at"
 )
 
+#: rows one prune deletes at most (the rest wait for the next)
+PRUNE_LIMIT = 10_000
+# Rows whose transaction is over on both sites: a coordinator's ended (the
+# standby acknowledged its group) or aborted, a participant's committed
+# (applied from the stream) or aborted; never an XA branch the transaction
+# manager must still hear of (heuristic).
+_PRUNE = """
+DELETE FROM txn_log WHERE txid IN (
+    SELECT txid FROM txn_log
+    WHERE heuristic IS NULL AND updated_at < now() - make_interval(secs => %s)
+      AND (state IN ('ended', 'aborted') OR (side = 'participant' AND state = 'committed'))
+    LIMIT %s)
+"""
+
 _SELECT = """
 SELECT txid, vpn, side, state, degraded, ledger_floor, events, xid, heuristic, hazard, acks_held
 FROM txn_log
@@ -158,6 +172,13 @@ class TxnLog:
                 " WHERE t.vpn = s.vpn AND t.side = 'coordinator' AND t.state = 'committed'"
                 " AND t.ledger_last > 0 AND t.ledger_last <= s.applied_index"
             )
+            return cur.rowcount
+
+    async def prune(self, retain_seconds: float, limit: int = PRUNE_LIMIT) -> int:
+        """Delete up to ``limit`` rows that ended ``retain_seconds`` ago or
+        more; returns how many."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_PRUNE, (retain_seconds, limit))
             return cur.rowcount
 
     async def prepared_rows(self, side: str, vpn: str | None = None) -> list[TxnRow]:

@@ -120,6 +120,7 @@ def test_standby_killed_mid_stream_resyncs_from_its_applied_index(
 # ---------------------------------------------------------------- 3. active killed
 
 
+@pytest.mark.fault  # the fault suite's smoke run kills the active in sync mode by default
 def test_active_killed_mid_stream_in_sync_mode_loses_nothing_confirmed(
     site_a: LocalSite,
     site_b: LocalSite,

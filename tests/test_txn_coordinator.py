@@ -529,3 +529,32 @@ def test_rows_of_transactions_over_on_both_sites_are_pruned_after_their_retentio
         "p-applied",
         "p-prepared",
     ]
+
+
+def test_an_abort_the_standby_database_does_not_take_stays_in_doubt_quietly(
+    site_a: LocalSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The standby's PostgreSQL died as an abort outcome came: the row stays
+    prepared (the next resync asks the active), with a warning, not an
+    unhandled error in the node."""
+    dsn = active_site(site_a)
+    with psycopg.connect(dsn) as db:
+        db.execute(
+            "INSERT INTO txn_log (txid, vpn, side, state, events)"
+            " VALUES ('1.3.1', 'v', 'participant', 'prepared', '')"
+        )
+
+    async def scenario() -> None:
+        log = TxnLog(dsn)
+        await log.open()
+        p = Participant(log)
+        site_a.pg.stop()
+        try:
+            await p.outcome("v", "1.3.1", commit=False)  # raises nothing
+        finally:
+            site_a.pg.start()
+        await log.close()
+
+    asyncio.run(scenario())
+    assert "its abort is not recorded yet" in caplog.text
+    assert states(dsn) == {"1.3.1": "prepared"}

@@ -106,7 +106,19 @@ class Participant:
             if self._flusher is None or self._flusher.done():
                 self._flusher = asyncio.create_task(self._flush_loop(), name="txn-outcomes")
             return
-        if await self.log.move(txid, "aborted", leaving=("prepared",)):
+        try:
+            aborted = await self.log.move(txid, "aborted", leaving=("prepared",))
+        except psycopg.Error as e:
+            # the row stays prepared: the next resync asks the active about it
+            log.warning(
+                "VPN %s: transaction %s: its abort is not recorded yet (%s); "
+                "it stays in doubt until the next resync",
+                vpn,
+                txid,
+                e,
+            )
+            return
+        if aborted:
             log.info("VPN %s: transaction %s aborted", vpn, txid)
 
     async def _flush_loop(self) -> None:

@@ -125,11 +125,7 @@ class BranchPublisher:
         )
 
     async def publish(self, vpn: str, txid: str, messages: Sequence[Published]) -> None:
-        await self.markers.declare(vpn)
-        if txid in await self.markers.present(vpn):
-            log.info("VPN %s: XA branch %s reached the broker already", vpn, txid)
-            return
-        await self._with_marker(
+        published = await self._with_marker(
             vpn,
             txid,
             [
@@ -138,6 +134,9 @@ class BranchPublisher:
                 for queue in message.queues
             ],
         )
+        if not published:
+            log.info("VPN %s: XA branch %s reached the broker already", vpn, txid)
+            return
         log.info(
             "VPN %s: XA branch %s: %d message(s) published from its prepared row",
             vpn,
@@ -148,11 +147,6 @@ class BranchPublisher:
     async def restore(
         self, vpn: str, txid: str, consumed: Sequence[Consumed | DeadLettered]
     ) -> int:
-        marker = restored_marker(txid)
-        await self.markers.declare(vpn)
-        if marker in await self.markers.present(vpn):
-            log.info("VPN %s: XA branch %s: its held messages were put back already", vpn, txid)
-            return 0
         rows: list[tuple[str, bytes, bytes]] = []
         async with await psycopg.AsyncConnection.connect(self.store_dsn) as conn:
             cur = conn.cursor(row_factory=tuple_row)
@@ -162,17 +156,24 @@ class BranchPublisher:
                     (str(queue), persistent_properties(bytes(properties)), bytes(body))
                     for queue, properties, body in await cur.fetchall()
                 )
-        await self._with_marker(vpn, marker, rows)
+        if not await self._with_marker(vpn, restored_marker(txid), rows):
+            log.info("VPN %s: XA branch %s: its held messages were put back already", vpn, txid)
+            return 0
         return len(rows)
 
     async def _with_marker(
         self, vpn: str, marker: str, messages: Sequence[tuple[str, bytes, bytes]]
-    ) -> None:
+    ) -> bool:
         """``messages`` (queue, properties, body) and the marker ``marker``
-        in one broker transaction."""
+        in one broker transaction; nothing (False) when ``marker`` is there
+        already."""
+        await self.markers.declare(vpn)
+        if marker in await self.markers.present(vpn):
+            return False
         async with await self._connect(vpn, transactional=True) as publisher:
             for queue, properties, body in messages:
                 await publisher.publish(queue, [(properties, body)], _NO_WINDOW)
             marked = [(_MARKER_PROPERTIES, marker.encode())]
             await publisher.publish(MARKER_QUEUE, marked, _NO_WINDOW)
             await publisher.commit()
+        return True

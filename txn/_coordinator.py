@@ -600,7 +600,7 @@ class Coordinator:
     def _retire_marker(self, live: _Live, action: RetireMarker) -> None:
         # decided and recorded: its marker is not needed any more (the row
         # ends in the sweep, once the standby's acknowledged index passed it)
-        self._decided.setdefault(live.txn.vpn, set()).add(live.txn.txid)
+        self.marker_done(live.txn.vpn, live.txn.txid)
 
     def _answer(self, live: _Live, action: Answer) -> None:
         self._release(live, action.ok)

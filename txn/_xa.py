@@ -417,8 +417,8 @@ class XaCoordinator:
         return XaReply("XA_OK")
 
     async def _rollback_logged(self, row: TxnRow) -> None:
+        held = [e for e in row.events if isinstance(e, Consumed | DeadLettered)]
         if row.acks_held:
-            held = [e for e in row.events if isinstance(e, Consumed | DeadLettered)]
             if held:
                 if self.publisher is None:
                     raise XaResourceError("this node cannot put held messages back")
@@ -426,7 +426,7 @@ class XaCoordinator:
                 failpoint("xa.after-restore")
             await self.log.release_held(row.txid)
         await self.coordinator.forget_branch(row.vpn, row.txid)
-        if row.acks_held:
+        if row.acks_held and held:  # its restore marker is not needed any more
             self.coordinator.marker_done(row.vpn, restored_marker(row.txid))
         self._count(row.vpn, "rolled_back")
 

@@ -38,6 +38,15 @@ from ._amqp_wire import (
     PublishRejected,
     persistent_properties,
 )
+from ._definitions import (
+    DefinitionsError,
+    binding_item,
+    exchange_item,
+    merge_definitions,
+    name_item,
+    queue_item,
+    streamed_deletions,
+)
 from ._entry import EventDecodeError, LedgerEntry, decode_event, encode_event, split_events
 from ._errors import (
     ERROR_CODES,
@@ -59,6 +68,7 @@ from ._errors import (
 from ._events import (
     EVENT_KINDS,
     MARKER_QUEUE,
+    TOPOLOGY_OPS,
     XA_TXID_PREFIX,
     ConfirmKey,
     Consumed,
@@ -67,6 +77,7 @@ from ._events import (
     LocalTransaction,
     Published,
     Purged,
+    TopologyChanged,
     TransactionRefused,
     Voted,
     future_callback,
@@ -74,7 +85,10 @@ from ._events import (
 )
 from ._failpoints import FAILPOINTS, UnknownFailpoint, armed, failpoint
 from ._frames import (
+    CAP_TOPOLOGY,
+    CAPABILITIES,
     DEFAULT_MAX_FRAME_SIZE,
+    OUR_CAPABILITIES,
     PREVIOUS_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
@@ -159,6 +173,7 @@ if TYPE_CHECKING:
     )
     from ._configsync import (
         ConfigSyncError as ConfigSyncError,
+        carry_out_deletions as carry_out_deletions,
         import_vpn_definitions as import_vpn_definitions,
         reimport as reimport,
         vpn_definitions as vpn_definitions,
@@ -228,6 +243,11 @@ if TYPE_CHECKING:
         make_client_context as make_client_context,
         make_server_context as make_server_context,
     )
+    from ._topology_store import (
+        StoredTopology as StoredTopology,
+        keep_definitions_async as keep_definitions_async,
+        stored_topology as stored_topology,
+    )
     from ._vpnstore import (
         ActiveVpn as ActiveVpn,
         AppliedLock as AppliedLock,
@@ -255,7 +275,6 @@ if TYPE_CHECKING:
         fence_vpn_async as fence_vpn_async,
         follow_settings_async as follow_settings_async,
         followed_settings_async as followed_settings_async,
-        keep_definitions_async as keep_definitions_async,
         known_epochs_async as known_epochs_async,
         ledger_progress_async as ledger_progress_async,
         ledger_start_async as ledger_start_async,
@@ -277,7 +296,6 @@ if TYPE_CHECKING:
         set_applied as set_applied,
         set_applied_async as set_applied_async,
         set_bridge_state_async as set_bridge_state_async,
-        stored_definitions as stored_definitions,
         stored_ledger_index as stored_ledger_index,
         vpn_status_rows as vpn_status_rows,
     )
@@ -289,7 +307,14 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
     "._amqp_client": ("BrokerPublisher",),
     "._apply": ("ApplyResult", "apply_entries", "apply_entries_async"),
     "._bridgestate": ("CONNECTED", "DISCONNECTED", "SYNCING"),
-    "._configsync": ("ConfigSyncError", "import_vpn_definitions", "reimport", "vpn_definitions"),
+    "._configsync": (
+        "ConfigSyncError",
+        "carry_out_deletions",
+        "import_vpn_definitions",
+        "reimport",
+        "vpn_definitions",
+    ),
+    "._topology_store": ("StoredTopology", "keep_definitions_async", "stored_topology"),
     "._ledger": ("LedgerWriter", "WriterStats"),
     "._ledger_bound": ("LedgerBound",),
     "._ledger_errors": (
@@ -348,7 +373,6 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
         "fence_vpn_async",
         "follow_settings_async",
         "followed_settings_async",
-        "keep_definitions_async",
         "known_epochs_async",
         "ledger_progress_async",
         "ledger_start_async",
@@ -370,7 +394,6 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
         "set_applied",
         "set_applied_async",
         "set_bridge_state_async",
-        "stored_definitions",
         "stored_ledger_index",
         "vpn_status_rows",
     ),
@@ -413,6 +436,8 @@ __all__ = [
     "XA_TXID_PREFIX",
     "Published",
     "Purged",
+    "TOPOLOGY_OPS",
+    "TopologyChanged",
     "TransactionRefused",
     "Voted",
     "future_callback",
@@ -440,6 +465,14 @@ __all__ = [
     "segment_rows_query",
     "segment_sql",
     "touched",
+    # the definitions a standby holds: the listing and the streamed changes
+    "DefinitionsError",
+    "binding_item",
+    "exchange_item",
+    "merge_definitions",
+    "name_item",
+    "queue_item",
+    "streamed_deletions",
     # the ledger entry encoding
     "EventDecodeError",
     "LedgerEntry",
@@ -465,7 +498,10 @@ __all__ = [
     "anchored",
     "unanchored",
     "CLOSED",
+    "CAP_TOPOLOGY",
+    "CAPABILITIES",
     "DEFAULT_MAX_FRAME_SIZE",
+    "OUR_CAPABILITIES",
     "NEED_DATA",
     "PREVIOUS_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",

@@ -65,7 +65,7 @@ from ._frames import (
 )
 from ._fullsync import LiveKey
 from ._ledger import LedgerWriter
-from ._ledger_errors import LedgerError
+from ._ledger_errors import LedgerError, VpnNotOpen
 from ._link import (
     Link,
     LinkClosed,
@@ -391,13 +391,7 @@ class BridgeServer:
             if isinstance(item, RemoteProtocolError):
                 self._vpn_fault(peer, item)
             elif isinstance(item, Hello):
-                link.send(Hello(self.site, link.conn.version, Role.ACTIVE))
-                log.info(
-                    "bridge: standby site %r connected from %s (protocol version %d)",
-                    item.site,
-                    link.peer,
-                    link.conn.version,
-                )
+                self._greeted(link, item)
             elif isinstance(item, GetAllResources):
                 await self._send_resources(peer)
             elif isinstance(item, SyncRequest):
@@ -419,6 +413,25 @@ class BridgeServer:
             if vpn in peer.epochs and peer.failure is None:
                 return peer
         return None
+
+    def _greeted(self, link: Link, hello: Hello) -> None:
+        """Answer a standby's Hello, and say once what its release lacks."""
+        link.send(link.conn.our_hello())
+        log.info(
+            "bridge: standby site %r connected from %s (protocol version %d)",
+            hello.site,
+            link.peer,
+            link.conn.version,
+        )
+        lacking = link.conn.lacking()
+        if lacking:
+            log.warning(
+                "bridge: standby site %r (protocol version %d) cannot receive %s: "
+                "topology changes reach it only by its periodic listings",
+                hello.site,
+                link.conn.version,
+                ", ".join(lacking),
+            )
 
     def _vpn_fault(self, peer: StandbyPeer, fault: RemoteProtocolError) -> None:
         if isinstance(fault, StaleEpoch):
@@ -444,11 +457,16 @@ class BridgeServer:
 
     async def _send_resources(self, peer: StandbyPeer) -> None:
         vpns = await self._load_vpns()
+        # Read before the definitions: every change the listener made up to
+        # this index is in them, every later one comes in the stream.
+        indexes = [self._durable_index(s.name) for s, _ in vpns]
         definitions = await asyncio.gather(*(self._definitions(s.name) for s, _ in vpns))
         listing = ResourceList(
             tuple(
-                VpnResource.from_settings(s, epoch, d, self._taken_over.get(s.name, 0))
-                for (s, epoch), d in zip(vpns, definitions, strict=True)
+                VpnResource.from_settings(
+                    s, epoch, d, self._taken_over.get(s.name, 0), index if d else None
+                )
+                for (s, epoch), d, index in zip(vpns, definitions, indexes, strict=True)
             )
         )
         peer.link.send(listing)
@@ -473,6 +491,14 @@ class BridgeServer:
             self._taken_over[row.settings.name] = row.taken_over_at
             out.append((row.settings, row.epoch))
         return out
+
+    def _durable_index(self, vpn: str) -> int:
+        """The VPN's last committed ledger index (0: its ledger is not open
+        here yet, so nothing was appended since this node started)."""
+        try:
+            return self.writer.durable_index(vpn)
+        except VpnNotOpen:
+            return 0
 
     async def _definitions(self, vpn: str) -> bytes:
         """The VPN's definitions with the users and permissions that let its

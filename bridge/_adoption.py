@@ -3,9 +3,11 @@
 A VPN the active lists is enabled here as ``standby`` if this site does not
 have it yet; at every listing its settings follow the active's, its epoch is
 raised to the active's (never lowered), the definitions the active sent are
-kept (``vpn_config.definitions``, for a promotion with the active gone) and
+kept with the ledger index it read them at (``vpn_config.definitions``, for
+a promotion with the active gone, :mod:`bridge._topology_store`) and
 imported into the local broker, users and permissions included
-(``bridge._configsync``).
+(``bridge._configsync``); the deletes streamed before that index are then
+carried out on the local broker.
 
 Invariant: a VPN is replicated from the peer only if this site holds it as
 an enabled standby, and the higher epoch always wins. A VPN the peer lists
@@ -27,10 +29,12 @@ from typing import Any
 import psycopg
 
 from ._bridgestate import Pool
-from ._configsync import ConfigSyncError, import_vpn_definitions
+from ._configsync import ConfigSyncError, carry_out_deletions, import_vpn_definitions
+from ._events import TopologyChanged
 from ._frames import VpnResource
 from ._management import ManagementAPI
 from ._settings import Role
+from ._topology_store import keep_definitions_async
 from ._vpnstore import (
     ConfigLock,
     FollowedSettings,
@@ -39,7 +43,6 @@ from ._vpnstore import (
     fence_vpn_async,
     follow_settings_async,
     followed_settings_async,
-    keep_definitions_async,
     lock_vpn_config_async,
     raise_epoch_async,
 )
@@ -69,6 +72,9 @@ class VpnAdoption:
         self._on_adopted = on_adopted
         self._skipped: dict[str, str] = {}  # VPN -> why it is not replicated (logged once)
         self._config_sync_failures: dict[str, str] = {}  # VPN -> why (logged once)
+        #: VPN -> streamed changes a kept listing superseded, whose deletes
+        #: the local broker has yet to carry out (at the next import)
+        self._superseded: dict[str, list[TopologyChanged]] = {}
 
     async def config_sync(self, resource: VpnResource, peer_site: str) -> bool:
         """Enable the VPN here as standby if it is new, follow the active's
@@ -98,6 +104,17 @@ class VpnAdoption:
             return True
         if created:
             log.info("bridge: VPN %s: vhost created on the local broker", vpn)
+        superseded = self._superseded.pop(vpn, [])
+        if superseded:
+            try:
+                deleted = await asyncio.to_thread(
+                    carry_out_deletions, self._api, vpn, superseded, resource.definitions_json
+                )
+            except ConfigSyncError as e:
+                self._config_sync_failed(vpn, f"streamed deletes not carried out: {e}")
+                return True
+            if deleted:
+                log.info("bridge: VPN %s: %d objects deleted on the active removed", vpn, deleted)
         if self._config_sync_failures.pop(vpn, None) is not None:
             log.info("bridge: VPN %s: config-sync works again", vpn)
         return True
@@ -141,7 +158,11 @@ class VpnAdoption:
             await follow_settings_async(conn, vpn, listed)
             log.info("bridge: VPN %s: settings follow the active: %s", vpn, ", ".join(changes))
         if resource.definitions_json:
-            await keep_definitions_async(conn, vpn, resource.definitions_json)
+            superseded = await keep_definitions_async(
+                conn, vpn, resource.definitions_json, resource.definitions_index
+            )
+            if superseded:
+                self._superseded.setdefault(vpn, []).extend(superseded)
 
     async def _adopted_before(
         self,

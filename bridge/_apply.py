@@ -46,7 +46,7 @@ from psycopg.types.numeric import Int8
 
 from ._arrays import bytea_array, int8_array, text_array
 from ._entry import LedgerEntry
-from ._events import Consumed, DeadLettered, Published, Purged
+from ._events import Consumed, DeadLettered, Published, Purged, TopologyChanged
 from ._ids import ReplicationId
 from ._vpnstore import COUNT_UNKNOWN_ACKS
 
@@ -118,6 +118,12 @@ ON CONFLICT DO NOTHING
 _DEAD_LETTER_REMOVE = """
 DELETE FROM live_message WHERE vpn = %b AND queue = %b AND repl_id = %b
 """
+# A standby keeps each topology change until a listing taken after it
+# (bridge._definitions); a replayed one is kept once.
+_KEEP_TOPOLOGY = """
+INSERT INTO topology_change (vpn, ledger_index, event) VALUES (%b, %b, %b)
+ON CONFLICT DO NOTHING
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,16 +183,16 @@ def _plan(vpn: str, entries: Sequence[LedgerEntry]) -> _Plan:
 
 
 def _runs(vpn: str, entries: Sequence[LedgerEntry]) -> list[list[LedgerEntry]]:
-    """``entries`` in index order, cut before and after every purge and
-    dead-lettering: each is a run of its own, so each run's plan starts from
-    the state the runs before it left (a purge empties a whole queue, and a
-    dead-lettering copies a row the fold does not hold: neither is a per-key
-    fold)."""
+    """``entries`` in index order, cut before and after every purge,
+    dead-lettering and topology change: each is a run of its own, so each
+    run's plan starts from the state the runs before it left (a purge
+    empties a whole queue, and a dead-lettering copies a row the fold does
+    not hold: neither is a per-key fold)."""
     runs: list[list[LedgerEntry]] = [[]]
     for entry in sorted(entries, key=lambda e: e.index):
         if entry.event.vpn != vpn or entry.vpn != vpn:
             raise ValueError(f"entry {entry.index} belongs to VPN {entry.vpn!r}, not {vpn!r}")
-        if isinstance(entry.event, Purged | DeadLettered):
+        if isinstance(entry.event, Purged | DeadLettered | TopologyChanged):
             runs += [[entry], []]
         else:
             runs[-1].append(entry)
@@ -225,12 +231,20 @@ class _Execute:
 _Step = _Execute
 
 
-def _apply_steps(vpn: str, entries: Sequence[LedgerEntry]) -> Generator[_Step, Any, ApplyResult]:
+def _apply_steps(
+    vpn: str, entries: Sequence[LedgerEntry], keep_topology: bool
+) -> Generator[_Step, Any, ApplyResult]:
     """The statements of one apply, in order; each ``yield`` is answered by
-    the driver (rows for a ``RETURNING`` statement, a row count otherwise)."""
+    the driver (rows for a ``RETURNING`` statement, a row count otherwise).
+    ``keep_topology``: store topology changes (a standby; the active's
+    topology is its broker's)."""
     inserted = deleted = unknown = 0
     for run in _runs(vpn, entries):
         event = run[0].event
+        if isinstance(event, TopologyChanged):
+            if keep_topology:
+                yield _Execute(_KEEP_TOPOLOGY, (vpn, run[0].index, run[0].encoded))
+            continue
         if isinstance(event, Purged):
             spared = bytea_array([r.value for r in event.spared])
             count = yield _Execute(_PURGE, (vpn, event.queue, run[0].index, spared))
@@ -392,7 +406,7 @@ def guarded_template(
     The entries' indexes are then relative to that base, so a transaction's
     events can be made ready before the index its group lands at is known."""
     runs = _runs(vpn, entries)
-    if len(runs) != 1 or isinstance(runs[0][0].event, Purged | DeadLettered):
+    if len(runs) != 1 or isinstance(runs[0][0].event, Purged | DeadLettered | TopologyChanged):
         return None
     plan = _plan(vpn, runs[0])
     if any(plan.keys[k].present for k in plan.deletes):
@@ -463,10 +477,16 @@ def _log_unknown(vpn: str, unknown: list[_Key]) -> None:
 
 
 def apply_entries(
-    conn: psycopg.Connection[Any], vpn: str, entries: Sequence[LedgerEntry]
+    conn: psycopg.Connection[Any],
+    vpn: str,
+    entries: Sequence[LedgerEntry],
+    *,
+    keep_topology: bool = False,
 ) -> ApplyResult:
-    """Apply ``entries`` of ``vpn`` in index order inside the caller's transaction."""
-    steps = _apply_steps(vpn, entries)
+    """Apply ``entries`` of ``vpn`` in index order inside the caller's
+    transaction; ``keep_topology``: a standby's apply, which keeps the
+    topology changes too (:mod:`bridge._definitions`)."""
+    steps = _apply_steps(vpn, entries, keep_topology)
     answer: Any = None
     with conn.cursor(row_factory=tuple_row) as cur:
         try:
@@ -482,8 +502,9 @@ def apply_entries(
 async def apply_entries_async(
     conn: psycopg.AsyncConnection[Any], vpn: str, entries: Sequence[LedgerEntry]
 ) -> ApplyResult:
-    """:func:`apply_entries` on an asyncio connection: the same statements."""
-    steps = _apply_steps(vpn, entries)
+    """:func:`apply_entries` on an asyncio connection: the same statements
+    (the active's: topology changes are not kept)."""
+    steps = _apply_steps(vpn, entries, False)
     answer: Any = None
     async with conn.cursor(row_factory=tuple_row) as cur:
         try:

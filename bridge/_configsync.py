@@ -7,9 +7,11 @@ definitions export has them, the ``users`` who hold permissions on the vhost
 (password hash, hashing algorithm, tags, limits), and their ``permissions``
 and ``topic_permissions`` on it. The standby imports it with
 :func:`import_vpn_definitions` at every listing and keeps the newest copy
-(``vpn_config.definitions``); :func:`reimport` imports that copy at a
+(``vpn_config.definitions``); :func:`reimport` imports that copy, with the
+topology changes streamed since it (:mod:`bridge._definitions`), at a
 promotion, when the active may be gone. So a client with its own user logs
-in to the promoted site with the password it always had.
+in to the promoted site with the password it always had, and finds every
+queue, exchange and binding it made through the listener.
 
 Invariants, and why they hold:
 
@@ -25,9 +27,12 @@ Invariants, and why they hold:
   (and any ``keep_users``) is never created, changed or given permissions
   by config-sync, so a listing cannot lock the standby's node out of its
   own broker; one INFO line per VPN says it was left alone.
-* Config-sync adds and updates, never deletes: like RabbitMQ's definitions
-  import, a queue, user or permission removed on the active stays on the
-  standby until it is removed there.
+* Config-sync adds and updates; it deletes only what a client deleted
+  through the listener (:func:`carry_out_deletions`: a streamed
+  ``queue.delete``, ``exchange.delete`` or unbind whose object the
+  definitions no longer hold). A queue, exchange, binding, user or
+  permission removed at the active's broker directly stays on the standby
+  until it is removed there, as with RabbitMQ's definitions import.
 * No credential is logged or put in an error: messages name users, never
   hashes, and show the management URL redacted. The stored copy holds
   password hashes (as RabbitMQ's own definitions export does), never a
@@ -46,12 +51,15 @@ from urllib.parse import quote
 
 import psycopg
 
+from ._definitions import DefinitionsError, streamed_deletions
 from ._errors import BridgeError
+from ._events import TopologyChanged
 from ._management import ManagementAPI, ManagementUnavailable
-from ._vpnstore import stored_definitions
+from ._topology_store import stored_topology
 
 __all__ = [
     "ConfigSyncError",
+    "carry_out_deletions",
     "import_vpn_definitions",
     "reimport",
     "shape_vpn_definitions",
@@ -289,25 +297,94 @@ def _import_user(api: ManagementAPI, vpn: str, user: dict[str, Any]) -> None:
         api.delete(f"{limits}/{quote(key, safe='')}")
 
 
+def carry_out_deletions(
+    api: ManagementAPI, vpn: str, changes: Sequence[TopologyChanged], definitions_json: bytes
+) -> int:
+    """Delete from the local broker what ``changes`` (streamed topology
+    changes) deleted and ``definitions_json`` does not hold again: queues,
+    exchanges, and bindings (found by their ends, routing key and
+    arguments, as the broker keys them). What is gone already is skipped.
+    Returns how many objects were deleted."""
+    try:
+        doc = json.loads(definitions_json) if definitions_json else {}
+        todo = streamed_deletions(changes, doc)
+    except (ValueError, DefinitionsError) as e:
+        raise ConfigSyncError(f"the definitions of {vpn} are unusable: {e}") from e
+    name = quote(vpn, safe="")
+    done = 0
+    try:
+        for op, item in todo:
+            if op == "queue.delete":
+                done += _delete(api, f"queues/{name}/{quote(item['name'], safe='')}")
+            elif op == "exchange.delete":
+                done += _delete(api, f"exchanges/{name}/{quote(item['name'], safe='')}")
+            else:
+                done += _unbind(api, name, item)
+    except ManagementUnavailable as e:
+        raise ConfigSyncError(str(e)) from e
+    return done
+
+
+def _delete(api: ManagementAPI, path: str) -> int:
+    try:
+        api.delete(path)
+    except ManagementUnavailable as e:
+        if e.not_found:
+            return 0
+        raise
+    return 1
+
+
+def _unbind(api: ManagementAPI, vhost: str, item: Mapping[str, Any]) -> int:
+    kind = "q" if item["destination_type"] == "queue" else "e"
+    ends = f"e/{quote(item['source'], safe='')}/{kind}/{quote(item['destination'], safe='')}"
+    found = _get_or_none_list(api, f"bindings/{vhost}/{ends}")
+    want = (item.get("routing_key", ""), item.get("arguments") or {})
+    done = 0
+    for b in found:
+        if (b.get("routing_key", ""), b.get("arguments") or {}) == want:
+            key = quote(str(b.get("properties_key", "")), safe="")
+            done += _delete(api, f"bindings/{vhost}/{ends}/{key}")
+    return done
+
+
+def _get_or_none_list(api: ManagementAPI, path: str) -> list[dict[str, Any]]:
+    try:
+        return _records(api.get(path), "bindings")
+    except ManagementUnavailable as e:
+        if e.not_found:
+            return []
+        raise
+
+
 def reimport(api: ManagementAPI, vpn: str, dsn: str) -> bool:
-    """Import the definitions the active sent last for ``vpn`` (the copy in
-    ``vpn_config.definitions``) into the local broker, users and permissions
-    included, as :func:`import_vpn_definitions` does; for a promotion, which
-    must not depend on the active being reachable (blocking; run in a
-    thread). False when no copy is stored (the VPN was never listed with
-    definitions)."""
+    """Import the definitions this site holds for ``vpn`` (the active's last
+    listing with the topology changes streamed since, see
+    :class:`~bridge._topology_store.StoredTopology`) into the local broker,
+    users and permissions included, as :func:`import_vpn_definitions` does,
+    and carry out the streamed deletes; for a promotion, which must not
+    depend on the active being reachable (blocking; run in a thread). False
+    when this site holds no definitions at all."""
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
-            definitions = stored_definitions(conn, vpn)
+            stored = stored_topology(conn, vpn)
     except psycopg.Error as e:
         text = e.diag.message_primary or (str(e).strip().splitlines() or [""])[0]
         raise ConfigSyncError(f"the stored definitions cannot be read: database: {text}") from e
+    try:
+        definitions = stored.merged()
+    except DefinitionsError as e:
+        raise ConfigSyncError(str(e)) from e
     if definitions is None:
         return False
     created = import_vpn_definitions(api, vpn, definitions)
+    deleted = carry_out_deletions(api, vpn, stored.changes, definitions)
     log.info(
-        "config-sync: VPN %s: the stored definitions imported into the local broker%s",
+        "config-sync: VPN %s: the stored definitions and %d topology changes streamed after "
+        "them imported into the local broker%s%s",
         vpn,
+        len(stored.changes),
         " (vhost created)" if created else "",
+        f" ({deleted} deleted objects removed)" if deleted else "",
     )
     return True

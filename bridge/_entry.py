@@ -19,6 +19,7 @@ encoding ever changes.
     CONSUMED:  b"C" id(16) queue(str16)
     PURGED:    b"Q" deleted(u8: 0 or 1) queue(str16) nspared(u32) id(16)*
     DEAD:      b"D" id(16) queue(str16) nto(u16) queue(str16)*
+    TOPOLOGY:  b"T" op(u8: 1 + its place in TOPOLOGY_OPS) item(bytes32: UTF-8 JSON)
     (str16 = u16 length + UTF-8, bytes32 = u32 length + bytes)
 """
 
@@ -28,7 +29,16 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ._events import EVENT_KINDS, Consumed, DeadLettered, Event, Published, Purged
+from ._events import (
+    EVENT_KINDS,
+    TOPOLOGY_OPS,
+    Consumed,
+    DeadLettered,
+    Event,
+    Published,
+    Purged,
+    TopologyChanged,
+)
 from ._ids import ReplicationId
 
 __all__ = [
@@ -47,6 +57,8 @@ KIND_PUBLISHED = b"P"
 KIND_CONSUMED = b"C"
 KIND_PURGED = b"Q"
 KIND_DEAD = b"D"
+KIND_TOPOLOGY = b"T"
+_OP_CODES = {op: code for code, op in enumerate(TOPOLOGY_OPS, start=1)}
 
 
 class EventDecodeError(ValueError):
@@ -118,6 +130,9 @@ def encode_event(event: Event) -> bytes:
         parts = [KIND_DEAD, event.repl_id.value, _str16(event.queue), _U16.pack(len(event.to))]
         parts += [_str16(q) for q in event.to]
         return b"".join(parts)
+    if isinstance(event, TopologyChanged):
+        item = event.item.encode()
+        return b"".join((KIND_TOPOLOGY, bytes((_OP_CODES[event.op],)), _U32.pack(len(item)), item))
     spared = b"".join(r.value for r in event.spared)
     return b"".join(
         (
@@ -214,6 +229,17 @@ def _decode_checked(data: bytes, vpn: str) -> Event:
         if r.pos != len(r.data):
             raise EventDecodeError(f"{len(r.data) - r.pos} bytes after the event")
         return event
+    if kind == KIND_TOPOLOGY:
+        code = r.take(1)[0]
+        if not 1 <= code <= len(TOPOLOGY_OPS):
+            raise EventDecodeError(f"unknown topology operation {code}")
+        try:
+            item = r.take(r.u32()).decode()
+        except UnicodeDecodeError as e:
+            raise EventDecodeError("topology item is not UTF-8") from e
+        if r.pos != len(r.data):
+            raise EventDecodeError(f"{len(r.data) - r.pos} bytes after the event")
+        return TopologyChanged(vpn, TOPOLOGY_OPS[code - 1], item)
     repl_id = ReplicationId(r.take(16))
     if kind == KIND_PUBLISHED:
         exchange, routing_key = r.str16(), r.str16()

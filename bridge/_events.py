@@ -29,6 +29,8 @@ __all__ = [
     "LocalTransaction",
     "Published",
     "Purged",
+    "TOPOLOGY_OPS",
+    "TopologyChanged",
     "XA_TXID_PREFIX",
     "TransactionRefused",
     "Voted",
@@ -106,7 +108,37 @@ class DeadLettered(NamedTuple):
     to: tuple[str, ...]
 
 
-Event = Published | Consumed | Purged | DeadLettered
+class TopologyChanged(NamedTuple):
+    """An exchange or a queue declared or deleted, or a binding made or
+    removed, through the listener of a replicated VPN, once the broker
+    answered ``-ok``. It is a ledger entry like the messages, so the standby
+    applies it in order with them: a publish routed to a queue always
+    follows that queue's declare.
+
+    ``op`` is one of :data:`TOPOLOGY_OPS`; ``item`` the object as RabbitMQ's
+    definitions export has it, canonical JSON (sorted keys, no vhost): a
+    queue ``{name, durable, auto_delete, arguments}``, an exchange ``{name,
+    type, durable, auto_delete, internal, arguments}``, a binding ``{source,
+    destination, destination_type, routing_key, arguments}``; a delete names
+    the object only (``{name}``). :mod:`bridge._definitions` builds and
+    applies them."""
+
+    vpn: str
+    op: str
+    item: str
+
+
+#: what a :class:`TopologyChanged` does, in the order of its wire code (1...)
+TOPOLOGY_OPS = (
+    "exchange.declare",
+    "exchange.delete",
+    "queue.declare",
+    "queue.delete",
+    "bind",
+    "unbind",
+)
+
+Event = Published | Consumed | Purged | DeadLettered | TopologyChanged
 
 #: each event type's name: the ledger's ``kind`` column and the ``kind``
 #: label of the ``vpnrepl_events_total`` metric
@@ -115,6 +147,7 @@ EVENT_KINDS: dict[type, str] = {
     Consumed: "consumed",
     Purged: "purged",
     DeadLettered: "dead-lettered",
+    TopologyChanged: "topology",
 }
 
 #: a standby's yes vote on a local transaction: each of its events' ledger

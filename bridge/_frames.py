@@ -50,6 +50,9 @@ __all__ = [
     "FRAME_OVERHEAD",
     "FRAME_TYPES",
     "MAGIC",
+    "CAPABILITIES",
+    "CAP_TOPOLOGY",
+    "OUR_CAPABILITIES",
     "PREVIOUS_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
     "Repair",
@@ -85,13 +88,23 @@ MAGIC: Final = 0xBD
 #: 2: TxnCommit / TxnApplied; 3: TxnApplied answers every TxnCommit;
 #: 4: VpnResource carries expose_id and the index its epoch took over at;
 #: 5: VpnResource's queue patterns are searched in a queue name, not
-#: matched against all of it (see :mod:`bridge._scope_semantics`)
-PROTOCOL_VERSION: Final = 5
+#: matched against all of it (see :mod:`bridge._scope_semantics`);
+#: 6: capability flags in the Hello (:data:`CAPABILITIES`), and the index a
+#: VpnResource's definitions were read at. Later features of this protocol
+#: are capabilities, not versions.
+PROTOCOL_VERSION: Final = 6
 #: The oldest version this node still speaks, so that the two sites can be
 #: upgraded one at a time: a connection runs at the lower of the two ends'
 #: versions (agreed in the Hello exchange), and its frames carry it.
-PREVIOUS_PROTOCOL_VERSION: Final = 4
+PREVIOUS_PROTOCOL_VERSION: Final = 5
 SUPPORTED_VERSIONS: Final = frozenset({PREVIOUS_PROTOCOL_VERSION, PROTOCOL_VERSION})
+#: capability flags (version 6 on): each end offers its own in its Hello,
+#: and a connection uses those both offered
+CAP_TOPOLOGY: Final = 1 << 0
+"""topology changes travel in the stream as ``TopologyChanged`` events"""
+#: every capability this node has, by name (for log lines)
+CAPABILITIES: Final = {CAP_TOPOLOGY: "topology events"}
+OUR_CAPABILITIES: Final = CAP_TOPOLOGY
 #: RabbitMQ (3.8+) accepts messages up to 128 MiB by default, and one event
 #: must fit in one frame; 8 MiB on top for properties and framing.
 DEFAULT_MAX_FRAME_SIZE: Final = 136 * 2**20
@@ -151,12 +164,14 @@ def _strs16(texts: tuple[str, ...]) -> bytes:
 class _Reader:
     """Reads one frame's payload; every shortfall is a :class:`BadFrame`."""
 
-    __slots__ = ("data", "pos", "what")
+    __slots__ = ("data", "pos", "version", "what")
 
-    def __init__(self, data: bytes, what: str) -> None:
+    def __init__(self, data: bytes, what: str, version: int = PROTOCOL_VERSION) -> None:
         self.data = data
         self.pos = 0
         self.what = what
+        #: the protocol version in the frame's header: what the payload holds
+        self.version = version
 
     def take(self, n: int, name: str) -> bytes:
         end = self.pos + n
@@ -221,13 +236,18 @@ class _Frame:
     def payload(self) -> bytes:
         raise NotImplementedError
 
+    def payload_in(self, version: int) -> bytes:
+        """The payload as a peer of ``version`` reads it (the same bytes,
+        except for frames whose fields changed between versions)."""
+        return self.payload()
+
     @classmethod
     def read(cls, r: _Reader) -> Self:
         raise NotImplementedError
 
     def encode(self, version: int = PROTOCOL_VERSION) -> bytes:
         """The wire bytes, stamped with the connection's protocol ``version``."""
-        payload = self.payload()
+        payload = self.payload_in(version)
         header = _HEADER.pack(MAGIC, version, self.TYPE, 0, len(payload))
         return b"".join((header, payload, _CRC.pack(zlib.crc32(payload, zlib.crc32(header)))))
 
@@ -242,24 +262,33 @@ class _Frame:
 
 @dataclass(frozen=True, slots=True)
 class Hello(_Frame):
-    """First frame each way: the standby opens, the active answers."""
+    """First frame each way: the standby opens, the active answers; from
+    version 6 on each end offers its ``capabilities`` (flags)."""
 
     TYPE: ClassVar[int] = 1
     site: str
     version: int
     role: Role
+    capabilities: int = 0
 
     def __post_init__(self) -> None:
         _check_text("site", self.site)
         _check_int("version", self.version, 0, _MAX_U16)
+        _check_int("capabilities", self.capabilities, 0, _MAX_U32)
         object.__setattr__(self, "role", Role(self.role))
 
     def payload(self) -> bytes:
-        return _str16(self.site) + _U16.pack(self.version) + _U8.pack(_ROLE_CODES[self.role])
+        return self.payload_in(PROTOCOL_VERSION)
+
+    def payload_in(self, version: int) -> bytes:
+        head = _str16(self.site) + _U16.pack(self.version) + _U8.pack(_ROLE_CODES[self.role])
+        return head if version < 6 else head + _U32.pack(self.capabilities)
 
     @classmethod
     def read(cls, r: _Reader) -> Self:
-        return cls(r.text("site"), r.u16("version"), r.code("role", _ROLE_CODES))
+        site, version, role = r.text("site"), r.u16("version"), r.code("role", _ROLE_CODES)
+        capabilities = r.u32("capabilities") if r.version >= 6 else 0
+        return cls(site, version, role, capabilities)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +322,10 @@ class VpnResource:
     #: the index of the previous epoch's ledger up to which this site had
     #: applied it when it took the VPN over (0: the VPN never changed sites)
     taken_over_at: int = 0
+    #: the active's durable ledger index when it read ``definitions_json``
+    #: (version 6 on; None: not said): every topology change after it comes
+    #: in the stream (:mod:`bridge._definitions`)
+    definitions_index: int | None = None
 
     def __post_init__(self) -> None:
         _check_text("VPN name", self.name)
@@ -309,10 +342,17 @@ class VpnResource:
             _check_text("topic filter pattern", topic.pattern)
         _check_blob("definitions", self.definitions_json)
         _check_int("taken_over_at", self.taken_over_at, 0)
+        if self.definitions_index is not None:
+            _check_int("definitions_index", self.definitions_index, 0, _MAX_U64 - 1)
 
     @classmethod
     def from_settings(
-        cls, settings: VpnSettings, epoch: int, definitions_json: bytes, taken_over_at: int = 0
+        cls,
+        settings: VpnSettings,
+        epoch: int,
+        definitions_json: bytes,
+        taken_over_at: int = 0,
+        definitions_index: int | None = None,
     ) -> VpnResource:
         return cls(
             settings.name,
@@ -325,9 +365,22 @@ class VpnResource:
             definitions_json,
             settings.expose_id,
             taken_over_at,
+            definitions_index,
         )
 
     def payload(self) -> bytes:
+        return self.payload_in(PROTOCOL_VERSION)
+
+    def payload_in(self, version: int) -> bytes:
+        """The resource's bytes as a peer of ``version`` reads them."""
+        head = self._payload()
+        if version < 6:
+            return head
+        # u64 max: not said
+        index = _MAX_U64 if self.definitions_index is None else self.definitions_index
+        return head + _U64.pack(index)
+
+    def _payload(self) -> bytes:
         return b"".join(
             (
                 _str16(self.name),
@@ -357,6 +410,10 @@ class VpnResource:
         )
         definitions, expose_id = r.blob("definitions"), r.flag("expose_id")
         taken_over_at = r.u64("taken_over_at")
+        index: int | None = None
+        if r.version >= 6:
+            index = r.u64("definitions_index")
+            index = None if index == _MAX_U64 else index
         return cls(
             name,
             epoch,
@@ -368,6 +425,7 @@ class VpnResource:
             definitions,
             expose_id,
             taken_over_at,
+            index,
         )
 
 
@@ -389,7 +447,10 @@ class ResourceList(_Frame):
         _check_int("VPN count", len(names), 0, _MAX_U32)
 
     def payload(self) -> bytes:
-        return _U32.pack(len(self.vpns)) + b"".join(v.payload() for v in self.vpns)
+        return self.payload_in(PROTOCOL_VERSION)
+
+    def payload_in(self, version: int) -> bytes:
+        return _U32.pack(len(self.vpns)) + b"".join(v.payload_in(version) for v in self.vpns)
 
     @classmethod
     def read(cls, r: _Reader) -> Self:
@@ -949,7 +1010,7 @@ def _decode_at(data: bytes | bytearray, pos: int, max_frame_size: int) -> tuple[
     cls = FRAME_TYPES.get(ftype)
     if cls is None:
         raise BadFrame(f"unknown frame type {ftype}")
-    reader = _Reader(payload, cls.__name__)
+    reader = _Reader(payload, cls.__name__, version)
     try:
         frame = cls.read(reader)
     except (ValueError, EventDecodeError) as e:

@@ -76,7 +76,7 @@ from tenacity import (
 
 from ._arrays import bytea_array, int8_array, text_array
 from ._entry import LedgerEntry, encode_event, entries_by_vpn
-from ._events import DeadLettered, Event, Published
+from ._events import DeadLettered, Event, Published, TopologyChanged
 from ._ledger_errors import (
     LedgerClosed,
     LedgerConflict,
@@ -191,6 +191,8 @@ def _check_storable(event: Event) -> None:
     if isinstance(event, Published):
         bad = "\x00" in event.exchange or "\x00" in event.routing_key
         bad = bad or any("\x00" in q for q in event.queues)
+    elif isinstance(event, TopologyChanged):
+        bad = False  # its names are inside JSON, which escapes a NUL
     else:
         bad = "\x00" in event.queue
         if isinstance(event, DeadLettered):  # the queues it is moved to, too

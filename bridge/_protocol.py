@@ -45,6 +45,14 @@ apply failure). To stop streaming a VPN for another reason the active sends a
 without correlation ids: frames of a stream the standby abandoned that were
 already in flight are recognised by state and dropped.
 
+Versions and capabilities: the standby proposes its version in its
+``Hello`` and the active answers in the same one or refuses; from version 6
+on each ``Hello`` offers the sender's capability flags and the connection
+uses those both offered (:attr:`BridgeConnection.capabilities`). A peer
+without the topology capability reads each topology event as a purge of
+the queue named "" (no queue has that name: a no-op that keeps the indexes
+dense, so it detects no gap).
+
 The frames and their wire encoding are :mod:`bridge._frames`.
 """
 
@@ -56,6 +64,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Final
 
+from ._entry import LedgerEntry
 from ._errors import (
     BadFrame,
     BridgeError,
@@ -69,9 +78,13 @@ from ._errors import (
     UnknownVpn,
     VersionMismatch,
 )
+from ._events import Purged, TopologyChanged
 from ._frames import (
+    CAP_TOPOLOGY,
+    CAPABILITIES,
     DEFAULT_MAX_FRAME_SIZE,
     FRAME_OVERHEAD,
+    OUR_CAPABILITIES,
     PREVIOUS_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
@@ -100,7 +113,6 @@ from ._frames import (
     TxnVote,
     VpnResource,
 )
-from ._scope_semantics import anchored, unanchored
 from ._settings import Role
 
 __all__ = [
@@ -343,12 +355,16 @@ class BridgeConnection:
         known_epochs: Mapping[str, int] | None = None,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         version: int = PROTOCOL_VERSION,
+        offered: int = OUR_CAPABILITIES,
     ) -> None:
         if version not in SUPPORTED_VERSIONS:
             raise ValueError(f"this node cannot speak bridge protocol version {version}")
         #: the version this end speaks: the standby's choice, then the
         #: lower of the two ends' once the active's Hello has answered
         self.version = version
+        #: the capability flags this end offers in its Hello
+        self.offered = offered
+        self._peer_offered = 0
         self.our_role = Role(our_role)
         self.their_role = Role.STANDBY if self.our_role is Role.ACTIVE else Role.ACTIVE
         self.our_site = our_site
@@ -412,7 +428,6 @@ class BridgeConnection:
                 frame = self._reader.next_frame()
                 if frame is None:
                     return self._no_frame()
-                frame = _from_version(frame, self.version)
                 accepted = self._process(self.their_role, frame, sending=False)
             except RemoteProtocolError as e:
                 if e.closes_connection:
@@ -424,7 +439,7 @@ class BridgeConnection:
 
     def send(self, frame: Frame) -> bytes:
         """The bytes of ``frame``, if we may send it now."""
-        data = _for_version(frame, self.version).encode(self.version)
+        data = self._for_peer(frame).encode(self.version)
         size = len(data) - FRAME_OVERHEAD
         if size > self.max_frame_size:
             raise LocalProtocolError(
@@ -459,8 +474,6 @@ class BridgeConnection:
             return frame
         if self.phase is Phase.FAILED:
             raise LocalProtocolError("after a fault only a connection-level Error may be sent")
-        if isinstance(frame, Repair) and self.version < 5:
-            raise self._illegal(sending, f"Repair in protocol version {self.version}", frame.vpn)
         if isinstance(frame, VPN_FRAMES):
             return self._process_vpn(sender, frame, sending=sending)
         if isinstance(frame, Hello):
@@ -481,6 +494,8 @@ class BridgeConnection:
             ours = (self.our_site, self.our_role, self.version)
             if (hello.site, hello.role, hello.version) != ours:
                 raise LocalProtocolError(f"may not send {hello}: this end is {ours}")
+            if self.version >= 6:  # what this end offers is what it said
+                self.offered = hello.capabilities
             return
         # The standby proposes its version; the active speaks it if it can and
         # answers with it, and the standby accepts no other answer.
@@ -494,6 +509,7 @@ class BridgeConnection:
                 f"peer {hello.site!r} answered version {hello.version} to {self.version}"
             )
         self.version = hello.version
+        self._peer_offered = hello.capabilities if hello.version >= 6 else 0
         if hello.role is self.our_role:
             raise RoleConflict(f"peer {hello.site!r} is {hello.role} too")
         if hello.site == self.our_site:
@@ -647,28 +663,34 @@ class BridgeConnection:
             raise self._illegal(sending, what, frame.vpn)
         return replace(stream, acked=frame.index)
 
+    @property
+    def capabilities(self) -> int:
+        """The capabilities in use: those both ends offered (none before the
+        peer's Hello, and none below version 6)."""
+        return self.offered & self._peer_offered if self.version >= 6 else 0
 
-def _for_version(frame: Frame, version: int) -> Frame:
-    """``frame`` as a peer of ``version`` reads it: before version 5 a queue
-    pattern matched the whole name, so a searched one is sent rewritten."""
-    if version < 5 and isinstance(frame, ResourceList):
-        return ResourceList(
-            tuple(
-                replace(v, queue_patterns=tuple(unanchored(p) for p in v.queue_patterns))
-                for v in frame.vpns
-            )
-        )
-    return frame
+    def our_hello(self) -> Hello:
+        """The ``Hello`` this end sends (after the peer's, on the active)."""
+        offered = self.offered if self.version >= 6 else 0
+        return Hello(self.our_site, self.version, self.our_role, offered)
+
+    def lacking(self) -> list[str]:
+        """What this end offers that the connection cannot use (the peer's
+        release lacks it), by name: for one log line per connection."""
+        missing = self.offered & ~self.capabilities
+        return [name for flag, name in CAPABILITIES.items() if missing & flag]
+
+    def _for_peer(self, frame: Frame) -> Frame:
+        """``frame`` as the peer reads it: without the topology capability,
+        each topology event becomes a no-op purge (module docstring)."""
+        if self.capabilities & CAP_TOPOLOGY or not isinstance(frame, Events):
+            return frame
+        if not any(isinstance(e.event, TopologyChanged) for e in frame.entries):
+            return frame
+        return replace(frame, entries=tuple(_without_topology(e) for e in frame.entries))
 
 
-def _from_version(frame: Frame, version: int) -> Frame:
-    """``frame`` from a peer of ``version`` with this version's meaning: the
-    inverse of :func:`_for_version` (a whole-name pattern becomes anchored)."""
-    if version < 5 and isinstance(frame, ResourceList):
-        return ResourceList(
-            tuple(
-                replace(v, queue_patterns=tuple(anchored(p) for p in v.queue_patterns))
-                for v in frame.vpns
-            )
-        )
-    return frame
+def _without_topology(entry: LedgerEntry) -> LedgerEntry:
+    if not isinstance(entry.event, TopologyChanged):
+        return entry
+    return LedgerEntry(entry.vpn, entry.epoch, entry.index, Purged(entry.vpn, ""))

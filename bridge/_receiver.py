@@ -347,7 +347,7 @@ class BridgeClient:
 
     async def _greet(self, link: Link) -> None:
         try:
-            link.send(Hello(self.site, self.version, Role.STANDBY))
+            link.send(link.conn.our_hello())
             answer = await link.next_frame()
         except LinkClosed as e:
             raise self._hung_up(e.text) from e
@@ -376,6 +376,16 @@ class BridgeClient:
             self.peer,
             answer.version,
         )
+        lacking = link.conn.lacking()
+        if lacking:
+            log.warning(
+                "bridge: the active site %r (protocol version %d) cannot send %s: "
+                "topology changes reach this site only by its listings, every %.0f s",
+                answer.site,
+                answer.version,
+                ", ".join(lacking),
+                self.relist_interval,
+            )
         self.peer_site = answer.site
         link.send(GetAllResources())
 

@@ -278,7 +278,7 @@ class StandbyApplier:
                 expected, epoch = expected + 1, entry.epoch
             early = self._committed_early_rows(conn, vpn)
             rest, passed, settled = _skip_early(conn, vpn, fresh, early)
-            apply_entries(conn, vpn, rest)
+            apply_entries(conn, vpn, rest, keep_topology=True)
             if settled:
                 conn.execute(_APPLIED_DONE, (settled,))
             set_applied(conn, vpn, fresh[-1].index, epoch)

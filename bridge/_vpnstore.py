@@ -72,7 +72,6 @@ __all__ = [
     "fence_vpn_async",
     "follow_settings_async",
     "followed_settings_async",
-    "keep_definitions_async",
     "known_epochs_async",
     "ledger_progress_async",
     "ledger_start_async",
@@ -94,7 +93,6 @@ __all__ = [
     "set_applied",
     "set_applied_async",
     "set_bridge_state_async",
-    "stored_definitions",
     "stored_ledger_index",
     "vpn_status_rows",
 ]
@@ -141,10 +139,6 @@ UPDATE vpn_config SET mode = %s, sync_timeout_ms = %s, on_sync_timeout = %s, que
                       topic_filters = %s, expose_id = %s, updated_at = now()
 WHERE name = %s
 """
-_KEEP_DEFINITIONS = """
-UPDATE vpn_config SET definitions = %s WHERE name = %s AND definitions IS DISTINCT FROM %s
-"""
-_DEFINITIONS = "SELECT definitions FROM vpn_config WHERE name = %s"
 _KNOWN_EPOCHS = "SELECT name, epoch FROM vpn_config"
 _RAISE_EPOCH = "UPDATE vpn_config SET epoch = %s, updated_at = now() WHERE name = %s AND epoch < %s"
 
@@ -282,20 +276,6 @@ async def followed_settings_async(conn: _AsyncConn, vpn: str) -> FollowedSetting
 async def follow_settings_async(conn: _AsyncConn, vpn: str, settings: FollowedSettings) -> None:
     """Store ``settings`` as ``vpn``'s (the active's, listed)."""
     await conn.execute(_FOLLOW, (*settings._params(), vpn))
-
-
-async def keep_definitions_async(conn: _AsyncConn, vpn: str, definitions: bytes) -> None:
-    """Keep the RabbitMQ definitions the active sent last (written only
-    when they changed)."""
-    await conn.execute(_KEEP_DEFINITIONS, (definitions, vpn, definitions))
-
-
-def stored_definitions(conn: _Conn, vpn: str) -> bytes | None:
-    """The definitions kept by :func:`keep_definitions_async`; None when
-    there are none (or the VPN is unknown)."""
-    with conn.cursor(row_factory=tuple_row) as cur:
-        row = cur.execute(_DEFINITIONS, (vpn,)).fetchone()
-    return bytes(row[0]) if row is not None and row[0] else None
 
 
 async def known_epochs_async(conn: _AsyncConn) -> dict[str, int]:

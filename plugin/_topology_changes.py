@@ -15,7 +15,12 @@ again when it applies.
 Three changes reach beyond the topology, and :class:`TopologyRequests`
 carries those out too: a declared queue may be the connection's exclusive
 one, and a deleted or purged queue's messages are gone on both sites (a
-``Purged`` event). An empty queue name in a bind, unbind, purge or delete
+``Purged`` event). On a replicated VPN every declare, delete, bind and
+unbind that applies also becomes a ``TopologyChanged`` event, in the
+connection's events where the broker made it, so the standby holds the
+topology in stream order with the messages (:meth:`change_event`); the
+connection's exclusive queues are left out (they end with it, on this site
+too). An empty queue name in a bind, unbind, purge or delete
 means the channel's last declared queue (:data:`NAMES_A_QUEUE`), resolved
 when the change applies, after every earlier ``declare-ok`` of the channel.
 """
@@ -30,7 +35,15 @@ from typing import TYPE_CHECKING
 
 from pamqp import base, commands
 
-from bridge import Purged, ReplicationId
+from bridge import (
+    Purged,
+    ReplicationId,
+    TopologyChanged,
+    binding_item,
+    exchange_item,
+    name_item,
+    queue_item,
+)
 
 from . import _amqp as amqp
 from ._amqp import Frame
@@ -55,6 +68,7 @@ __all__ = [
     "TopologyRequests",
     "UnbindExchange",
     "UnbindQueue",
+    "change_event",
     "change_of",
 ]
 
@@ -66,6 +80,7 @@ class DeclareExchange:
     arguments: Mapping[str, object] = field(default_factory=dict)
     internal: bool = False
     auto_delete: bool = False
+    durable: bool = False
 
     def apply(self, topology: Topology) -> None:
         topology.declare_exchange(
@@ -119,6 +134,8 @@ class DeclareQueue:
     queue: str
     arguments: Mapping[str, object] = field(default_factory=dict)
     exclusive: bool = False
+    durable: bool = False
+    auto_delete: bool = False
 
     def apply(self, topology: Topology, name: str | None = None) -> None:
         topology.declare_queue(self.queue if name is None else name, dict(self.arguments))
@@ -207,8 +224,17 @@ NAMES_A_QUEUE = (BindQueue, UnbindQueue, PurgeQueue, DeleteQueue)
 #: connection's exclusive queue, access) with a change the standby cannot
 #: undo: the session makes them synchronous
 REFUSABLE = (DeleteQueue, PurgeQueue, DeleteExchange)
-#: the methods they come from
-_REFUSABLE_METHODS = (commands.Queue.Delete, commands.Queue.Purge, commands.Exchange.Delete)
+#: the topology methods with a nowait flag
+_NOWAIT_METHODS = (
+    commands.Queue.Delete,
+    commands.Queue.Purge,
+    commands.Queue.Declare,
+    commands.Queue.Bind,
+    commands.Exchange.Delete,
+    commands.Exchange.Declare,
+    commands.Exchange.Bind,
+    commands.Exchange.Unbind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +251,7 @@ def change_of(m: base.Frame) -> TopologyChange | None:
             dict(m.arguments or {}),
             internal=m.internal,
             auto_delete=m.auto_delete,
+            durable=m.durable,
         )
     if isinstance(m, commands.Exchange.Delete):
         return DeleteExchange(m.exchange)
@@ -235,7 +262,13 @@ def change_of(m: base.Frame) -> TopologyChange | None:
     if isinstance(m, commands.Queue.Declare):
         if m.passive:
             return None
-        return DeclareQueue(m.queue, dict(m.arguments or {}), exclusive=m.exclusive)
+        return DeclareQueue(
+            m.queue,
+            dict(m.arguments or {}),
+            exclusive=m.exclusive,
+            durable=m.durable,
+            auto_delete=m.auto_delete,
+        )
     if isinstance(m, commands.Queue.Delete):
         return DeleteQueue(m.queue)
     if isinstance(m, commands.Queue.Purge):
@@ -245,6 +278,51 @@ def change_of(m: base.Frame) -> TopologyChange | None:
     if isinstance(m, commands.Queue.Unbind):
         return UnbindQueue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}))
     return None
+
+
+def change_event(
+    vpn: str, change: TopologyChange, declared: str | None, exclusive: list[str]
+) -> TopologyChanged | None:
+    """The event a change applied on ``vpn`` replicates (None: nothing to
+    replicate). ``declared``: the name a declare-ok gave; ``exclusive``:
+    the connection's exclusive queues, which do not replicate."""
+    if isinstance(change, DeclareQueue):
+        name = change.queue if declared is None else declared
+        if change.exclusive or not name:
+            return None
+        item = queue_item(
+            name, change.arguments, durable=change.durable, auto_delete=change.auto_delete
+        )
+        return TopologyChanged(vpn, "queue.declare", item)
+    if isinstance(change, DeleteQueue):
+        if change.queue in exclusive:
+            return None
+        return TopologyChanged(vpn, "queue.delete", name_item(change.queue))
+    if isinstance(change, DeclareExchange):
+        item = exchange_item(
+            change.exchange,
+            change.exchange_type,
+            change.arguments,
+            durable=change.durable,
+            auto_delete=change.auto_delete,
+            internal=change.internal,
+        )
+        return TopologyChanged(vpn, "exchange.declare", item)
+    if isinstance(change, DeleteExchange):
+        return TopologyChanged(vpn, "exchange.delete", name_item(change.exchange))
+    if isinstance(change, BindQueue | UnbindQueue):
+        if change.queue in exclusive:
+            return None
+        op = "bind" if isinstance(change, BindQueue) else "unbind"
+        item = binding_item(change.exchange, change.queue, "queue", change.routing_key,
+                            change.arguments)  # fmt: skip
+        return TopologyChanged(vpn, op, item)
+    if isinstance(change, BindExchange | UnbindExchange):
+        op = "bind" if isinstance(change, BindExchange) else "unbind"
+        item = binding_item(change.source, change.destination, "exchange", change.routing_key,
+                            change.arguments)  # fmt: skip
+        return TopologyChanged(vpn, op, item)
+    return None  # a purge changes no definition
 
 
 class TopologyRequests:
@@ -288,15 +366,26 @@ class TopologyRequests:
         if not getattr(m, "nowait", False):
             # one entry per request, so each -ok pops its own request
             ch.requests.append((change, False))
-        elif isinstance(change, REFUSABLE) and f.channel != 0:
+        elif self._waits_for_ok(change) and f.channel != 0:
             ch.requests.append((change, True))
             ch.hold_frames()
-            assert isinstance(m, _REFUSABLE_METHODS)  # noqa: S101 - what REFUSABLE comes from
+            assert isinstance(m, _NOWAIT_METHODS)  # noqa: S101 - the methods with nowait
             m.nowait = False
             return amqp.marshal_method(m, f.channel)
         elif change is not None:
             self._apply(ch, change, None)
         return None
+
+    def _waits_for_ok(self, change: TopologyChange | None) -> bool:
+        """A nowait request made synchronous: one the broker may refuse with
+        a change the standby cannot undo (:data:`REFUSABLE`), and on a
+        replicated VPN any that replicates (a refused declare or bind must
+        not reach the standby's definitions)."""
+        if isinstance(change, REFUSABLE):
+            return True
+        if change is None or not self._ctx.replicating:
+            return False
+        return not (isinstance(change, DeclareQueue) and change.exclusive)
 
     def answered(self, ch: Channel, buf: bytes, f: Frame) -> bytes | None:
         """The broker's -ok to the oldest request of ``ch``."""
@@ -342,8 +431,19 @@ class TopologyRequests:
                 self._emptied(change.queue, deleted=False)
             else:
                 change.apply(topology)
+            self._stream(change, declared)
         except Exception:  # a topology mismatch must never break the relay
             log.exception("connection %d: topology update failed", self._ctx.connection_id)
+
+    def _stream(self, change: TopologyChange, declared: str | None) -> None:
+        """The change as a ``TopologyChanged`` event, on a replicated VPN."""
+        ctx = self._ctx
+        vpn = ctx.vpn
+        if vpn is None or not ctx.replicating:
+            return
+        event = change_event(vpn.name, change, declared, self.exclusive_queues)
+        if event is not None:
+            ctx.out.events.append((event, None))
 
     def _emptied(self, queue: str, *, deleted: bool) -> None:
         """``queue`` was purged (or deleted): a :class:`Purged` event, on a

@@ -1,7 +1,7 @@
 """Sites upgraded one at a time: the bridge speaks the previous protocol
-version with a peer that has not been upgraded yet, and keeps the meaning of
-what changed between the versions (scope patterns, searched from version 5,
-matched whole before)."""
+version (5) with a peer that has not been upgraded yet, and from version 6
+on the two ends agree capability flags in their Hellos. What a peer cannot
+receive (topology events) reaches it as a no-op, so its indexes stay dense."""
 
 from __future__ import annotations
 
@@ -10,33 +10,43 @@ import struct
 import pytest
 
 from bridge import (
+    CAP_TOPOLOGY,
+    OUR_CAPABILITIES,
     PREVIOUS_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     BridgeConnection,
     Error,
+    Events,
     Frame,
     GetAllResources,
     Hello,
+    LedgerEntry,
     Mode,
+    Published,
+    Purged,
+    ReplicationId,
     ResourceList,
     Role,
     Sentinel,
+    SyncAccepted,
+    SyncFinished,
+    SyncRequest,
     SyncTimeoutPolicy,
+    TopologyChanged,
     VersionMismatch,
     VpnResource,
-    anchored,
     decode_frame,
-    unanchored,
+    name_item,
 )
 from bridge._frames import MAGIC
 
-SEARCHED = (r"^orders\.", r"(?i)audit")
 
-
-def listing(patterns: tuple[str, ...] = SEARCHED) -> ResourceList:
-    return ResourceList(
-        (VpnResource("orders", 1, Mode.SYNC, 2000, SyncTimeoutPolicy.REJECT, patterns, (), b"{}"),)
-    )
+def listing(index: int | None = 7) -> ResourceList:
+    resource = VpnResource(
+        "orders", 1, Mode.SYNC, 2000, SyncTimeoutPolicy.REJECT, (r"^orders\.",), (), b"{}",
+        definitions_index=index,
+    )  # fmt: skip
+    return ResourceList((resource,))
 
 
 def frames(conn: BridgeConnection, data: bytes) -> list[Frame]:
@@ -53,75 +63,132 @@ def header_version(data: bytes) -> int:
     return int(version)
 
 
-def test_two_upgraded_ends_speak_the_newest_version() -> None:
+def greeted(
+    standby_version: int = PROTOCOL_VERSION, standby_offers: int = OUR_CAPABILITIES
+) -> tuple[BridgeConnection, BridgeConnection]:
     active = BridgeConnection(Role.ACTIVE, "a")
-    standby = BridgeConnection(Role.STANDBY, "b")
-    frames(active, standby.send(Hello("b", PROTOCOL_VERSION, Role.STANDBY)))
-    answer = active.send(Hello("a", active.version, Role.ACTIVE))
-    assert header_version(answer) == PROTOCOL_VERSION == 5
-    frames(standby, answer)
+    standby = BridgeConnection(
+        Role.STANDBY, "b", version=standby_version, offered=standby_offers
+    )
+    frames(active, standby.send(standby.our_hello()))
+    frames(standby, active.send(active.our_hello()))
     frames(active, standby.send(GetAllResources()))
-    wire = active.send(listing())
-    assert frames(standby, wire) == [listing()]  # patterns travel as they are
+    frames(standby, active.send(listing()))
+    return active, standby
 
 
-def test_an_upgraded_active_answers_a_previous_version_standby_in_its_version() -> None:
-    """The active was upgraded first: the old standby proposes version 4,
-    and every frame it gets says version 4 and means what version 4 meant."""
+def streaming(active: BridgeConnection, standby: BridgeConnection) -> None:
+    frames(active, standby.send(SyncRequest("orders", 1, 0, 0)))
+    frames(standby, active.send(SyncAccepted("orders", 1, 1)))
+    frames(standby, active.send(SyncFinished("orders", 1, 0)))
+
+
+def entries() -> tuple[LedgerEntry, ...]:
+    rid = ReplicationId(b"\x01" * 16)
+    return (
+        LedgerEntry("orders", 1, 1, TopologyChanged("orders", "queue.declare", name_item("q"))),
+        LedgerEntry("orders", 1, 2, Published("orders", rid, "", "q", b"\x00\x00", b"x", ("q",))),
+        LedgerEntry("orders", 1, 3, TopologyChanged("orders", "queue.delete", name_item("q"))),
+    )
+
+
+def test_two_upgraded_ends_speak_the_newest_version_with_every_capability() -> None:
+    active, standby = greeted()
+    assert active.version == standby.version == PROTOCOL_VERSION == 6
+    assert active.capabilities == standby.capabilities == OUR_CAPABILITIES
+    assert active.lacking() == standby.lacking() == []
+    assert standby.resources["orders"].definitions_index == 7  # version 6 carries it
+
+
+def test_topology_events_travel_as_they_are_between_two_upgraded_ends() -> None:
+    active, standby = greeted()
+    streaming(active, standby)
+    got = frames(standby, active.send(Events("orders", 1, entries())))
+    assert got == [Events("orders", 1, entries())]
+
+
+def test_a_previous_version_standby_gets_each_topology_event_as_a_no_op_at_its_index() -> None:
+    """The active was upgraded first: the old standby proposes version 5,
+    every frame it gets says version 5, and a topology event (which a
+    version-5 node cannot decode) arrives as a purge of the queue named ""
+    at the same index, so no gap shows."""
     active = BridgeConnection(Role.ACTIVE, "a")
-    old_hello = Hello("b", PREVIOUS_PROTOCOL_VERSION, Role.STANDBY).encode(4)
-    assert frames(active, old_hello) == [Hello("b", 4, Role.STANDBY)]
-    assert active.version == 4
-    answer = active.send(Hello("a", active.version, Role.ACTIVE))
-    assert header_version(answer) == 4
-    frames(active, GetAllResources().encode(4))
+    old_hello = Hello("b", PREVIOUS_PROTOCOL_VERSION, Role.STANDBY).encode(5)
+    assert frames(active, old_hello) == [Hello("b", 5, Role.STANDBY)]
+    assert active.version == 5
+    answer = active.send(active.our_hello())
+    assert header_version(answer) == 5
+    assert active.capabilities == 0
+    assert active.lacking() == ["topology events"]
+    frames(active, GetAllResources().encode(5))
     wire = active.send(listing())
-    assert header_version(wire) == 4
-    sent, _ = decode_frame(wire)  # what a version-4 node decodes
-    assert isinstance(sent, ResourceList)
-    assert sent.vpns[0].queue_patterns == tuple(unanchored(p) for p in SEARCHED)
+    sent, _ = decode_frame(wire)  # what a version-5 node decodes
+    assert isinstance(sent, ResourceList) and sent.vpns[0].definitions_index is None
+    frames(active, SyncRequest("orders", 1, 0, 0).encode(5))
+    active.send(SyncAccepted("orders", 1, 1))
+    active.send(SyncFinished("orders", 1, 0))
+    wire = active.send(Events("orders", 1, entries()))
+    assert header_version(wire) == 5
+    sent, _ = decode_frame(wire)
+    assert isinstance(sent, Events)
+    assert [(e.index, e.event) for e in sent.entries] == [
+        (1, Purged("orders", "")),
+        (2, entries()[1].event),
+        (3, Purged("orders", "")),
+    ]
     with pytest.raises(Exception, match="may not send"):
         active.send(Hello("a", PROTOCOL_VERSION, Role.ACTIVE))  # not twice, not another version
 
 
-def test_an_upgraded_standby_reads_a_previous_version_actives_patterns_whole() -> None:
-    """The standby was upgraded first and speaks version 4 to the old
-    active: a pattern the old active sends matched whole, and is stored
-    anchored so that it keeps matching the same queues."""
+def test_a_standby_that_offers_no_topology_gets_no_topology_events_in_version_6() -> None:
+    active, standby = greeted(standby_offers=0)
+    assert active.capabilities == 0 and standby.capabilities == 0
+    streaming(active, standby)
+    (got,) = frames(standby, active.send(Events("orders", 1, entries())))
+    assert isinstance(got, Events)
+    assert not any(isinstance(e.event, TopologyChanged) for e in got.entries)
+
+
+def test_an_upgraded_standby_speaks_version_5_to_a_previous_version_active() -> None:
     standby = BridgeConnection(Role.STANDBY, "b", version=PREVIOUS_PROTOCOL_VERSION)
-    assert header_version(standby.send(Hello("b", 4, Role.STANDBY))) == 4
-    frames(standby, Hello("a", 4, Role.ACTIVE).encode(4))
+    hello = standby.our_hello()
+    assert hello.capabilities == 0 and header_version(standby.send(hello)) == 5
+    frames(standby, Hello("a", 5, Role.ACTIVE).encode(5))
+    assert standby.lacking() == ["topology events"]
     standby.send(GetAllResources())
-    old = listing((r"orders\..*", r"audit"))
-    frames(standby, old.encode(4))
-    assert standby.resources["orders"].queue_patterns == (
-        anchored(r"orders\..*"),
-        anchored("audit"),
-    )
+    old = listing(None)
+    frames(standby, old.encode(5))
+    assert standby.resources["orders"].definitions_index is None
 
 
 def test_a_standby_refuses_an_answer_in_another_version_than_it_proposed() -> None:
     standby = BridgeConnection(Role.STANDBY, "b")
-    standby.send(Hello("b", PROTOCOL_VERSION, Role.STANDBY))
-    with pytest.raises(VersionMismatch, match="answered version 4 to 5"):
-        frames(standby, Hello("a", 4, Role.ACTIVE).encode(4))
+    standby.send(standby.our_hello())
+    with pytest.raises(VersionMismatch, match="answered version 5 to 6"):
+        frames(standby, Hello("a", 5, Role.ACTIVE).encode(5))
 
 
 def test_a_version_this_node_does_not_speak_is_refused_by_its_frame_header() -> None:
     active = BridgeConnection(Role.ACTIVE, "a")
-    with pytest.raises(VersionMismatch, match="frame version 3, this node speaks versions 4 to 5"):
-        frames(active, Hello("b", 3, Role.STANDBY).encode(3))
-    with pytest.raises(ValueError, match="cannot speak bridge protocol version 6"):
-        BridgeConnection(Role.STANDBY, "b", version=6)
+    with pytest.raises(VersionMismatch, match="frame version 4, this node speaks versions 5 to 6"):
+        frames(active, Hello("b", 4, Role.STANDBY).encode(4))
+    with pytest.raises(ValueError, match="cannot speak bridge protocol version 7"):
+        BridgeConnection(Role.STANDBY, "b", version=7)
 
 
 def test_an_old_actives_refusal_of_the_newest_version_is_an_error_frame_the_standby_reads() -> None:
-    """What a version-4 active sends when a version-5 Hello arrives: a
+    """What a version-5 active sends when a version-6 Hello arrives: a
     connection-level Error in its own version; the standby reads it (and
-    redials in version 4, see the transport)."""
+    redials in version 5, see the transport)."""
     standby = BridgeConnection(Role.STANDBY, "b")
-    standby.send(Hello("b", PROTOCOL_VERSION, Role.STANDBY))
-    refusal = Error(VersionMismatch.code, "", "frame version 5, this node speaks 4")
-    got = frames(standby, refusal.encode(4))
+    standby.send(standby.our_hello())
+    refusal = Error(VersionMismatch.code, "", "frame version 6, this node speaks 4 to 5")
+    got = frames(standby, refusal.encode(5))
     assert got == [refusal]
     assert isinstance(refusal.exception(), VersionMismatch)
+
+
+def test_the_capability_flags_are_a_version_6_field_of_the_hello() -> None:
+    hello = Hello("b", 6, Role.STANDBY, CAP_TOPOLOGY | 0x80)
+    assert decode_frame(hello.encode(6))[0] == hello  # type: ignore[index]
+    assert decode_frame(hello.encode(5))[0] == Hello("b", 6, Role.STANDBY)  # type: ignore[index]

@@ -18,6 +18,11 @@ from bridge import (
     Purged,
     ReplicationId,
     Role,
+    TopologyChanged,
+    binding_item,
+    exchange_item,
+    name_item,
+    queue_item,
 )
 from bridge._ids import COUNTER_LIMIT, INCARNATION_LIMIT
 from plugin import _amqp as amqp
@@ -853,7 +858,10 @@ def test_deleting_a_queue_or_closing_the_owner_of_an_exclusive_one_spares_nothin
     consuming(s, [ReplicationId.from_parts(4, 1)])
     s.client_data(m(C.Queue.Delete(queue="q"), 1))
     out = s.broker_data(m(C.Queue.DeleteOk(message_count=0), 1))
-    assert [e for e, _ in out.events] == [Purged("orders", "q", (), deleted=True)]
+    assert [e for e, _ in out.events] == [
+        Purged("orders", "q", (), deleted=True),
+        TopologyChanged("orders", "queue.delete", name_item("q")),
+    ]
     s.client_data(m(C.Queue.Declare(queue="mine", exclusive=True), 1))
     s.broker_data(m(C.Queue.DeclareOk(queue="mine", message_count=0, consumer_count=0), 1))
     out = s.connection_lost()
@@ -1001,7 +1009,10 @@ def test_an_empty_queue_name_means_the_channels_last_declared_queue() -> None:
     s.broker_data(m(C.Queue.DeclareOk(queue="q", message_count=0, consumer_count=0), 1))
     s.client_data(m(C.Queue.Delete(queue=""), 1))
     out = s.broker_data(m(C.Queue.DeleteOk(message_count=0), 1))
-    assert [e for e, _ in out.events] == [Purged("orders", "q", (), deleted=True)]
+    assert [e for e, _ in out.events] == [
+        Purged("orders", "q", (), deleted=True),
+        TopologyChanged("orders", "queue.delete", name_item("q")),
+    ]
 
 
 # -- a reject or nack without requeue from a dead-lettering queue moves the message --
@@ -1073,3 +1084,82 @@ def test_a_reject_rolled_back_is_dead_lettered_by_its_own_key_when_rejected_agai
     s.client_data(m(C.Basic.Reject(delivery_tag=1, requeue=False), 1))
     [txn] = s.client_data(m(C.Tx.Commit(), 1)).prepare
     assert txn.events == (DeadLettered("orders", rid, "q", ("q.dead",)),)
+
+
+# -- topology requests on a replicated VPN are ledger events, in wire order --
+
+
+def test_declares_binds_and_deletes_become_topology_events_in_order_with_publishes() -> None:
+    """What the standby needs to rebuild the topology without a listing:
+    every change the broker carried out, with the arguments the client
+    declared, where the broker made it among the channel's publishes."""
+    s = make_session()
+    open_session(s)
+    args = {"x-queue-type": "quorum", "x-max-length": 10}
+    s.client_data(m(C.Exchange.Declare(exchange="x", exchange_type="fanout", durable=True), 1))
+    out = s.broker_data(m(C.Exchange.DeclareOk(), 1))
+    s.client_data(m(C.Queue.Declare(queue="q2", durable=True, arguments=args), 1))
+    out2 = s.broker_data(m(C.Queue.DeclareOk(queue="q2", message_count=0, consumer_count=0), 1))
+    s.client_data(m(C.Queue.Bind(queue="q2", exchange="x", routing_key="k"), 1))
+    out3 = s.broker_data(m(C.Queue.BindOk(), 1))
+    s.client_data(m(C.Queue.Unbind(queue="q2", exchange="x", routing_key="k"), 1))
+    out4 = s.broker_data(m(C.Queue.UnbindOk(), 1))
+    s.client_data(m(C.Exchange.Delete(exchange="x"), 1))
+    out5 = s.broker_data(m(C.Exchange.DeleteOk(), 1))
+    events = [e for o in (out, out2, out3, out4, out5) for e, _ in o.events]
+    binding = binding_item("x", "q2", "queue", "k", {})
+    assert events == [
+        TopologyChanged(
+            "orders",
+            "exchange.declare",
+            exchange_item("x", "fanout", {}, durable=True, auto_delete=False, internal=False),
+        ),
+        TopologyChanged(
+            "orders", "queue.declare", queue_item("q2", args, durable=True, auto_delete=False)
+        ),
+        TopologyChanged("orders", "bind", binding),
+        TopologyChanged("orders", "unbind", binding),
+        TopologyChanged("orders", "exchange.delete", name_item("x")),
+    ]
+    assert '"x-queue-type":"quorum"' in events[1].item
+
+
+def test_a_refused_declare_and_a_passive_one_replicate_nothing() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Queue.Declare(queue="q", passive=True), 1))
+    out = s.broker_data(m(C.Queue.DeclareOk(queue="q", message_count=0, consumer_count=0), 1))
+    assert out.events == []
+    s.client_data(m(C.Queue.Declare(queue="q", durable=True, arguments={"x-max-length": 1}), 1))
+    refused = C.Channel.Close(
+        reply_code=406, reply_text="PRECONDITION_FAILED", class_id=50, method_id=10
+    )
+    out = s.broker_data(m(refused, 1))
+    assert out.events == []
+
+
+def test_a_nowait_declare_on_a_replicated_vpn_waits_for_the_brokers_ok() -> None:
+    """A nowait declare the broker refuses (inequivalent arguments) must not
+    reach the standby's definitions: it goes to the broker synchronous, its
+    -ok (which the client did not ask for) is swallowed, and only then does
+    it replicate."""
+    s = make_session()
+    open_session(s)
+    out = s.client_data(m(C.Queue.Declare(queue="q", durable=True, nowait=True), 1))
+    assert [(c, v.name, v.nowait) for c, v in decode_all(out.to_broker)] == [
+        (1, "Queue.Declare", False)
+    ]
+    assert out.events == []
+    ok = s.broker_data(m(C.Queue.DeclareOk(queue="q", message_count=0, consumer_count=0), 1))
+    assert not ok.to_client
+    assert [e.op for e, _ in ok.events] == ["queue.declare"]
+
+
+def test_the_connections_exclusive_queues_do_not_replicate_as_topology() -> None:
+    s = make_session()
+    open_session(s)
+    s.client_data(m(C.Queue.Declare(queue="mine", exclusive=True), 1))
+    out = s.broker_data(m(C.Queue.DeclareOk(queue="mine", message_count=0, consumer_count=0), 1))
+    s.client_data(m(C.Queue.Bind(queue="mine", exchange="amq.topic", routing_key="#"), 1))
+    out2 = s.broker_data(m(C.Queue.BindOk(), 1))
+    assert out.events == [] and out2.events == []

@@ -21,6 +21,7 @@ from bridge import (
     ERROR_CODES,
     NEED_DATA,
     PROTOCOL_VERSION,
+    TOPOLOGY_OPS,
     TRANSITIONS,
     Ack,
     BadChecksum,
@@ -58,6 +59,7 @@ from bridge import (
     SyncRequest,
     SyncTimeoutPolicy,
     TopicFilter,
+    TopologyChanged,
     TxnApplied,
     TxnCommit,
     TxnOutcome,
@@ -227,6 +229,20 @@ def test_a_purge_event_decodes_back_and_a_damaged_one_is_refused() -> None:
         decode_event(good[:-1], "v")
 
 
+def test_a_topology_event_decodes_back_and_a_damaged_one_is_refused() -> None:
+    event = TopologyChanged("v", "bind", '{"source":"x.ü"}')
+    good = encode_event(event)
+    assert good[:2] == b"T\x05" and decode_event(good, "v") == event
+    with pytest.raises(EventDecodeError, match="unknown topology operation 9"):
+        decode_event(b"T\x09" + good[2:], "v")
+    with pytest.raises(EventDecodeError, match="not UTF-8"):
+        decode_event(good[:6] + b"\xff" + good[7:], "v")
+    with pytest.raises(EventDecodeError, match="bytes after the event"):
+        decode_event(good + b"x", "v")
+    with pytest.raises(EventDecodeError, match="truncated"):
+        decode_event(good[:-1], "v")
+
+
 def test_decode_refuses_a_frame_of_another_type() -> None:
     with pytest.raises(BadFrame, match="not exactly one Ack"):
         Ack.decode(Heartbeat().encode())
@@ -327,6 +343,7 @@ def events_of(vpn: str) -> st.SearchStrategy:
         st.builds(
             DeadLettered, st.just(vpn), repl_ids, texts, st.lists(texts, max_size=3).map(tuple)
         ),
+        st.builds(TopologyChanged, st.just(vpn), st.sampled_from(TOPOLOGY_OPS), texts),
     )
 
 
@@ -379,10 +396,15 @@ resources = st.builds(
     st.lists(names, max_size=3).map(tuple),
     st.lists(st.builds(TopicFilter, texts, names), max_size=3).map(tuple),
     st.binary(max_size=100),
+    st.booleans(),
+    u64,
+    st.none() | st.integers(0, 2**64 - 2),
 )
 
 frames = st.one_of(
-    st.builds(Hello, names, st.integers(0, 2**16 - 1), st.sampled_from(Role)),
+    st.builds(
+        Hello, names, st.integers(0, 2**16 - 1), st.sampled_from(Role), st.integers(0, 2**32 - 1)
+    ),
     st.just(GetAllResources()),
     st.lists(resources, max_size=4, unique_by=lambda r: r.name).map(
         lambda r: ResourceList(tuple(r))

@@ -67,9 +67,7 @@ def greeted(
     standby_version: int = PROTOCOL_VERSION, standby_offers: int = OUR_CAPABILITIES
 ) -> tuple[BridgeConnection, BridgeConnection]:
     active = BridgeConnection(Role.ACTIVE, "a")
-    standby = BridgeConnection(
-        Role.STANDBY, "b", version=standby_version, offered=standby_offers
-    )
+    standby = BridgeConnection(Role.STANDBY, "b", version=standby_version, offered=standby_offers)
     frames(active, standby.send(standby.our_hello()))
     frames(standby, active.send(active.our_hello()))
     frames(active, standby.send(GetAllResources()))

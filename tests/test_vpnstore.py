@@ -29,7 +29,6 @@ from bridge._vpnstore import (
     fence_vpn_async,
     follow_settings_async,
     followed_settings_async,
-    keep_definitions_async,
     known_epochs_async,
     ledger_progress_async,
     ledger_start_async,
@@ -48,7 +47,6 @@ from bridge._vpnstore import (
     set_applied,
     set_applied_async,
     set_bridge_state_async,
-    stored_definitions,
     vpn_status_rows,
 )
 from plugin._localsites import LocalSite
@@ -205,22 +203,6 @@ def test_a_listed_vpn_is_added_as_standby_and_follows_the_active(dsn: str) -> No
         True,
     )
     assert on_loop(dsn, known_epochs_async) == {"orders": 4}
-
-
-def test_the_definitions_the_active_sent_are_kept(dsn: str) -> None:
-    enable(dsn, "orders", "standby")
-    with psycopg.connect(dsn) as conn:
-        assert stored_definitions(conn, "orders") is None
-        assert stored_definitions(conn, "nowhere") is None
-
-    async def keep(conn: psycopg.AsyncConnection[Any]) -> None:
-        await keep_definitions_async(conn, "orders", b'{"v": 1}')
-        await keep_definitions_async(conn, "orders", b'{"v": 1}')
-        await keep_definitions_async(conn, "orders", b'{"v": 2}')
-
-    on_loop(dsn, keep)
-    with psycopg.connect(dsn) as conn:
-        assert stored_definitions(conn, "orders") == b'{"v": 2}'
 
 
 def test_the_bridge_records_its_progress_in_vpn_state(dsn: str) -> None:

@@ -49,9 +49,11 @@ often :func:`materialise` ran before. Why:
 Preconditions, the caller's (``vpnrepl promote``): the ``promotion`` row of
 this VPN and ``epoch`` exists (the epoch is bumped, so nothing applies to the
 VPN's ``live_message`` any more) and no client is admitted to the VPN's
-queues until the promotion is finished. Queues are not created here: the
-VPN's topology must have been imported into the broker (config-sync), and a
-missing queue is refused before anything is published.
+queues until the promotion is finished, and the definitions this site holds
+(the active's last listing and the topology changes streamed after it) are
+imported into the broker (``bridge._configsync.reimport``). Queues are not
+created here: a queue still missing is one no definition names, and it is
+refused before anything is published.
 """
 
 from __future__ import annotations
@@ -425,9 +427,11 @@ class _Materialisation:
         if missing:
             names = ", ".join(repr(n) for n in missing)
             raise MaterialiseError(
-                f"queue{'s' if len(missing) > 1 else ''} {names} not found in vhost {self.vpn!r}:"
-                " import the VPN's topology into the broker first (materialisation does not"
-                " create queues)",
+                f"queue{'s' if len(missing) > 1 else ''} {names} hold live messages but are "
+                f"not in vhost {self.vpn!r} and not in the definitions this site holds "
+                "(declared at the active's broker directly, bypassing the listener, after its "
+                "last listing): declare them on this site's broker with the type and arguments "
+                "the clients use",
                 self.vpn,
                 queue=missing[0],
             )

@@ -583,6 +583,9 @@ class BridgeClient:
             self._abandon(session, worker, e)
             return
         worker.stream.early = 0  # the checkpoint holds what was committed early
+        # The replay goes on after the checkpoint: the topology changes
+        # between this site's last listing and it come with a new listing.
+        session.link.try_send(GetAllResources())
         log.info(
             "bridge: VPN %s: installed a checkpoint of %d live messages at index %d",
             worker.vpn,

@@ -434,7 +434,7 @@ def test_a_missing_queue_is_refused_before_anything_is_published(site_b: LocalSi
         run(site_b)
 
     text = str(err.value)
-    assert "'q2'" in text and "'q3'" in text and "topology" in text
+    assert "'q2'" in text and "'q3'" in text and "not in the definitions this site holds" in text
     assert err.value.queue == "q2" and err.value.vpn == VPN
     assert depths(site_b, ["q1"]) == {"q1": 0}
     assert all(not done for *_, done in promotion_state(site_b)[2])

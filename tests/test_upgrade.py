@@ -2,9 +2,11 @@
 standby first, then the active, without stopping replication.
 
 The previous release is the real one: its packages are taken from this
-repository's history (``git archive`` of :data:`PREVIOUS_RELEASE`, the last
-commit of bridge protocol version 4 and schema revision 0007) and run as a
-node and a CLI of their own next to this release's."""
+repository's history (``git archive`` of :data:`PREVIOUS_RELEASE`, 0.2.0:
+bridge protocol version 5, schema revision 0011) and run as a node and a
+CLI of their own next to this release's. Either end may be the old one: a
+new active sends an old standby each topology event as a no-op, and each
+new end says in one log line what the old one cannot take."""
 
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import (
-    IN_SCOPE,
     SCOPE,
     VPN,
     amqp_url,
@@ -36,8 +37,8 @@ from tests.two_sites import (
     vpn_status,
 )
 
-#: the last commit of bridge protocol version 4 (schema revision 0007)
-PREVIOUS_RELEASE = "c0443f4dcb48c38113151e5dbe9aa0f29f63ed86"
+#: release 0.2.0: bridge protocol version 5, schema revision 0011
+PREVIOUS_RELEASE = "dd0b344e3f8563a0ecb5020e3ba57b13bf3f9715"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -108,6 +109,48 @@ def nodes(site_a: LocalSite, site_b: LocalSite, tmp_path: Path) -> Iterator[list
         assert "Traceback" not in node.log_text(), node.log_text()
 
 
+def both_on_the_previous_release(
+    site_a: LocalSite, site_b: LocalSite, tmp_path: Path, previous_release: Path
+) -> tuple[Path, Path, NodeProcess, NodeProcess]:
+    """Both sites on the previous release, replicating 50 messages in sync mode."""
+    a_cfg = site_a.write_config(tmp_path / "a.toml", peer=site_b)
+    b_cfg = site_b.write_config(tmp_path / "b.toml", peer=site_a)
+    old_a = Previous(previous_release, a_cfg)
+    done = old_a("init")
+    assert done.returncode == 0 and "revision 0011" in done.stdout, done.stderr
+    setup_vpn(site_a)
+    done = old_a("vpn", "enable", VPN, "--role", "active", "--mode", "sync", "--queues", SCOPE)
+    assert done.returncode == 0, done.stderr
+    assert Previous(previous_release, b_cfg)("init").returncode == 0
+    node_a = NodeProcess(site_a, a_cfg, tmp_path / "a-old.log", "a (previous)", previous_release)
+    node_b = NodeProcess(site_b, b_cfg, tmp_path / "b-old.log", "b (previous)", previous_release)
+    node_a.start()
+    node_b.start()
+    publish(site_a, range(0, 50))
+    return a_cfg, b_cfg, node_a, node_b
+
+
+def upgraded(site: LocalSite, cfg: Path, old: NodeProcess, log: Path, name: str) -> NodeProcess:
+    """Stop the old node, migrate the schema, start this release's node."""
+    assert old.stop() == 0
+    done = Vpnrepl(cfg)("init")
+    assert done.returncode == 0 and "to revision 0012" in done.stdout, done.stderr
+    node = NodeProcess(site, cfg, log, name)
+    node.start()
+    return node
+
+
+def declare_and_publish(site: LocalSite, queue: str, numbers: range) -> None:
+    """A queue declared and bound through the listener (a topology event),
+    then messages routed to it and to the others."""
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(site)))
+    ch = conn.channel()
+    ch.queue_declare(queue, durable=True)
+    ch.queue_bind(queue, "events", "order.#")
+    conn.close()
+    publish(site, numbers)
+
+
 def test_the_standby_then_the_active_upgraded_without_stopping_replication(
     site_a: LocalSite,
     site_b: LocalSite,
@@ -115,49 +158,56 @@ def test_the_standby_then_the_active_upgraded_without_stopping_replication(
     previous_release: Path,
     nodes: list[NodeProcess],
 ) -> None:
-    a_cfg = site_a.write_config(tmp_path / "a.toml", peer=site_b)
-    b_cfg = site_b.write_config(tmp_path / "b.toml", peer=site_a)
-    # Both sites on the previous release, replicating.
-    old_a = Previous(previous_release, a_cfg)
-    done = old_a("init")
-    assert done.returncode == 0 and "revision 0007" in done.stdout, done.stderr
-    setup_vpn(site_a)
-    done = old_a("vpn", "enable", VPN, "--role", "active", "--mode", "sync", "--queues", SCOPE)
-    assert done.returncode == 0, done.stderr
-    assert Previous(previous_release, b_cfg)("init").returncode == 0
-    node_a = NodeProcess(site_a, a_cfg, tmp_path / "a-old.log", "a (previous)", previous_release)
-    node_b = NodeProcess(site_b, b_cfg, tmp_path / "b-old.log", "b (previous)", previous_release)
+    a_cfg, b_cfg, node_a, node_b = both_on_the_previous_release(
+        site_a, site_b, tmp_path, previous_release
+    )
     nodes += [node_a, node_b]
-    node_a.start()
-    node_b.start()
-    publish(site_a, range(0, 50))
 
-    # 1. The standby is upgraded: stop, migrate, start this release.
-    assert node_b.stop() == 0
-    assert Vpnrepl(b_cfg)("init").returncode == 0
-    node_b = NodeProcess(site_b, b_cfg, tmp_path / "b-new.log", "b")
+    # 1. The standby is upgraded: it speaks version 5 to the old active.
+    node_b = upgraded(site_b, b_cfg, node_b, tmp_path / "b-new.log", "b")
     nodes.append(node_b)
-    node_b.start()
-    publish(site_a, range(50, 100))  # replicated meanwhile, in sync mode
+    declare_and_publish(site_a, "orders.q3", range(50, 100))  # replicated meanwhile, sync
     assert_same_state(node_a, node_b)
     assert f"speaking version {PREVIOUS_PROTOCOL_VERSION}" in node_b.log_text()
     assert f"(protocol version {PREVIOUS_PROTOCOL_VERSION})" in node_b.log_text()
-    # the old active's whole-name pattern, stored with its meaning
-    stored = scalar(site_b, "SELECT queue_patterns FROM vpn_config WHERE name = %s", VPN)
-    assert stored == [f"\\A(?:{SCOPE})\\Z"]
+    lines = [line for line in node_b.log_text().splitlines() if "cannot send topology" in line]
+    assert len(lines) == 1, node_b.log_text()
+    assert "only by its listings" in lines[0]
 
     # 2. The active is upgraded: its clients reconnect to the new node.
-    assert node_a.stop() == 0
-    done = Vpnrepl(a_cfg)("init")
-    assert done.returncode == 0 and "to revision 0011" in done.stdout, done.stderr
-    node_a = NodeProcess(site_a, a_cfg, tmp_path / "a-new.log", "a")
+    node_a = upgraded(site_a, a_cfg, node_a, tmp_path / "a-new.log", "a")
     nodes.append(node_a)
-    node_a.start()
     until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby to reconnect")
-    publish(site_a, range(100, 150))
+    declare_and_publish(site_a, "orders.q4", range(100, 150))
     rows = assert_same_state(node_a, node_b)
-    assert len(rows) == sum(len(("orders.q2",) if n % 5 == 0 else IN_SCOPE) for n in range(150))
+    assert {queue for queue, *_ in rows} >= {"orders.q3", "orders.q4"}
     assert f"(protocol version {PROTOCOL_VERSION})" in node_a.log_text()  # the newest again
-    assert scalar(site_a, "SELECT queue_patterns FROM vpn_config WHERE name = %s", VPN) == [
-        f"\\A(?:{SCOPE})\\Z"
-    ]
+    assert "cannot receive" not in node_a.log_text()
+    changes = scalar(site_b, "SELECT count(*) FROM topology_change WHERE vpn = %s", VPN)
+    assert changes >= 2  # orders.q4's declare and bind came in the stream
+
+
+def test_an_active_upgraded_first_still_replicates_to_the_previous_release(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    tmp_path: Path,
+    previous_release: Path,
+    nodes: list[NodeProcess],
+) -> None:
+    """Against the README's order, the active first: the old standby gets
+    each topology event as a no-op at its index (no gap, no resync) and the
+    new active says once what it cannot receive."""
+    a_cfg, _, node_a, node_b = both_on_the_previous_release(
+        site_a, site_b, tmp_path, previous_release
+    )
+    nodes += [node_a, node_b]
+    node_a = upgraded(site_a, a_cfg, node_a, tmp_path / "a-new.log", "a")
+    nodes.append(node_a)
+    until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby to reconnect")
+    declare_and_publish(site_a, "orders.q3", range(50, 100))
+    rows = assert_same_state(node_a, node_b)
+    assert "orders.q3" in {queue for queue, *_ in rows}
+    lines = [line for line in node_a.log_text().splitlines() if "cannot receive" in line]
+    assert len(lines) == 1 and "topology events" in lines[0], node_a.log_text()
+    assert f"(protocol version {PREVIOUS_PROTOCOL_VERSION})" in node_a.log_text()
+    assert "gap" not in node_b.log_text().lower()

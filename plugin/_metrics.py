@@ -337,6 +337,15 @@ def _vpn_families(
     for v in vpns:
         uncertain.add_metric([v["name"]], v.get("uncertain_publishes", 0))
     yield uncertain
+    changes = GaugeMetricFamily(
+        "vpnrepl_topology_changes_streamed",
+        "topology changes a standby holds above the active's last definitions listing (a"
+        " promotion imports them with it; a number that only grows: the listings fail)",
+        labels=["vpn"],
+    )
+    for v in vpns:
+        changes.add_metric([v["name"]], v.get("definitions", {}).get("streamed_changes", 0))
+    yield changes
     yield from _reconcile_families(vpns)
 
 

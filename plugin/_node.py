@@ -48,11 +48,13 @@ from bridge import (
     Replicator,
     Role,
     TlsSetupError,
+    TopologyChanged,
     UnknownFailpoint,
     VpnSettings,
     armed,
     enabled_vpns_async,
     ledger_progress_async,
+    name_item,
     record_sync_eligible_async,
     redact_url,
 )
@@ -562,6 +564,9 @@ class Node:
                 queue,
             )
             self.replicator.append(Purged(view.name, queue, (), deleted=True), None)
+            self.replicator.append(
+                TopologyChanged(view.name, "queue.delete", name_item(queue)), None
+            )
 
     def _renew_incarnation(self) -> None:
         """The id counter is running low: record a new incarnation (retried

@@ -138,6 +138,16 @@ GROUP BY u.vpn
 """
 
 
+# a standby's definitions: the listing's index, and the topology changes
+# streamed above it (bridge._topology_store)
+_DEFINITIONS = """
+SELECT c.name AS vpn, c.definitions_index, c.definitions IS NOT NULL AS listed,
+       (SELECT count(*) FROM topology_change t
+        WHERE t.vpn = c.name AND t.ledger_index > coalesce(c.definitions_index, 0)) AS changes
+FROM vpn_config c
+"""
+
+
 def status(
     conn: psycopg.Connection[dict[str, Any]], site: str, queues: bool = True
 ) -> dict[str, Any]:
@@ -205,6 +215,18 @@ def status(
         if _has_table(conn, "uncertain_publish")
         else {}
     )
+    definitions = (
+        {
+            row["vpn"]: {
+                "listed": row["listed"],
+                "listing_index": row["definitions_index"],
+                "streamed_changes": row["changes"],
+            }
+            for row in conn.execute(_DEFINITIONS)
+        }
+        if _has_table(conn, "topology_change")
+        else {}
+    )
     epochs: dict[str, list[dict[str, Any]]] = {}
     for row in conn.execute("SELECT vpn, epoch, site, since FROM vpn_epoch ORDER BY vpn, epoch"):
         epochs.setdefault(row["vpn"], []).append(
@@ -241,6 +263,9 @@ def status(
                 "reconcile": reconciled.get(r.name),
                 "xa": branches.get(r.name, {"prepared": 0, "heuristic": 0, "hazards": 0}),
                 "uncertain_publishes": uncertain.get(r.name, 0),
+                "definitions": definitions.get(
+                    r.name, {"listed": False, "listing_index": None, "streamed_changes": 0}
+                ),
             }
         )
     return {"site": site, "vpns": vpns}

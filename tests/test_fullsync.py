@@ -12,7 +12,6 @@ from bridge import (
     DIFFERS,
     EXTRA_ON_STANDBY,
     MISSING_ON_STANDBY,
-    PREVIOUS_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     BridgeConnection,
     CheckpointRow,
@@ -154,12 +153,6 @@ def test_a_repair_travels_in_the_live_stream_from_version_5() -> None:
     assert frames(standby, active.send(frame)) == [frame]
     with pytest.raises(ValueError, match="at least one row or absent key"):
         Repair("orders", 1, (), ())
-
-
-def test_a_version_4_standby_is_never_sent_a_repair() -> None:
-    active, _ = _live_pair(PREVIOUS_PROTOCOL_VERSION)
-    with pytest.raises(LocalProtocolError, match="Repair in protocol version 4"):
-        active.send(_repair())
 
 
 def test_a_repair_before_the_stream_is_live_is_refused() -> None:

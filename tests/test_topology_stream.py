@@ -109,6 +109,10 @@ def test_a_topology_younger_than_the_last_listing_survives_the_loss_of_the_activ
     assert not [q for q in stored["queues"] if q["name"].startswith("orders.")], (
         "the standby listed the young topology: this test proves nothing"
     )
+    held = vpn_status(sites.b)["definitions"]
+    # exchange, three queues, three bindings, the late binding, the delete
+    assert held["listed"] and held["streamed_changes"] == 9, held
+    assert 'vpnrepl_topology_changes_streamed{vpn="orders"} 9.0' in sites.b.get("/metrics")
     done = sites.cli_b("promote", VPN)
     assert done.returncode == 0, done.stderr + done.stdout
 

@@ -110,6 +110,21 @@ def _cmd_sandbox(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_tls_init(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ._tls_init import init_certificates
+
+    where = Path(args.dir).resolve()
+    sites = [s.strip() for s in args.sites.split(",")]
+    for files in init_certificates(where, sites):
+        made = "made" if files.created else "already there, kept"
+        print(f"# site {files.site}: {files.cert.name} and {files.key.name} {made}")
+        print(files.tls_lines())
+    print(f"# keep {where / 'ca.key'} off the sites: it signs new site certificates")
+    return EXIT_OK
+
+
 def _cmd_vpn_enable(cfg: SiteConfig, args: argparse.Namespace) -> int:
     settings = VpnSettings.from_args(
         name=args.vpn,
@@ -526,6 +541,15 @@ def _build_parser() -> _Parser:
     c.add_argument("action", choices=("start", "stop"))
     c.add_argument("dir", metavar="DIR", help="where the servers, configs and addresses go")
     c.set_defaults(run=_cmd_sandbox, needs_config=False)
+    tls = sub.add_parser("tls", help="certificates for the bridge")
+    tsub = tls.add_subparsers(dest="tls_command", metavar="ACTION", parser_class=_Parser)
+    tsub.required = True
+    c = tsub.add_parser(
+        "init", help="a private CA and a certificate naming each site, with their [tls] lines"
+    )
+    c.add_argument("dir", metavar="DIR", help="where the CA and the certificates go")
+    c.add_argument("--sites", required=True, metavar="A,B", help="the site names, comma-separated")
+    c.set_defaults(run=_cmd_tls_init, needs_config=False)
     return p
 
 

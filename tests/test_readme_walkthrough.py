@@ -1,5 +1,5 @@
 """The README's mutual-TLS walkthrough runs as written: certificates made
-with openssl, two sites on a sandbox of local servers, a sync VPN, a client
+with `vpnrepl tls init`, two sites on a sandbox of local servers, a sync VPN, a client
 publishing through the listener, both sites agreeing, metrics on /metrics.
 
 The only change made to the text is where the sandbox lives (a directory of
@@ -56,7 +56,8 @@ def test_the_readme_walkthrough_works_as_written() -> None:
     rows = re.findall(
         r"^orders\s+(\w+)\s+1\s+sync\s+eligible\s+connected\s+(\d+)\s+(\d+)\s", out, re.M
     )
-    assert rows == [("active", "1000", "1000"), ("standby", "0", "1000")], out
+    # the queue's declare through the listener is an event too: 1001 entries
+    assert rows == [("active", "1001", "1001"), ("standby", "0", "1001")], out
     assert out.count("orders.created: 1000 replicated live") == 2
     assert 'vpnrepl_replication_lag_events{vpn="orders"} 0.0' in out
     assert "stopped (4 servers) and removed" in out

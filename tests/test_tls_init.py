@@ -1,0 +1,100 @@
+"""``vpnrepl tls init DIR --sites a,b``: a private CA and a certificate per
+site naming it, keys 0600, reused when run again; the bridge's own TLS
+contexts accept them (a real handshake on loopback, both ways verified)."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
+from bridge import TlsConfig, make_client_context, make_server_context
+from plugin._cli import main
+
+
+def names(cert: x509.Certificate) -> tuple[str, list[str]]:
+    cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return str(cn), list(san.get_values_for_type(x509.DNSName))
+
+
+def test_a_ca_and_a_certificate_naming_each_site(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["tls", "init", str(tmp_path / "pki"), "--sites", "nyc,ldn"]) == 0
+    out = capsys.readouterr().out
+    pki = tmp_path / "pki"
+    assert f'cert = "{pki / "nyc.crt"}"' in out and f'ca = "{pki / "ca.crt"}"' in out
+    ca = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    for site in ("nyc", "ldn"):
+        cert = x509.load_pem_x509_certificate((pki / f"{site}.crt").read_bytes())
+        assert names(cert) == (site, [site])
+        cert.verify_directly_issued_by(ca)
+        assert stat.S_IMODE((pki / f"{site}.key").stat().st_mode) == 0o600
+    assert stat.S_IMODE((pki / "ca.key").stat().st_mode) == 0o600
+
+    # again, with a third site: the CA and the two certificates are kept
+    before = (pki / "nyc.crt").read_bytes()
+    assert main(["tls", "init", str(pki), "--sites", "nyc,fra"]) == 0
+    out = capsys.readouterr().out
+    assert "nyc.crt and nyc.key already there, kept" in out and "fra.crt and fra.key made" in out
+    assert (pki / "nyc.crt").read_bytes() == before
+    fra = x509.load_pem_x509_certificate((pki / "fra.crt").read_bytes())
+    fra.verify_directly_issued_by(ca)
+
+
+@pytest.mark.parametrize(
+    ("sites", "message"),
+    [("a,a", "names a site twice"), ("a,b c", "site name 'b c'"), (",", "site name ''")],
+)
+def test_bad_site_names_are_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sites: str, message: str
+) -> None:
+    assert main(["tls", "init", str(tmp_path), "--sites", sites]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_half_present_pair_is_refused_not_overwritten(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["tls", "init", str(tmp_path), "--sites", "a"]) == 0
+    (tmp_path / "a.crt").unlink()
+    assert main(["tls", "init", str(tmp_path), "--sites", "a"]) == 2
+    assert "has one of a.crt and a.key but not the other" in capsys.readouterr().err
+    assert (tmp_path / "a.key").exists()
+
+
+def test_the_bridge_contexts_complete_a_mutual_handshake_with_them(tmp_path: Path) -> None:
+    assert main(["tls", "init", str(tmp_path), "--sites", "a,b"]) == 0
+
+    def tls(site: str) -> TlsConfig:
+        return TlsConfig(tmp_path / f"{site}.crt", tmp_path / f"{site}.key", tmp_path / "ca.crt")
+
+    async def scenario() -> tuple[dict, dict]:  # type: ignore[type-arg]
+        seen: asyncio.Future[dict] = asyncio.get_running_loop().create_future()  # type: ignore[type-arg]
+
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.set_result(writer.get_extra_info("peercert"))
+            writer.close()
+
+        server = await asyncio.start_server(
+            accept, "127.0.0.1", 0, ssl=make_server_context(tls("a"))
+        )
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=make_client_context(tls("b"))
+        )
+        theirs = writer.get_extra_info("peercert")
+        mine = await seen
+        writer.close()
+        server.close()
+        await server.wait_closed()
+        return mine, theirs
+
+    client_cert, server_cert = asyncio.run(scenario())
+    assert ("commonName", "b") in [rdn[0] for rdn in client_cert["subject"]]
+    assert ("DNS", "a") in server_cert["subjectAltName"]

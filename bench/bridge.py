@@ -183,7 +183,7 @@ class Deployment:
             rabbit.add_vhost(vhost)
             rabbit.api("PUT", f"queues/{quote(vhost, safe='')}/{QUEUE}", {"durable": True})
         base = self.sites.base
-        cfg_a = self.a.write_config(base / "a.toml")
+        cfg_a = self.a.write_config(base / "a.toml", peer=self.b, dial=False)
         cfg_b = self.b.write_config(base / "b.toml", peer=self.a)
         vpnrepl(cfg_a, "init")
         vpnrepl(cfg_a, "vpn", "enable", VPN, "--role", "active")

@@ -265,7 +265,7 @@ class Bench:
         print(f"two RabbitMQ nodes + two PostgreSQL clusters up in {time.monotonic() - t0:.0f} s")
         a.rabbit.add_vhost(VPN)
         base = self.sites.base
-        cfg_a = a.write_config(base / "a.toml")
+        cfg_a = a.write_config(base / "a.toml", peer=b, dial=False)
         cfg_b = b.write_config(base / "b.toml", peer=a)
         vpnrepl(cfg_a, "init")
         vpnrepl(cfg_a, "vpn", "enable", VPN, "--role", "active")

@@ -220,7 +220,7 @@ class Bench:
             self.a.rabbit.api("PUT", f"queues/{VPN}/{queue}", {"durable": True})
         self.floor_dsns = [_floor_database(self.a, "active"), _floor_database(self.b, "standby")]
         base = self.sites.base
-        cfg_a = self.a.write_config(base / "a.toml")
+        cfg_a = self.a.write_config(base / "a.toml", peer=self.b, dial=False)
         cfg_b = self.b.write_config(base / "b.toml", peer=self.a)
         if self.spans is not None:
             with cfg_a.open("a") as f:

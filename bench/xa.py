@@ -56,7 +56,7 @@ class Bench:
         self.a.rabbit.add_vhost(VPN)
         self.a.rabbit.api("PUT", f"queues/{VPN}/{QUEUE}", {"durable": True})
         base = self.sites.base
-        cfg_a = self.a.write_config(base / "a.toml")
+        cfg_a = self.a.write_config(base / "a.toml", peer=self.b, dial=False)
         cfg_b = self.b.write_config(base / "b.toml", peer=self.a)
         vpnrepl(cfg_a, "init")
         vpnrepl(cfg_a, "vpn", "enable", VPN, "--role", "active", "--mode", "sync")

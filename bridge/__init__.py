@@ -135,6 +135,7 @@ from ._fullsync import (
     segment_sql,
     touched,
 )
+from ._identity import PeerCheck, certificate_names
 from ._ids import (
     INCARNATION_LIMIT,
     REPLICATION_HEADER,
@@ -473,6 +474,9 @@ __all__ = [
     "name_item",
     "queue_item",
     "streamed_deletions",
+    # the named-site rule of the bridge
+    "PeerCheck",
+    "certificate_names",
     # the ledger entry encoding
     "EventDecodeError",
     "LedgerEntry",

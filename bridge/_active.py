@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -49,6 +49,7 @@ from ._errors import (
     PeerFailure,
     RemoteProtocolError,
     StaleEpoch,
+    Unauthorised,
     UnknownVpn,
 )
 from ._frames import (
@@ -64,6 +65,7 @@ from ._frames import (
     VpnResource,
 )
 from ._fullsync import LiveKey
+from ._identity import PeerCheck, certificate_names
 from ._ledger import LedgerWriter
 from ._ledger_errors import LedgerError, VpnNotOpen
 from ._link import (
@@ -102,6 +104,7 @@ class BridgeServer:
         writer: LedgerWriter,
         replicator: Replicator,
         *,
+        peers: Iterable[str] = (),
         management_url: str | None = None,
         tls: TlsConfig | None = None,
         retain_seconds: float = 300.0,
@@ -118,6 +121,8 @@ class BridgeServer:
         self.writer = writer
         self.replicator = replicator
         self._api = ManagementAPI(management_url) if management_url else None
+        #: the named-site rule: only these peer sites are served
+        self._check = PeerCheck.of(peers)
         self._ssl = make_server_context(tls) if tls is not None else None
         self._tls = tls
         self.retain_seconds = retain_seconds
@@ -330,8 +335,15 @@ class BridgeServer:
                 if refusal is not None:
                     log.warning("bridge: %s", refusal)
                     return
+            names = certificate_names(writer.get_extra_info("peercert"))
+            why = self._check.certificate(names)
+            if why is not None:
+                log.warning("bridge: refused standby at %s: %s", address, why)
+                writer.transport.abort()
+                return
             conn = BridgeConnection(Role.ACTIVE, self.site)
             peer = StandbyPeer(Link(conn, reader, writer, address, self.heartbeat_timeout))
+            peer.certificate_names = names
             self._peers.add(peer)
             try:
                 await self._serve(peer)
@@ -390,8 +402,9 @@ class BridgeServer:
                 return
             if isinstance(item, RemoteProtocolError):
                 self._vpn_fault(peer, item)
-            elif isinstance(item, Hello):
-                self._greeted(link, item)
+            elif isinstance(item, Hello | Error):
+                if self._ends(peer, item):
+                    return
             elif isinstance(item, GetAllResources):
                 await self._send_resources(peer)
             elif isinstance(item, SyncRequest):
@@ -400,13 +413,18 @@ class BridgeServer:
                 self._acked(item.vpn, item.index, item.epoch)
             elif isinstance(item, TxnVote | TxnQuery | TxnApplied):
                 self.txn_link.received(peer, item)
-            elif isinstance(item, Error):
-                if item.closes_connection:
-                    log.warning(
-                        "bridge: standby %s closed the link: %s", peer.name, item.exception()
-                    )
-                    return
-                self._abandoned(peer, item)
+
+    def _ends(self, peer: StandbyPeer, item: Hello | Error) -> bool:
+        """A Hello (answered, or refused by the named-site rule) or an Error
+        (a VPN's stream abandoned, or the link closed); True when the link
+        ends."""
+        if isinstance(item, Hello):
+            return not self._greeted(peer, item)
+        if item.closes_connection:
+            log.warning("bridge: standby %s closed the link: %s", peer.name, item.exception())
+            return True
+        self._abandoned(peer, item)
+        return False
 
     def _standby_of(self, vpn: str) -> StandbyPeer | None:
         for peer in self._peers:
@@ -414,8 +432,16 @@ class BridgeServer:
                 return peer
         return None
 
-    def _greeted(self, link: Link, hello: Hello) -> None:
-        """Answer a standby's Hello, and say once what its release lacks."""
+    def _greeted(self, peer: StandbyPeer, hello: Hello) -> bool:
+        """Answer a standby's Hello, and say once what its release lacks;
+        False (the link ends) when the named-site rule refuses it."""
+        link = peer.link
+        why = self._check.hello(hello.site, peer.certificate_names)
+        if why is not None:
+            log.warning("bridge: refused standby at %s: %s", link.peer, why)
+            text = f"site {hello.site!r} is not a peer of this site"
+            link.try_send(Error(Unauthorised.code, "", text))
+            return False
         link.send(link.conn.our_hello())
         log.info(
             "bridge: standby site %r connected from %s (protocol version %d)",
@@ -432,6 +458,7 @@ class BridgeServer:
                 link.conn.version,
                 ", ".join(lacking),
             )
+        return True
 
     def _vpn_fault(self, peer: StandbyPeer, fault: RemoteProtocolError) -> None:
         if isinstance(fault, StaleEpoch):

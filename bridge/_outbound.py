@@ -458,6 +458,8 @@ class StandbyPeer:
     streams: dict[str, OutboundStream] = field(default_factory=dict)
     epochs: dict[str, int] = field(default_factory=dict)  # listed epoch per VPN
     failure: BaseException | None = None
+    #: the names its verified certificate carries (None: no certificate)
+    certificate_names: frozenset[str] | None = None
 
     @property
     def name(self) -> str:

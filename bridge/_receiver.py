@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -52,6 +52,7 @@ from ._errors import (
     PeerFailure,
     RemoteProtocolError,
     StaleEpoch,
+    Unauthorised,
     UnknownVpn,
     VersionMismatch,
 )
@@ -75,8 +76,17 @@ from ._frames import (
     TxnPrepare,
     VpnResource,
 )
+from ._identity import PeerCheck, certificate_names
 from ._inbound import InboundStream
-from ._link import Link, LinkClosed, LinkError, TlsRefused, describe_error, dial
+from ._link import (
+    Link,
+    LinkClosed,
+    LinkError,
+    PeerUnreachable,
+    TlsRefused,
+    describe_error,
+    dial,
+)
 from ._management import ManagementAPI
 from ._protocol import BridgeConnection
 from ._settings import HostPort, InvalidSettings, Role, TlsConfig
@@ -144,7 +154,7 @@ class BridgeClient:
         self,
         site: str,
         dsn: str,
-        peer: HostPort,
+        peer: HostPort | Sequence[HostPort],
         *,
         management_url: str | None = None,
         keep_users: tuple[str, ...] = (),
@@ -156,10 +166,19 @@ class BridgeClient:
         max_backoff: float = 10.0,
         relist_interval: float = 30.0,
         max_apply_batch: int = 5000,
+        peer_site: str = "",
     ) -> None:
+        """``peer_site``: the active's site name, which its certificate and
+        its Hello must carry (the named-site rule, :mod:`bridge._identity`)."""
         self.site = site
+        self._check = PeerCheck.of([peer_site])
         self._dsn = dsn
-        self.peer = peer
+        #: the active site's bridge addresses (its nodes), dialled in order
+        self.addresses = (peer,) if isinstance(peer, HostPort) else tuple(peer)
+        if not self.addresses:
+            raise ValueError("a bridge client needs the active's address")
+        #: the address dialled last
+        self.peer = self.addresses[0]
         self._api = ManagementAPI(management_url, keep_users=keep_users) if management_url else None
         self._ssl = make_client_context(tls) if tls is not None else None
         self.heartbeat_interval = heartbeat_interval
@@ -335,7 +354,22 @@ class BridgeClient:
             await link.close()
 
     async def _connect(self) -> Link:
-        reader, writer = await dial(self.peer, self._ssl, self.connect_timeout)
+        failure: LinkError | None = None
+        for address in self.addresses:
+            self.peer = address
+            try:
+                reader, writer = await dial(address, self._ssl, self.connect_timeout)
+            except PeerUnreachable as e:  # the site's next node, if it has one
+                failure = e
+                continue
+            break
+        else:
+            assert failure is not None  # noqa: S101 - at least one address
+            raise failure
+        why = self._check.certificate(certificate_names(writer.get_extra_info("peercert")))
+        if why is not None:  # before this site says anything
+            writer.transport.abort()
+            raise Unauthorised(f"refused the active at {self.peer}: {why}")
         epochs = await self._known_epochs()
         conn = BridgeConnection(Role.STANDBY, self.site, known_epochs=epochs, version=self.version)
         return Link(conn, reader, writer, str(self.peer), self.heartbeat_timeout)
@@ -370,6 +404,10 @@ class BridgeClient:
             raise refusal
         if not isinstance(answer, Hello):  # pragma: no cover - the protocol allows nothing else
             raise PeerFailure(f"expected Hello, got {type(answer).__name__}")
+        names = certificate_names(link.writer.get_extra_info("peercert"))
+        why = self._check.hello(answer.site, names)
+        if why is not None:
+            raise Unauthorised(f"refused the active at {self.peer}: {why}")
         log.info(
             "bridge: connected to active site %r at %s (protocol version %d)",
             answer.site,

@@ -2,20 +2,22 @@
 place that turns an :class:`ssl.SSLError` into words an admin can act on.
 
 Invariant: a bridge link is never weaker than the site's ``[tls]`` section
-says. Both contexts refuse anything below TLS 1.2. With ``ca`` set the link is
-*mutual*: the active requires a client certificate and both ends verify the
-peer's certificate against ``ca`` only (not the system store, so a
-certificate any public CA signed is not enough). Without ``ca`` the active
-asks for no client certificate, and the standby verifies the active against
-the system's trusted CAs *with* hostname checking: the ordinary HTTPS rule,
-never "encrypt but trust anyone".
+says. Both contexts refuse anything below TLS 1.2. With ``ca`` set (the
+node requires it) the link is *mutual*: the active requires a client
+certificate and both ends verify the peer's certificate against ``ca``
+only (not the system store, so a certificate any public CA signed is not
+enough). Which site the certificate names is then checked above TLS, by
+the named-site rule (:mod:`bridge._identity`): a certificate of the right
+CA naming an unconfigured site, or a Hello naming another site, is
+refused. Without ``ca`` (the AMQPS listener's client TLS, or a component
+test) the active asks for no client certificate, and the standby verifies
+the active against the system's trusted CAs *with* hostname checking.
 
-Why hostname checking is off when verifying against ``ca``: that CA is the
-peer's private, pinned issuer, which signs site certificates and nothing
-else, so a certificate that chains to it *is* a peer site, whatever name it
-carries. Bridge addresses, on the other hand, are often IPs, NAT or load
-balancer names that nobody puts in a certificate, and a hostname mismatch
-there would only teach admins to switch verification off altogether.
+Why hostname checking is off when verifying against ``ca``: bridge
+addresses are often IPs, NAT or load balancer names that nobody puts in a
+certificate, and a hostname mismatch there would only teach admins to
+switch verification off altogether; the site name is what identifies a
+peer, and the named-site rule checks it.
 
 The AMQPS listener (``plugin/_tls_server.py``) builds its context with
 :func:`make_server_context` from the site's ``[client_tls]`` section: the

@@ -190,7 +190,7 @@ def _cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
 
     def once() -> None:
         with connect(cfg.store_dsn) as conn:
-            doc = status(conn, cfg.site_name)
+            doc = status(conn, cfg.site_name, bridge_authenticated=cfg.bridge_authenticated)
         add_broker_depths(doc, api)
         if args.json:
             print(json.dumps(doc), flush=True)

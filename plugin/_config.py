@@ -20,7 +20,7 @@ from bridge import MAX_SEGMENTS, HostPort, TlsConfig
 
 from ._errors import ConfigError
 
-__all__ = ["ReconcileConfig", "SiteConfig", "load_config"]
+__all__ = ["PeerConfig", "ReconcileConfig", "SiteConfig", "load_config"]
 
 #: Debian's PostgreSQL JDBC driver (package libpostgresql-jdbc-java)
 DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"
@@ -45,6 +45,18 @@ class ReconcileConfig:
     #: seconds between the two broker-drift readings: more than the
     #: broker's ``collect_statistics_interval`` (5 s by default)
     drift_interval: int = 6
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    """``[peers.NAME]`` (or the single ``[peer]`` with ``name``): a site this
+    one replicates with, by the name its certificate and Hello carry."""
+
+    name: str
+    #: that site's bridge addresses (its nodes), dialled in this order
+    bridge: tuple[HostPort, ...] = ()
+    #: its database (switchover, reconciliation)
+    store_dsn: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +97,27 @@ class SiteConfig:
     #: reconciliation, switchover also writes operator requests
     peer_store_dsn: str | None = None
     reconcile: ReconcileConfig = ReconcileConfig()
+    #: the peer sites, by name (``[peers.NAME]``); this release replicates
+    #: with one
+    peers: tuple[PeerConfig, ...] = ()
+    #: ``[insecure] plaintext_bridge``: the bridge without TLS (no peer is
+    #: authenticated); shown in every start's log, status and metrics
+    plaintext_bridge: bool = False
+
+    @property
+    def peer(self) -> PeerConfig | None:
+        """The peer site, if one is configured."""
+        return self.peers[0] if self.peers else None
+
+    @property
+    def peer_store_key(self) -> str:
+        """The dotted key of the peer's ``store_dsn``, for errors."""
+        return f"peers.{self.peer.name}.store_dsn" if self.peer else "peers.NAME.store_dsn"
+
+    @property
+    def bridge_authenticated(self) -> bool:
+        """Peers prove their site name with a certificate (mutual TLS)."""
+        return self.tls is not None and self.tls.ca is not None
 
 
 _REQUIRED = object()
@@ -167,9 +200,11 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
     },
     "store": {"dsn": (str, _REQUIRED, _url("postgresql", "postgres"))},
     "peer": {
+        "name": (str, _REQUIRED, _site_name),
         "bridge": (str, None, HostPort.parse),
         "store_dsn": (str, None, _url("postgresql", "postgres")),
     },
+    "insecure": {"plaintext_bridge": (bool, False, bool)},
     "replication": {
         "ledger_retain_seconds": (int, 300, _non_negative),
         "ledger_max_bytes": (int, 8 << 30, _non_negative),
@@ -188,7 +223,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
     "tls": {
         "cert": (str, _REQUIRED, _file),
         "key": (str, _REQUIRED, _file),
-        "ca": (str, None, _file),
+        "ca": (str, _REQUIRED, _file),
     },
     "client_tls": {
         "cert": (str, _REQUIRED, _file),
@@ -196,10 +231,21 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
         "ca": (str, None, _file),
     },
 }
-_OPTIONAL_SECTIONS = {"peer", "tls", "client_tls", "replication", "telemetry", "reconcile"}
+_OPTIONAL_SECTIONS = {
+    "peer", "tls", "client_tls", "replication", "telemetry", "reconcile", "insecure",
+}  # fmt: skip
+#: ``[peers.NAME]``: the keys of each peer's table (``bridge``: one address
+#: or a list, checked by :func:`_peer_table`)
+_PEER_KEYS = ("bridge", "store_dsn")
+_NO_TLS = (
+    "the bridge is mutual TLS between named sites: set tls.cert, tls.key and tls.ca "
+    "(`vpnrepl tls init DIR --sites A,B` makes them), or [insecure] plaintext_bridge = true"
+)
 
 
 def _parse_override(path: str, item: str) -> tuple[str, str, object]:
+    """``SECTION.KEY=VALUE`` (``peers.NAME.KEY=VALUE`` for a peer's table:
+    the key comes back as ``NAME.KEY``)."""
     dotted, sep, raw = item.partition("=")
     section, dot, key = dotted.strip().partition(".")
     if not sep or not dot or not section or not key:
@@ -291,8 +337,16 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         table = raw.setdefault(section, {})
         if not isinstance(table, dict):
             raise ConfigError(path, section, "expected a [section] table")
+        if section == "peers":
+            name, dot, key = key.partition(".")
+            if not dot:
+                raise ConfigError(path, None, f"override {item!r} is not peers.NAME.KEY=VALUE")
+            table = table.setdefault(name, {})
+            if not isinstance(table, dict):
+                raise ConfigError(path, f"peers.{name}", "expected a [peers.NAME] table")
         table[key] = value
-    v = _validated(path, raw)
+    peers = _peers(path, raw)
+    v = _validated(path, {k: t for k, t in raw.items() if k != "peers"})
     tls = _tls_config(path, "tls", v["tls"]) if "tls" in v else None
     client_tls = _tls_config(path, "client_tls", v["client_tls"]) if "client_tls" in v else None
     listen_amqps = v["listen"]["amqps"]
@@ -302,40 +356,130 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         raise ConfigError(path, "client_tls", "is only used with listen.amqps, which is not set")
     if v["broker"]["ca"] is not None and urlsplit(v["broker"]["amqp_url"]).scheme != "amqps":
         raise ConfigError(path, "broker.ca", "is only used with an amqps:// broker.amqp_url")
-    return SiteConfig(
-        path=path,
-        site_name=v["site"]["name"],
-        amqp_url=v["broker"]["amqp_url"],
-        management_url=v["broker"]["management_url"],
-        listen_amqp=v["listen"]["amqp"],
-        listen_bridge=v["listen"]["bridge"],
-        listen_admin=v["listen"]["admin"],
-        store_dsn=v["store"]["dsn"],
-        peer_bridge=v["peer"]["bridge"] if "peer" in v else None,
-        peer_store_dsn=v["peer"]["store_dsn"] if "peer" in v else None,
-        tls=tls,
-        ledger_retain_seconds=(
-            v["replication"]["ledger_retain_seconds"] if "replication" in v else 300
-        ),
-        ledger_max_bytes=v["replication"]["ledger_max_bytes"] if "replication" in v else 8 << 30,
-        ledger_check_seconds=(
-            v["replication"]["ledger_check_seconds"] if "replication" in v else 30
-        ),
-        topology_refresh_seconds=v["broker"]["topology_refresh_seconds"],
-        otlp_traces_url=v["telemetry"]["otlp_traces_url"] if "telemetry" in v else None,
-        listen_amqps=listen_amqps,
-        client_tls=client_tls,
-        broker_ca=_existing_file(path, "broker.ca", v["broker"]["ca"]),
-        reconcile=_reconcile(path, v),
+    plaintext = _plaintext_bridge(path, v, tls)
+    peers = _all_peers(path, v, peers)
+    peer = peers[0] if peers else None
+    return _checked(
+        SiteConfig(
+            path=path,
+            site_name=v["site"]["name"],
+            amqp_url=v["broker"]["amqp_url"],
+            management_url=v["broker"]["management_url"],
+            listen_amqp=v["listen"]["amqp"],
+            listen_bridge=v["listen"]["bridge"],
+            listen_admin=v["listen"]["admin"],
+            store_dsn=v["store"]["dsn"],
+            peer_bridge=peer.bridge[0] if peer is not None and peer.bridge else None,
+            peer_store_dsn=peer.store_dsn if peer is not None else None,
+            peers=peers,
+            plaintext_bridge=plaintext,
+            tls=tls,
+            ledger_retain_seconds=(
+                v["replication"]["ledger_retain_seconds"] if "replication" in v else 300
+            ),
+            ledger_max_bytes=v["replication"]["ledger_max_bytes"]
+            if "replication" in v
+            else 8 << 30,
+            ledger_check_seconds=(
+                v["replication"]["ledger_check_seconds"] if "replication" in v else 30
+            ),
+            topology_refresh_seconds=v["broker"]["topology_refresh_seconds"],
+            otlp_traces_url=v["telemetry"]["otlp_traces_url"] if "telemetry" in v else None,
+            listen_amqps=listen_amqps,
+            client_tls=client_tls,
+            broker_ca=_existing_file(path, "broker.ca", v["broker"]["ca"]),
+            reconcile=_reconcile(path, v),
+        )
     )
+
+
+def _plaintext_bridge(path: str, v: Mapping[str, Mapping[str, Any]], tls: TlsConfig | None) -> bool:
+    """``[insecure] plaintext_bridge``: required when there is no ``[tls]``,
+    refused beside one."""
+    plaintext = bool(v["insecure"]["plaintext_bridge"]) if "insecure" in v else False
+    if tls is None and not plaintext:
+        raise ConfigError(path, "tls", _NO_TLS)
+    if tls is not None and plaintext:
+        raise ConfigError(path, "insecure.plaintext_bridge", "is set, but so is [tls]: choose one")
+    return plaintext
+
+
+def _all_peers(
+    path: str, v: Mapping[str, Mapping[str, Any]], peers: tuple[PeerConfig, ...]
+) -> tuple[PeerConfig, ...]:
+    """``[peers.NAME]`` tables, or the one ``[peer]`` (read as
+    ``[peers.<name>]``); one peer site at most in this release."""
+    if "peer" in v:
+        p = v["peer"]
+        if peers:
+            raise ConfigError(path, "peer", "both [peer] and [peers.NAME]: keep one of them")
+        bridge = (p["bridge"],) if p["bridge"] is not None else ()
+        peers = (PeerConfig(p["name"], bridge, p["store_dsn"]),)
+    if len(peers) > 1:
+        raise ConfigError(
+            path, "peers", f"names {len(peers)} peer sites; this release replicates with one"
+        )
+    if any(p.name == v["site"]["name"] for p in peers):
+        raise ConfigError(path, "peers", "names this site itself")
+    return peers
+
+
+def _checked(cfg: SiteConfig) -> SiteConfig:
+    if cfg.reconcile.interval_seconds is not None and cfg.peer_store_dsn is None:
+        raise ConfigError(
+            cfg.path, "reconcile.interval", f"needs {cfg.peer_store_key} (the standby's store)"
+        )
+    return cfg
+
+
+def _peers(path: str, raw: Mapping[str, Any]) -> tuple[PeerConfig, ...]:
+    """``[peers.NAME]`` tables, in name order."""
+    tables = raw.get("peers", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(path, "peers", "expected [peers.NAME] tables")
+    out = []
+    for name in sorted(tables):
+        try:
+            _site_name(name)
+        except ValueError as e:
+            raise ConfigError(path, f"peers.{name}", f"peer site name: {e}") from e
+        out.append(_peer_table(path, name, tables[name]))
+    return tuple(out)
+
+
+def _peer_table(path: str, name: str, table: object) -> PeerConfig:
+    where = f"peers.{name}"
+    if not isinstance(table, dict):
+        raise ConfigError(path, where, "expected a [peers.NAME] table")
+    for key in table:
+        if key not in _PEER_KEYS:
+            raise ConfigError(
+                path, f"{where}.{key}", f"unknown key (known: {', '.join(_PEER_KEYS)})"
+            )
+    bridge = table.get("bridge", [])
+    addresses = [bridge] if isinstance(bridge, str) else bridge
+    if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+        raise ConfigError(path, f"{where}.bridge", "expected an address or a list of addresses")
+    try:
+        parsed = tuple(HostPort.parse(a) for a in addresses)
+    except ValueError as e:
+        raise ConfigError(path, f"{where}.bridge", str(e)) from e
+    dsn = table.get("store_dsn")
+    if dsn is not None:
+        if not isinstance(dsn, str):
+            raise ConfigError(path, f"{where}.store_dsn", f"expected str, got {type(dsn).__name__}")
+        try:
+            _url("postgresql", "postgres")(dsn)
+        except ValueError as e:
+            raise ConfigError(path, f"{where}.store_dsn", str(e)) from e
+    return PeerConfig(name, parsed, dsn)
 
 
 def _reconcile(path: str, v: Mapping[str, Mapping[str, Any]]) -> ReconcileConfig:
     if "reconcile" not in v:
         return ReconcileConfig()
     r = v["reconcile"]
-    if r["interval"] is not None and ("peer" not in v or v["peer"]["store_dsn"] is None):
-        raise ConfigError(path, "reconcile.interval", "needs peer.store_dsn (the standby's store)")
+    # (checked again against [peers.NAME] by load_config)
     return ReconcileConfig(
         interval_seconds=r["interval"],
         repair=r["repair"],

@@ -40,6 +40,7 @@ import psycopg
 from bridge import TlsConfig
 
 from ._errors import PluginError
+from ._tls_init import init_certificates
 
 __all__ = [
     "HarnessError",
@@ -432,8 +433,14 @@ class LocalSite:
         self.rabbit = RabbitNode(f"vpnrepl-{name}-{os.getpid()}", base / "rabbit")
         self.pg = PostgresCluster(name, base / "pg")
         self.amqp_port, self.bridge_port, self.admin_port = free_port(), free_port(), free_port()
+        #: the directory of the bridge certificates (``vpnrepl tls init``'s)
+        self.pki: Path | None = None
 
-    def config_text(self, peer: LocalSite | None = None) -> str:
+    def config_text(
+        self, peer: LocalSite | None = None, tls: bool = True, dial: bool = True
+    ) -> str:
+        """This site's config; ``peer``: the site it replicates with (which
+        it dials unless ``dial`` is false: a site that only serves it)."""
         text = (
             f'[site]\nname = "{self.name}"\n\n'
             f'[broker]\namqp_url = "{self.rabbit.amqp_url()}"\n'
@@ -444,14 +451,25 @@ class LocalSite:
             f'[store]\ndsn = "{self.pg.dsn()}"\n'
         )
         if peer is not None:
+            text += f"\n[peers.{peer.name}]\n"
+            if dial:
+                text += f'bridge = "127.0.0.1:{peer.bridge_port}"\n'
+            text += f'store_dsn = "{peer.pg.dsn()}"\n'
+
+        if tls and self.pki is not None:
             text += (
-                f'\n[peer]\nbridge = "127.0.0.1:{peer.bridge_port}"\n'
-                f'store_dsn = "{peer.pg.dsn()}"\n'
+                f'\n[tls]\ncert = "{self.pki / self.name}.crt"\n'
+                f'key = "{self.pki / self.name}.key"\nca = "{self.pki}/ca.crt"\n'
             )
         return text
 
-    def write_config(self, path: Path, peer: LocalSite | None = None) -> Path:
-        path.write_text(self.config_text(peer))
+    def write_config(
+        self, path: Path, peer: LocalSite | None = None, tls: bool = True, dial: bool = True
+    ) -> Path:
+        """The site's config (:meth:`config_text`): mutual TLS with the
+        harness's certificates (``tls=False``: no ``[tls]``, for a caller
+        that adds its own)."""
+        path.write_text(self.config_text(peer, tls, dial))
         return path
 
 
@@ -637,6 +655,11 @@ class LocalSites:
             (self.base / _OWNER_FILE).write_text(f"{me} {_started_at(me)}\n")
         self.a = LocalSite("a", self.base / "a")
         self.b = LocalSite("b", self.base / "b")
+        # the bridge's certificates: a private CA and one naming each site
+        pki = self.base / ".pki"
+        if not (pki / "b.crt").exists():
+            init_certificates(pki, [self.a.name, self.b.name])
+        self.a.pki = self.b.pki = pki
         self.startup_seconds = 0.0
 
     def start(self) -> None:

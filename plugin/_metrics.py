@@ -278,6 +278,13 @@ def _vpn_families(
         "1 when this site's database answered the scrape's status read",
         value=1 if status is not None else 0,
     )
+    if status is not None:
+        yield GaugeMetricFamily(
+            "vpnrepl_bridge_authenticated",
+            "1 when the bridge is mutual TLS between named sites; 0 when it is plain TCP"
+            " ([insecure] plaintext_bridge: no peer is authenticated)",
+            value=1 if status.get("bridge_authenticated", True) else 0,
+        )
     vpns = status["vpns"] if status is not None else []
     info = GaugeMetricFamily(
         "vpnrepl_vpn_info",

@@ -306,7 +306,12 @@ class Node:
 
         def read() -> dict[str, Any]:
             with connect(self.cfg.store_dsn) as conn:
-                return status(conn, self.cfg.site_name, queues=broker)
+                return status(
+                    conn,
+                    self.cfg.site_name,
+                    queues=broker,
+                    bridge_authenticated=self.cfg.bridge_authenticated,
+                )
 
         doc = await asyncio.to_thread(read)
         if broker:
@@ -336,6 +341,12 @@ class Node:
             raise UsageError(str(e)) from e
         if point is not None:
             log.warning("failpoint %s is armed: this node kills itself there", point)
+        if cfg.plaintext_bridge:
+            log.warning(
+                "the bridge is plain TCP ([insecure] plaintext_bridge = true): peers are not "
+                "authenticated and replicated messages cross the network readable; set "
+                "[tls] cert, key and ca (`vpnrepl tls init`) to end this"
+            )
         incarnation = await _incarnation(cfg)  # checks the schema first
         # the site lock: no operator command runs without the node meanwhile
         await self.requests.start()
@@ -351,19 +362,22 @@ class Node:
                 cfg.store_dsn,
                 self.writer,
                 self.replicator,
+                peers=[p.name for p in cfg.peers],
                 management_url=cfg.management_url,
                 tls=cfg.tls,
                 retain_seconds=cfg.ledger_retain_seconds,
             )
-            if cfg.peer_bridge is not None:
+            peer = cfg.peer
+            if peer is not None and peer.bridge:
                 self.bridge_client = BridgeClient(
                     cfg.site_name,
                     cfg.store_dsn,
-                    cfg.peer_bridge,
+                    peer.bridge,
                     management_url=cfg.management_url,
                     # the user this site's node logs in to its broker with
                     keep_users=(unquote(urlsplit(cfg.amqp_url).username or "guest"),),
                     tls=cfg.tls,
+                    peer_site=peer.name,
                 )
         except TlsSetupError as e:
             raise ConfigError(cfg.path, "tls", str(e)) from e
@@ -434,7 +448,9 @@ class Node:
             cfg.listen_amqp,
             _amqps_note(cfg),
             cfg.listen_bridge,
-            f" (standby of {cfg.peer_bridge})" if cfg.peer_bridge else "",
+            f" (standby of site {cfg.peer.name} at {cfg.peer_bridge})"
+            if cfg.peer and cfg.peer_bridge
+            else "",
             cfg.listen_admin,
             ", ".join(f"{v.name} ({v.role})" for v in vpns) or "none",
         )

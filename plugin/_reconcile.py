@@ -158,7 +158,7 @@ class Reconciler:
     ) -> None:
         if cfg.peer_store_dsn is None:
             raise ConfigError(
-                cfg.path, "peer.store_dsn", "reconcile reads the standby's store: set it"
+                cfg.path, cfg.peer_store_key, "reconcile reads the standby's store: set it"
             )
         self.cfg, self.vpn, self.method = cfg, vpn, method
         self.master, self.segments, self.progress = master, segments, progress

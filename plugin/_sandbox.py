@@ -46,7 +46,7 @@ def start_sandbox(where: Path) -> list[str]:
         raise
     env = []
     for site, peer in ((sites.a, sites.b), (sites.b, sites.a)):
-        site.write_config(where / f"{site.name}.toml", peer)
+        site.write_config(where / f"{site.name}.toml", peer, tls=False)
         up = site.name.upper()
         env += [
             f"SITE_{up}_BROKER=127.0.0.1:{site.rabbit.amqp_port}",
@@ -57,7 +57,8 @@ def start_sandbox(where: Path) -> list[str]:
     (where / MARKER).write_text("".join(f"export {line}\n" for line in env))
     return [
         f"sandbox in {where}: RabbitMQ (user guest) and PostgreSQL for sites a and b",
-        f"  site configs: {where / 'a.toml'}, {where / 'b.toml'}",
+        f"  site configs: {where / 'a.toml'}, {where / 'b.toml'} (without [tls]: add it,"
+        f" e.g. from `vpnrepl tls init {where / 'pki'} --sites a,b`)",
         f"  addresses: {where / MARKER} (`. {where / MARKER}`)",
         f"  stop it with `vpnrepl sandbox stop {where}`",
     ]

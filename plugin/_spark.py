@@ -89,7 +89,7 @@ class SiteSnapshot:
             if found[0] != role:
                 raise PluginError(
                     f"VPN {vpn!r} is {found[0]} at {redact_url(dsn)}, not {role}: run "
-                    "reconcile with the active site's config, whose [peer] store_dsn is "
+                    "reconcile with the active site's config, whose [peers.NAME] store_dsn is "
                     "the standby's store"
                 )
             row = self._conn.execute(REFLECTED_INDEX[role], (vpn,)).fetchone()

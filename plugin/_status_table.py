@@ -88,6 +88,10 @@ def _details(v: dict[str, Any]) -> list[str]:
 def render(doc: dict[str, Any]) -> str:
     """The table for a ``status --json`` document (with broker depths or not)."""
     lines = [f"site {doc['site']}"]
+    if not doc.get("bridge_authenticated", True):
+        lines.append(
+            "bridge: PLAIN TCP, peers not authenticated ([insecure] plaintext_bridge = true)"
+        )
     if not doc["vpns"]:
         lines.append("no VPN is enabled for replication")
         return "\n".join(lines) + "\n"

@@ -149,9 +149,15 @@ FROM vpn_config c
 
 
 def status(
-    conn: psycopg.Connection[dict[str, Any]], site: str, queues: bool = True
+    conn: psycopg.Connection[dict[str, Any]],
+    site: str,
+    queues: bool = True,
+    *,
+    bridge_authenticated: bool = True,
 ) -> dict[str, Any]:
     """The ``status --json`` object for this site (key names are a contract).
+    ``bridge_authenticated``: false when the site's bridge is plain TCP
+    (``[insecure] plaintext_bridge``), so no peer proves its name.
 
     ``queues=False`` leaves each VPN's ``queues`` (live counts) empty: the
     count reads the whole live state, which ``/metrics`` and the lag history
@@ -268,4 +274,4 @@ def status(
                 ),
             }
         )
-    return {"site": site, "vpns": vpns}
+    return {"site": site, "bridge_authenticated": bridge_authenticated, "vpns": vpns}

@@ -1,7 +1,7 @@
 """``vpnrepl switchover VPN`` on the standby: a controlled swap of the two
 live sites, with nothing lost and nothing doubled.
 
-1. The active's node (reached through its database, ``[peer] store_dsn``)
+1. The active's node (reached through its database, ``[peers.NAME] store_dsn``)
    closes the VPN's client connections (320, "switchover to site X"),
    admits no new ones, and waits until the standby has acknowledged its
    whole ledger (``switchover-prepare``): nothing is confirmed there any
@@ -69,8 +69,8 @@ async def switchover(cfg: SiteConfig, vpn: str, progress: Progress) -> list[str]
     peer = cfg.peer_store_dsn
     if peer is None:
         raise UsageError(
-            f"{cfg.path}: peer.store_dsn: a switchover reaches the active site's node "
-            "through its database; set [peer] store_dsn"
+            f"{cfg.path}: {cfg.peer_store_key}: a switchover reaches the active site's node "
+            "through its database: set it"
         )
     role, bridge, _ = await asyncio.to_thread(_standby_state, cfg, vpn)
     if role != "standby" or bridge != "connected":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin._localsites import LocalSite
+from plugin._localsites import LocalSite, LocalSites
 
 
 @dataclass
@@ -24,6 +24,7 @@ class Vpnrepl:
 
 
 @pytest.fixture
-def vpnrepl_a(site_a: LocalSite, tmp_path: Path) -> Vpnrepl:
-    """``vpnrepl`` with a config for site A."""
-    return Vpnrepl(site_a.write_config(tmp_path / "a.toml"))
+def vpnrepl_a(site_a: LocalSite, sites: LocalSites, tmp_path: Path) -> Vpnrepl:
+    """``vpnrepl`` with a config for site A, which serves site B as its
+    peer (and does not dial it)."""
+    return Vpnrepl(site_a.write_config(tmp_path / "a.toml", peer=sites.b, dial=False))

@@ -1,6 +1,7 @@
-"""A throwaway PKI for TLS tests: a CA signing sites a and b and an AMQP
-client, and a rogue CA signing a fourth certificate (made with the `openssl`
-command line tool)."""
+"""A throwaway PKI for TLS tests: a CA signing sites a, b and c (c: a site
+no test configures as a peer) and an AMQP client, and a rogue CA signing a
+certificate named "rogue" (made with the `openssl` command line tool, so
+these tests do not rely on `vpnrepl tls init`'s own output)."""
 
 from __future__ import annotations
 
@@ -40,14 +41,18 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     for ca in ("ca", "rogue-ca"):
         _openssl("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.crt",
                  "-days", "2", "-subj", f"/CN={ca}", cwd=d)  # fmt: skip
-    (d / "site.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
-        "extendedKeyUsage=serverAuth,clientAuth\n"
-    )
-    for name, ca in (("a", "ca"), ("b", "ca"), ("client", "ca"), ("rogue", "rogue-ca")):
+    for name, ca in (
+        ("a", "ca"), ("b", "ca"), ("c", "ca"), ("client", "ca"), ("rogue", "rogue-ca")
+    ):  # fmt: skip
+        # a site certificate names its site (CN and subjectAltName), and
+        # 127.0.0.1 / localhost for server-only TLS with hostname checking
+        (d / f"{name}.ext").write_text(
+            f"subjectAltName=DNS:{name},IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+            "extendedKeyUsage=serverAuth,clientAuth\n"
+        )
         _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN=site-{name}", cwd=d)  # fmt: skip
+                 "-subj", f"/CN={name}", cwd=d)  # fmt: skip
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
                  "-CAcreateserial", "-out", f"{name}.crt", "-days", "2",
-                 "-extfile", "site.ext", cwd=d)  # fmt: skip
+                 "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
     return Pki(d)

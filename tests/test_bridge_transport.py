@@ -70,7 +70,11 @@ LIVE_SQL = (
     " FROM live_message WHERE vpn = %s ORDER BY queue, repl_id"
 )
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 3.0}
-CLIENT_FAST = {**FAST, "min_backoff": 0.05, "max_backoff": 0.3, "connect_timeout": 3.0}
+#: the active is site a, serving its peer b; the standby is b, of peer a
+SERVER_FAST: dict[str, Any] = {**FAST, "peers": ("b",)}
+CLIENT_FAST: dict[str, Any] = {
+    **FAST, "min_backoff": 0.05, "max_backoff": 0.3, "connect_timeout": 3.0, "peer_site": "a",
+}  # fmt: skip
 
 
 # ---------------------------------------------------------------- helpers
@@ -193,7 +197,7 @@ async def active(site: LocalSite, **kwargs: Any) -> AsyncIterator[Active]:
     await writer.start()
     replicator = Replicator(writer)
     replicator.start()
-    server = BridgeServer("a", dsn, writer, replicator, **{**FAST, **kwargs})
+    server = BridgeServer("a", dsn, writer, replicator, **{**SERVER_FAST, **kwargs})
     try:
         await server.start("127.0.0.1", site.bridge_port)
         yield Active(writer, replicator, server)

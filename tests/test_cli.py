@@ -167,6 +167,18 @@ def test_unreachable_database_is_a_clear_failure_without_the_password(
     assert "hunter2" not in result.stderr
 
 
+def test_a_node_without_bridge_certificates_refuses_to_start(
+    tmp_path: Path, site_a: LocalSite
+) -> None:
+    cfg = tmp_path / "plain.toml"
+    cfg.write_text(site_a.config_text(tls=False))
+    result = Vpnrepl(cfg)("node")
+    assert result.returncode == 2
+    assert f"{cfg}: tls: the bridge is mutual TLS between named sites" in result.stderr
+    assert "[insecure] plaintext_bridge = true" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def test_config_errors_exit_2_naming_file_and_key(tmp_path: Path, site_a: LocalSite) -> None:
     cfg = tmp_path / "typo.toml"
     cfg.write_text(site_a.config_text().replace("management_url", "managment_url"))
@@ -199,11 +211,16 @@ def test_promote_refuses_what_is_not_a_standby_with_one_line(vpnrepl_a: Vpnrepl)
     assert missing.returncode == 2 and "cannot read" in missing.stderr
 
 
-def test_reconcile_without_the_standbys_store_names_the_missing_key(vpnrepl_a: Vpnrepl) -> None:
+def test_reconcile_without_the_standbys_store_names_the_missing_key(
+    vpnrepl_a: Vpnrepl, tmp_path: Path
+) -> None:
     assert vpnrepl_a("init").returncode == 0
-    result = vpnrepl_a("reconcile", "orders")
+    text = vpnrepl_a.config.read_text()
+    without = tmp_path / "no-peer-store.toml"
+    without.write_text("".join(line for line in text.splitlines(True) if "store_dsn" not in line))
+    result = Vpnrepl(without)("reconcile", "orders")
     assert result.returncode == 2
-    assert "peer.store_dsn: reconcile reads the standby's store: set it" in result.stderr
+    assert "peers.b.store_dsn: reconcile reads the standby's store: set it" in result.stderr
 
 
 def test_status_shows_broker_depth_next_to_replicated_count(

@@ -8,6 +8,7 @@ import pytest
 
 from bridge import HostPort, redact_url
 from plugin import ConfigError, load_config
+from plugin._config import PeerConfig
 
 GOOD = """
 [site]
@@ -21,11 +22,20 @@ bridge = "0.0.0.0:5680"
 [store]
 dsn = "postgresql://vpnrepl@127.0.0.1:5432/vpnrepl"
 [peer]
+name = "ldn"
 bridge = "standby.example:5680"
+[tls]
+cert = "c.pem"
+key = "k.pem"
+ca = "ca.pem"
 """
+#: GOOD without its [tls] section
+NO_TLS = GOOD[: GOOD.index("[tls]")]
 
 
 def write(tmp_path: Path, text: str) -> str:
+    for name in ("c.pem", "k.pem", "ca.pem"):
+        (tmp_path / name).write_text("x")
     path = tmp_path / "site.toml"
     path.write_text(text)
     return str(path)
@@ -37,7 +47,40 @@ def test_good_config_loads_with_defaults(tmp_path: Path) -> None:
     assert cfg.listen_amqp == HostPort("0.0.0.0", 5673)
     assert cfg.listen_admin == HostPort("127.0.0.1", 9480)
     assert cfg.peer_bridge == HostPort("standby.example", 5680)
-    assert cfg.tls is None
+    assert cfg.peers == (PeerConfig("ldn", (HostPort("standby.example", 5680),), None),)
+    assert cfg.tls is not None and cfg.bridge_authenticated and not cfg.plaintext_bridge
+
+
+PEERS = """
+[peers.ldn]
+bridge = ["ldn-1.example:5680", "ldn-2.example:5680"]
+store_dsn = "postgresql://reader@ldn.example/vpnrepl"
+"""
+
+
+def test_peers_are_tables_keyed_by_site_name(tmp_path: Path) -> None:
+    text = NO_TLS[: NO_TLS.index("[peer]")] + PEERS + GOOD[GOOD.index("[tls]") :]
+    path = write(tmp_path, text)
+    cfg = load_config(path)
+    assert cfg.peer is not None and cfg.peer.name == "ldn"
+    assert cfg.peer.bridge == (HostPort("ldn-1.example", 5680), HostPort("ldn-2.example", 5680))
+    assert cfg.peer_bridge == HostPort("ldn-1.example", 5680)
+    assert cfg.peer_store_dsn == "postgresql://reader@ldn.example/vpnrepl"
+    # --set reaches a peer's table, and a new one
+    cfg = load_config(path, ('peers.ldn.bridge="ldn-3.example:5680"',))
+    assert cfg.peer is not None and cfg.peer.bridge == (HostPort("ldn-3.example", 5680),)
+    with pytest.raises(ConfigError, match="peers.NAME.KEY=VALUE"):
+        load_config(path, ("peers.bridge=x:1",))
+
+
+def test_a_plaintext_bridge_is_an_explicit_opt_out(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, NO_TLS))
+    assert info.value.key == "tls"
+    assert "set tls.cert, tls.key and tls.ca" in info.value.problem
+    assert "[insecure] plaintext_bridge = true" in info.value.problem
+    cfg = load_config(write(tmp_path, NO_TLS + "[insecure]\nplaintext_bridge = true\n"))
+    assert cfg.tls is None and cfg.plaintext_bridge and not cfg.bridge_authenticated
 
 
 @pytest.mark.parametrize(
@@ -55,8 +98,31 @@ def test_good_config_loads_with_defaults(tmp_path: Path) -> None:
         (lambda t: t.replace("postgresql://", "mysql://"), "store.dsn", "postgresql"),
         (lambda t: t + "\n[extra]\nx = 1\n", "extra", "unknown section"),
         (lambda t: t.replace(':5673"', ':99999"'), "listen.amqp", "outside 0..65535"),
-        (lambda t: t + '\n[tls]\ncert = "c.pem"\n', "tls.key", "required key is missing"),
-        (lambda t: t + '\n[tls]\ncert = "c.pem"\nkey = "k.pem"\n', "tls.cert", "file not found"),
+        (lambda t: t.replace('key = "k.pem"\n', ""), "tls.key", "required key is missing"),
+        (lambda t: t.replace('ca = "ca.pem"\n', ""), "tls.ca", "required key is missing"),
+        (lambda t: t.replace('"c.pem"', '"absent.pem"'), "tls.cert", "file not found"),
+        (
+            lambda t: t + "[insecure]\nplaintext_bridge = true\n",
+            "insecure.plaintext_bridge",
+            "but so is [tls]",
+        ),
+        (lambda t: t.replace('name = "ldn"\n', ""), "peer.name", "required key is missing"),
+        (lambda t: t.replace('name = "ldn"', 'name = "nyc"'), "peers", "names this site itself"),
+        (lambda t: t + PEERS, "peer", "both [peer] and [peers.NAME]"),
+        (
+            lambda t: t.replace("[peer]\n", "[peers.x]\nbridge = 'x:1'\n[peer]\n"),
+            "peer",
+            "both [peer] and [peers.NAME]",
+        ),
+        (
+            lambda t: t + PEERS.replace("ldn", "fra") + PEERS.replace("[peers.ldn]", "[peers.x]"),
+            "peer",
+            "both",
+        ),
+        (lambda t: t + "[peers.fra]\nport = 1\n", "peers.fra.port", "unknown key"),
+        (lambda t: t + "[peers.fra]\nbridge = 5\n", "peers.fra.bridge", "an address or a list"),
+        (lambda t: t + "[peers.fra]\nbridge = 'x'\n", "peers.fra.bridge", "HOST:PORT"),
+        (lambda t: t + '[peers."f r"]\n', "peers.f r", "peer site name"),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, edit, key: str, problem: str) -> None:
@@ -90,12 +156,17 @@ def test_overrides_apply_after_the_file_and_are_validated(tmp_path: Path) -> Non
 
 
 def test_tls_paths_resolve_relative_to_the_config(tmp_path: Path) -> None:
-    (tmp_path / "c.pem").write_text("x")
-    (tmp_path / "k.pem").write_text("x")
-    cfg = load_config(write(tmp_path, GOOD + '\n[tls]\ncert = "c.pem"\nkey = "k.pem"\n'))
+    cfg = load_config(write(tmp_path, GOOD))
     assert cfg.tls is not None
     assert cfg.tls.cert == tmp_path / "c.pem"
-    assert cfg.tls.ca is None
+    assert cfg.tls.ca == tmp_path / "ca.pem"
+
+
+def test_two_peer_sites_are_refused_in_this_release(tmp_path: Path) -> None:
+    text = NO_TLS[: NO_TLS.index("[peer]")] + PEERS + PEERS.replace("ldn", "fra")
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text + GOOD[GOOD.index("[tls]") :]))
+    assert info.value.key == "peers" and "replicates with one" in info.value.problem
 
 
 def test_ledger_retention_is_optional_and_checked(tmp_path: Path) -> None:
@@ -140,7 +211,7 @@ def test_amqps_listener_takes_its_tls_files_relative_to_the_config(tmp_path: Pat
         tmp_path / "k.pem",
         tmp_path / "clients-ca.pem",
     )
-    assert cfg.tls is None  # the bridge's TLS is a separate section
+    assert cfg.tls is not None and cfg.tls.ca == tmp_path / "ca.pem"  # the bridge's, apart
     plain = load_config(write(tmp_path, GOOD))
     assert (plain.listen_amqps, plain.client_tls, plain.broker_ca) == (None, None, None)
 
@@ -225,7 +296,7 @@ def test_amqps_listener_can_be_set_by_overrides(tmp_path: Path) -> None:
         ('master = "nowhere"', "reconcile.master", "Spark master URL"),
         ("segments = 0", "reconcile.segments", "1 to 65536"),
         ('repair = "yes"', "reconcile.repair", "expected bool"),
-        ("interval = 3600", "reconcile.interval", "needs peer.store_dsn"),
+        ("interval = 3600", "reconcile.interval", "needs peers.ldn.store_dsn"),
     ],
 )
 def test_reconcile_settings_are_checked(

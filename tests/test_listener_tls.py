@@ -296,6 +296,7 @@ def test_unusable_tls_files_are_named(pki: Pki, tmp_path: Path) -> None:
         'management_url = "https://mq.example/"\nca = "garbage.pem"\n'
         '[listen]\namqp = "127.0.0.1:5673"\nbridge = "127.0.0.1:5680"\n'
         '[store]\ndsn = "postgresql://db.example/vpnrepl"\n'
+        "[insecure]\nplaintext_bridge = true\n"
     )
     with pytest.raises(ConfigError) as info:
         site_broker_ssl(load_config(str(config)))

@@ -106,6 +106,14 @@ def test_without_its_database_the_scrape_still_answers_with_store_down() -> None
     assert "vpnrepl_ledger_index{" not in text
 
 
+def test_a_plain_tcp_bridge_shows_as_not_authenticated() -> None:
+    metrics = Metrics()
+    doc = {"site": "a", "bridge_authenticated": False, "vpns": []}
+    assert value(metrics.render(doc).decode(), "vpnrepl_bridge_authenticated") == 0
+    doc["bridge_authenticated"] = True
+    assert value(metrics.render(doc).decode(), "vpnrepl_bridge_authenticated") == 1
+
+
 def test_buckets_are_cumulative_as_prometheus_reads_them() -> None:
     b = Buckets((0.01, 0.1, 1.0))
     for v in (0.005, 0.01, 0.05, 2.0):

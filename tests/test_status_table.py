@@ -61,6 +61,12 @@ def test_the_table_has_a_row_per_vpn_and_its_queues_below() -> None:
     assert "  audit.q3: 5 persistent at the broker, NOT in scope (not replicated)" in lines
 
 
+def test_the_table_says_when_the_bridge_is_plain_tcp() -> None:
+    plain = render({"site": "a", "bridge_authenticated": False, "vpns": [_vpn()]})
+    assert "bridge: PLAIN TCP, peers not authenticated" in plain
+    assert "PLAIN TCP" not in render({"site": "a", "bridge_authenticated": True, "vpns": []})
+
+
 def test_the_table_flags_what_needs_attention() -> None:
     text = render(
         {

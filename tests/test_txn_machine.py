@@ -329,6 +329,7 @@ def test_an_unknown_failpoint_name_stops_the_node_with_one_line(tmp_path: Path) 
         'management_url = "http://guest:guest@127.0.0.1:1/"\n'
         '[listen]\namqp = "127.0.0.1:0"\nbridge = "127.0.0.1:0"\n'
         '[store]\ndsn = "postgresql://x@127.0.0.1:1/x"\n'
+        "[insecure]\nplaintext_bridge = true\n"
     )
     exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))
     env = {**os.environ, "VPNREPL_FAILPOINT": "coordinator.after-lunch"}

@@ -109,12 +109,29 @@ def nodes(site_a: LocalSite, site_b: LocalSite, tmp_path: Path) -> Iterator[list
         assert "Traceback" not in node.log_text(), node.log_text()
 
 
+def previous_config(site: LocalSite, peer: LocalSite, path: Path) -> Path:
+    """A config as the previous release reads it: one ``[peer]`` table
+    without a name, the bridge in plain TCP (its default)."""
+    text = site.config_text(tls=False)
+    text += f'\n[peer]\nbridge = "127.0.0.1:{peer.bridge_port}"\nstore_dsn = "{peer.pg.dsn()}"\n'
+    path.write_text(text)
+    return path
+
+
+def this_release_config(site: LocalSite, peer: LocalSite, path: Path) -> Path:
+    """The same site's config as this release reads it (the README's upgrade
+    step): the peer named, and the plain TCP bridge an explicit opt-out."""
+    text = site.config_text(peer, tls=False) + "\n[insecure]\nplaintext_bridge = true\n"
+    path.write_text(text)
+    return path
+
+
 def both_on_the_previous_release(
     site_a: LocalSite, site_b: LocalSite, tmp_path: Path, previous_release: Path
 ) -> tuple[Path, Path, NodeProcess, NodeProcess]:
     """Both sites on the previous release, replicating 50 messages in sync mode."""
-    a_cfg = site_a.write_config(tmp_path / "a.toml", peer=site_b)
-    b_cfg = site_b.write_config(tmp_path / "b.toml", peer=site_a)
+    a_cfg = previous_config(site_a, site_b, tmp_path / "a.toml")
+    b_cfg = previous_config(site_b, site_a, tmp_path / "b.toml")
     old_a = Previous(previous_release, a_cfg)
     done = old_a("init")
     assert done.returncode == 0 and "revision 0011" in done.stdout, done.stderr
@@ -130,9 +147,16 @@ def both_on_the_previous_release(
     return a_cfg, b_cfg, node_a, node_b
 
 
-def upgraded(site: LocalSite, cfg: Path, old: NodeProcess, log: Path, name: str) -> NodeProcess:
-    """Stop the old node, migrate the schema, start this release's node."""
+def upgraded(
+    site: LocalSite, peer: LocalSite, cfg: Path, old: NodeProcess, log: Path, name: str
+) -> NodeProcess:
+    """Stop the old node, install this release's config (a file of the
+    previous release is refused: ``[peer]`` has no name), migrate the
+    schema, start this release's node."""
     assert old.stop() == 0
+    refused = Vpnrepl(cfg)("init")
+    assert refused.returncode == 2 and "peer.name: required key is missing" in refused.stderr
+    this_release_config(site, peer, cfg)
     done = Vpnrepl(cfg)("init")
     assert done.returncode == 0 and "to revision 0012" in done.stdout, done.stderr
     node = NodeProcess(site, cfg, log, name)
@@ -164,7 +188,7 @@ def test_the_standby_then_the_active_upgraded_without_stopping_replication(
     nodes += [node_a, node_b]
 
     # 1. The standby is upgraded: it speaks version 5 to the old active.
-    node_b = upgraded(site_b, b_cfg, node_b, tmp_path / "b-new.log", "b")
+    node_b = upgraded(site_b, site_a, b_cfg, node_b, tmp_path / "b-new.log", "b")
     nodes.append(node_b)
     declare_and_publish(site_a, "orders.q3", range(50, 100))  # replicated meanwhile, sync
     assert_same_state(node_a, node_b)
@@ -175,7 +199,7 @@ def test_the_standby_then_the_active_upgraded_without_stopping_replication(
     assert "only by its listings" in lines[0]
 
     # 2. The active is upgraded: its clients reconnect to the new node.
-    node_a = upgraded(site_a, a_cfg, node_a, tmp_path / "a-new.log", "a")
+    node_a = upgraded(site_a, site_b, a_cfg, node_a, tmp_path / "a-new.log", "a")
     nodes.append(node_a)
     until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby to reconnect")
     declare_and_publish(site_a, "orders.q4", range(100, 150))
@@ -201,7 +225,7 @@ def test_an_active_upgraded_first_still_replicates_to_the_previous_release(
         site_a, site_b, tmp_path, previous_release
     )
     nodes += [node_a, node_b]
-    node_a = upgraded(site_a, a_cfg, node_a, tmp_path / "a-new.log", "a")
+    node_a = upgraded(site_a, site_b, a_cfg, node_a, tmp_path / "a-new.log", "a")
     nodes.append(node_a)
     until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby to reconnect")
     declare_and_publish(site_a, "orders.q3", range(50, 100))

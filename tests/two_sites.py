@@ -12,6 +12,8 @@ be checked against either site's ``live_message`` rows. Routing key
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -205,7 +207,15 @@ def assert_same_state(a: NodeProcess, b: NodeProcess) -> list[tuple[Any, ...]]:
 
 
 def cli_status(node: NodeProcess) -> dict[str, Any]:
-    done = Vpnrepl(node.config)("status", "--json")
+    """``status --json`` by the node's own release (an upgrade test runs a
+    previous release's node, whose config this release may not read)."""
+    if node.code is None:
+        done = Vpnrepl(node.config)("status", "--json")
+    else:
+        argv = [sys.executable, "-m", "plugin", "--config", str(node.config), "status", "--json"]
+        done = subprocess.run(
+            argv, cwd=node.code, capture_output=True, text=True, timeout=120, check=False
+        )
     assert done.returncode == 0, done.stderr
     vpns = [v for v in json.loads(done.stdout)["vpns"] if v["name"] == VPN]
     assert vpns, done.stdout

@@ -55,6 +55,7 @@ from ._errors import (
 from ._frames import (
     Ack,
     Error,
+    Frame,
     GetAllResources,
     Hello,
     ResourceList,
@@ -115,6 +116,7 @@ class BridgeServer:
         checkpoint_chunk_bytes: int = 4 * _MIB,
         max_queued_bytes: int = 64 * _MIB,
         ack_flush_interval: float = 0.05,
+        max_connections: int = 16,
     ) -> None:
         self.site = site
         self._dsn = dsn
@@ -128,7 +130,12 @@ class BridgeServer:
         self.retain_seconds = retain_seconds
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
+        #: the TLS handshake and then the standby's Hello must each come
+        #: within this many seconds of the connection
         self.handshake_timeout = handshake_timeout
+        #: connections served at once, authenticated or not: past it a new
+        #: one is closed at once (a stranger cannot exhaust the node)
+        self.max_connections = max_connections
         self.limits = StreamLimits(batch_size, checkpoint_chunk_bytes)
         self.max_queued_bytes = max_queued_bytes
         self._ack_flush_interval = ack_flush_interval
@@ -327,6 +334,15 @@ class BridgeServer:
         assert task is not None  # noqa: S101 - always inside a task
         self._handlers.add(task)
         address = peer_address(writer)
+        if len(self._handlers) > self.max_connections:
+            log.warning(
+                "bridge: refused a connection from %s: %d bridge connections are open already",
+                address,
+                self.max_connections,
+            )
+            self._handlers.discard(task)
+            writer.transport.abort()
+            return
         try:
             if self._ssl is not None:
                 refusal = await server_handshake(
@@ -394,7 +410,7 @@ class BridgeServer:
     async def _converse(self, peer: StandbyPeer) -> None:
         link = peer.link
         while True:
-            item = await link.next_frame()
+            item = await self._next_frame(link)
             if item is None:
                 if peer.failure is not None:
                     raise LinkClosed(describe_error(peer.failure))
@@ -413,6 +429,15 @@ class BridgeServer:
                 self._acked(item.vpn, item.index, item.epoch)
             elif isinstance(item, TxnVote | TxnQuery | TxnApplied):
                 self.txn_link.received(peer, item)
+
+    async def _next_frame(self, link: Link) -> Frame | RemoteProtocolError | None:
+        """The standby's next frame; its Hello within the handshake deadline."""
+        if link.conn.peer_site is not None:
+            return await link.next_frame()
+        try:
+            return await asyncio.wait_for(link.next_frame(), self.handshake_timeout)
+        except TimeoutError:
+            raise LinkClosed(f"no Hello within {self.handshake_timeout:g} s") from None
 
     def _ends(self, peer: StandbyPeer, item: Hello | Error) -> bool:
         """A Hello (answered, or refused by the named-site rule) or an Error

@@ -116,6 +116,7 @@ from ._frames import (
 from ._settings import Role
 
 __all__ = [
+    "PRE_HELLO_MAX_FRAME",
     "CLOSED",
     "NEED_DATA",
     "TRANSITIONS",
@@ -128,6 +129,11 @@ __all__ = [
 
 # ---------------------------------------------------------------- state machine
 # Everything that affects the state machine lives below.
+
+
+#: the largest frame read before the peer's Hello (a Hello is a few hundred
+#: bytes; an Error a few KiB): a stranger cannot make this end buffer more
+PRE_HELLO_MAX_FRAME: Final = 64 * 1024
 
 
 class Phase(enum.Enum):
@@ -370,7 +376,10 @@ class BridgeConnection:
         self.our_site = our_site
         self.peer_site: str | None = None
         self.phase = Phase.START
-        self._reader = FrameReader(max_frame_size)
+        # Bounded before trusted: until the peer's Hello is in, a frame
+        # larger than a Hello can be is refused from its header alone.
+        self._max_frame_size = max_frame_size
+        self._reader = FrameReader(min(max_frame_size, PRE_HELLO_MAX_FRAME))
         self._epochs: dict[str, int] = dict(known_epochs or {})
         self._streams: dict[str, _Stream] = {}
         self._resources: dict[str, VpnResource] = {}
@@ -381,7 +390,10 @@ class BridgeConnection:
 
     @property
     def max_frame_size(self) -> int:
-        return self._reader.max_frame_size
+        """The largest frame this end takes (its own sends are checked
+        against it too); before the peer's Hello, the reader takes at most
+        :data:`PRE_HELLO_MAX_FRAME`."""
+        return self._max_frame_size
 
     @property
     def resources(self) -> Mapping[str, VpnResource]:
@@ -486,6 +498,7 @@ class BridgeConnection:
             self._relist(frame)
         if isinstance(frame, Hello) and not sending:
             self.peer_site = frame.site
+            self._reader.max_frame_size = self._max_frame_size
         self.phase = new
         return frame
 

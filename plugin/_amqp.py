@@ -51,6 +51,7 @@ _CONTENT_HEAD = struct.Struct(">HHQH")
 
 # (class id, method id) of the methods the session looks at.
 CONNECTION_START_OK = (10, 11)
+CONNECTION_TUNE = (10, 30)
 CONNECTION_TUNE_OK = (10, 31)
 CONNECTION_OPEN = (10, 40)
 CONNECTION_OPEN_OK = (10, 41)

@@ -73,6 +73,10 @@ from ._topology_changes import TopologyChange
 
 __all__ = ["Channel", "ChannelContext", "Incoming", "Publish", "commit_marker"]
 
+#: the largest XA request body (a JSON object naming an XA id and a verb:
+#: a few hundred bytes)
+XA_MAX_BODY = 64 * 1024
+
 #: our entry's name as it stands in a headers table (length octet and name)
 _ID_ENTRY_PREFIX = 1 + len(REPLICATION_HEADER)
 _ID_SIZE = 8  # an int64 id header's data
@@ -254,6 +258,16 @@ class Channel:
             raise amqp.UnexpectedFrame(f"content header on channel {f.channel} without a publish")
         p.body_size = amqp.content_body_size(buf, f)
         if p.control:
+            if p.body_size > XA_MAX_BODY:
+                # held back from the broker, so no broker limit applies: ours,
+                # from the header, before one body byte is buffered
+                self.publish = None
+                self.close_both_sides(
+                    amqp.PRECONDITION_FAILED,
+                    f"an XA request body is at most {XA_MAX_BODY} bytes; this one announces "
+                    f"{p.body_size}",
+                )
+                return b""
             props = amqp.decode_properties(buf, f)
             p.correlation_id, p.reply_to = props.correlation_id, props.reply_to
             if p.body_size == 0:

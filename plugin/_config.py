@@ -97,6 +97,8 @@ class SiteConfig:
     #: reconciliation, switchover also writes operator requests
     peer_store_dsn: str | None = None
     reconcile: ReconcileConfig = ReconcileConfig()
+    #: ``listen.max_connections``: client connections served at once
+    max_client_connections: int = 10_000
     #: the peer sites, by name (``[peers.NAME]``); this release replicates
     #: with one
     peers: tuple[PeerConfig, ...] = ()
@@ -197,6 +199,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
         "amqps": (str, None, HostPort.parse),
         "bridge": (str, _REQUIRED, HostPort.parse),
         "admin": (str, "127.0.0.1:9480", HostPort.parse),
+        "max_connections": (int, 10_000, _positive),
     },
     "store": {"dsn": (str, _REQUIRED, _url("postgresql", "postgres"))},
     "peer": {
@@ -368,6 +371,7 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
             listen_amqp=v["listen"]["amqp"],
             listen_bridge=v["listen"]["bridge"],
             listen_admin=v["listen"]["admin"],
+            max_client_connections=v["listen"]["max_connections"],
             store_dsn=v["store"]["dsn"],
             peer_bridge=peer.bridge[0] if peer is not None and peer.bridge else None,
             peer_store_dsn=peer.store_dsn if peer is not None else None,

@@ -46,7 +46,7 @@ from ._config import SiteConfig
 from ._directory import VpnDirectory
 from ._errors import ConfigError
 from ._metrics import ListenerStats
-from ._refusal import BrokerUnavailable
+from ._refusal import BrokerUnavailable, TooManyConnections
 from ._session import Output, Session
 from ._sink import ReplicationSink
 from ._tls_server import TLS_SHUTDOWN_TIMEOUT, TlsServer
@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 5.0
 CLOSE_TIMEOUT = 5.0
+#: a refusal for the connection cap is logged at most this often (seconds)
+LIMIT_LOG_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +169,10 @@ class _ClientSide(asyncio.Protocol):
         stats = self.listener.stats
         stats.connections_open += 1
         stats.connections_total += 1
+        if stats.connections_open > self.listener.max_connections:
+            self.refusal = TooManyConnections(self.listener.max_connections)
+            self.listener.refused_over_limit()
+            return
         self._spawn(self._connect_upstream())
 
     def data_received(self, data: bytes) -> None:
@@ -442,8 +448,12 @@ class Listener:
         ids: IdSource,
         sink: ReplicationSink,
         broker_ssl: ssl.SSLContext | None = None,
+        max_connections: int = 10_000,
     ) -> None:
         self.broker = broker
+        #: client connections served at once; past it one is refused (320)
+        self.max_connections = max_connections
+        self._refused_logged = -LIMIT_LOG_SECONDS
         self.directory = directory
         self.ids = ids
         self.sink = sink
@@ -462,6 +472,20 @@ class Listener:
         self._released: asyncio.Event | None = None  # set when none is left
         self._server: asyncio.Server | None = None
         self._tls_server: TlsServer | None = None
+
+    def refused_over_limit(self) -> None:
+        """A client refused for the connection cap: counted, and logged at
+        most every :data:`LIMIT_LOG_SECONDS` (a flood must not flood the log)."""
+        self.stats.connections_refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= LIMIT_LOG_SECONDS:
+            self._refused_logged = now
+            log.warning(
+                "refused a client connection: %d are open already (listen.max_connections); "
+                "%d refused so far",
+                self.max_connections,
+                self.stats.connections_refused,
+            )
 
     def _transport_opened(self) -> None:
         self._transports += 1

@@ -79,6 +79,8 @@ class ListenerStats:
 
     connections_open: int = 0
     connections_total: int = 0
+    #: client connections refused for listen.max_connections
+    connections_refused: int = 0
     #: (vpn, kind) -> events handed to the sink
     events: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: reply code -> client connections closed by the listener for bad input
@@ -208,6 +210,11 @@ def _listener_families(stats: ListenerStats) -> Iterator[Metric]:
         "vpnrepl_client_connections",
         "client connections accepted by the listener",
         value=stats.connections_total,
+    )
+    yield CounterMetricFamily(
+        "vpnrepl_client_connections_refused",
+        "client connections refused (320) because listen.max_connections were open",
+        value=stats.connections_refused,
     )
     yield _counter(
         "vpnrepl_events",

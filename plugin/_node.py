@@ -409,6 +409,7 @@ class Node:
             self.ids,
             self.replicator,
             broker_ssl=self.broker_ssl,
+            max_connections=cfg.max_client_connections,
         )
         self.listener.xa = XaGateway(self.xa, self.xa_replies)
         self.listener.on_uncertain = self.uncertain.record

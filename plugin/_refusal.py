@@ -16,7 +16,7 @@ from pamqp import commands
 from . import _amqp as amqp
 from ._amqp import AMQPError, FrameSplitter
 
-__all__ = ["HANDSHAKE_FRAME_MAX", "BrokerUnavailable"]
+__all__ = ["HANDSHAKE_FRAME_MAX", "BrokerUnavailable", "TooManyConnections"]
 
 #: frame-max before tune-ok: RabbitMQ's own ceiling for handshake frames.
 HANDSHAKE_FRAME_MAX = 131072
@@ -27,6 +27,8 @@ class BrokerUnavailable:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+        #: the close's text (320, so a client tries again or elsewhere)
+        self.text = f"broker unavailable: {reason}"
         self._header = b""
         self._splitter = FrameSplitter(HANDSHAKE_FRAME_MAX)
         self.done = False
@@ -63,7 +65,7 @@ class BrokerUnavailable:
                 if ids == amqp.CONNECTION_CLOSE_OK:
                     self.done = True
                 elif ids in ((10, 11), amqp.CONNECTION_CLOSE):  # start-ok, or the client gives up
-                    error = amqp.ConnectionForced(f"broker unavailable: {self.reason}")
+                    error = amqp.ConnectionForced(self.text)
                     close = commands.Connection.Close(
                         reply_code=error.reply_code,
                         reply_text=error.reply_text,
@@ -72,3 +74,16 @@ class BrokerUnavailable:
                     )
                     out.append(amqp.marshal_method(close, 0))
         return out
+
+
+class TooManyConnections(BrokerUnavailable):
+    """Refuse a client cleanly when this listener holds its maximum of
+    client connections (``listen.max_connections``): the same AMQP answer,
+    320 with the reason, and no broker connection is made."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"{limit} client connections")
+        self.text = (
+            f"this vpnrepl listener has {limit} client connections open already "
+            "(listen.max_connections): try again later, or another of the site's nodes"
+        )

@@ -101,6 +101,8 @@ class Session:
         self._peers = peers
         self._state = Lifecycle.AWAITING_HEADER
         self._client = FrameSplitter(HANDSHAKE_FRAME_MAX)
+        #: the broker's frame_max (its connection.tune): the client's bound
+        self._broker_frame_max = 0
         self._broker = FrameSplitter(0)
         self._ctx = ChannelContext(ids, self.connection_id, self._channel_closed)
         self._channels: dict[int, Channel] = {}
@@ -439,9 +441,12 @@ class Session:
         return None
 
     def _c_tune_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        """The client's frame_max, clamped to the broker's (a client's 0,
+        "no limit", would let it make the listener buffer any frame)."""
         m = amqp.decode_method(buf, f)
         assert isinstance(m, commands.Connection.TuneOk)  # noqa: S101
-        self._client.frame_max = m.frame_max
+        limit = self._broker_frame_max or HANDSHAKE_FRAME_MAX
+        self._client.frame_max = min(m.frame_max, limit) if m.frame_max else limit
         return None
 
     def _c_open(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -474,6 +479,12 @@ class Session:
 
     def _c_close_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
         self._advance(Trigger.CLIENT_CLOSE_OK)
+        return None
+
+    def _b_tune(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+        m = amqp.decode_method(buf, f)
+        assert isinstance(m, commands.Connection.Tune)  # noqa: S101
+        self._broker_frame_max = m.frame_max
         return None
 
     def _b_open_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
@@ -754,6 +765,7 @@ _CHANNEL_METHODS: dict[tuple[int, int], _OnChannel] = {
 }
 
 _BROKER_METHODS: dict[tuple[int, int], _Handler] = {
+    amqp.CONNECTION_TUNE: Session._b_tune,
     amqp.CONNECTION_OPEN_OK: Session._b_open_ok,
     amqp.CONNECTION_CLOSE: Session._b_close,
     amqp.CONNECTION_CLOSE_OK: Session._b_close_ok,

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import struct
 import time
 from pathlib import Path
 
 import pytest
 
 from bridge import (
+    PROTOCOL_VERSION,
     Ack,
     Error,
     FrameReader,
@@ -28,6 +30,7 @@ from bridge import (
     Unauthorised,
     certificate_names,
 )
+from bridge._frames import MAGIC
 from plugin._localsites import LocalSite
 from plugin._tls_init import init_certificates
 from tests.fix_cli import Vpnrepl
@@ -277,3 +280,95 @@ def test_a_rogue_node_with_a_certificate_of_the_right_ca_gets_nothing(
     assert scalar(dsn, "SELECT count(*) FROM vpn_config") == 0  # no VPN list
     assert scalar(dsn, "SELECT count(*) FROM live_message") == 0
     assert "orders" not in {v["name"] for v in site_b.rabbit.api("GET", "vhosts")}
+
+
+# -- bounded before trusted ------------------------------------------------------
+
+
+def _header(length: int) -> bytes:
+    return struct.pack(">BBBBI", MAGIC, PROTOCOL_VERSION, Hello.TYPE, 0, length)
+
+
+def test_a_stranger_is_bounded_before_its_hello(
+    site_a: LocalSite, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A frame over 64 KiB before the Hello closes the link from its header;
+    a connection that says nothing is closed at the handshake deadline; past
+    the connection cap a new connection is closed at once."""
+    prepare(site_a, orders="active")
+    caplog.set_level(logging.INFO, logger="bridge")
+
+    async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+        try:
+            async with asyncio.timeout(seconds):
+                while await reader.read(65536):
+                    pass
+        except (ConnectionError, ssl.SSLError):
+            pass
+        except TimeoutError:
+            return False
+        return True
+
+    async def scenario() -> None:
+        async with active(site_a, handshake_timeout=1.0, max_connections=2):
+            port = site_a.bridge_port
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_header(120 * 2**20) + b"x" * 65536)
+            assert await closed_within(reader, 5.0)
+            silent = await asyncio.open_connection("127.0.0.1", port)
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            over = await asyncio.open_connection("127.0.0.1", port)
+            assert await closed_within(over[0], 2.0)  # the cap: closed at once
+            assert await closed_within(silent[0], 5.0)  # no Hello within 1 s
+            for _, w in (silent, *held, over):
+                w.close()
+            writer.close()
+
+    run(scenario)
+    lines = [r.message for r in caplog.records]
+    assert any("exceeds the 65536-byte limit" in m for m in lines), lines
+    assert any("no Hello within 1 s" in m for m in lines), lines
+    assert any("2 bridge connections are open already" in m for m in lines), lines
+
+
+def _peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_a_120_mib_pre_hello_frame_costs_the_node_no_memory(
+    site_a: LocalSite, vpnrepl_a: Vpnrepl, node_a: NodeProcess
+) -> None:
+    """With a certificate of a configured peer, a 120 MiB frame before the
+    Hello: the node closes the link from the header, and its peak RSS grows
+    by less than 10 MiB."""
+    assert site_a.pki is not None
+    node_a.start()
+    assert node_a.pid is not None
+    before = _peak_rss_kib(node_a.pid)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_verify_locations(site_a.pki / "ca.crt")
+    ctx.load_cert_chain(site_a.pki / "b.crt", site_a.pki / "b.key")
+
+    async def flood() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", site_a.bridge_port, ssl=ctx)
+        sent = 0
+        chunk = b"\0" * (1 << 20)
+        try:
+            writer.write(_header(120 * 2**20))
+            while sent < 120 * 2**20:
+                writer.write(chunk)
+                async with asyncio.timeout(10):
+                    await writer.drain()
+                sent += len(chunk)
+        except (ConnectionError, ssl.SSLError, TimeoutError):
+            pass
+        writer.close()
+
+    asyncio.run(flood())  # (the node discards what comes while it closes: at most 2 s)
+    grown = _peak_rss_kib(node_a.pid) - before
+    assert grown < 10 * 1024, f"peak RSS grew by {grown} KiB"
+    assert "exceeds the 65536-byte limit" in node_a.log_text()

@@ -275,6 +275,21 @@ def test_broker_down_gives_a_clean_close_not_a_hang(site_a: LocalSite):
         lt.stop()
 
 
+def test_past_max_connections_a_client_is_refused_with_320_and_no_broker_connection(
+    site_a: LocalSite, listener_a: ListenerThread
+):
+    listener_a.listener.max_connections = 1
+    first = pika.BlockingConnection(pika.URLParameters(listener_a.url("/")))
+    try:
+        with pytest.raises(ProbableAuthenticationError, match=r"\(320\) .*max_connections"):
+            pika.BlockingConnection(pika.URLParameters(listener_a.url("/", socket_timeout="10")))
+        assert listener_a.listener.stats.connections_refused == 1
+        assert first.is_open
+    finally:
+        first.close()
+    pika.BlockingConnection(pika.URLParameters(listener_a.url("/"))).close()  # room again
+
+
 def test_metrics_count_connections_events_and_protocol_closes(
     site_a: LocalSite, listener_a: ListenerThread
 ):

@@ -1163,3 +1163,24 @@ def test_the_connections_exclusive_queues_do_not_replicate_as_topology() -> None
     s.client_data(m(C.Queue.Bind(queue="mine", exchange="amq.topic", routing_key="#"), 1))
     out2 = s.broker_data(m(C.Queue.BindOk(), 1))
     assert out.events == [] and out2.events == []
+
+
+def test_a_clients_frame_max_of_0_is_clamped_to_the_brokers() -> None:
+    """frame_max 0 ("no limit") from the client would let it make the
+    listener buffer a frame of any size: the broker's frame_max bounds it,
+    and a larger frame closes the connection (501) from its header."""
+    s = make_session()
+    s.client_data(amqp.PROTOCOL_HEADER)
+    s.broker_data(m(C.Connection.Start(mechanisms="PLAIN", locales="en_US")))
+    s.client_data(m(C.Connection.StartOk(response="\0guest\0guest")))
+    s.broker_data(m(C.Connection.Tune(channel_max=2047, frame_max=131072, heartbeat=60)))
+    s.client_data(m(C.Connection.TuneOk(channel_max=2047, frame_max=0, heartbeat=60)))
+    s.client_data(m(C.Connection.Open(virtual_host="orders")))
+    s.broker_data(m(C.Connection.OpenOk()))
+    s.client_data(m(C.Channel.Open(), 1))
+    s.broker_data(m(C.Channel.OpenOk(), 1))
+    huge = struct.pack(">BHI", 3, 1, 200_000)  # a body frame header, 200 kB announced
+    out = s.client_data(huge)
+    closes = [v for _, v in decode_all(out.to_client) if isinstance(v, C.Connection.Close)]
+    assert closes and closes[0].reply_code == 501
+    assert "exceeds frame-max 131072" in str(closes[0].reply_text)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from pamqp import commands as C
+from pamqp import commands as C, frame, header
+from pamqp.body import ContentBody
 
 from bridge import MARKER_QUEUE, ReplicationId
 from plugin._session import Session
@@ -157,3 +158,20 @@ def test_a_channel_closing_under_our_commit_says_so(tx: Session) -> None:
     ch.xa_broker_commit("xa/1:61:62/1.1.1.1", answers.append)
     out = tx.connection_lost()
     assert answers == [False] and out.xa_gone == [1]
+
+
+def test_an_xa_request_body_over_64_kib_closes_the_channel_from_its_header(tx: Session) -> None:
+    """A request is held back from the broker, so RabbitMQ's size limit
+    never applies to it: the listener's own bound does, from the content
+    header, before any body byte is buffered (a 100 MiB announced body)."""
+    hdr = header.ContentHeader(
+        body_size=100 * 2**20, properties=C.Basic.Properties(correlation_id="c", reply_to="r")
+    )
+    data = m(C.Basic.Publish(exchange="vpnrepl.xa", routing_key="start"), 1)
+    out = tx.client_data(data + frame.marshal(hdr, 1))
+    closes = [v for _, v in decode_all(out.to_client) if isinstance(v, C.Channel.Close)]
+    assert closes and closes[0].reply_code == 406
+    assert "an XA request body is at most 65536 bytes" in str(closes[0].reply_text)
+    more = tx.client_data(frame.marshal(ContentBody(b"x" * 100_000), 1))
+    assert more.xa_calls == [] and out.xa_calls == []
+    assert b"".join(more.to_broker) == b""  # nothing of it reaches the broker either

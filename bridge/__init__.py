@@ -68,6 +68,7 @@ from ._errors import (
 from ._events import (
     EVENT_KINDS,
     MARKER_QUEUE,
+    RESERVED_PREFIX,
     TOPOLOGY_OPS,
     XA_TXID_PREFIX,
     ConfirmKey,
@@ -429,6 +430,7 @@ __all__ = [
     "id_in_header",
     "EVENT_KINDS",
     "MARKER_QUEUE",
+    "RESERVED_PREFIX",
     "ConfirmKey",
     "Consumed",
     "DeadLettered",

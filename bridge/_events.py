@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EVENT_KINDS",
     "MARKER_QUEUE",
+    "RESERVED_PREFIX",
     "ConfirmKey",
     "Consumed",
     "DeadLettered",
@@ -43,6 +44,11 @@ __all__ = [
 #: broker transaction, and recovery looks for it (``txn``'s marker store)
 #: to learn whether the broker committed.
 MARKER_QUEUE = "vpnrepl.txn-markers"
+
+#: names of queues and exchanges that are the product's own in every VPN:
+#: a client gets 403 for any method on them through the listener, except
+#: the XA request path (a publish to ``vpnrepl.xa``, see ``txn``)
+RESERVED_PREFIX = "vpnrepl."
 
 
 class Published(NamedTuple):

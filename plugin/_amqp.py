@@ -86,6 +86,8 @@ TX_ROLLBACK, TX_ROLLBACK_OK = (90, 30), (90, 31)
 
 #: channel-level reply code of a refused transaction (as RabbitMQ uses for tx errors)
 PRECONDITION_FAILED = 406
+#: channel-level reply code of a method on a name the product reserves
+ACCESS_REFUSED = 403
 
 # Methods that carry content (a header and body frames follow).
 CONTENT_METHODS = {BASIC_PUBLISH, BASIC_RETURN, BASIC_DELIVER, BASIC_GET_OK}

@@ -52,6 +52,7 @@ from pamqp.body import ContentBody
 from bridge import (
     MARKER_QUEUE,
     REPLICATION_HEADER,
+    RESERVED_PREFIX,
     Consumed,
     DeadLettered,
     Event,
@@ -243,6 +244,9 @@ class Channel:
             # an XA request: no confirm numbering depends on it, so it is ours
             self.publish = Publish(exchange, key, None, control=True)
             return b""
+        if self.ctx.replicating and (exchange or key).startswith(RESERVED_PREFIX):
+            # (to the default exchange, the routing key names the queue)
+            return self.refuse_reserved(f"publish to {exchange or key!r}")
         if self.xa_frozen:
             return self._refuse_work()
         confirms = self.confirms
@@ -367,6 +371,8 @@ class Channel:
             return None
         m = amqp.decode_method(buf, f)
         assert isinstance(m, commands.Basic.Consume)  # noqa: S101
+        if m.queue.startswith(RESERVED_PREFIX):
+            return self.refuse_reserved(f"basic.consume from {m.queue!r}")
         if m.nowait:
             self.consumers[m.consumer_tag] = (m.queue, m.no_ack)
         else:
@@ -393,6 +399,8 @@ class Channel:
             return None
         m = amqp.decode_method(buf, f)
         assert isinstance(m, commands.Basic.Get)  # noqa: S101
+        if m.queue.startswith(RESERVED_PREFIX):
+            return self.refuse_reserved(f"basic.get from {m.queue!r}")
         self.gets.append((m.queue, m.no_ack))
         return None
 
@@ -594,6 +602,17 @@ class Channel:
         return commit_marker(self.number, txn.txid) + held
 
     # -- XA branches (txn._xa drives them through plugin._xa_gateway) --------
+
+    def refuse_reserved(self, what: str) -> bytes:
+        """A client's method on a name the product reserves (its commit
+        markers steer crash recovery): the channel is closed, 403, and the
+        method never reaches the broker."""
+        self.close_both_sides(
+            amqp.ACCESS_REFUSED,
+            f"ACCESS_REFUSED - {what}: names starting with {RESERVED_PREFIX!r} are "
+            "vpn-replication's own",
+        )
+        return b""
 
     def _refuse_work(self) -> bytes:
         """Work on a channel whose XA branch is prepared (or being prepared)

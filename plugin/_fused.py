@@ -21,8 +21,7 @@ from __future__ import annotations
 import enum
 import struct
 
-from bridge import Published
-from txn import XA_EXCHANGE
+from bridge import RESERVED_PREFIX, Published
 
 from . import _amqp as amqp
 from ._amqp import AMQPError, Frame
@@ -98,8 +97,10 @@ class FusedPublish:
             if _BODY_SIZE.unpack_from(payload, 4)[0] != b.end - b.start - 8:
                 return DECLINED
             exchange, routing_key, queues = self._route(buf, f)
-            if exchange == XA_EXCHANGE:
-                return DECLINED  # an XA request: the general path takes it out
+            if exchange.startswith(RESERVED_PREFIX) or (
+                not exchange and routing_key.startswith(RESERVED_PREFIX)
+            ):
+                return DECLINED  # an XA request, or a refusal: the general path's
             if template.layout.delivery_mode != 2:
                 queues = ()
             elif template.layout.flags & 0x2000:  # headers may change the route (CC, BCC, x-match)

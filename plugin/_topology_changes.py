@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from pamqp import base, commands
 
 from bridge import (
+    RESERVED_PREFIX,
     Purged,
     ReplicationId,
     TopologyChanged,
@@ -70,6 +71,7 @@ __all__ = [
     "UnbindQueue",
     "change_event",
     "change_of",
+    "reserved_name",
 ]
 
 
@@ -239,6 +241,17 @@ _NOWAIT_METHODS = (
 log = logging.getLogger(__name__)
 
 
+def reserved_name(m: base.Frame) -> str | None:
+    """The name a topology request gives that the product reserves
+    (``vpnrepl.*``), if any; a passive declare of one too (it would tell
+    whether a VPN has had a local transaction)."""
+    for attr in ("queue", "exchange", "source", "destination"):
+        name = getattr(m, attr, "")
+        if isinstance(name, str) and name.startswith(RESERVED_PREFIX):
+            return name
+    return None
+
+
 def change_of(m: base.Frame) -> TopologyChange | None:
     """The change a topology request makes if the broker carries it out
     (None: it changes nothing, like a passive declare)."""
@@ -362,6 +375,9 @@ class TopologyRequests:
         """A client's topology request on channel ``ch``: what replaces its
         frame (None: relay it)."""
         m = amqp.decode_method(buf, f)
+        reserved = reserved_name(m)
+        if reserved is not None:
+            return ch.refuse_reserved(f"{m.name.lower()} of {reserved!r}")
         change = change_of(m)
         if not getattr(m, "nowait", False):
             # one entry per request, so each -ok pops its own request

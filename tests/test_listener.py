@@ -275,6 +275,23 @@ def test_broker_down_gives_a_clean_close_not_a_hang(site_a: LocalSite):
         lt.stop()
 
 
+def test_a_client_cannot_read_the_commit_markers(site_a: LocalSite, listener_a: ListenerThread):
+    setup_vpn(site_a)
+    enable_vpn(listener_a, site_a, "orders", queues=("orders.q1",))
+    admin = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("orders")))
+    admin.channel().queue_declare("vpnrepl.txn-markers", durable=True)
+    admin.close()
+    conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
+    try:
+        with pytest.raises(ChannelClosedByBroker) as refused:
+            conn.channel().basic_get("vpnrepl.txn-markers")
+        assert refused.value.reply_code == 403
+        assert "vpn-replication's own" in refused.value.reply_text
+        assert conn.channel().queue_declare("orders.q1", durable=True)  # the rest works
+    finally:
+        conn.close()
+
+
 def test_past_max_connections_a_client_is_refused_with_320_and_no_broker_connection(
     site_a: LocalSite, listener_a: ListenerThread
 ):

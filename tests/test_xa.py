@@ -244,12 +244,13 @@ def test_bad_xa_requests_get_specific_errors_and_leave_other_clients_alone(
             ch.queue_declare("audit", passive=True)
         assert refused.value.reply_code == 406 and "exclusive queue" in refused.value.reply_text
 
-        # on a confirm channel the request is not ours: the broker has no such exchange
+        # on a confirm channel the request cannot be taken out of the stream:
+        # a publish to a reserved name, refused by the listener
         confirming = conn.channel()
         confirming.confirm_delivery()
-        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as missing:
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as reserved:
             confirming.basic_publish("vpnrepl.xa", "recover", b"{}")
-        assert missing.value.reply_code == 404
+        assert reserved.value.reply_code == 403
 
         # no more work on a branch's channel once it is ended, no tx.commit of its own
         xid = Xid.from_parts(1, "ended", "b")

@@ -64,13 +64,56 @@ def test_a_request_is_taken_out_of_the_stream(tx: Session, split: bool) -> None:
     assert json.loads(call.body) == {"xid": "1:61:62"}
 
 
-def test_on_a_confirm_channel_a_request_is_relayed_untouched() -> None:
+def test_on_a_confirm_channel_a_request_is_refused_as_a_reserved_name() -> None:
+    """On a confirm channel a publish is numbered, so the listener cannot
+    take it out of the stream: it is a publish to a reserved exchange, and
+    the channel is closed (403) without it reaching the broker."""
     s = make_session()
     open_session(s)
     s.client_data(m(C.Confirm.Select(), 1))
-    data = xa_request(1, "recover", {})
-    out = s.client_data(data)
-    assert out.xa_calls == [] and b"".join(out.to_broker) == data
+    out = s.client_data(xa_request(1, "recover", {}))
+    assert out.xa_calls == []
+    assert [type(v).__name__ for _, v in decode_all(out.to_broker)] == ["Close"]
+    closes = [v for _, v in decode_all(out.to_client) if isinstance(v, C.Channel.Close)]
+    assert closes[0].reply_code == 403 and "'vpnrepl.xa'" in str(closes[0].reply_text)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        C.Queue.Declare(queue="vpnrepl.txn-markers", durable=True),
+        C.Queue.Declare(queue="vpnrepl.txn-markers", passive=True),
+        C.Queue.Delete(queue="vpnrepl.txn-markers"),
+        C.Queue.Purge(queue="vpnrepl.txn-markers"),
+        C.Queue.Bind(queue="vpnrepl.txn-markers", exchange="amq.fanout"),
+        C.Queue.Bind(queue="q", exchange="vpnrepl.xa"),
+        C.Exchange.Declare(exchange="vpnrepl.xa", exchange_type="direct"),
+        C.Exchange.Delete(exchange="vpnrepl.anything"),
+        C.Exchange.Bind(destination="x", source="vpnrepl.xa"),
+        C.Basic.Consume(queue="vpnrepl.txn-markers"),
+        C.Basic.Get(queue="vpnrepl.txn-markers"),
+    ],
+    ids=lambda method: type(method).__qualname__,
+)
+def test_every_method_on_a_reserved_name_is_refused_with_403(method: object) -> None:
+    """The commit markers steer crash recovery: a client may not read,
+    remove, bind or even look at them through the listener."""
+    s = make_session()
+    open_session(s)
+    out = s.client_data(m(method, 1))
+    closes = [v for _, v in decode_all(out.to_client) if isinstance(v, C.Channel.Close)]
+    assert closes and closes[0].reply_code == 403, out.to_client
+    assert "vpn-replication's own" in str(closes[0].reply_text)
+    assert not [v for _, v in decode_all(out.to_broker) if type(v) is type(method)]
+
+
+def test_a_publish_to_a_reserved_queue_by_the_default_exchange_is_refused() -> None:
+    s = make_session()
+    open_session(s)
+    out = s.client_data(publish(1, b"forged marker", queue="vpnrepl.txn-markers"))
+    closes = [v for _, v in decode_all(out.to_client) if isinstance(v, C.Channel.Close)]
+    assert closes and closes[0].reply_code == 403
+    assert not [v for _, v in decode_all(out.to_broker) if isinstance(v, C.Basic.Publish)]
 
 
 def test_on_a_vhost_not_replicated_a_request_is_relayed_untouched() -> None:

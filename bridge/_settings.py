@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 __all__ = [
     "DEFAULT_SYNC_TIMEOUT_MS",
@@ -172,11 +172,23 @@ class TlsConfig:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password replaced, fit for a log line."""
+    """``url`` with its passwords replaced, fit for a log line: the one in
+    the authority and any ``password`` (or ``passwd``, ``sslpassword``)
+    query parameter, as libpq and AMQP URLs allow."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username}:***@{parts.hostname}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.query:
+        query = [
+            (k, "***" if k.lower() in _SECRET_PARAMETERS else v)
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
+        ]
+        parts = parts._replace(query=urlencode(query, safe="*"))
+    if parts.password is not None:
+        netloc = f"{parts.username}:***@{parts.hostname}"
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+        parts = parts._replace(netloc=netloc)
+    return urlunsplit(parts)
+
+
+#: query parameters that carry a secret
+_SECRET_PARAMETERS = frozenset({"password", "passwd", "sslpassword"})

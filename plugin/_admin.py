@@ -91,9 +91,13 @@ class AdminServer:
     async def _status_json(self, request: web.Request) -> web.Response:
         try:
             doc = await self._status()
-        except Exception as e:  # the page must say why, not hang up
+        except Exception as e:  # the page must answer, not hang up
+            # the detail (hosts, database names) is for the operator's log,
+            # not for whoever can reach this port
             log.warning("status failed: %s", e)
-            return web.Response(status=503, text=f"{e}\n")
+            return web.Response(
+                status=503, text="status unavailable: see the node's log (its store failed)\n"
+            )
         return web.json_response(doc)
 
     async def _history_json(self, request: web.Request) -> web.Response:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +64,12 @@ class RepublishSummary:
 
 
 def write_tail_file(path: Path, vpn: str, messages: Iterable[TailMessage]) -> None:
-    """An exported tail: one JSON object a line (what :func:`read_tail_file` reads)."""
-    with path.open("w", encoding="utf-8") as f:
+    """An exported tail: one JSON object a line (what :func:`read_tail_file`
+    reads). It holds message bodies: readable by its owner only (0600, also
+    when the file was there before)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         for m in messages:
             record = {
                 "vpn": vpn,

@@ -192,6 +192,11 @@ def test_trace_export_is_off_unless_an_http_endpoint_is_given(tmp_path: Path) ->
 def test_redact_url_hides_the_password_only() -> None:
     assert redact_url("amqp://guest:secret@host:5672/v") == "amqp://guest:***@host:5672/v"
     assert redact_url("postgresql://u@h/db") == "postgresql://u@h/db"
+    assert (
+        redact_url("postgresql://u@h/db?password=hunter2&sslmode=require")
+        == "postgresql://u@h/db?password=***&sslmode=require"
+    )
+    assert "s3cret" not in redact_url("postgresql://u:s3cret@h/db?sslpassword=s3cret")
 
 
 def _pem_files(tmp_path: Path, *names: str) -> None:

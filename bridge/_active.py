@@ -176,6 +176,13 @@ class BridgeServer:
             "mutual TLS" if self._tls and self._tls.ca else "TLS" if self._tls else "plain TCP",
         )
 
+    def reload_tls(self) -> None:
+        """Read the certificate, key and CA files again (a rotation): new
+        connections use them, established links keep theirs. Raises
+        :class:`~bridge.TlsSetupError` (the old files stay in use)."""
+        if self._tls is not None:
+            self._ssl = make_server_context(self._tls)
+
     @property
     def port(self) -> int:
         """The port listened on (useful after ``start(host, 0)``)."""

@@ -180,6 +180,7 @@ class BridgeClient:
         #: the address dialled last
         self.peer = self.addresses[0]
         self._api = ManagementAPI(management_url, keep_users=keep_users) if management_url else None
+        self._tls = tls
         self._ssl = make_client_context(tls) if tls is not None else None
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -434,6 +435,13 @@ class BridgeClient:
             f"the active hung up right after the TLS handshake ({text}): it most likely "
             "refused this site's certificate (not signed by the CA it trusts)"
         )
+
+    def reload_tls(self) -> None:
+        """Read the certificate, key and CA files again (a rotation): the
+        next dial uses them. Raises :class:`~bridge.TlsSetupError` (the old
+        files stay in use)."""
+        if self._tls is not None:
+            self._ssl = make_client_context(self._tls)
 
     def relist_now(self) -> None:
         """Ask the active for its VPNs now (a VPN here changed role), not at

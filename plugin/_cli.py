@@ -117,8 +117,8 @@ def _cmd_tls_init(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
 
     where = Path(args.dir).resolve()
     sites = [s.strip() for s in args.sites.split(",")]
-    for files in init_certificates(where, sites):
-        made = "made" if files.created else "already there, kept"
+    for files in init_certificates(where, sites, days=args.days, renew=args.renew):
+        made = ("renewed" if args.renew else "made") if files.created else "already there, kept"
         print(f"# site {files.site}: {files.cert.name} and {files.key.name} {made}")
         print(files.tls_lines())
     print(f"# keep {where / 'ca.key'} off the sites: it signs new site certificates")
@@ -549,6 +549,12 @@ def _build_parser() -> _Parser:
     )
     c.add_argument("dir", metavar="DIR", help="where the CA and the certificates go")
     c.add_argument("--sites", required=True, metavar="A,B", help="the site names, comma-separated")
+    c.add_argument("--days", type=int, default=825, help="site certificates' validity (825)")
+    c.add_argument(
+        "--renew",
+        action="store_true",
+        help="issue the sites' certificates again from the CA there (then SIGHUP the nodes)",
+    )
     c.set_defaults(run=_cmd_tls_init, needs_config=False)
     return p
 

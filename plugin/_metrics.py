@@ -13,6 +13,7 @@ format; nothing here renders text by hand.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,8 +28,10 @@ from prometheus_client.core import (
     Metric,
 )
 
-from bridge import WriterStats
+from bridge import TlsConfig, WriterStats
 from txn import TxnStats, XaStats
+
+from ._tls_init import not_after
 
 __all__ = ["CONTENT_TYPE", "Buckets", "ListenerStats", "Metrics"]
 
@@ -108,6 +111,8 @@ class Metrics:
         self._bound: Mapping[str, int] | None = None
         self._ledger: WriterStats | None = None
         self._degradations: Callable[[], Mapping[str, int]] | None = None
+        #: role ("site", "ca") -> when the bridge's certificate expires
+        self._expiry: dict[str, float] = {}
         #: the status document of the scrape under way (None: the store was
         #: unreachable)
         self._status: dict[str, Any] | None = None
@@ -128,6 +133,16 @@ class Metrics:
 
     def observe_ledger(self, stats: WriterStats) -> None:
         self._ledger = stats
+
+    def observe_certificates(self, tls: TlsConfig) -> None:
+        """The bridge's certificate and CA, read now (at start, and again
+        at each SIGHUP): their expiry, for the alert before it bites."""
+        files = {"site": tls.cert, "ca": tls.ca}
+        self._expiry = {
+            role: when
+            for role, path in files.items()
+            if path is not None and (when := not_after(path)) is not None
+        }
 
     def observe_sync(self, degradations: Callable[[], Mapping[str, int]]) -> None:
         """``degradations()``: VPN -> sync timeouts that cost eligibility."""
@@ -185,6 +200,17 @@ class _Collector:
             )
         if m._ledger is not None:
             yield _commit_entries(m._ledger)
+        if m._expiry:
+            expiry = GaugeMetricFamily(
+                "vpnrepl_tls_certificate_expiry_seconds",
+                "seconds until the bridge's certificate (role site) or its CA (role ca)"
+                " expires, as read at start or at the last SIGHUP",
+                labels=["role"],
+            )
+            now = time.time()
+            for role, when in sorted(m._expiry.items()):
+                expiry.add_metric([role], when - now)
+            yield expiry
         yield from _vpn_families(m._status, m._degradations)
 
 

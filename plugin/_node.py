@@ -419,6 +419,8 @@ class Node:
         self.metrics.observe_txn(self.coordinator.stats)
         self.metrics.observe_ledger(self.writer.stats)
         self.metrics.observe_sync(self.replicator.degradations)
+        if cfg.tls is not None:
+            self.metrics.observe_certificates(cfg.tls)
         await self.listener.start(cfg.listen_amqp.host, cfg.listen_amqp.port)
         if cfg.listen_amqps is not None and cfg.client_tls is not None:
             try:
@@ -566,6 +568,25 @@ class Node:
                 self.cfg.peer_bridge,
                 PEER_EPOCH_WAIT,
             )
+
+    def reload_tls(self) -> None:
+        """SIGHUP: the bridge's certificate, key and CA files are read again
+        (a rotation without a restart); new links use them. An unusable set
+        is logged and the old one stays in use."""
+        if self.cfg.tls is None:
+            log.info("SIGHUP: the bridge has no [tls] to reload")
+            return
+        try:
+            for end in (self.bridge_server, self.bridge_client):
+                if end is not None:
+                    end.reload_tls()
+        except TlsSetupError as e:
+            log.error("SIGHUP: the bridge keeps its certificates: %s", e)
+            return
+        self.metrics.observe_certificates(self.cfg.tls)
+        log.info(
+            "SIGHUP: bridge certificates read again from %s (new links use them)", self.cfg.tls.cert
+        )
 
     async def _queues_gone(self, view: VpnView, queues: list[str]) -> None:
         """Queues of an active VPN that the broker lost outside the listener
@@ -735,6 +756,8 @@ async def run_node(cfg: SiteConfig, stop: asyncio.Event | None = None) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     node = Node(cfg)
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGHUP, node.reload_tls)
     try:
         await node.start()
         await stop.wait()

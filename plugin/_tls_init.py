@@ -6,7 +6,8 @@ to the site name): that is how each end knows which site dialled it. The
 CA signs bridge certificates and nothing else. Keys are ECDSA P-256 (small,
 fast handshakes), written 0600; certificates 0644. Running it again reuses
 the CA and every site certificate already in DIR (so a third site can be
-added later), and never overwrites a key.
+added later); only ``--renew`` replaces a site's pair (a rotation: the node
+reads it on SIGHUP).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from ._errors import UsageError
 
-__all__ = ["CA_DAYS", "SITE_DAYS", "SiteFiles", "init_certificates"]
+__all__ = ["CA_DAYS", "SITE_DAYS", "SiteFiles", "init_certificates", "not_after"]
 
 #: validity of the CA and of a site certificate
 CA_DAYS = 3650
@@ -106,13 +107,18 @@ def _ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
 
 
 def _site(
-    directory: Path, site: str, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey
+    directory: Path,
+    site: str,
+    ca: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    days: int,
+    renew: bool,
 ) -> SiteFiles:
     cert_path, key_path = directory / f"{site}.crt", directory / f"{site}.key"
     files = SiteFiles(site, cert_path, key_path, directory / "ca.crt", created=False)
-    if cert_path.exists() and key_path.exists():
+    if cert_path.exists() and key_path.exists() and not renew:
         return files
-    if cert_path.exists() or key_path.exists():
+    if (cert_path.exists() or key_path.exists()) and not renew:
         raise UsageError(f"{directory}: has one of {site}.crt and {site}.key but not the other")
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -123,7 +129,7 @@ def _site(
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=SITE_DAYS))
+        .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName([x509.DNSName(site)]), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
@@ -134,13 +140,29 @@ def _site(
         )
         .sign(ca_key, hashes.SHA256())
     )
-    _write(key_path, _key_pem(key), 0o600)
-    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    # a renewal replaces the pair whole (written aside, then renamed over),
+    # so a node re-reading it on SIGHUP never sees half of it
+    for path, data, mode in (
+        (key_path, _key_pem(key), 0o600),
+        (cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644),
+    ):
+        aside = path.with_name(path.name + ".new")
+        aside.unlink(missing_ok=True)
+        _write(aside, data, mode)
+        aside.replace(path)
     return SiteFiles(site, cert_path, key_path, directory / "ca.crt", created=True)
 
 
-def init_certificates(directory: Path, sites: list[str]) -> list[SiteFiles]:
-    """Make (or reuse) the CA in ``directory`` and a certificate per site."""
+def init_certificates(
+    directory: Path, sites: list[str], *, days: int = SITE_DAYS, renew: bool = False
+) -> list[SiteFiles]:
+    """Make (or reuse) the CA in ``directory`` and a certificate per site,
+    valid ``days``; ``renew``: issue the sites' certificates again (a new
+    key each) from the CA that is there, for a rotation."""
+    if days < 1:
+        raise UsageError(f"--days {days}: a certificate is valid at least one day")
+    if renew and not (directory / "ca.key").exists():
+        raise UsageError(f"{directory}: no CA to renew certificates from (ca.crt, ca.key)")
     if not sites:
         raise UsageError("--sites names at least one site")
     for site in sites:
@@ -150,4 +172,14 @@ def init_certificates(directory: Path, sites: list[str]) -> list[SiteFiles]:
         raise UsageError("--sites names a site twice")
     directory.mkdir(parents=True, exist_ok=True)
     ca, ca_key = _ca(directory)
-    return [_site(directory, site, ca, ca_key) for site in sites]
+    return [_site(directory, site, ca, ca_key, days, renew) for site in sites]
+
+
+def not_after(path: Path) -> float | None:
+    """When the (first) certificate in the PEM file ``path`` expires, as a
+    POSIX timestamp; None when the file cannot be read as one."""
+    try:
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return cert.not_valid_after_utc.timestamp()

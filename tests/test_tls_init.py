@@ -1,10 +1,14 @@
 """``vpnrepl tls init DIR --sites a,b``: a private CA and a certificate per
 site naming it, keys 0600, reused when run again; the bridge's own TLS
-contexts accept them (a real handshake on loopback, both ways verified)."""
+contexts accept them (a real handshake on loopback, both ways verified);
+``--renew`` and SIGHUP rotate a running node's certificate."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import signal
 import stat
 from pathlib import Path
 
@@ -14,6 +18,10 @@ from cryptography.x509.oid import NameOID
 
 from bridge import TlsConfig, make_client_context, make_server_context
 from plugin._cli import main
+from plugin._localsites import LocalSite
+from tests.fix_cli import Vpnrepl
+from tests.fix_node import NodeProcess
+from tests.two_sites import VPN, setup_vpn, until, vpn_status
 
 
 def names(cert: x509.Certificate) -> tuple[str, list[str]]:
@@ -98,3 +106,47 @@ def test_the_bridge_contexts_complete_a_mutual_handshake_with_them(tmp_path: Pat
     client_cert, server_cert = asyncio.run(scenario())
     assert ("commonName", "b") in [rdn[0] for rdn in client_cert["subject"]]
     assert ("DNS", "a") in server_cert["subjectAltName"]
+
+
+def _expiry_days(node: NodeProcess, role: str) -> float:
+    for line in node.get("/metrics").splitlines():
+        if line.startswith(f'vpnrepl_tls_certificate_expiry_seconds{{role="{role}"}}'):
+            return float(line.split()[-1]) / 86400
+    raise AssertionError(f"no expiry metric for {role}")
+
+
+def test_sighup_rotates_the_bridge_certificate_without_a_restart(
+    site_a: LocalSite, site_b: LocalSite, tmp_path: Path
+) -> None:
+    """A renewed certificate is read on SIGHUP: the expiry metric shows it,
+    the node keeps running, and a standby that connects afresh is served
+    with it."""
+    assert site_a.pki is not None
+    pki = tmp_path / "pki"
+    shutil.copytree(site_a.pki, pki)
+    a_cfg = tmp_path / "a.toml"
+    a_cfg.write_text(site_a.config_text(site_b, dial=False).replace(str(site_a.pki), str(pki)))
+    b_cfg = site_b.write_config(tmp_path / "b.toml", peer=site_a)
+    for cfg in (a_cfg, b_cfg):
+        assert Vpnrepl(cfg)("init").returncode == 0
+    setup_vpn(site_a)
+    assert Vpnrepl(a_cfg)("vpn", "enable", VPN, "--role", "active").returncode == 0
+    node_a = NodeProcess(site_a, a_cfg, tmp_path / "a.log", "a")
+    node_b = NodeProcess(site_b, b_cfg, tmp_path / "b.log", "b")
+    try:
+        node_a.start()
+        node_b.start()
+        until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby")
+        assert 800 < _expiry_days(node_a, "site") < 826 and _expiry_days(node_a, "ca") > 3000
+        assert main(["tls", "init", str(pki), "--sites", "a", "--renew", "--days", "10"]) == 0
+        assert node_a.pid is not None
+        os.kill(node_a.pid, signal.SIGHUP)
+        until(lambda: _expiry_days(node_a, "site") < 10.1, "the renewed certificate")
+        node_b.kill()  # a fresh handshake: the standby gets the renewed certificate
+        node_b.start()
+        until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby again")
+        assert "SIGHUP: bridge certificates read again" in node_a.log_text()
+        assert node_a.proc is not None and node_a.proc.poll() is None  # never restarted
+    finally:
+        node_a.kill()
+        node_b.kill()

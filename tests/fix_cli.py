@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,14 @@ from plugin._localsites import LocalSite, LocalSites
 @dataclass
 class Vpnrepl:
     config: Path
+
+    def set_peer_store(self, dsn: str) -> None:
+        """Point the config's peer ``store_dsn`` at ``dsn`` (a role with
+        the README's grants, say)."""
+        text = self.config.read_text()
+        changed = re.sub(r'(?m)^store_dsn = ".*"$', f'store_dsn = "{dsn}"', text, count=1)
+        assert changed != text or f'store_dsn = "{dsn}"' in text, "no peer store_dsn to set"
+        self.config.write_text(changed)
 
     def __call__(self, *args: str, config: bool = True) -> subprocess.CompletedProcess[str]:
         exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))

@@ -86,8 +86,8 @@ def two_sites(
 ) -> tuple[Vpnrepl, NodeProcess, NodeProcess]:
     setup_vpn(node_a.site)
     enable(vpnrepl_a)
-    with open(vpnrepl_a.config, "a") as f:  # the standby's store, read-only
-        f.write(f'\n[peer]\nstore_dsn = "{_reader_dsn(node_b.site)}"\n')
+    vpnrepl_a.set_peer_store(_reader_dsn(node_b.site))  # the standby's store, read-only
+    with open(vpnrepl_a.config, "a") as f:
         f.write(DRIFT)
     node_a.start()
     node_b.start()
@@ -188,7 +188,7 @@ def test_reconcile_on_the_standby_or_of_an_unknown_vpn_says_what_to_do(
     vpnrepl, node_a, node_b = two_sites
     Publisher(node_a.site, range(1, 11)).run()
     assert_same_state(node_a, node_b)
-    on_b = Vpnrepl(node_b.config)  # its [peer] store_dsn is site a's store
+    on_b = Vpnrepl(node_b.config)  # its peer's store_dsn is site a's store
     code, _, err = _reconcile(on_b)
     assert code == 1 and "is standby at" in err and "run reconcile with the active" in err
     unknown = vpnrepl("reconcile", "nope")
@@ -202,8 +202,7 @@ def test_the_node_reconciles_on_its_schedule_and_exports_the_result(
 ) -> None:
     setup_vpn(node_a.site)
     enable(vpnrepl_a)
-    with open(vpnrepl_a.config, "a") as f:
-        f.write(f'\n[peer]\nstore_dsn = "{node_b.site.pg.dsn()}"\n')
+    with open(vpnrepl_a.config, "a") as f:  # (its peer's store_dsn is site b's)
         f.write("\n[reconcile]\ninterval = 10\nsegments = 32\ndrift_interval = 2\n")
     node_a.start()
     node_b.start()

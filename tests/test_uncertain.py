@@ -71,8 +71,9 @@ def kill_the_broker_under_a_publisher(
     the publisher, and the uncertain publishes A recorded."""
     setup_vpn(site_a)
     enable(vpnrepl_a)
+    vpnrepl_a.set_peer_store(_reader_dsn(site_b))
     with open(vpnrepl_a.config, "a") as f:
-        f.write(f'\n[peer]\nstore_dsn = "{_reader_dsn(site_b)}"\n{DRIFT}')
+        f.write(DRIFT)
     node_a.start()
     node_b.start()
     until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby to connect")

@@ -181,6 +181,17 @@ def _cmd_vpn_disable(cfg: SiteConfig, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_audit(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    from ._audit import audit_rows, render_audit
+
+    if args.limit < 1:
+        raise UsageError(f"--limit {args.limit}: expected a number >= 1")
+    with connect(cfg.store_dsn) as conn:
+        rows = audit_rows(conn, args.limit, args.vpn)
+    print(json.dumps(rows) if args.json else render_audit(rows), end="\n" if args.json else "")
+    return EXIT_OK
+
+
 def _cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import time
 
@@ -541,6 +552,11 @@ def _build_parser() -> _Parser:
     c.add_argument("action", choices=("start", "stop"))
     c.add_argument("dir", metavar="DIR", help="where the servers, configs and addresses go")
     c.set_defaults(run=_cmd_sandbox, needs_config=False)
+    c = sub.add_parser("audit", help="operator actions on this site, newest first, and who asked")
+    c.add_argument("--vpn", help="only this VPN's")
+    c.add_argument("--limit", type=int, default=50, help="how many (50)")
+    c.add_argument("--json", action="store_true", help="one JSON array")
+    c.set_defaults(run=_cmd_audit)
     tls = sub.add_parser("tls", help="certificates for the bridge")
     tsub = tls.add_subparsers(dest="tls_command", metavar="ACTION", parser_class=_Parser)
     tsub.required = True

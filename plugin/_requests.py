@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -85,13 +86,61 @@ async def run_command(
     try:
         if await _try_lock(conn):
             try:
-                return await local(progress)
+                return await _locally(conn, command, vpn, args, local, progress)
             finally:
                 with contextlib.suppress(psycopg.Error):
                     await conn.execute("SELECT pg_advisory_unlock(%s)", (SITE_LOCK,))
         return await _through_node(conn, command, vpn, args, progress)
     finally:
         await conn.close()
+
+
+async def _locally(
+    conn: psycopg.AsyncConnection[dict[str, Any]],
+    command: str,
+    vpn: str,
+    args: Mapping[str, Any],
+    local: Callable[[Progress], Awaitable[dict[str, Any]]],
+    progress: Progress,
+) -> dict[str, Any]:
+    """Run the command in this process (no node runs), recorded in the
+    audit trail as a request this process carried out: the row is
+    ``running`` from the moment it is visible, so no node ever takes it."""
+    request = None
+    with contextlib.suppress(psycopg.errors.UndefinedFunction):  # a schema before 0013
+        async with conn.transaction():
+            row = await (
+                await conn.execute(
+                    "SELECT vpnrepl_request(%s, %s, %s) AS id",
+                    (command, vpn, json.dumps(dict(args))),
+                )
+            ).fetchone()
+            assert row is not None  # noqa: S101 - one row
+            request = int(row["id"])
+            await conn.execute(
+                "UPDATE operator_request SET state = 'running' WHERE id = %s", (request,)
+            )
+    if request is not None:
+        log.info("%s %s: run here, no node runs (request %d)", command, vpn, request)
+    try:
+        result = await local(progress)
+    except BaseException as e:
+        if request is not None:
+            with contextlib.suppress(psycopg.Error):
+                await conn.execute(
+                    "UPDATE operator_request SET state = 'failed', error = %s,"
+                    " finished_at = now() WHERE id = %s",
+                    (str(e) or type(e).__name__, request),
+                )
+        raise
+    if request is not None:
+        with contextlib.suppress(psycopg.Error):
+            await conn.execute(
+                "UPDATE operator_request SET state = 'done', result = %s, finished_at = now()"
+                " WHERE id = %s",
+                (json.dumps(result, default=str), request),
+            )
+    return result
 
 
 async def _through_node(
@@ -102,13 +151,17 @@ async def _through_node(
     progress: Progress,
 ) -> dict[str, Any]:
     await conn.execute(f"LISTEN {ANSWERS}")
-    row = await (
-        await conn.execute(
-            "INSERT INTO operator_request (command, vpn, args) VALUES (%s, %s, %s) RETURNING id",
-            (command, vpn, json.dumps(dict(args))),
-        )
-    ).fetchone()
-    assert row is not None  # noqa: S101 - RETURNING
+    try:
+        row = await (
+            await conn.execute(
+                "SELECT vpnrepl_request(%s, %s, %s) AS id", (command, vpn, json.dumps(dict(args)))
+            )
+        ).fetchone()
+    except psycopg.errors.InsufficientPrivilege as e:
+        raise StateError(
+            f"{command} {vpn}: refused by the site's database: {e.diag.message_primary}"
+        ) from e
+    assert row is not None  # noqa: S101 - one row
     request = int(row["id"])
     await conn.execute("SELECT pg_notify(%s, %s)", (REQUESTS, str(request)))
     log.info("%s %s: handed to the site's running node (request %d)", command, vpn, request)
@@ -135,6 +188,17 @@ async def _through_node(
         gen = conn.notifies(timeout=POLL_SECONDS, stop_after=1)
         async for _ in gen:
             pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """A claimed ``operator_request`` row."""
+
+    id: int
+    command: str
+    vpn: str
+    args: Mapping[str, Any]
+    requested_by: str
 
 
 class RequestServer:
@@ -188,22 +252,23 @@ class RequestServer:
                     "UPDATE operator_request SET state = 'running' WHERE id = ("
                     " SELECT id FROM operator_request WHERE state = 'pending'"
                     " ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)"
-                    " RETURNING id, command, vpn, args"
+                    " RETURNING id, command, vpn, args, requested_by"
                 )
             ).fetchone()
             if row is None:
                 return False
-            await self._run(conn, int(row["id"]), str(row["command"]), str(row["vpn"]), row["args"])
+            request = _Request(
+                int(row["id"]), str(row["command"]), str(row["vpn"]), row["args"],
+                str(row["requested_by"]),
+            )  # fmt: skip
+            await self._run(conn, request)
             return True
 
     async def _run(
-        self,
-        conn: psycopg.AsyncConnection[dict[str, Any]],
-        request: int,
-        command: str,
-        vpn: str,
-        args: Mapping[str, Any],
+        self, conn: psycopg.AsyncConnection[dict[str, Any]], claimed: _Request
     ) -> None:
+        request, command, vpn, args = claimed.id, claimed.command, claimed.vpn, claimed.args
+        requested_by = claimed.requested_by
         handler = self._handlers.get(command)
         loop = asyncio.get_running_loop()
         last = 0.0
@@ -218,7 +283,9 @@ class RequestServer:
             if pending is None or pending.done():
                 pending = asyncio.ensure_future(self._progress(request, done, total))
 
-        log.info("operator request %d: %s %s", request, command, vpn)
+        log.info(
+            "operator request %d: %s %s (requested by %s)", request, command, vpn, requested_by
+        )
         try:
             if handler is None:
                 raise StateError(f"this node does not know the command {command!r}")

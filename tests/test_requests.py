@@ -9,7 +9,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
+from plugin._audit import audit_rows, render_audit
 from plugin._errors import PluginError, StateError
 from plugin._localsites import LocalSite
 from plugin._requests import SITE_LOCK, Progress, RequestServer, run_command
@@ -120,3 +122,76 @@ def test_a_node_that_stops_mid_command_is_reported_and_its_request_failed(dsn: s
     with psycopg.connect(dsn) as conn:
         row = conn.execute("SELECT state, error FROM operator_request").fetchone()
     assert row is not None and row[0] == "failed" and "run the command again" in row[1]
+
+
+def _peer_dsn(site: LocalSite) -> str:
+    """A role on ``site``'s store with the README's peer grants."""
+    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
+        db.execute(  # roles are the cluster's: made once, granted per database
+            "DO $$ BEGIN CREATE ROLE vpnrepl_peer LOGIN;"
+            " EXCEPTION WHEN duplicate_object THEN NULL; END $$"
+        )
+        db.execute("GRANT CONNECT ON DATABASE vpnrepl TO vpnrepl_peer")
+        db.execute("GRANT USAGE ON SCHEMA public TO vpnrepl_peer")
+        db.execute("GRANT EXECUTE ON FUNCTION vpnrepl_request(text, text, jsonb) TO vpnrepl_peer")
+        db.execute("GRANT SELECT ON operator_request TO vpnrepl_peer")
+    return site.pg.dsn().replace("postgres@", "vpnrepl_peer@")
+
+
+def test_the_peers_role_may_request_only_the_switchover_steps(dsn: str, site_a: LocalSite) -> None:
+    """The peer site's role reaches this site's database for a switchover:
+    it cannot ask for a promote or a demote, nor write requests directly,
+    and what it asks is recorded with its name."""
+    peer = _peer_dsn(site_a)
+    with psycopg.connect(peer, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied"):
+            conn.execute("INSERT INTO operator_request (command, vpn) VALUES ('promote', 'orders')")
+        for command in ("promote", "demote", "xa-decide", "repair", "retire-uncertain"):
+            with pytest.raises(
+                psycopg.errors.InsufficientPrivilege, match="only the switchover steps"
+            ):
+                conn.execute("SELECT vpnrepl_request(%s, 'orders', '{}')", (command,))
+        row = conn.execute(
+            "SELECT vpnrepl_request('switchover-prepare', 'orders', '{}')"
+        ).fetchone()
+        assert row is not None
+    with psycopg.connect(dsn) as conn:
+        by = conn.execute(
+            "SELECT command, requested_by FROM operator_request WHERE id = %s", (row[0],)
+        ).fetchone()
+    assert by == ("switchover-prepare", "vpnrepl_peer")
+
+    async def refused() -> None:
+        async def local(progress: Progress) -> dict[str, Any]:
+            raise AssertionError("no node ran: the peer must not act here")
+
+        await run_command(peer, "promote", "orders", {}, local, lambda d, t: None)
+
+    lock = psycopg.connect(dsn, autocommit=True)  # a node holds the site lock
+    try:
+        lock.execute("SELECT pg_advisory_lock(%s)", (SITE_LOCK,))
+        with pytest.raises(StateError, match="refused by the site's database"):
+            asyncio.run(refused())
+    finally:
+        lock.close()
+
+
+def test_what_the_cli_did_itself_is_in_the_audit_trail(dsn: str, site_a: LocalSite) -> None:
+    async def local(progress: Progress) -> dict[str, Any]:
+        return {"line": "done here"}
+
+    async def failing(progress: Progress) -> dict[str, Any]:
+        raise StateError("VPN 'nope' is not enabled here")
+
+    asyncio.run(run_command(dsn, "promote", "orders", {}, local, lambda d, t: None))
+    with pytest.raises(StateError):
+        asyncio.run(run_command(dsn, "demote", "nope", {}, failing, lambda d, t: None))
+    with psycopg.connect(dsn, row_factory=dict_row) as conn:
+        rows = audit_rows(conn, 10)
+    assert [(r["command"], r["vpn"], r["state"], r["by"]) for r in rows[:2]] == [
+        ("demote", "nope", "failed", "postgres"),
+        ("promote", "orders", "done", "postgres"),
+    ]
+    assert "not enabled" in rows[0]["error"]
+    text = render_audit(rows)
+    assert "demote" in text and "failed: VPN 'nope' is not enabled here" in text

@@ -1,0 +1,54 @@
+"""Operator requests say who made them, and the peer may make only the
+switchover steps.
+
+``operator_request.requested_by``: the session user that asked (``vpnrepl
+audit`` lists the rows). ``vpnrepl_request(command, vpn, args)``: the one
+way to ask, a ``SECURITY DEFINER`` function owned by the schema's owner (the
+node's role): the owner may request any command; any other role that was
+granted EXECUTE (the peer site's, README "In a deployment") only the
+switchover steps it runs on this site, so INSERT on the table is granted
+to no one else.
+
+Revision ID: 0013
+Revises: 0012
+"""
+
+from __future__ import annotations
+
+from alembic import op
+
+revision = "0013"
+down_revision = "0012"
+branch_labels = None
+depends_on = None
+
+_UPGRADE = """
+ALTER TABLE operator_request ADD COLUMN requested_by text NOT NULL DEFAULT session_user;
+CREATE FUNCTION vpnrepl_request(p_command text, p_vpn text, p_args jsonb) RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
+DECLARE
+    new_id bigint;
+BEGIN
+    IF session_user::text <> current_user::text
+       AND p_command NOT IN ('switchover-prepare', 'switchover-finish', 'switchover-abort') THEN
+        RAISE EXCEPTION 'role % may request only the switchover steps of a peer site, not %',
+            session_user, p_command USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    INSERT INTO operator_request (command, vpn, args, requested_by)
+    VALUES (p_command, p_vpn, p_args, session_user) RETURNING id INTO new_id;
+    RETURN new_id;
+END
+$$;
+REVOKE ALL ON FUNCTION vpnrepl_request(text, text, jsonb) FROM PUBLIC;
+"""
+
+
+def upgrade() -> None:
+    op.execute(_UPGRADE)
+
+
+def downgrade() -> None:
+    op.execute(
+        "DROP FUNCTION vpnrepl_request(text, text, jsonb);"
+        " ALTER TABLE operator_request DROP COLUMN requested_by"
+    )

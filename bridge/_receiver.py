@@ -221,6 +221,11 @@ class BridgeClient:
     def bridge_state(self, vpn: str) -> str:
         return self._states.get(vpn, DISCONNECTED)
 
+    def follows(self, vpn: str) -> bool:
+        """The active site serves ``vpn`` to this one right now: a link is
+        up and the VPN's stream is syncing or connected."""
+        return self._link is not None and self._states.get(vpn, DISCONNECTED) != DISCONNECTED
+
     def _set_state(self, vpn: str, state: str) -> None:
         if self._states.get(vpn, DISCONNECTED) != state:
             log.info("bridge: VPN %s is %s", vpn, state)

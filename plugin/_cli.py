@@ -326,7 +326,10 @@ def _cmd_promote(cfg: SiteConfig, args: argparse.Namespace) -> int:
 
     bar = _ProgressBar(f"promoting {args.vpn}")
     try:
-        result = asyncio.run(run_command(cfg.store_dsn, "promote", args.vpn, {}, here, bar.update))
+        request = {"force": True} if args.force else {}
+        result = asyncio.run(
+            run_command(cfg.store_dsn, "promote", args.vpn, request, here, bar.update)
+        )
     finally:
         bar.close()
     print(PromotionSummary.from_dict(result).line())
@@ -503,6 +506,11 @@ def _build_parser() -> _Parser:
     s.set_defaults(run=_cmd_status)
     c = sub.add_parser("promote", help="standby -> active (after a disaster, or a switchover)")
     c.add_argument("vpn", metavar="VPN")
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="even while the old active still serves the VPN to this site (split brain)",
+    )
     c.set_defaults(run=_cmd_promote)
     c = sub.add_parser("demote", help="fenced former active -> standby (exports its tail)")
     c.add_argument("vpn", metavar="VPN")

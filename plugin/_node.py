@@ -257,13 +257,42 @@ class Node:
     async def _promote(
         self, vpn: str, args: Mapping[str, Any], progress: Progress
     ) -> dict[str, Any]:
-        """The ``promote`` operator request, on the running node."""
+        """The ``promote`` operator request, on the running node: refused
+        while the peer still serves the VPN as active (split brain), unless
+        ``force`` or it is a switchover's own promotion."""
+        if not (args.get("force") or args.get("switchover")):
+            await self._peer_not_serving(vpn)
         summary = await promote(self.cfg, vpn, progress, self.broker_ssl)
         # the promoted VPN's ids must not repeat any the old active made
         await self._take_incarnation()
         if self.refresher is not None:
             await self.refresher.refresh()  # opens its ledger; the listener admits clients
         return summary.as_dict()
+
+    async def _peer_not_serving(self, vpn: str) -> None:
+        """Raise when the peer still serves ``vpn`` as active to this site.
+        A link that is up is given the heartbeat timeout to prove it is
+        alive (an active killed a moment ago leaves a link that has not
+        noticed yet)."""
+        client = self.bridge_client
+        if client is None or not client.follows(vpn):
+            log.warning(
+                "VPN %s: promoting while the old active is not connected to this site: it "
+                "cannot be fenced until it reconnects (keep its node down meanwhile)",
+                vpn,
+            )
+            return
+        for _ in range(int(client.heartbeat_timeout / 0.1)):  # (the link says so itself)
+            if not client.follows(vpn):
+                break
+            await asyncio.sleep(0.1)
+        if client.follows(vpn):
+            raise StateError(
+                f"site {client.peer_site!r} still serves VPN {vpn!r} as active (this site "
+                "follows it over the bridge): promoting it here would leave two active sites. "
+                f"Run `vpnrepl switchover {vpn}` to move it with nothing lost, or "
+                f"`vpnrepl promote {vpn} --force` if you mean it"
+            )
 
     async def _repair(
         self, vpn: str, args: Mapping[str, Any], progress: Progress

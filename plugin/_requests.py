@@ -264,9 +264,7 @@ class RequestServer:
             await self._run(conn, request)
             return True
 
-    async def _run(
-        self, conn: psycopg.AsyncConnection[dict[str, Any]], claimed: _Request
-    ) -> None:
+    async def _run(self, conn: psycopg.AsyncConnection[dict[str, Any]], claimed: _Request) -> None:
         request, command, vpn, args = claimed.id, claimed.command, claimed.vpn, claimed.args
         requested_by = claimed.requested_by
         handler = self._handlers.get(command)

@@ -90,7 +90,9 @@ async def switchover(cfg: SiteConfig, vpn: str, progress: Progress) -> list[str]
         async def here(p: Progress) -> dict[str, Any]:
             return (await promote(cfg, vpn, p)).as_dict()
 
-        promoted = await run_command(cfg.store_dsn, "promote", vpn, {}, here, progress)
+        promoted = await run_command(
+            cfg.store_dsn, "promote", vpn, {"switchover": True}, here, progress
+        )
     except PluginError:
         await run_command(peer, "switchover-abort", vpn, args, _no_node, progress)
         raise

@@ -484,7 +484,8 @@ def bridge(mode: str, delay: float = 0.0) -> Nemesis:
 
 
 def _promote(run: Run) -> None:
-    done = Vpnrepl(run.node_b.config)("promote", VPN)
+    # a promotion with the old active still serving: a split brain on purpose
+    done = Vpnrepl(run.node_b.config)("promote", VPN, "--force")
     assert done.returncode == 0, done.stderr
     run.active = "b"
 

@@ -518,7 +518,8 @@ def test_a_standby_refuses_the_vpns_clients_from_its_first_listing(sites: Sites)
 
 
 def test_a_fenced_active_tells_its_clients_no(sites: Sites) -> None:
-    """Both sites up, the standby promoted: the old active learns it is
+    """Both sites up: a promotion is refused while the active serves the
+    VPN to the standby, unless forced; forced, the old active learns it is
     fenced; a client it still serves has its next publish refused (a nack,
     or the connection closed with 320 naming the new active), never
     confirmed; a new client is refused with 530."""
@@ -533,7 +534,13 @@ def test_a_fenced_active_tells_its_clients_no(sites: Sites) -> None:
     ch = conn.channel()
     ch.confirm_delivery()
     ch.basic_publish("events", routing_key(1), body(1), properties(1))  # confirmed
-    promoted = sites.cli_b("promote", VPN)
+    # A still serves the VPN to B: a promotion would make a split brain
+    refused_promotion = sites.cli_b("promote", VPN)
+    assert refused_promotion.returncode == 1
+    assert f"site 'a' still serves VPN '{VPN}' as active" in refused_promotion.stderr
+    assert f"vpnrepl switchover {VPN}" in refused_promotion.stderr
+    assert cli_status(sites.b)["role"] == "standby" and not cli_status(sites.a)["fenced"]
+    promoted = sites.cli_b("promote", VPN, "--force")
     assert promoted.returncode == 0, promoted.stderr
     until(lambda: cli_status(sites.a)["fenced"], "A to learn it is fenced")
     with pytest.raises(

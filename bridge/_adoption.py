@@ -36,6 +36,7 @@ from ._management import ManagementAPI
 from ._settings import Role
 from ._topology_store import keep_definitions_async
 from ._vpnstore import (
+    SPLIT_BRAIN_SQL,
     ConfigLock,
     FollowedSettings,
     add_standby_vpn_async,
@@ -201,4 +202,5 @@ class VpnAdoption:
                 f"this site took it over at epoch {epoch}; site {site!r} still lists epoch "
                 f"{resource.epoch} and is fenced as soon as it lists this site's VPNs"
             )
+        await conn.execute(SPLIT_BRAIN_SQL, (vpn,))
         return "it is enabled as active on this site too, at the same epoch (demote one of the two)"

@@ -46,6 +46,7 @@ __all__ = [
     "COUNT_UNKNOWN_ACKS",
     "EPOCH_SQL",
     "FENCE_SQL",
+    "SPLIT_BRAIN_SQL",
     "ActiveVpn",
     "AppliedLock",
     "ConfigLock",
@@ -306,7 +307,8 @@ UPDATE vpn_config SET role = 'active', epoch = %s, updated_at = now() WHERE name
 # On the active, applied_index is what its standby acknowledged: nothing yet.
 _ACTIVE_STATE = """
 UPDATE vpn_state SET ledger_index = %s, applied_index = 0, applied_epoch = 0, applied_at = NULL,
-    fenced = false, sync_eligible = true, bridge_state = 'disconnected', updated_at = now()
+    fenced = false, split_brain = false, sync_eligible = true, bridge_state = 'disconnected',
+    updated_at = now()
 WHERE vpn = %s
 """
 _BECOME_STANDBY = """
@@ -316,14 +318,22 @@ WHERE name = %s
 # A standby has applied nothing of the epoch it follows (a checkpoint comes).
 _STANDBY_STATE = """
 UPDATE vpn_state SET ledger_index = 0, applied_index = 0, applied_epoch = 0, applied_at = NULL,
-    fenced = false, sync_eligible = true, bridge_state = 'disconnected', updated_at = now()
+    fenced = false, split_brain = false, sync_eligible = true, bridge_state = 'disconnected',
+    updated_at = now()
 WHERE vpn = %s
 """
 #: fence this site's active VPN for a higher epoch (a row changed: newly fenced)
+# a split brain when this site confirmed past the index the other took over
+# at (0: not known, nothing claimed)
 FENCE_SQL = """
-UPDATE vpn_state s SET fenced = true, updated_at = now() FROM vpn_config c
-WHERE s.vpn = c.name AND c.name = %s AND c.role = 'active' AND c.epoch < %s AND NOT s.fenced
+UPDATE vpn_state s SET fenced = true, updated_at = now(),
+    split_brain = s.split_brain OR (%(taken)s > 0 AND s.ledger_index > %(taken)s)
+FROM vpn_config c
+WHERE s.vpn = c.name AND c.name = %(vpn)s AND c.role = 'active' AND c.epoch < %(epoch)s
+  AND NOT s.fenced
 """
+#: both sites hold the VPN active at the same epoch
+SPLIT_BRAIN_SQL = "UPDATE vpn_state SET split_brain = true WHERE vpn = %s AND NOT split_brain"
 #: record an epoch, the site holding it, and where it took over
 EPOCH_SQL = """
 INSERT INTO vpn_epoch (vpn, epoch, site, taken_over_at) VALUES (%s, %s, %s, %s)
@@ -429,7 +439,8 @@ def fence_vpn(conn: _Conn, vpn: str, epoch: int, site: str, taken_over_at: int =
     """``site`` holds ``vpn`` active at the higher ``epoch``: this site's
     active VPN is fenced (``vpn_state``), then the epoch recorded. True
     when it was not fenced before."""
-    newly = conn.execute(FENCE_SQL, (vpn, epoch)).rowcount == 1
+    params = {"vpn": vpn, "epoch": epoch, "taken": taken_over_at}
+    newly = conn.execute(FENCE_SQL, params).rowcount == 1
     record_epoch(conn, vpn, epoch, site, taken_over_at)
     return newly
 
@@ -438,7 +449,7 @@ async def fence_vpn_async(
     conn: _AsyncConn, vpn: str, epoch: int, site: str, taken_over_at: int = 0
 ) -> bool:
     """:func:`fence_vpn` on an asyncio connection."""
-    cur = await conn.execute(FENCE_SQL, (vpn, epoch))
+    cur = await conn.execute(FENCE_SQL, {"vpn": vpn, "epoch": epoch, "taken": taken_over_at})
     await conn.execute(EPOCH_SQL, (vpn, epoch, site, taken_over_at))
     return cur.rowcount == 1
 

@@ -303,6 +303,29 @@ _VPN_GAUGES = (
 )
 
 
+#: per-VPN gauges computed from a VPN's status document
+_VPN_DERIVED: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
+    (
+        "vpnrepl_uncertain_publishes",
+        "replicated publishes still live whose broker confirm never came (the broker"
+        " connection died): possible phantoms, until consumed or retired by reconcile",
+        lambda v: v.get("uncertain_publishes", 0),
+    ),
+    (
+        "vpnrepl_split_brain",
+        "1 when this site learnt that both sites held the VPN active at once (the same"
+        " epoch, or a higher one elsewhere while this site kept confirming): demote one",
+        lambda v: 1 if v.get("split_brain") else 0,
+    ),
+    (
+        "vpnrepl_topology_changes_streamed",
+        "topology changes a standby holds above the active's last definitions listing (a"
+        " promotion imports them with it; a number that only grows: the listings fail)",
+        lambda v: v.get("definitions", {}).get("streamed_changes", 0),
+    ),
+)
+
+
 def _vpn_families(
     status: dict[str, Any] | None, degradations: Callable[[], Mapping[str, int]] | None
 ) -> Iterator[Metric]:
@@ -368,24 +391,11 @@ def _vpn_families(
         for kind, n in v.get("xa", {}).items():
             branches.add_metric([v["name"], kind], n)
     yield branches
-    uncertain = GaugeMetricFamily(
-        "vpnrepl_uncertain_publishes",
-        "replicated publishes still live whose broker confirm never came (the broker"
-        " connection died): possible phantoms, until consumed or retired by reconcile",
-        labels=["vpn"],
-    )
-    for v in vpns:
-        uncertain.add_metric([v["name"]], v.get("uncertain_publishes", 0))
-    yield uncertain
-    changes = GaugeMetricFamily(
-        "vpnrepl_topology_changes_streamed",
-        "topology changes a standby holds above the active's last definitions listing (a"
-        " promotion imports them with it; a number that only grows: the listings fail)",
-        labels=["vpn"],
-    )
-    for v in vpns:
-        changes.add_metric([v["name"]], v.get("definitions", {}).get("streamed_changes", 0))
-    yield changes
+    for name, doc, value in _VPN_DERIVED:
+        family = GaugeMetricFamily(name, doc, labels=["vpn"])
+        for v in vpns:
+            family.add_metric([v["name"]], value(v))
+        yield family
     yield from _reconcile_families(vpns)
 
 

@@ -31,6 +31,7 @@ def _row(v: dict[str, Any]) -> tuple[str, ...]:
     sync = ("eligible" if v["sync_eligible"] else "INELIGIBLE") if v["mode"] == "sync" else "-"
     lag = f"{v['lag_events']} ev / {v['lag_seconds']:g} s"
     role = v["role"] + (" FENCED" if v["fenced"] else "")
+    role += " SPLIT-BRAIN" if v.get("split_brain") else ""
     return (
         v["name"],
         role,

@@ -138,6 +138,19 @@ GROUP BY u.vpn
 """
 
 
+_SPLIT_BRAIN = "SELECT vpn, split_brain FROM vpn_state"
+
+
+def _has_column(conn: psycopg.Connection[dict[str, Any]], table: str, column: str) -> bool:
+    """Whether ``table`` has ``column`` yet (a site of the previous schema)."""
+    row = conn.execute(
+        "SELECT count(*) AS n FROM information_schema.columns"
+        " WHERE table_schema = current_schema() AND table_name = %s AND column_name = %s",
+        (table, column),
+    ).fetchone()
+    return bool(row and row["n"])
+
+
 # a standby's definitions: the listing's index, and the topology changes
 # streamed above it (bridge._topology_store)
 _DEFINITIONS = """
@@ -233,6 +246,11 @@ def status(
         if _has_table(conn, "topology_change")
         else {}
     )
+    split = (
+        {row["vpn"]: row["split_brain"] for row in conn.execute(_SPLIT_BRAIN)}
+        if _has_column(conn, "vpn_state", "split_brain")
+        else {}
+    )
     epochs: dict[str, list[dict[str, Any]]] = {}
     for row in conn.execute("SELECT vpn, epoch, site, since FROM vpn_epoch ORDER BY vpn, epoch"):
         epochs.setdefault(row["vpn"], []).append(
@@ -253,6 +271,7 @@ def status(
                 "expose_id": r.expose_id,
                 "sync_eligible": r.sync_eligible,
                 "fenced": r.fenced,
+                "split_brain": bool(split.get(r.name, False)),
                 "bridge": r.bridge_state,
                 "ledger_index": r.ledger_index,
                 "applied_index": r.applied_index,

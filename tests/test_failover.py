@@ -556,3 +556,34 @@ def test_a_fenced_active_tells_its_clients_no(sites: Sites) -> None:
         pika.BlockingConnection(pika.URLParameters(amqp_url(sites.a.site)))
     assert "(530)" in str(new.value) and "active on site 'b'" in str(new.value)
     assert 2 not in {n for n, _ in live_numbers(sites.b.site)}
+
+
+def test_a_split_brain_shows_on_the_old_active_once_it_hears_of_the_new_epoch(
+    sites: Sites, tmp_path: Path
+) -> None:
+    """The bridge is cut (B's node down), B is promoted anyway, A goes on
+    confirming its clients: when A hears of B's epoch it is fenced, and
+    since it confirmed past the index B took over at, it shows a split
+    brain (status, metric) until it is demoted. B, which never confirmed
+    in A's place, shows none."""
+    setup_vpn(sites.a.site)
+    done = sites.cli_a("vpn", "enable", VPN, "--role", "active", "--queues", r"orders\..*")
+    assert done.returncode == 0, done.stderr
+    sites.a.start()
+    sites.b.start()
+    until(lambda: vpn_status(sites.b).get("bridge") == "connected", "B to follow A")
+    Publisher(sites.a.site, range(1, 11)).run()
+    caught_up(sites.a, sites.b)
+    sites.b.kill()  # the bridge is cut: A cannot tell B anything any more
+    promoted = sites.cli_b("promote", VPN)  # no node on B: the CLI promotes, unguarded
+    assert promoted.returncode == 0, promoted.stderr
+    assert Publisher(sites.a.site, range(11, 31)).run().error is None  # A still confirms
+    assert not cli_status(sites.a)["split_brain"]  # A does not know yet
+    sites.b.start()
+    until(lambda: cli_status(sites.a)["fenced"], "A to hear of epoch 2")
+    assert cli_status(sites.a)["split_brain"] and not cli_status(sites.b)["split_brain"]
+    assert 'vpnrepl_split_brain{vpn="orders"} 1.0' in sites.a.get("/metrics")
+    assert 'vpnrepl_split_brain{vpn="orders"} 0.0' in sites.b.get("/metrics")
+    demoted = sites.cli_a("demote", VPN, "--export", str(tmp_path / "tail.jsonl"))
+    assert demoted.returncode == 0, demoted.stderr
+    assert not cli_status(sites.a)["split_brain"]  # a standby now, its tail exported

@@ -1,5 +1,5 @@
 """Operator requests say who made them, and the peer may make only the
-switchover steps.
+switchover steps; a split brain is recorded.
 
 ``operator_request.requested_by``: the session user that asked (``vpnrepl
 audit`` lists the rows). ``vpnrepl_request(command, vpn, args)``: the one
@@ -7,7 +7,10 @@ way to ask, a ``SECURITY DEFINER`` function owned by the schema's owner (the
 node's role): the owner may request any command; any other role that was
 granted EXECUTE (the peer site's, README "In a deployment") only the
 switchover steps it runs on this site, so INSERT on the table is granted
-to no one else.
+to no one else. ``vpn_state.split_brain``: this site learnt that both
+sites held the VPN active at once (the same epoch on both, or a higher
+epoch elsewhere while this site kept confirming past its take-over point);
+cleared when the site becomes active or standby anew.
 
 Revision ID: 0013
 Revises: 0012
@@ -23,6 +26,7 @@ branch_labels = None
 depends_on = None
 
 _UPGRADE = """
+ALTER TABLE vpn_state ADD COLUMN split_brain boolean NOT NULL DEFAULT false;
 ALTER TABLE operator_request ADD COLUMN requested_by text NOT NULL DEFAULT session_user;
 CREATE FUNCTION vpnrepl_request(p_command text, p_vpn text, p_args jsonb) RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
@@ -50,5 +54,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute(
         "DROP FUNCTION vpnrepl_request(text, text, jsonb);"
-        " ALTER TABLE operator_request DROP COLUMN requested_by"
+        " ALTER TABLE operator_request DROP COLUMN requested_by;"
+        " ALTER TABLE vpn_state DROP COLUMN split_brain"
     )

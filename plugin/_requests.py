@@ -95,6 +95,23 @@ async def run_command(
         await conn.close()
 
 
+async def _request_row(
+    conn: psycopg.AsyncConnection[dict[str, Any]],
+    command: str,
+    vpn: str,
+    args: Mapping[str, Any],
+) -> int:
+    """A new ``operator_request`` row, through ``vpnrepl_request()`` (which
+    checks the role may ask for ``command`` and records it); its id."""
+    row = await (
+        await conn.execute(
+            "SELECT vpnrepl_request(%s, %s, %s) AS id", (command, vpn, json.dumps(dict(args)))
+        )
+    ).fetchone()
+    assert row is not None  # noqa: S101 - one row
+    return int(row["id"])
+
+
 async def _locally(
     conn: psycopg.AsyncConnection[dict[str, Any]],
     command: str,
@@ -109,14 +126,7 @@ async def _locally(
     request = None
     with contextlib.suppress(psycopg.errors.UndefinedFunction):  # a schema before 0013
         async with conn.transaction():
-            row = await (
-                await conn.execute(
-                    "SELECT vpnrepl_request(%s, %s, %s) AS id",
-                    (command, vpn, json.dumps(dict(args))),
-                )
-            ).fetchone()
-            assert row is not None  # noqa: S101 - one row
-            request = int(row["id"])
+            request = await _request_row(conn, command, vpn, args)
             await conn.execute(
                 "UPDATE operator_request SET state = 'running' WHERE id = %s", (request,)
             )
@@ -152,17 +162,11 @@ async def _through_node(
 ) -> dict[str, Any]:
     await conn.execute(f"LISTEN {ANSWERS}")
     try:
-        row = await (
-            await conn.execute(
-                "SELECT vpnrepl_request(%s, %s, %s) AS id", (command, vpn, json.dumps(dict(args)))
-            )
-        ).fetchone()
+        request = await _request_row(conn, command, vpn, args)
     except psycopg.errors.InsufficientPrivilege as e:
         raise StateError(
             f"{command} {vpn}: refused by the site's database: {e.diag.message_primary}"
         ) from e
-    assert row is not None  # noqa: S101 - one row
-    request = int(row["id"])
     await conn.execute("SELECT pg_notify(%s, %s)", (REQUESTS, str(request)))
     log.info("%s %s: handed to the site's running node (request %d)", command, vpn, request)
     while True:

@@ -49,3 +49,16 @@ def node_b(site_a: LocalSite, site_b: LocalSite, tmp_path: Path) -> Iterator[Nod
     finally:
         node.kill()
     assert "Traceback" not in node.log_text(), node.log_text()
+
+
+class Sites:
+    """Both sites' nodes, each naming the other as its peer."""
+
+    def __init__(self, a: LocalSite, b: LocalSite, tmp: Path) -> None:
+        self.a_cfg = a.write_config(tmp / "a.toml", peer=b)
+        self.b_cfg = b.write_config(tmp / "b.toml", peer=a)
+        self.cli_a, self.cli_b = Vpnrepl(self.a_cfg), Vpnrepl(self.b_cfg)
+        for cli in (self.cli_a, self.cli_b):
+            assert cli("init").returncode == 0
+        self.a = NodeProcess(a, self.a_cfg, tmp / "node-a.log", name="a")
+        self.b = NodeProcess(b, self.b_cfg, tmp / "node-b.log", name="b")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 
 from plugin._localsites import LocalSite, LocalSites
@@ -46,3 +47,18 @@ def site_a(sites: LocalSites) -> LocalSite:
 @pytest.fixture
 def site_b(sites: LocalSites) -> LocalSite:
     return _fresh(sites.b)
+
+
+def role_dsn(site: LocalSite, role: str, *grants: str) -> str:
+    """A login role on ``site``'s store given ``grants`` (SQL after
+    ``GRANT``, ``{role}`` standing for the role), and a DSN that logs in
+    with it. Roles are the cluster's: made once, granted per database."""
+    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
+        db.execute(
+            f"DO $$ BEGIN CREATE ROLE {role} LOGIN;"
+            " EXCEPTION WHEN duplicate_object THEN NULL; END $$"
+        )
+        for grant in ("CONNECT ON DATABASE vpnrepl TO {role}", "USAGE ON SCHEMA public TO {role}",
+                      *grants):  # fmt: skip
+            db.execute(f"GRANT {grant.format(role=role)}")
+    return site.pg.dsn().replace("postgres@", f"{role}@")

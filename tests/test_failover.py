@@ -25,8 +25,7 @@ import pytest
 from bridge import Published
 from bridge._entry import decode_event
 from plugin._localsites import HarnessError, LocalSite
-from tests.fix_cli import Vpnrepl
-from tests.fix_node import NodeProcess
+from tests.fix_node import NodeProcess, Sites
 from tests.two_sites import (
     IN_SCOPE,
     VPN,
@@ -47,19 +46,6 @@ from tests.two_sites import (
     until,
     vpn_status,
 )
-
-
-class Sites:
-    """Both sites' nodes, each naming the other as its peer."""
-
-    def __init__(self, a: LocalSite, b: LocalSite, tmp: Path) -> None:
-        self.a_cfg = a.write_config(tmp / "a.toml", peer=b)
-        self.b_cfg = b.write_config(tmp / "b.toml", peer=a)
-        self.cli_a, self.cli_b = Vpnrepl(self.a_cfg), Vpnrepl(self.b_cfg)
-        for cli in (self.cli_a, self.cli_b):
-            assert cli("init").returncode == 0
-        self.a = NodeProcess(a, self.a_cfg, tmp / "node-a.log", name="a")
-        self.b = NodeProcess(b, self.b_cfg, tmp / "node-b.log", name="b")
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import pytest
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
+from tests.fix_sites import role_dsn
 from tests.prometheus import value
 from tests.two_sites import (
     VPN,
@@ -69,15 +70,7 @@ def _inject(site: LocalSite) -> dict[str, int]:
 
 def _reader_dsn(site: LocalSite) -> str:
     """A role on ``site``'s store with the README's read-only grants."""
-    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
-        db.execute(  # roles are the cluster's: made once, granted per database
-            "DO $$ BEGIN CREATE ROLE vpnrepl_reader LOGIN;"
-            " EXCEPTION WHEN duplicate_object THEN NULL; END $$"
-        )
-        db.execute("GRANT CONNECT ON DATABASE vpnrepl TO vpnrepl_reader")
-        db.execute("GRANT USAGE ON SCHEMA public TO vpnrepl_reader")
-        db.execute("GRANT SELECT ON ALL TABLES IN SCHEMA public TO vpnrepl_reader")
-    return site.pg.dsn().replace("postgres@", "vpnrepl_reader@")
+    return role_dsn(site, "vpnrepl_reader", "SELECT ON ALL TABLES IN SCHEMA public TO {role}")
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from plugin._errors import PluginError, StateError
 from plugin._localsites import LocalSite
 from plugin._requests import SITE_LOCK, Progress, RequestServer, run_command
 from sql import migrate
+from tests.fix_sites import role_dsn
 
 
 @pytest.fixture
@@ -126,16 +127,12 @@ def test_a_node_that_stops_mid_command_is_reported_and_its_request_failed(dsn: s
 
 def _peer_dsn(site: LocalSite) -> str:
     """A role on ``site``'s store with the README's peer grants."""
-    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
-        db.execute(  # roles are the cluster's: made once, granted per database
-            "DO $$ BEGIN CREATE ROLE vpnrepl_peer LOGIN;"
-            " EXCEPTION WHEN duplicate_object THEN NULL; END $$"
-        )
-        db.execute("GRANT CONNECT ON DATABASE vpnrepl TO vpnrepl_peer")
-        db.execute("GRANT USAGE ON SCHEMA public TO vpnrepl_peer")
-        db.execute("GRANT EXECUTE ON FUNCTION vpnrepl_request(text, text, jsonb) TO vpnrepl_peer")
-        db.execute("GRANT SELECT ON operator_request TO vpnrepl_peer")
-    return site.pg.dsn().replace("postgres@", "vpnrepl_peer@")
+    return role_dsn(
+        site,
+        "vpnrepl_peer",
+        "EXECUTE ON FUNCTION vpnrepl_request(text, text, jsonb) TO {role}",
+        "SELECT ON operator_request TO {role}",
+    )
 
 
 def test_the_peers_role_may_request_only_the_switchover_steps(dsn: str, site_a: LocalSite) -> None:

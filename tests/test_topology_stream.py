@@ -13,32 +13,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import pika
-import pytest
 
 from plugin._localsites import LocalSite
-from tests.test_failover import Sites
+from tests.fix_node import Sites
+from tests.test_failover import sites  # noqa: F401 - the fixture
 from tests.two_sites import SCOPE, VPN, amqp_url, scalar, until, vpn_status
 
 FANOUT = "orders.fan"
 CLASSIC_ARGS = {"x-message-ttl": 3_600_000, "x-queue-mode": "lazy"}
-
-
-@pytest.fixture
-def sites(site_a: LocalSite, site_b: LocalSite, tmp_path: Path) -> Iterator[Sites]:
-    s = Sites(site_a, site_b, tmp_path)
-    try:
-        yield s
-    finally:
-        s.a.kill()
-        s.b.kill()
-    for node in (s.a, s.b):
-        assert "Traceback" not in node.log_text(), node.log_text()
 
 
 def queue_on(site: LocalSite, name: str) -> dict[str, Any] | None:
@@ -66,7 +52,7 @@ def numbers_in(site: LocalSite, queue: str) -> list[int]:
 
 
 def test_a_topology_younger_than_the_last_listing_survives_the_loss_of_the_active(
-    sites: Sites,
+    sites: Sites,  # noqa: F811 - the fixture imported above
 ) -> None:
     site_a, site_b = sites.a.site, sites.b.site
     site_a.rabbit.add_vhost(VPN)

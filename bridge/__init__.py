@@ -174,6 +174,7 @@ if TYPE_CHECKING:
         SYNCING as SYNCING,
     )
     from ._configsync import (
+        SYNCED_TAG as SYNCED_TAG,
         ConfigSyncError as ConfigSyncError,
         carry_out_deletions as carry_out_deletions,
         import_vpn_definitions as import_vpn_definitions,
@@ -310,6 +311,7 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
     "._apply": ("ApplyResult", "apply_entries", "apply_entries_async"),
     "._bridgestate": ("CONNECTED", "DISCONNECTED", "SYNCING"),
     "._configsync": (
+        "SYNCED_TAG",
         "ConfigSyncError",
         "carry_out_deletions",
         "import_vpn_definitions",

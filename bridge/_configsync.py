@@ -20,9 +20,14 @@ Invariants, and why they hold:
   a user with no permission on the vhost, and the permissions of the users
   kept on other vhosts, are left out. The standby applies permissions to
   this vhost only, whatever the document says.
-* The standby is a copy: a user's password hash, hashing algorithm, tags and
-  limits, and the (topic) permissions on the vhost, are made the active's;
-  a user the standby has with another hash gets the active's.
+* Config-sync copies no power: a user reaches the standby with its
+  password hash, algorithm, limits and its (topic) permissions on the
+  vhost, and of its tags only those in ``[configsync] copy_tags`` (none by
+  default: ``administrator`` never travels). A user config-sync creates
+  carries the tag :data:`SYNCED_TAG`; only such users are updated later
+  (a new password included). A user the standby has that config-sync did
+  not create is never overwritten (logged once, counted:
+  ``vpnrepl_configsync_users_not_ours``).
 * Except the users this site's node logs in with: the management API user
   (and any ``keep_users``) is never created, changed or given permissions
   by config-sync, so a listing cannot lock the standby's node out of its
@@ -58,6 +63,7 @@ from ._management import ManagementAPI, ManagementUnavailable
 from ._topology_store import stored_topology
 
 __all__ = [
+    "SYNCED_TAG",
     "ConfigSyncError",
     "carry_out_deletions",
     "import_vpn_definitions",
@@ -68,6 +74,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: the tag of a user config-sync created on this site's broker (it grants
+#: nothing in RabbitMQ): only such users are config-sync's to update
+SYNCED_TAG = "vpnrepl-config-sync"
 
 #: the keys of the document that are not the vhost's own definitions
 ACCESS_KEYS = ("users", "permissions", "topic_permissions")
@@ -270,17 +280,29 @@ def _import_access(api: ManagementAPI, vpn: str, access: dict[str, list[dict[str
 
 
 def _import_user(api: ManagementAPI, vpn: str, user: dict[str, Any]) -> None:
-    """Create or update one user; its limits follow when the active sent them."""
+    """Create one user, or update one config-sync created; its limits follow
+    when the active sent them. A user this site made itself is left alone."""
     path = f"users/{quote(user['name'], safe='')}"
     here = _get_or_none(api, path)
+    if here is not None and SYNCED_TAG not in _tags(here.get("tags")):
+        if user["name"] not in api.not_ours:
+            api.not_ours.add(user["name"])
+            log.warning(
+                "config-sync: VPN %s: user %s exists on this site and config-sync did not "
+                "create it: left as it is (its password and tags are this site's)",
+                vpn,
+                user["name"],
+            )
+        return
     want = _pick(user, _USER_FIELDS[1:])  # (an older active may not name the algorithm)
+    tags = sorted({t for t in user["tags"] if t in api.copy_tags} | {SYNCED_TAG})
     same = (
         here is not None
         and {k: here.get(k) for k in want} == want
-        and _tags(here.get("tags")) == user["tags"]
+        and _tags(here.get("tags")) == tags
     )
     if not same:
-        body = {**want, "tags": ",".join(user["tags"])}
+        body = {**want, "tags": ",".join(tags)}
         api.put(path, json.dumps(body).encode())
         done = "created" if here is None else "updated (password, algorithm or tags)"
         log.info("config-sync: VPN %s: user %s %s from the active", vpn, user["name"], done)

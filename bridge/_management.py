@@ -44,7 +44,13 @@ class ManagementAPI:
     in a thread). ``keep_users`` are users config-sync must leave alone, as
     it does the user of ``url`` itself (the node's own login)."""
 
-    def __init__(self, url: str, timeout: float = 10.0, keep_users: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 10.0,
+        keep_users: Iterable[str] = (),
+        copy_tags: Iterable[str] = (),
+    ) -> None:
         parts = urlsplit(url)
         self._base = (
             f"{parts.scheme}://{parts.hostname}:{parts.port or 15672}{parts.path.rstrip('/')}"
@@ -57,6 +63,12 @@ class ManagementAPI:
         self.keep_users = frozenset({self.user, *keep_users})
         #: VPNs for which config-sync logged "users left alone" (once per VPN)
         self.kept_noted: set[str] = set()
+        #: the user tags config-sync copies (``[configsync] copy_tags``):
+        #: every other tag, ``administrator`` first, stays on the active
+        self.copy_tags = frozenset(copy_tags)
+        #: users config-sync left alone because this site made them itself
+        #: (logged once each; their count is a metric)
+        self.not_ours: set[str] = set()
 
     def _call(self, method: str, path: str, body: bytes | None = None) -> bytes:
         req = urllib.request.Request(  # noqa: S310 - admin-configured URL

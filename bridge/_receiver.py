@@ -167,6 +167,7 @@ class BridgeClient:
         relist_interval: float = 30.0,
         max_apply_batch: int = 5000,
         peer_site: str = "",
+        copy_tags: tuple[str, ...] = (),
     ) -> None:
         """``peer_site``: the active's site name, which its certificate and
         its Hello must carry (the named-site rule, :mod:`bridge._identity`)."""
@@ -179,7 +180,11 @@ class BridgeClient:
             raise ValueError("a bridge client needs the active's address")
         #: the address dialled last
         self.peer = self.addresses[0]
-        self._api = ManagementAPI(management_url, keep_users=keep_users) if management_url else None
+        self._api = (
+            ManagementAPI(management_url, keep_users=keep_users, copy_tags=copy_tags)
+            if management_url
+            else None
+        )
         self._tls = tls
         self._ssl = make_client_context(tls) if tls is not None else None
         self.heartbeat_interval = heartbeat_interval
@@ -220,6 +225,11 @@ class BridgeClient:
 
     def bridge_state(self, vpn: str) -> str:
         return self._states.get(vpn, DISCONNECTED)
+
+    @property
+    def users_not_ours(self) -> int:
+        """Users config-sync left alone: this site made them itself."""
+        return len(self._api.not_ours) if self._api is not None else 0
 
     def follows(self, vpn: str) -> bool:
         """The active site serves ``vpn`` to this one right now: a link is

@@ -99,6 +99,8 @@ class SiteConfig:
     reconcile: ReconcileConfig = ReconcileConfig()
     #: ``listen.max_connections``: client connections served at once
     max_client_connections: int = 10_000
+    #: ``[configsync] copy_tags``: the user tags config-sync copies
+    copy_tags: tuple[str, ...] = ()
     #: the peer sites, by name (``[peers.NAME]``); this release replicates
     #: with one
     peers: tuple[PeerConfig, ...] = ()
@@ -179,6 +181,12 @@ def _spark_master(value: str) -> str:
     return value
 
 
+def _tag_list(value: list[Any]) -> tuple[str, ...]:
+    if not all(isinstance(t, str) and t and "," not in t for t in value):
+        raise ValueError('expected a list of RabbitMQ user tags, such as ["monitoring"]')
+    return tuple(value)
+
+
 def _file(value: str) -> str:
     if not value:
         raise ValueError("expected a file path")
@@ -208,6 +216,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
         "store_dsn": (str, None, _url("postgresql", "postgres")),
     },
     "insecure": {"plaintext_bridge": (bool, False, bool)},
+    "configsync": {"copy_tags": (list, [], _tag_list)},
     "replication": {
         "ledger_retain_seconds": (int, 300, _non_negative),
         "ledger_max_bytes": (int, 8 << 30, _non_negative),
@@ -236,6 +245,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
 }
 _OPTIONAL_SECTIONS = {
     "peer", "tls", "client_tls", "replication", "telemetry", "reconcile", "insecure",
+    "configsync",
 }  # fmt: skip
 #: ``[peers.NAME]``: the keys of each peer's table (``bridge``: one address
 #: or a list, checked by :func:`_peer_table`)
@@ -372,6 +382,7 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
             listen_bridge=v["listen"]["bridge"],
             listen_admin=v["listen"]["admin"],
             max_client_connections=v["listen"]["max_connections"],
+            copy_tags=v["configsync"]["copy_tags"] if "configsync" in v else (),
             store_dsn=v["store"]["dsn"],
             peer_bridge=peer.bridge[0] if peer is not None and peer.bridge else None,
             peer_store_dsn=peer.store_dsn if peer is not None else None,

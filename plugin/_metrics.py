@@ -111,6 +111,7 @@ class Metrics:
         self._bound: Mapping[str, int] | None = None
         self._ledger: WriterStats | None = None
         self._degradations: Callable[[], Mapping[str, int]] | None = None
+        self._not_ours: Callable[[], int] | None = None
         #: role ("site", "ca") -> when the bridge's certificate expires
         self._expiry: dict[str, float] = {}
         #: the status document of the scrape under way (None: the store was
@@ -133,6 +134,10 @@ class Metrics:
 
     def observe_ledger(self, stats: WriterStats) -> None:
         self._ledger = stats
+
+    def observe_config_sync(self, not_ours: Callable[[], int]) -> None:
+        """``not_ours()``: users config-sync left alone (this site made them)."""
+        self._not_ours = not_ours
 
     def observe_certificates(self, tls: TlsConfig) -> None:
         """The bridge's certificate and CA, read now (at start, and again
@@ -200,6 +205,13 @@ class _Collector:
             )
         if m._ledger is not None:
             yield _commit_entries(m._ledger)
+        if m._not_ours is not None:
+            yield GaugeMetricFamily(
+                "vpnrepl_configsync_users_not_ours",
+                "users the active lists that exist on this site and that config-sync did not"
+                " create: left as they are (their passwords and tags are this site's)",
+                value=m._not_ours(),
+            )
         if m._expiry:
             expiry = GaugeMetricFamily(
                 "vpnrepl_tls_certificate_expiry_seconds",

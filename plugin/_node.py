@@ -407,6 +407,7 @@ class Node:
                     keep_users=(unquote(urlsplit(cfg.amqp_url).username or "guest"),),
                     tls=cfg.tls,
                     peer_site=peer.name,
+                    copy_tags=cfg.copy_tags,
                 )
         except TlsSetupError as e:
             raise ConfigError(cfg.path, "tls", str(e)) from e
@@ -448,8 +449,7 @@ class Node:
         self.metrics.observe_txn(self.coordinator.stats)
         self.metrics.observe_ledger(self.writer.stats)
         self.metrics.observe_sync(self.replicator.degradations)
-        if cfg.tls is not None:
-            self.metrics.observe_certificates(cfg.tls)
+        self._observe_security(cfg)
         await self.listener.start(cfg.listen_amqp.host, cfg.listen_amqp.port)
         if cfg.listen_amqps is not None and cfg.client_tls is not None:
             try:
@@ -597,6 +597,15 @@ class Node:
                 self.cfg.peer_bridge,
                 PEER_EPOCH_WAIT,
             )
+
+    def _observe_security(self, cfg: SiteConfig) -> None:
+        """The metrics of what guards the site: its certificates' dates,
+        and the users config-sync left alone."""
+        if cfg.tls is not None:
+            self.metrics.observe_certificates(cfg.tls)
+        client = self.bridge_client
+        if client is not None:
+            self.metrics.observe_config_sync(lambda: client.users_not_ours)
 
     def reload_tls(self) -> None:
         """SIGHUP: the bridge's certificate, key and CA files are read again

@@ -102,7 +102,8 @@ def _fail(cfg: SiteConfig, vpn: str, error: str) -> None:
 
 def _reimport(cfg: SiteConfig, vpn: str) -> bool:
     node_user = unquote(urlsplit(cfg.amqp_url).username or "guest")
-    return reimport(ManagementAPI(cfg.management_url, keep_users=(node_user,)), vpn, cfg.store_dsn)
+    api = ManagementAPI(cfg.management_url, keep_users=(node_user,), copy_tags=cfg.copy_tags)
+    return reimport(api, vpn, cfg.store_dsn)
 
 
 async def promote(

@@ -17,6 +17,7 @@ from urllib.parse import unquote
 import pytest
 
 from bridge import (
+    SYNCED_TAG,
     ConfigSyncError,
     ManagementAPI,
     ManagementUnavailable,
@@ -49,8 +50,14 @@ class FakeBroker(ManagementAPI):
     """A management API in memory: users, vhosts, (topic) permissions and the
     definitions imported per vhost; records every write."""
 
-    def __init__(self, *, keep_users: tuple[str, ...] = ()) -> None:
-        super().__init__("http://guest:secret@broker.example:15672/", keep_users=keep_users)
+    def __init__(
+        self, *, keep_users: tuple[str, ...] = (), copy_tags: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(
+            "http://guest:secret@broker.example:15672/",
+            keep_users=keep_users,
+            copy_tags=copy_tags,
+        )
         self.users: dict[str, dict[str, Any]] = {}
         self.vhosts: set[str] = {"/"}
         self.permissions: list[dict[str, str]] = []
@@ -236,7 +243,7 @@ def test_import_creates_the_vhost_users_with_their_hashes_and_permissions(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    b = FakeBroker()
+    b = FakeBroker(copy_tags=("monitoring",))
     b.users["guest"] = user("guest", "c3RhbmRieS1ndWVzdA==", ["administrator"])
     definitions = vpn_definitions(active_broker(), VPN)
 
@@ -248,7 +255,7 @@ def test_import_creates_the_vhost_users_with_their_hashes_and_permissions(
         "name": "alice",
         "password_hash": HASH_A,
         "hashing_algorithm": SHA256,
-        "tags": ["monitoring"],
+        "tags": ["monitoring", SYNCED_TAG],  # the tags copy_tags lets through, and ours
         "limits": {"max-connections": 5},
     }
     assert "bob" not in b.users
@@ -265,19 +272,21 @@ def test_import_creates_the_vhost_users_with_their_hashes_and_permissions(
         assert HASH_A not in text and HASH_G not in text and "secret" not in text
 
 
-def test_the_active_wins_and_a_relist_of_the_same_state_writes_nothing(
+def test_a_user_config_sync_made_follows_the_active_and_a_relist_writes_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO)
     a = active_broker()
     b = FakeBroker()
     b.vhosts.add(VPN)
-    b.users["alice"] = user("alice", HASH_OLD, ["administrator"], limits={"max-channels": 3})
+    b.users["alice"] = user(
+        "alice", HASH_OLD, ["monitoring", SYNCED_TAG], limits={"max-channels": 3}
+    )
     b.permissions = [perm("alice")]
 
     assert import_vpn_definitions(b, VPN, vpn_definitions(a, VPN)) is False
     assert b.users["alice"]["password_hash"] == HASH_A
-    assert b.users["alice"]["tags"] == ["monitoring"]
+    assert b.users["alice"]["tags"] == [SYNCED_TAG]  # no copy_tags: no tag of the active's
     assert b.users["alice"]["limits"] == {"max-connections": 5}
     assert [p for p in b.permissions if p["user"] == "alice"] == [perm("alice", configure="")]
 
@@ -292,6 +301,31 @@ def test_the_active_wins_and_a_relist_of_the_same_state_writes_nothing(
     import_vpn_definitions(b, VPN, vpn_definitions(a, VPN))
     assert b.users["alice"]["password_hash"] == "bmV3LWhhc2g="
     assert all("bmV3LWhhc2g=" not in r.getMessage() for r in caplog.records)
+
+
+def test_config_sync_copies_no_power_and_overwrites_no_user_of_this_site(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An administrator on the active arrives without its tag; a user the
+    standby made itself keeps its password and tags (logged once)."""
+    caplog.set_level(logging.INFO)
+    a = active_broker()
+    a.users["alice"]["tags"] = ["administrator", "monitoring"]
+    b = FakeBroker(copy_tags=("monitoring",))
+    b.vhosts.add(VPN)
+    assert import_vpn_definitions(b, VPN, vpn_definitions(a, VPN)) is False
+    assert b.users["alice"]["tags"] == ["monitoring", SYNCED_TAG]
+
+    c = FakeBroker()
+    c.vhosts.add(VPN)
+    c.users["alice"] = user("alice", HASH_OLD, ["policymaker"])
+    for _ in range(2):
+        import_vpn_definitions(c, VPN, vpn_definitions(a, VPN))
+    assert c.users["alice"]["password_hash"] == HASH_OLD
+    assert c.users["alice"]["tags"] == ["policymaker"]
+    assert c.not_ours == {"alice"}
+    left = [r for r in caplog.records if "config-sync did not create it" in r.getMessage()]
+    assert len(left) == 1
 
 
 def test_keep_users_are_never_touched() -> None:

@@ -162,7 +162,8 @@ def test_a_client_user_logs_in_to_the_standby_broker_now_and_after_a_reimport(
 
     assert access(site_b, "permissions") == access(site_a, "permissions")
     assert access(site_b, "topic-permissions") == access(site_a, "topic-permissions") != []
-    assert b.api("GET", "users/dave")["tags"] == ["monitoring"]
+    # no [configsync] copy_tags: dave's tag stays on the active; ours marks him
+    assert b.api("GET", "users/dave")["tags"] == ["vpnrepl-config-sync"]
     with pytest.raises(HarnessError, match="HTTP 404"):
         b.api("GET", "users/carol")
     assert b.api("GET", "users/guest")["password_hash"] == b_guest  # B's own user is B's

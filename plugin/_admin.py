@@ -7,17 +7,28 @@
 * ``/status/history``: per VPN, the lag samples of the last minutes;
 * ``/metrics``: Prometheus exposition;
 * ``/vpns/VPN/active``: 200 where the VPN is active and admits clients, 503
-  elsewhere (for a load balancer's or a DNS health check).
+  elsewhere (for a load balancer's or a DNS health check);
+* ``POST /vpns/VPN/promote`` (JSON body ``{"force": true}`` optional) and
+  ``POST /vpns/VPN/demote``: start the operator request the CLI would (a
+  demote's tail is exported by the node first), 202 with its id;
+  ``/requests/ID``: its progress and result.
 
-Every resource is read-only and GET (HEAD) only. The endpoint binds to
-loopback by default (``127.0.0.1:9480``): it has no authentication, and the
-README says how to put it behind a proxy that adds it.
+``/health`` and ``/vpns/VPN/active`` are open (load balancers ask them);
+with ``[admin]`` credentials every other path needs HTTP basic auth or a
+bearer token (both accepted: a browser and a Prometheus scrape both work),
+and a node whose ``listen.admin`` is off loopback must have them (the
+config refuses it otherwise).
 """
 
 from __future__ import annotations
 
+import base64
+import hmac
+import json
 import logging
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -26,11 +37,50 @@ from aiohttp import web
 from ._lag_history import LagHistory
 from ._metrics import CONTENT_TYPE
 
-__all__ = ["AdminServer"]
+__all__ = ["AdminCredentials", "AdminServer"]
 
 log = logging.getLogger(__name__)
 
-_HINT = "try /, /health, /status, /status/history, /metrics or /vpns/VPN/active\n"
+_HINT = (
+    "try /, /health, /status, /status/history, /metrics, /vpns/VPN/active, "
+    "POST /vpns/VPN/promote or /demote, /requests/ID\n"
+)
+#: who an authenticated request came from (the user, or "token")
+_WHO: web.RequestKey[str] = web.RequestKey("vpnrepl_who", str)
+#: paths a load balancer asks, open whatever the credentials
+_OPEN = re.compile(r"^/(health|vpns/.+/active)$")
+
+
+@dataclass(frozen=True, slots=True)
+class AdminCredentials:
+    """``[admin]``: a user and password (HTTP basic), a bearer token, or
+    both; either is accepted."""
+
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+
+    def admits(self, authorization: str) -> str | None:
+        """Who the ``Authorization`` header proves to be (None: nobody)."""
+        scheme, _, value = authorization.partition(" ")
+        if scheme.lower() == "bearer" and self.token is not None:
+            if hmac.compare_digest(value.strip().encode(), self.token.encode()):
+                return "token"
+        if scheme.lower() == "basic" and self.user is not None and self.password is not None:
+            try:
+                user, _, password = base64.b64decode(value.strip()).decode().partition(":")
+            except (ValueError, UnicodeDecodeError):
+                return None
+            expected = f"{self.user}:{self.password}".encode()
+            if hmac.compare_digest(f"{user}:{password}".encode(), expected):
+                return user
+        return None
+
+
+#: ``(command, vpn, args) -> request id``: an operator request started
+Starter = Callable[[str, str, Mapping[str, Any]], Awaitable[int]]
+#: ``(id) -> the request's row`` (None: no such request)
+Reader = Callable[[int], Awaitable[dict[str, Any] | None]]
 
 
 class AdminServer:
@@ -42,21 +92,31 @@ class AdminServer:
         metrics: Callable[[], Awaitable[bytes]],
         serves: Callable[[str], bool],
         history: LagHistory,
+        credentials: AdminCredentials | None = None,
+        start_request: Starter | None = None,
+        read_request: Reader | None = None,
     ) -> None:
         """``status()``: the status document; ``metrics()``: the exposition
-        body; ``serves(vpn)``: the VPN is active here and admits clients."""
+        body; ``serves(vpn)``: the VPN is active here and admits clients;
+        ``start_request`` / ``read_request``: operator requests (none: the
+        POST paths answer 503)."""
         self._status = status
         self._metrics = metrics
         self._serves = serves
         self._history = history
+        self._credentials = credentials
+        self._start_request = start_request
+        self._read_request = read_request
         self._page = resources.files(__package__).joinpath("_static/status.html").read_bytes()
-        app = web.Application(middlewares=[_plain_errors])
+        app = web.Application(middlewares=[_plain_errors, self._authenticated])
         app.router.add_get("/", self._index)
         app.router.add_get("/health", self._health)
         app.router.add_get("/status", self._status_json)
         app.router.add_get("/status/history", self._history_json)
         app.router.add_get("/metrics", self._metrics_text)
         app.router.add_get("/vpns/{vpn:.+}/active", self._active)
+        app.router.add_post("/vpns/{vpn:.+}/{command:promote|demote}", self._act)
+        app.router.add_get("/requests/{id:[0-9]+}", self._request)
         self._runner = web.AppRunner(
             app, access_log=None, handle_signals=False, shutdown_timeout=1.0
         )
@@ -109,6 +169,57 @@ class AdminServer:
         response.headers["Content-Type"] = CONTENT_TYPE
         return response
 
+    @web.middleware
+    async def _authenticated(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """With credentials, every path but the load balancers' needs them."""
+        if self._credentials is None or _OPEN.match(request.path):
+            return await handler(request)
+        who = self._credentials.admits(request.headers.get("Authorization", ""))
+        if who is None:
+            return web.Response(
+                status=401,
+                text="authentication required (HTTP basic, or a bearer token)\n",
+                headers={"WWW-Authenticate": 'Basic realm="vpnrepl"'},
+            )
+        request[_WHO] = who
+        return await handler(request)
+
+    async def _act(self, request: web.Request) -> web.Response:
+        """POST promote or demote: the operator request, started."""
+        if self._start_request is None:
+            return web.Response(status=503, text="this node takes no requests yet\n")
+        vpn, command = request.match_info["vpn"], request.match_info["command"]
+        body: Any = {}
+        if request.can_read_body:
+            try:
+                body = json.loads(await request.read() or b"{}")
+            except ValueError:
+                return web.Response(status=400, text="the body is not JSON\n")
+        if not isinstance(body, dict) or set(body) - {"force"}:
+            return web.Response(status=400, text='the body is {} or {"force": true}\n')
+        args: dict[str, Any] = {"via": "http", "user": request.get(_WHO, "")}
+        if command == "promote" and body.get("force") is True:
+            args["force"] = True
+        if command == "demote":
+            args["export"] = True  # the node writes the tail before anything is purged
+        log.info("admin HTTP: %s %s requested by %r", command, vpn, args["user"] or "anyone")
+        request_id = await self._start_request(command, vpn, args)
+        return web.json_response(
+            {"request": request_id, "href": f"/requests/{request_id}"}, status=202
+        )
+
+    async def _request(self, request: web.Request) -> web.Response:
+        if self._read_request is None:
+            return web.Response(status=503, text="this node takes no requests yet\n")
+        found = await self._read_request(int(request.match_info["id"]))
+        if found is None:
+            return web.Response(status=404, text="no such request\n")
+        return web.json_response(found)
+
     async def _active(self, request: web.Request) -> web.Response:
         vpn = request.match_info["vpn"]
         if self._serves(vpn):
@@ -125,5 +236,8 @@ async def _plain_errors(
         return await handler(request)
     except web.HTTPNotFound:
         return web.Response(status=404, text=_HINT)
-    except web.HTTPMethodNotAllowed:
-        return web.Response(status=405, text="only GET is served\n", headers={"Allow": "GET, HEAD"})
+    except web.HTTPMethodNotAllowed as e:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        return web.Response(
+            status=405, text=f"{request.method} is not served here\n", headers={"Allow": allowed}
+        )

@@ -101,6 +101,11 @@ class SiteConfig:
     max_client_connections: int = 10_000
     #: ``[configsync] copy_tags``: the user tags config-sync copies
     copy_tags: tuple[str, ...] = ()
+    #: ``[admin] user`` / ``password`` / ``token``: the admin endpoint's
+    #: credentials (None: none, allowed on loopback only)
+    admin_user: str | None = None
+    admin_password: str | None = None
+    admin_token: str | None = None
     #: the peer sites, by name (``[peers.NAME]``); this release replicates
     #: with one
     peers: tuple[PeerConfig, ...] = ()
@@ -181,6 +186,18 @@ def _spark_master(value: str) -> str:
     return value
 
 
+def _nonempty(value: str) -> str:
+    if not value:
+        raise ValueError("expected a non-empty string")
+    return value
+
+
+def _token(value: str) -> str:
+    if len(value) < 16:
+        raise ValueError("expected a token of 16 characters or more")
+    return value
+
+
 def _tag_list(value: list[Any]) -> tuple[str, ...]:
     if not all(isinstance(t, str) and t and "," not in t for t in value):
         raise ValueError('expected a list of RabbitMQ user tags, such as ["monitoring"]')
@@ -217,6 +234,11 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
     },
     "insecure": {"plaintext_bridge": (bool, False, bool)},
     "configsync": {"copy_tags": (list, [], _tag_list)},
+    "admin": {
+        "user": (str, None, _nonempty),
+        "password": (str, None, _nonempty),
+        "token": (str, None, _token),
+    },
     "replication": {
         "ledger_retain_seconds": (int, 300, _non_negative),
         "ledger_max_bytes": (int, 8 << 30, _non_negative),
@@ -245,7 +267,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
 }
 _OPTIONAL_SECTIONS = {
     "peer", "tls", "client_tls", "replication", "telemetry", "reconcile", "insecure",
-    "configsync",
+    "configsync", "admin",
 }  # fmt: skip
 #: ``[peers.NAME]``: the keys of each peer's table (``bridge``: one address
 #: or a list, checked by :func:`_peer_table`)
@@ -383,6 +405,7 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
             listen_admin=v["listen"]["admin"],
             max_client_connections=v["listen"]["max_connections"],
             copy_tags=v["configsync"]["copy_tags"] if "configsync" in v else (),
+            **_admin(path, v),
             store_dsn=v["store"]["dsn"],
             peer_bridge=peer.bridge[0] if peer is not None and peer.bridge else None,
             peer_store_dsn=peer.store_dsn if peer is not None else None,
@@ -437,6 +460,23 @@ def _all_peers(
     if any(p.name == v["site"]["name"] for p in peers):
         raise ConfigError(path, "peers", "names this site itself")
     return peers
+
+
+def _admin(path: str, v: Mapping[str, Mapping[str, Any]]) -> dict[str, str | None]:
+    """``[admin]``'s credentials; off loopback the endpoint must have some."""
+    a = v.get("admin", {"user": None, "password": None, "token": None})
+    if (a["user"] is None) != (a["password"] is None):
+        raise ConfigError(path, "admin", "user and password go together")
+    host = v["listen"]["admin"].host
+    loopback = host in ("localhost", "::1") or host.startswith("127.")
+    if not loopback and a["user"] is None and a["token"] is None:
+        raise ConfigError(
+            path,
+            "listen.admin",
+            f"{host} is not loopback, and the endpoint can promote and demote: set [admin] "
+            "user and password (HTTP basic) or token (a bearer token), or listen on 127.0.0.1",
+        )
+    return {"admin_user": a["user"], "admin_password": a["password"], "admin_token": a["token"]}
 
 
 def _checked(cfg: SiteConfig) -> SiteConfig:

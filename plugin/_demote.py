@@ -56,16 +56,19 @@ __all__ = ["DemotionSummary", "demote", "export_tail"]
 log = logging.getLogger(__name__)
 
 
-def export_tail(cfg: SiteConfig, vpn: str, path: Path | None = None) -> tuple[Tail, Path]:
+def export_tail(
+    cfg: SiteConfig, vpn: str, path: Path | None = None, directory: Path | None = None
+) -> tuple[Tail, Path]:
     """Write ``vpn``'s unreplicated tail to ``path`` (default: a file named
-    after the site, VPN and epoch in the current directory)."""
+    after the site, VPN and epoch in ``directory``, or the current one)."""
     try:
         with connect(cfg.store_dsn) as conn:
             tail = read_tail(conn, vpn)
     except BridgeError as e:
         raise StateError(str(e)) from e
     if path is None:
-        path = Path(f"vpnrepl-tail-{cfg.site_name}-{quote(vpn, safe='')}-epoch{tail.epoch}.jsonl")
+        name = f"vpnrepl-tail-{cfg.site_name}-{quote(vpn, safe='')}-epoch{tail.epoch}.jsonl"
+        path = (directory or Path()) / name
     write_tail_file(path, vpn, tail.messages)
     return tail, path
 

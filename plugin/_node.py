@@ -23,6 +23,7 @@ import random
 import signal
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -60,7 +61,7 @@ from bridge import (
 )
 from txn import Coordinator, MarkerError, MarkerStore, Participant, TxnLog, XaCoordinator
 
-from ._admin import AdminServer
+from ._admin import AdminCredentials, AdminServer
 from ._config import SiteConfig
 from ._demote import DemotionSummary, demote, export_tail
 from ._directory import VpnDirectory, VpnView
@@ -70,7 +71,7 @@ from ._listener import BrokerAddress, Listener, site_broker_ssl
 from ._metrics import Metrics
 from ._promote import promote
 from ._refresher import DirectoryRefresher
-from ._requests import Progress, RequestServer
+from ._requests import Progress, RequestServer, read_request, start_request
 from ._store import add_broker_depths, connect, status
 from ._tracing import Tracing
 from ._uncertain import UncertainLog, retire
@@ -458,7 +459,20 @@ class Node:
                 )
             except TlsSetupError as e:
                 raise ConfigError(cfg.path, "client_tls", str(e)) from e
-        self.admin = AdminServer(self.status, self.metrics_text, self._serves, self.lag_history)
+        credentials = (
+            AdminCredentials(cfg.admin_user, cfg.admin_password, cfg.admin_token)
+            if cfg.admin_user is not None or cfg.admin_token is not None
+            else None
+        )
+        self.admin = AdminServer(
+            self.status,
+            self.metrics_text,
+            self._serves,
+            self.lag_history,
+            credentials,
+            lambda command, vpn, args: start_request(cfg.store_dsn, command, vpn, args),
+            lambda request: read_request(cfg.store_dsn, request),
+        )
         await self.admin.start(cfg.listen_admin.host, cfg.listen_admin.port)
         await self.bridge_server.start(cfg.listen_bridge.host, cfg.listen_bridge.port)
         self._bridge_up = True
@@ -490,8 +504,14 @@ class Node:
     async def _demote(
         self, vpn: str, args: Mapping[str, Any], progress: Progress
     ) -> dict[str, Any]:
-        """The ``demote`` operator request, on the running node (the CLI has
-        exported the tail)."""
+        """The ``demote`` operator request, on the running node: the CLI has
+        exported the tail; from the admin endpoint (``export``) the node
+        writes it first, next to the config file, before anything is purged."""
+        exported = None
+        if args.get("export"):
+            tail_dir = Path(self.cfg.path).parent
+            _, path = await asyncio.to_thread(export_tail, self.cfg, vpn, None, tail_dir)
+            exported = str(path)
         summary = await demote(self.cfg, vpn)
         self.replicator.fenced.discard(vpn)
         self.refusals.pop(vpn, None)
@@ -500,7 +520,10 @@ class Node:
             await self.refresher.refresh()  # a standby now: clients refused as for any standby
         if self.bridge_client is not None:
             self.bridge_client.relist_now()  # and the new active's checkpoint asked for
-        return summary.as_dict()
+        result = summary.as_dict()
+        if exported is not None:
+            result["tail"] = exported
+        return result
 
     def _refuse(self, vpn: str, text: str | None) -> None:
         if text is None:

@@ -37,7 +37,16 @@ from psycopg.rows import dict_row
 
 from ._errors import PluginError, StateError, StoreUnavailable
 
-__all__ = ["ANSWERS", "REQUESTS", "SITE_LOCK", "RequestServer", "Progress", "run_command"]
+__all__ = [
+    "ANSWERS",
+    "REQUESTS",
+    "SITE_LOCK",
+    "Progress",
+    "RequestServer",
+    "read_request",
+    "run_command",
+    "start_request",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +119,40 @@ async def _request_row(
     ).fetchone()
     assert row is not None  # noqa: S101 - one row
     return int(row["id"])
+
+
+async def start_request(dsn: str, command: str, vpn: str, args: Mapping[str, Any]) -> int:
+    """Hand ``command`` to the site's running node and return at once (the
+    admin endpoint's POST): the request's id, for :func:`read_request`."""
+    conn = await _connect(dsn)
+    try:
+        request = await _request_row(conn, command, vpn, args)
+        await conn.execute("SELECT pg_notify(%s, %s)", (REQUESTS, str(request)))
+    finally:
+        await conn.close()
+    return request
+
+
+async def read_request(dsn: str, request: int) -> dict[str, Any] | None:
+    """A request's state, progress, result or error, and who asked."""
+    conn = await _connect(dsn)
+    try:
+        row = await (
+            await conn.execute(
+                "SELECT id, command, vpn, state, progress, result, error, requested_by,"
+                " created_at, finished_at FROM operator_request WHERE id = %s",
+                (request,),
+            )
+        ).fetchone()
+    finally:
+        await conn.close()
+    if row is None:
+        return None
+    return {
+        **row,
+        "created_at": row["created_at"].isoformat(),
+        "finished_at": row["finished_at"].isoformat() if row["finished_at"] else None,
+    }
 
 
 async def _locally(

@@ -4,6 +4,7 @@ history behind the status page's chart."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import urllib.error
 import urllib.request
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from plugin._admin import AdminServer
+from plugin._admin import AdminCredentials, AdminServer
 from plugin._lag_history import LagHistory
 
 
@@ -96,7 +97,7 @@ def test_every_resource_answers_and_errors_say_what_there_is(broken: bool) -> No
     assert active[:1] == (200,) and "orders: active here" in active[2]
     assert other[0] == 503 and "a/b: not active here" in other[2]
     assert missing[0] == 404 and "/status/history" in missing[2]
-    assert post[0] == 405 and "only GET" in post[2]
+    assert post[0] == 405 and "POST is not served here" in post[2]
 
 
 def test_a_taken_port_is_a_clear_error() -> None:
@@ -119,3 +120,82 @@ def test_a_taken_port_is_a_clear_error() -> None:
         return "started twice"
 
     assert "cannot listen for admin HTTP on 127.0.0.1:" in asyncio.run(run())
+
+
+def _call(
+    port: int, path: str, method: str = "GET", auth: str | None = None, body: bytes | None = None
+) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method)
+    if auth is not None:
+        req.add_header("Authorization", auth)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:  # noqa: S310 - loopback
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_with_credentials_only_the_load_balancers_paths_are_open_and_actions_start_requests() -> (
+    None
+):
+    started: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def start(command: str, vpn: str, args: Any) -> int:
+        started.append((command, vpn, dict(args)))
+        return 41 + len(started)
+
+    async def read(request: int) -> dict[str, Any] | None:
+        return {"id": request, "state": "done"} if request == 42 else None
+
+    async def status() -> dict[str, Any]:
+        return _doc(0, 1)
+
+    async def metrics() -> bytes:
+        return b""
+
+    creds = AdminCredentials("ops", "s3cret-pw", "t" * 24)
+    basic = "Basic " + base64.b64encode(b"ops:s3cret-pw").decode()
+    wrong = "Basic " + base64.b64encode(b"ops:guess").decode()
+    bearer = "Bearer " + "t" * 24
+
+    async def run() -> dict[str, tuple[int, str]]:
+        server = AdminServer(
+            status, metrics, lambda vpn: vpn == "orders", LagHistory(), creds, start, read
+        )
+        await server.start("127.0.0.1", 0)
+        port = server.port
+        calls = {
+            "health": ("/health", "GET", None, None),
+            "active": ("/vpns/orders/active", "GET", None, None),
+            "status anonymous": ("/status", "GET", None, None),
+            "status wrong": ("/status", "GET", wrong, None),
+            "status basic": ("/status", "GET", basic, None),
+            "metrics bearer": ("/metrics", "GET", bearer, None),
+            "promote anonymous": ("/vpns/orders/promote", "POST", None, None),
+            "promote": ("/vpns/orders/promote", "POST", basic, b'{"force": true}'),
+            "demote": ("/vpns/orders/demote", "POST", bearer, None),
+            "bad body": ("/vpns/orders/promote", "POST", basic, b'{"now": 1}'),
+            "request": ("/requests/42", "GET", basic, None),
+            "no request": ("/requests/7", "GET", basic, None),
+        }
+        try:
+            return {
+                name: await asyncio.to_thread(_call, port, path, method, auth, body)
+                for name, (path, method, auth, body) in calls.items()
+            }
+        finally:
+            await server.close()
+
+    got = asyncio.run(run())
+    assert got["health"][0] == 200 and got["active"][0] == 200
+    assert got["status anonymous"][0] == got["status wrong"][0] == 401
+    assert got["status basic"][0] == 200 and got["metrics bearer"][0] == 200
+    assert got["promote anonymous"][0] == 401
+    assert got["promote"] == (202, '{"request": 42, "href": "/requests/42"}')
+    assert got["demote"][0] == 202 and got["bad body"][0] == 400
+    assert json.loads(got["request"][1]) == {"id": 42, "state": "done"}
+    assert got["no request"][0] == 404
+    assert started == [
+        ("promote", "orders", {"via": "http", "user": "ops", "force": True}),
+        ("demote", "orders", {"via": "http", "user": "token", "export": True}),
+    ]

@@ -123,6 +123,15 @@ def test_a_plaintext_bridge_is_an_explicit_opt_out(tmp_path: Path) -> None:
         (lambda t: t + "[peers.fra]\nbridge = 5\n", "peers.fra.bridge", "an address or a list"),
         (lambda t: t + "[peers.fra]\nbridge = 'x'\n", "peers.fra.bridge", "HOST:PORT"),
         (lambda t: t + '[peers."f r"]\n', "peers.f r", "peer site name"),
+        (
+            lambda t: t.replace(
+                'bridge = "0.0.0.0:5680"', 'bridge = "0.0.0.0:5680"\nadmin = "0.0.0.0:9480"'
+            ),
+            "listen.admin",
+            "is not loopback, and the endpoint can promote and demote",
+        ),
+        (lambda t: t + '[admin]\nuser = "ops"\n', "admin", "user and password go together"),
+        (lambda t: t + '[admin]\ntoken = "short"\n', "admin.token", "16 characters or more"),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path: Path, edit, key: str, problem: str) -> None:
@@ -160,6 +169,14 @@ def test_tls_paths_resolve_relative_to_the_config(tmp_path: Path) -> None:
     assert cfg.tls is not None
     assert cfg.tls.cert == tmp_path / "c.pem"
     assert cfg.tls.ca == tmp_path / "ca.pem"
+
+
+def test_an_admin_endpoint_off_loopback_takes_credentials(tmp_path: Path) -> None:
+    off = GOOD.replace('bridge = "0.0.0.0:5680"', 'bridge = "0.0.0.0:5680"\nadmin = "0.0.0.0:9480"')
+    cfg = load_config(write(tmp_path, off + '[admin]\ntoken = "0123456789abcdef0123"\n'))
+    assert cfg.admin_token == "0123456789abcdef0123" and cfg.admin_user is None
+    cfg = load_config(write(tmp_path, GOOD))  # loopback: none needed
+    assert (cfg.admin_user, cfg.admin_password, cfg.admin_token) == (None, None, None)
 
 
 def test_two_peer_sites_are_refused_in_this_release(tmp_path: Path) -> None:

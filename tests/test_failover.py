@@ -8,6 +8,7 @@ in the CLI or in the node) is run again and loses and duplicates nothing."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -15,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pika
@@ -573,3 +575,49 @@ def test_a_split_brain_shows_on_the_old_active_once_it_hears_of_the_new_epoch(
     demoted = sites.cli_a("demote", VPN, "--export", str(tmp_path / "tail.jsonl"))
     assert demoted.returncode == 0, demoted.stderr
     assert not cli_status(sites.a)["split_brain"]  # a standby now, its tail exported
+
+
+def test_the_admin_endpoint_promotes_only_with_its_credentials(sites: Sites) -> None:
+    """``POST /vpns/VPN/promote`` starts the promotion the CLI would: 401
+    without credentials, 202 with them, and ``/requests/ID`` follows it to
+    the end; the audit trail says it came over HTTP."""
+    token = "promote-token-0123456789"
+    with open(sites.b_cfg, "a") as f:
+        f.write(f'\n[admin]\ntoken = "{token}"\n')
+    setup_vpn(sites.a.site)
+    done = sites.cli_a("vpn", "enable", VPN, "--role", "active", "--queues", r"orders\..*")
+    assert done.returncode == 0, done.stderr
+    sites.a.start()
+    sites.b.start()
+    until(lambda: cli_status(sites.b)["bridge"] == "connected", "B to follow A")
+    sites.a.kill()  # the disaster
+
+    def post(auth: str | None) -> tuple[int, str]:
+        url = f"http://127.0.0.1:{sites.b.site.admin_port}/vpns/{VPN}/promote"
+        req = urllib.request.Request(url, data=b"{}", method="POST")  # noqa: S310 - loopback
+        if auth is not None:
+            req.add_header("Authorization", auth)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310 - loopback
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    assert post(None)[0] == 401
+    assert post("Bearer wrong-token-0123456789")[0] == 401
+    code, body = post(f"Bearer {token}")
+    assert code == 202, body
+    href = json.loads(body)["href"]
+
+    def finished() -> dict[str, Any] | None:
+        req = urllib.request.Request(f"http://127.0.0.1:{sites.b.site.admin_port}{href}")
+        req.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310 - loopback
+            row: dict[str, Any] = json.loads(r.read())
+        return row if row["state"] in ("done", "failed") else None
+
+    row = until(finished, "the promotion requested over HTTP")
+    assert row["state"] == "done", row
+    assert cli_status(sites.b)["role"] == "active"
+    audit = json.loads(sites.cli_b("audit", "--json").stdout)
+    assert audit[0]["command"] == "promote" and audit[0]["state"] == "done"

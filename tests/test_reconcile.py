@@ -69,8 +69,15 @@ def _inject(site: LocalSite) -> dict[str, int]:
 
 
 def _reader_dsn(site: LocalSite) -> str:
-    """A role on ``site``'s store with the README's read-only grants."""
-    return role_dsn(site, "vpnrepl_reader", "SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+    """A role on ``site``'s store with the README's grants for reconcile
+    (nothing else: not the password hashes in ``vpn_config.definitions``)."""
+    return role_dsn(
+        site,
+        "vpnrepl_reader",
+        "SELECT ON live_message, vpn_state TO {role}",
+        "SELECT (name, enabled, role, epoch, queue_patterns, topic_filters) ON vpn_config"
+        " TO {role}",
+    )
 
 
 @pytest.fixture

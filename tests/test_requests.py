@@ -130,6 +130,9 @@ def _peer_dsn(site: LocalSite) -> str:
     return role_dsn(
         site,
         "vpnrepl_peer",
+        "SELECT ON live_message, vpn_state TO {role}",
+        "SELECT (name, enabled, role, epoch, queue_patterns, topic_filters) ON vpn_config"
+        " TO {role}",
         "EXECUTE ON FUNCTION vpnrepl_request(text, text, jsonb) TO {role}",
         "SELECT ON operator_request TO {role}",
     )

@@ -317,6 +317,9 @@ class Tail:
     #: consumptions (and purges, dead-letterings) after that index: their
     #: messages are still live on the new active
     other_events: int
+    #: topology changes made through this site's listener after that index
+    #: (declares, binds, deletes): the new active does not have them
+    topology_changes: int = 0
 
 
 _TAIL = """
@@ -368,11 +371,13 @@ def read_tail(conn: psycopg.Connection[Any], vpn: str) -> Tail:
             for rid, _, exchange, key, props, body, queues in cur.fetchall()
         )
         cur.execute(
-            "SELECT count(*) FROM ledger WHERE vpn = %s AND idx > %s AND kind <> 'published'",
+            "SELECT count(*) FILTER (WHERE kind NOT IN ('published', 'topology')),"
+            " count(*) FILTER (WHERE kind = 'topology')"
+            " FROM ledger WHERE vpn = %s AND idx > %s",
             (vpn, taken_over_at),
         )
-        (others,) = cur.fetchone() or (0,)
-    return Tail(vpn, epoch, taken_over_at, messages, int(others))
+        others, topology = cur.fetchone() or (0, 0)
+    return Tail(vpn, epoch, taken_over_at, messages, int(others), int(topology))
 
 
 def _catch_up_live(conn: psycopg.Connection[Any], vpn: str, live: int, ledger_index: int) -> None:

@@ -355,6 +355,12 @@ def _cmd_demote(cfg: SiteConfig, args: argparse.Namespace) -> int:
             f"  {tail.other_events} acknowledgements (or purges) made here after that index "
             "were not replicated: those messages are still on the active site"
         )
+    if tail.topology_changes:
+        print(
+            f"  {tail.topology_changes} topology changes (declares, binds, deletes) made through "
+            "this site's listener after that index are not on the active site: make them "
+            "there before you republish the tail"
+        )
 
     async def here(progress: Progress) -> dict[str, Any]:
         return (await demote(cfg, args.vpn)).as_dict()

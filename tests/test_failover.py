@@ -566,6 +566,9 @@ def test_a_split_brain_shows_on_the_old_active_once_it_hears_of_the_new_epoch(
     promoted = sites.cli_b("promote", VPN)  # no node on B: the CLI promotes, unguarded
     assert promoted.returncode == 0, promoted.stderr
     assert Publisher(sites.a.site, range(11, 31)).run().error is None  # A still confirms
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url(sites.a.site)))
+    conn.channel().queue_declare("orders.during-split", durable=True)  # B never hears of it
+    conn.close()
     assert not cli_status(sites.a)["split_brain"]  # A does not know yet
     sites.b.start()
     until(lambda: cli_status(sites.a)["fenced"], "A to hear of epoch 2")
@@ -574,6 +577,7 @@ def test_a_split_brain_shows_on_the_old_active_once_it_hears_of_the_new_epoch(
     assert 'vpnrepl_split_brain{vpn="orders"} 0.0' in sites.b.get("/metrics")
     demoted = sites.cli_a("demote", VPN, "--export", str(tmp_path / "tail.jsonl"))
     assert demoted.returncode == 0, demoted.stderr
+    assert "1 topology changes (declares, binds, deletes) made through" in demoted.stdout
     assert not cli_status(sites.a)["split_brain"]  # a standby now, its tail exported
 
 

@@ -551,13 +551,14 @@ class BridgeServer:
             out.append((row.settings, row.epoch))
         return out
 
-    def _durable_index(self, vpn: str) -> int:
-        """The VPN's last committed ledger index (0: its ledger is not open
-        here yet, so nothing was appended since this node started)."""
+    def _durable_index(self, vpn: str) -> int | None:
+        """The VPN's last committed ledger index (None: its ledger is not
+        open here yet, and the listing goes without one: the standby takes
+        it whole, as from a protocol-5 active)."""
         try:
             return self.writer.durable_index(vpn)
         except VpnNotOpen:
-            return 0
+            return None
 
     async def _definitions(self, vpn: str) -> bytes:
         """The VPN's definitions with the users and permissions that let its

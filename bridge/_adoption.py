@@ -112,6 +112,8 @@ class VpnAdoption:
                     carry_out_deletions, self._api, vpn, superseded, resource.definitions_json
                 )
             except ConfigSyncError as e:
+                # tried again at the next listing (a delete done already is skipped)
+                self._superseded.setdefault(vpn, [])[:0] = superseded
                 self._config_sync_failed(vpn, f"streamed deletes not carried out: {e}")
                 return True
             if deleted:
@@ -162,7 +164,7 @@ class VpnAdoption:
             superseded = await keep_definitions_async(
                 conn, vpn, resource.definitions_json, resource.definitions_index
             )
-            if superseded:
+            if superseded and self._api is not None:
                 self._superseded.setdefault(vpn, []).extend(superseded)
 
     async def _adopted_before(

@@ -25,7 +25,9 @@ Invariants, and why they hold:
   vhost, and of its tags only those in ``[configsync] copy_tags`` (none by
   default: ``administrator`` never travels). A user config-sync creates
   carries the tag :data:`SYNCED_TAG`; only such users are updated later
-  (a new password included). A user the standby has that config-sync did
+  (a new password included). A user with the active's very password hash
+  and no mark is a copy an earlier release made: it gets the mark (and
+  loses the tags ``copy_tags`` does not list). A user the standby has that config-sync did
   not create is never overwritten (logged once, counted:
   ``vpnrepl_configsync_users_not_ours``).
 * Except the users this site's node logs in with: the management API user
@@ -284,7 +286,20 @@ def _import_user(api: ManagementAPI, vpn: str, user: dict[str, Any]) -> None:
     when the active sent them. A user this site made itself is left alone."""
     path = f"users/{quote(user['name'], safe='')}"
     here = _get_or_none(api, path)
-    if here is not None and SYNCED_TAG not in _tags(here.get("tags")):
+    if (
+        here is not None
+        and SYNCED_TAG not in _tags(here.get("tags"))
+        and here.get("password_hash") == user.get("password_hash")
+    ):
+        # the same salted hash: a copy an earlier release's config-sync made
+        # (before the mark), config-sync's from now on, its tags made ours
+        log.info(
+            "config-sync: VPN %s: user %s, copied here by an earlier release, is "
+            "config-sync's from now on",
+            vpn,
+            user["name"],
+        )
+    elif here is not None and SYNCED_TAG not in _tags(here.get("tags")):
         if user["name"] not in api.not_ours:
             api.not_ours.add(user["name"])
             log.warning(

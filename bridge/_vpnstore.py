@@ -311,10 +311,14 @@ UPDATE vpn_state SET ledger_index = %s, applied_index = 0, applied_epoch = 0, ap
     updated_at = now()
 WHERE vpn = %s
 """
+# (the definitions it held as a standby before are forgotten: the new
+# active's first listing replaces them, whatever its ledger index)
 _BECOME_STANDBY = """
-UPDATE vpn_config SET role = 'standby', epoch = GREATEST(epoch, %s), updated_at = now()
+UPDATE vpn_config SET role = 'standby', epoch = GREATEST(epoch, %s), definitions_index = NULL,
+    updated_at = now()
 WHERE name = %s
 """
+_FORGET_TOPOLOGY = "DELETE FROM topology_change WHERE vpn = %s"
 # A standby has applied nothing of the epoch it follows (a checkpoint comes).
 _STANDBY_STATE = """
 UPDATE vpn_state SET ledger_index = 0, applied_index = 0, applied_epoch = 0, applied_at = NULL,
@@ -420,6 +424,7 @@ def become_standby(conn: _Conn, vpn: str, epoch: int) -> None:
     """Make ``vpn`` a standby of ``epoch`` (or its higher own) with nothing
     applied: the config row, then the state row."""
     conn.execute(_BECOME_STANDBY, (epoch, vpn))
+    conn.execute(_FORGET_TOPOLOGY, (vpn,))
     conn.execute(_STANDBY_STATE, (vpn,))
 
 

@@ -8,7 +8,9 @@
 * ``/metrics``: Prometheus exposition;
 * ``/vpns/VPN/active``: 200 where the VPN is active and admits clients, 503
   elsewhere (for a load balancer's or a DNS health check);
-* ``POST /vpns/VPN/promote`` (JSON body ``{"force": true}`` optional) and
+* ``POST /vpns/VPN/promote`` (``application/json``, body ``{"force":
+  true}`` optional; any other content type is refused: a web page could
+  send it from an operator's browser) and
   ``POST /vpns/VPN/demote``: start the operator request the CLI would (a
   demote's tail is exported by the node first), 202 with its id;
   ``/requests/ID``: its progress and result.
@@ -193,6 +195,10 @@ class AdminServer:
         if self._start_request is None:
             return web.Response(status=503, text="this node takes no requests yet\n")
         vpn, command = request.match_info["vpn"], request.match_info["command"]
+        if request.content_type != "application/json":
+            # a page in an operator's browser can send a form or text/plain
+            # across origins without asking; application/json it cannot
+            return web.Response(status=415, text="send the request as application/json\n")
         body: Any = {}
         if request.can_read_body:
             try:

@@ -55,6 +55,8 @@ from bridge import (
     armed,
     enabled_vpns_async,
     ledger_progress_async,
+    make_client_context,
+    make_server_context,
     name_item,
     record_sync_eligible_async,
     redact_url,
@@ -638,6 +640,9 @@ class Node:
             log.info("SIGHUP: the bridge has no [tls] to reload")
             return
         try:
+            # both contexts from the files first: the ends switch together or not at all
+            make_server_context(self.cfg.tls)
+            make_client_context(self.cfg.tls)
             for end in (self.bridge_server, self.bridge_client):
                 if end is not None:
                     end.reload_tls()

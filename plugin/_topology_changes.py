@@ -249,6 +249,14 @@ def reserved_name(m: base.Frame) -> str | None:
         name = getattr(m, attr, "")
         if isinstance(name, str) and name.startswith(RESERVED_PREFIX):
             return name
+    # a queue that dead-letters (or an exchange that falls back) into one
+    arguments = getattr(m, "arguments", None) or {}
+    for key in ("x-dead-letter-exchange", "x-dead-letter-routing-key", "alternate-exchange"):
+        name = arguments.get(key)
+        if isinstance(name, bytes):
+            name = name.decode("utf-8", "replace")
+        if isinstance(name, str) and name.startswith(RESERVED_PREFIX):
+            return name
     return None
 
 
@@ -448,6 +456,9 @@ class TopologyRequests:
             else:
                 change.apply(topology)
             self._stream(change, declared)
+            if isinstance(change, DeleteQueue) and change.queue in self.exclusive_queues:
+                # gone: a queue of that name declared later is not this exclusive one
+                self.exclusive_queues.remove(change.queue)
         except Exception:  # a topology mismatch must never break the relay
             log.exception("connection %d: topology update failed", self._ctx.connection_id)
 

@@ -46,8 +46,9 @@ def head_revision() -> str:
     return head
 
 
-def migrate(dsn: str) -> tuple[str | None, str]:
-    """Upgrade the schema at ``dsn`` to the newest revision.
+def migrate(dsn: str, target: str = "head") -> tuple[str | None, str]:
+    """Upgrade the schema at ``dsn`` to the newest revision (or ``target``,
+    an upgrade test's previous one).
 
     Returns ``(revision before, revision after)``; equal when nothing was to do.
     """
@@ -58,7 +59,7 @@ def migrate(dsn: str) -> tuple[str | None, str]:
             before = MigrationContext.configure(conn).get_current_revision()
             cfg = _alembic_config()
             cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "head")
+            command.upgrade(cfg, target)
             after = MigrationContext.configure(conn).get_current_revision()
     finally:
         engine.dispose()

@@ -123,11 +123,18 @@ def test_a_taken_port_is_a_clear_error() -> None:
 
 
 def _call(
-    port: int, path: str, method: str = "GET", auth: str | None = None, body: bytes | None = None
+    port: int,
+    path: str,
+    method: str = "GET",
+    auth: str | None = None,
+    body: bytes | None = None,
+    content_type: str = "application/json",
 ) -> tuple[int, str]:
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method)
     if auth is not None:
         req.add_header("Authorization", auth)
+    if method == "POST":
+        req.add_header("Content-Type", content_type)
     try:
         with urllib.request.urlopen(req, timeout=5) as r:  # noqa: S310 - loopback
             return r.status, r.read().decode()
@@ -174,14 +181,14 @@ def test_with_credentials_only_the_load_balancers_paths_are_open_and_actions_sta
             "promote anonymous": ("/vpns/orders/promote", "POST", None, None),
             "promote": ("/vpns/orders/promote", "POST", basic, b'{"force": true}'),
             "demote": ("/vpns/orders/demote", "POST", bearer, None),
+            "form": ("/vpns/orders/demote", "POST", bearer, b"a=1", "text/plain"),
             "bad body": ("/vpns/orders/promote", "POST", basic, b'{"now": 1}'),
             "request": ("/requests/42", "GET", basic, None),
             "no request": ("/requests/7", "GET", basic, None),
         }
         try:
             return {
-                name: await asyncio.to_thread(_call, port, path, method, auth, body)
-                for name, (path, method, auth, body) in calls.items()
+                name: await asyncio.to_thread(_call, port, *call) for name, call in calls.items()
             }
         finally:
             await server.close()
@@ -193,6 +200,7 @@ def test_with_credentials_only_the_load_balancers_paths_are_open_and_actions_sta
     assert got["promote anonymous"][0] == 401
     assert got["promote"] == (202, '{"request": 42, "href": "/requests/42"}')
     assert got["demote"][0] == 202 and got["bad body"][0] == 400
+    assert got["form"][0] == 415  # what a web page could send from the operator's browser
     assert json.loads(got["request"][1]) == {"id": 42, "state": "done"}
     assert got["no request"][0] == 404
     assert started == [

@@ -327,6 +327,14 @@ def test_config_sync_copies_no_power_and_overwrites_no_user_of_this_site(
     left = [r for r in caplog.records if "config-sync did not create it" in r.getMessage()]
     assert len(left) == 1
 
+    # a copy an earlier release made (the active's very hash, no mark, the
+    # administrator tag copied then): config-sync's now, its power gone
+    d = FakeBroker()
+    d.vhosts.add(VPN)
+    d.users["alice"] = user("alice", HASH_A, ["administrator", "monitoring"])
+    import_vpn_definitions(d, VPN, vpn_definitions(a, VPN))
+    assert d.users["alice"]["tags"] == [SYNCED_TAG] and not d.not_ours
+
 
 def test_keep_users_are_never_touched() -> None:
     b = FakeBroker(keep_users=("alice",))

@@ -599,6 +599,7 @@ def test_the_admin_endpoint_promotes_only_with_its_credentials(sites: Sites) -> 
     def post(auth: str | None) -> tuple[int, str]:
         url = f"http://127.0.0.1:{sites.b.site.admin_port}/vpns/{VPN}/promote"
         req = urllib.request.Request(url, data=b"{}", method="POST")  # noqa: S310 - loopback
+        req.add_header("Content-Type", "application/json")
         if auth is not None:
             req.add_header("Authorization", auth)
         try:

@@ -195,3 +195,20 @@ def test_what_the_cli_did_itself_is_in_the_audit_trail(dsn: str, site_a: LocalSi
     assert "not enabled" in rows[0]["error"]
     text = render_audit(rows)
     assert "demote" in text and "failed: VPN 'nope' is not enabled here" in text
+
+
+def test_the_upgrade_takes_back_the_insert_the_previous_readme_granted(
+    site_a: LocalSite,
+) -> None:
+    """The previous release's README granted the peer's role INSERT on
+    ``operator_request``; with it the peer could still queue a promote."""
+    dsn = site_a.pg.dsn()
+    migrate(dsn, "0012")
+    old = role_dsn(site_a, "vpnrepl_old_peer", "INSERT ON operator_request TO {role}",
+                   "USAGE ON SEQUENCE operator_request_id_seq TO {role}")  # fmt: skip
+    with psycopg.connect(old, autocommit=True) as conn:
+        conn.execute("INSERT INTO operator_request (command, vpn) VALUES ('noop', 'orders')")
+    migrate(dsn)
+    with psycopg.connect(old, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("INSERT INTO operator_request (command, vpn) VALUES ('promote', 'x')")

@@ -7,10 +7,12 @@ way to ask, a ``SECURITY DEFINER`` function owned by the schema's owner (the
 node's role): the owner may request any command; any other role that was
 granted EXECUTE (the peer site's, README "In a deployment") only the
 switchover steps it runs on this site, so INSERT on the table is granted
-to no one else. ``vpn_state.split_brain``: this site learnt that both
-sites held the VPN active at once (the same epoch on both, or a higher
-epoch elsewhere while this site kept confirming past its take-over point);
-cleared when the site becomes active or standby anew.
+to no one else: the upgrade revokes what the previous release's README
+granted (INSERT, and UPDATE/DELETE if any) from every role but the owner.
+``vpn_state.split_brain``: this site learnt that both sites held the VPN
+active at once (the same epoch on both, or a higher epoch elsewhere while
+this site kept confirming past its take-over point); cleared when the site
+becomes active or standby anew.
 
 Revision ID: 0013
 Revises: 0012
@@ -44,6 +46,22 @@ BEGIN
 END
 $$;
 REVOKE ALL ON FUNCTION vpnrepl_request(text, text, jsonb) FROM PUBLIC;
+-- the previous README granted the peer's role INSERT on the table: from now
+-- on only the owner writes it (the function inserts as the owner)
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT DISTINCT grantee FROM information_schema.role_table_grants
+             WHERE table_schema = current_schema() AND table_name = 'operator_request'
+               AND privilege_type IN ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')
+               AND grantee <> current_user
+    LOOP
+        EXECUTE 'REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON operator_request FROM '
+            || CASE WHEN r.grantee = 'PUBLIC' THEN 'PUBLIC' ELSE quote_ident(r.grantee) END;
+    END LOOP;
+END
+$$;
 """
 
 

@@ -61,7 +61,6 @@ from ._link import Link, describe_error
 
 __all__ = [
     "ANSWER_WAIT",
-    "REPAIR_VERSION",
     "OutboundStream",
     "RepairSent",
     "StandbyPeer",
@@ -75,9 +74,6 @@ ANSWER_WAIT = 1.0
 _MIB: Final = 2**20
 
 _LEDGER_BETWEEN = "SELECT event FROM ledger WHERE vpn = %s AND idx > %s AND idx <= %s ORDER BY idx"
-
-#: the first bridge protocol version with the Repair frame
-REPAIR_VERSION: Final = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,10 +280,9 @@ class OutboundStream:
         entry waits (module docstring)."""
         while True:
             if not self.pending:
-                if self.repairs and link.conn.version >= REPAIR_VERSION:
+                if self.repairs:  # every version this node speaks has Repair frames
                     await self._send_repair(link, pool, limits, self.repairs.popleft())
                     continue
-                self.failed_repairs(f"the standby speaks protocol version {link.conn.version}")
                 self.wake.clear()
                 await self.wake.wait()
                 continue

@@ -92,9 +92,7 @@ def test_on_a_confirm_channel_a_request_is_refused_as_a_reserved_name() -> None:
         C.Exchange.Bind(destination="x", source="vpnrepl.xa"),
         C.Basic.Consume(queue="vpnrepl.txn-markers"),
         C.Basic.Get(queue="vpnrepl.txn-markers"),
-        C.Queue.Declare(
-            queue="dl", arguments={"x-dead-letter-routing-key": "vpnrepl.txn-markers"}
-        ),
+        C.Queue.Declare(queue="dl", arguments={"x-dead-letter-routing-key": "vpnrepl.txn-markers"}),
         C.Queue.Declare(queue="dl", arguments={"x-dead-letter-exchange": "vpnrepl.xa"}),
         C.Exchange.Declare(
             exchange="x", exchange_type="direct", arguments={"alternate-exchange": "vpnrepl.x"}

@@ -6,8 +6,9 @@ ledger and the bridge, and must change them in step with the database —
 and must still work when no node runs (after a disaster the standby's node
 may be down too). One way serves both, with no port to open:
 
-* A running node holds the site's advisory lock (:data:`SITE_LOCK`) on a
-  connection of its own for as long as it runs, LISTENs on
+* A running node holds the site lock (:data:`SITE_LOCK`, an ``EXCLUSIVE``
+  lock on the empty table ``site_lock``, in a transaction left open on a
+  connection of its own) for as long as it runs, LISTENs on
   :data:`REQUESTS`, and carries out ``operator_request`` rows: it claims a
   pending row (``FOR UPDATE SKIP LOCKED``), runs its handler, writes the
   progress, the result or the error into the row, and NOTIFYs
@@ -20,6 +21,16 @@ may be down too). One way serves both, with no port to open:
   so (the command is meant to be re-run).
 
 So the node and a CLI never both act on a site.
+
+Only the node's role can hold the lock: ``LOCK TABLE`` in that mode needs a
+write privilege on ``site_lock``, which its owner alone has (schema 0014).
+Another role (the peer site's, asking for switchover steps) sees whether
+the lock is held in ``pg_locks``, which every role may read; when no node
+holds it, its ``local`` runs without the lock — that role's grants are all
+it can act with. An advisory lock, which earlier releases used, any role
+could take, and so keep the node from starting. The lock's transaction
+holds no snapshot and no transaction id between statements (read
+committed), so it holds back no vacuum.
 """
 
 from __future__ import annotations
@@ -50,8 +61,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: the advisory lock a running node holds (``vpnrepl`` in ASCII)
-SITE_LOCK = 0x76706E7265706C
+#: the table whose lock a running node holds
+SITE_LOCK = "site_lock"
+_TAKE = "LOCK TABLE site_lock IN EXCLUSIVE MODE NOWAIT"
+_HELD = (
+    "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'relation'"
+    " AND relation = 'site_lock'::regclass AND mode = 'ExclusiveLock' AND granted) AS held"
+)
 REQUESTS = "vpnrepl_request"
 ANSWERS = "vpnrepl_request_done"
 #: how often a waiting side looks at the row even without a notification
@@ -74,11 +90,39 @@ async def _connect(dsn: str) -> psycopg.AsyncConnection[dict[str, Any]]:
         raise StoreUnavailable(f"the site database is unreachable: {e}") from e
 
 
-async def _try_lock(conn: psycopg.AsyncConnection[dict[str, Any]]) -> bool:
-    row = await (
-        await conn.execute("SELECT pg_try_advisory_lock(%s) AS got", (SITE_LOCK,))
-    ).fetchone()
-    return bool(row and row["got"])
+async def _take_lock(dsn: str) -> psycopg.AsyncConnection[dict[str, Any]] | None:
+    """A connection whose open transaction holds the site lock (closing it
+    lets the lock go); None when it is held already. PermissionError when
+    this role may not take it (any role but the node's)."""
+    conn = await _connect(dsn)
+    try:
+        # the lock's transaction stays open for as long as the holder runs
+        await conn.execute("SET idle_in_transaction_session_timeout = 0")
+        await conn.set_autocommit(False)
+        await conn.execute(_TAKE)
+    except psycopg.errors.LockNotAvailable:
+        await conn.close()
+        return None
+    except psycopg.errors.InsufficientPrivilege as e:
+        await conn.close()
+        raise PermissionError(e.diag.message_primary or str(e)) from e
+    except psycopg.errors.UndefinedTable as e:
+        await conn.close()
+        raise StateError(
+            "the site database's schema is older than this release (no table site_lock): "
+            "run `vpnrepl init`, which upgrades it"
+        ) from e
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+async def _held(conn: psycopg.AsyncConnection[dict[str, Any]]) -> bool:
+    """Whether a node (or a CLI acting without one) holds the site lock,
+    as any role can see it."""
+    row = await (await conn.execute(_HELD)).fetchone()
+    return bool(row and row["held"])
 
 
 async def run_command(
@@ -93,13 +137,18 @@ async def run_command(
     ``local`` when no node runs (holding the site lock meanwhile)."""
     conn = await _connect(dsn)
     try:
-        if await _try_lock(conn):
-            try:
-                return await _locally(conn, command, vpn, args, local, progress)
-            finally:
-                with contextlib.suppress(psycopg.Error):
-                    await conn.execute("SELECT pg_advisory_unlock(%s)", (SITE_LOCK,))
-        return await _through_node(conn, command, vpn, args, progress)
+        try:
+            lock = await _take_lock(dsn)
+        except PermissionError:  # not the node's role: it acts only through the node
+            if await _held(conn):
+                return await _through_node(conn, command, vpn, args, progress)
+            return await local(progress)
+        if lock is None:
+            return await _through_node(conn, command, vpn, args, progress)
+        try:
+            return await _locally(conn, command, vpn, args, local, progress)
+        finally:
+            await lock.close()  # the lock goes with the session
     finally:
         await conn.close()
 
@@ -226,8 +275,7 @@ async def _through_node(
             return dict(state["result"] or {})
         if state["state"] == "failed":
             raise StateError(str(state["error"]))
-        if await _try_lock(conn):
-            await conn.execute("SELECT pg_advisory_unlock(%s)", (SITE_LOCK,))
+        if not await _held(conn):
             raise PluginError(
                 f"the site's node stopped while it ran {command} {vpn} (request {request}); "
                 f"run `vpnrepl {command} {vpn}` again"
@@ -254,19 +302,21 @@ class RequestServer:
     def __init__(self, dsn: str, handlers: Mapping[str, Handler]) -> None:
         self._dsn = dsn
         self._handlers = dict(handlers)
+        self._lock: psycopg.AsyncConnection[dict[str, Any]] | None = None
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self, wait_log_seconds: float = 10.0) -> None:
         """Take the site lock (waiting while an operator command run by the
         CLI holds it), fail what a stopped node left running, start serving."""
-        conn = await _connect(self._dsn)
-        while not await _try_lock(conn):
+        while (lock := await _take_lock(self._dsn)) is None:
             log.warning(
                 "the site is locked by an operator command run without a node (or by another "
                 "node of this site): waiting for it"
             )
             await asyncio.sleep(wait_log_seconds)
+        self._lock = lock
+        conn = await _connect(self._dsn)  # notifications reach a session between transactions
         await conn.execute(
             "UPDATE operator_request SET state = 'failed', finished_at = now(),"
             " error = 'the node stopped while running it; run the command again'"
@@ -282,7 +332,9 @@ class RequestServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._conn is not None:
-            await self._conn.close()  # the lock goes with the session
+            await self._conn.close()
+        if self._lock is not None:
+            await self._lock.close()  # the lock goes with the session
 
     async def _serve(self) -> None:
         assert self._conn is not None  # noqa: S101 - start() set it

@@ -27,12 +27,20 @@ def dsn(site_a: LocalSite) -> str:
 
 
 def lock_free(dsn: str) -> bool:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT pg_try_advisory_lock(%s)", (SITE_LOCK,)).fetchone()
-        assert row is not None
-        if row[0]:
-            conn.execute("SELECT pg_advisory_unlock(%s)", (SITE_LOCK,))
-        return bool(row[0])
+    with psycopg.connect(dsn) as conn:
+        try:
+            conn.execute(f"LOCK TABLE {SITE_LOCK} IN EXCLUSIVE MODE NOWAIT")
+        except psycopg.errors.LockNotAvailable:
+            return False
+        conn.rollback()
+        return True
+
+
+def hold_site_lock(dsn: str) -> psycopg.Connection[Any]:
+    """A session holding the site lock as a node does (closing it lets go)."""
+    conn = psycopg.connect(dsn)
+    conn.execute(f"LOCK TABLE {SITE_LOCK} IN EXCLUSIVE MODE NOWAIT")
+    return conn
 
 
 def _record(ticks: list[tuple[int, int]]) -> Progress:
@@ -167,13 +175,66 @@ def test_the_peers_role_may_request_only_the_switchover_steps(dsn: str, site_a: 
 
         await run_command(peer, "promote", "orders", {}, local, lambda d, t: None)
 
-    lock = psycopg.connect(dsn, autocommit=True)  # a node holds the site lock
+    lock = hold_site_lock(dsn)  # a node runs
     try:
-        lock.execute("SELECT pg_advisory_lock(%s)", (SITE_LOCK,))
         with pytest.raises(StateError, match="refused by the site's database"):
             asyncio.run(refused())
     finally:
         lock.close()
+
+
+def test_no_role_but_the_nodes_can_keep_the_node_from_starting(dsn: str, site_a: LocalSite) -> None:
+    """The peer's role (README grants) cannot take the site lock, and
+    whatever it holds meanwhile — the advisory lock earlier releases used, a
+    failed locking read left in an open transaction — the node starts."""
+    peer = psycopg.connect(_peer_dsn(site_a))
+    try:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied"):
+            peer.execute(f"LOCK TABLE {SITE_LOCK} IN EXCLUSIVE MODE NOWAIT")
+        peer.rollback()
+        peer.execute("SELECT pg_advisory_lock(%s)", (0x76706E7265706C,))
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            peer.execute("SELECT * FROM site_lock FOR UPDATE")
+        assert peer.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+
+        async def starts() -> bool:
+            server = RequestServer(dsn, {})
+            await asyncio.wait_for(server.start(wait_log_seconds=0.1), 10)
+            try:
+                return not await asyncio.to_thread(lock_free, dsn)
+            finally:
+                await server.close()
+
+        assert asyncio.run(starts())
+        assert lock_free(dsn)
+    finally:
+        peer.close()
+
+
+def test_the_peers_role_acts_itself_only_when_no_node_runs(dsn: str, site_a: LocalSite) -> None:
+    """A role that may not hold the lock still learns whether a node runs
+    (a switchover's first step says so when it does not)."""
+    ran: list[str] = []
+
+    async def local(progress: Progress) -> dict[str, Any]:
+        ran.append("local")
+        raise StateError("the active site's node is not running")
+
+    with pytest.raises(StateError, match="not running"):
+        asyncio.run(
+            run_command(
+                _peer_dsn(site_a), "switchover-prepare", "orders", {}, local, lambda d, t: None
+            )  # fmt: skip
+        )
+    assert ran == ["local"]
+
+
+def test_a_schema_without_the_site_lock_is_named(site_a: LocalSite) -> None:
+    dsn = site_a.pg.dsn()
+    migrate(dsn, "0013")
+    with pytest.raises(StateError, match="run `vpnrepl init`"):
+        asyncio.run(RequestServer(dsn, {}).start())
+    migrate(dsn)
 
 
 def test_what_the_cli_did_itself_is_in_the_audit_trail(dsn: str, site_a: LocalSite) -> None:

@@ -11,8 +11,10 @@
 * ``POST /vpns/VPN/promote`` (``application/json``, body ``{"force":
   true}`` optional; any other content type is refused: a web page could
   send it from an operator's browser) and
-  ``POST /vpns/VPN/demote``: start the operator request the CLI would (a
-  demote's tail is exported by the node first), 202 with its id;
+  ``POST /vpns/VPN/demote``, ``POST /vpns/VPN/switchover`` (on the
+  standby): start the operator request the CLI would (a demote's tail is
+  exported by the node first; a switchover's steps are run by this node),
+  202 with its id;
   ``/requests/ID``: its progress and result.
 
 ``/health`` and ``/vpns/VPN/active`` are open (load balancers ask them);
@@ -45,7 +47,7 @@ log = logging.getLogger(__name__)
 
 _HINT = (
     "try /, /health, /status, /status/history, /metrics, /vpns/VPN/active, "
-    "POST /vpns/VPN/promote or /demote, /requests/ID\n"
+    "POST /vpns/VPN/promote, /demote or /switchover, /requests/ID\n"
 )
 #: who an authenticated request came from (the user, or "token")
 _WHO: web.RequestKey[str] = web.RequestKey("vpnrepl_who", str)
@@ -117,7 +119,7 @@ class AdminServer:
         app.router.add_get("/status/history", self._history_json)
         app.router.add_get("/metrics", self._metrics_text)
         app.router.add_get("/vpns/{vpn:.+}/active", self._active)
-        app.router.add_post("/vpns/{vpn:.+}/{command:promote|demote}", self._act)
+        app.router.add_post("/vpns/{vpn:.+}/{command:promote|demote|switchover}", self._act)
         app.router.add_get("/requests/{id:[0-9]+}", self._request)
         self._runner = web.AppRunner(
             app, access_log=None, handle_signals=False, shutdown_timeout=1.0
@@ -191,7 +193,7 @@ class AdminServer:
         return await handler(request)
 
     async def _act(self, request: web.Request) -> web.Response:
-        """POST promote or demote: the operator request, started."""
+        """POST promote, demote or switchover: the operator request, started."""
         if self._start_request is None:
             return web.Response(status=503, text="this node takes no requests yet\n")
         vpn, command = request.match_info["vpn"], request.match_info["command"]

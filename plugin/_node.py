@@ -75,6 +75,7 @@ from ._promote import promote
 from ._refresher import DirectoryRefresher
 from ._requests import Progress, RequestServer, read_request, start_request
 from ._store import add_broker_depths, connect, status
+from ._switchover import switchover
 from ._tracing import Tracing
 from ._uncertain import UncertainLog, retire
 from ._xa_admin import decide_branch
@@ -183,6 +184,7 @@ class Node:
                 "switchover-prepare": self._switchover_prepare,
                 "switchover-finish": self._switchover_finish,
                 "switchover-abort": self._switchover_abort,
+                "switchover": self._switchover,
                 "repair": self._repair,
                 "xa-decide": lambda vpn, args, _progress: decide_branch(self.xa, vpn, args),
                 "retire-uncertain": self._retire_uncertain,
@@ -535,6 +537,19 @@ class Node:
         view = self.directory.lookup(vpn)
         if view is not None:
             view.refusal = text
+
+    async def _switchover(
+        self, vpn: str, args: Mapping[str, Any], progress: Progress
+    ) -> dict[str, Any]:
+        """``POST /vpns/VPN/switchover`` on the standby: this node runs the
+        switchover's steps (plugin/_switchover.py), promoting with its own
+        handler."""
+
+        async def promote_here(p: Progress) -> dict[str, Any]:
+            return await self._promote(vpn, {"switchover": True}, p)
+
+        lines = await switchover(self.cfg, vpn, progress, promote_here)
+        return {"lines": lines, "line": "; ".join(lines)}
 
     async def _switchover_prepare(
         self, vpn: str, args: Mapping[str, Any], progress: Progress

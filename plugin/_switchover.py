@@ -13,12 +13,18 @@ live sites, with nothing lost and nothing doubled.
 
 If step 1 or 2 fails, the active is told to admit its clients again
 (``switchover-abort``) and nothing changed.
+
+The CLI runs these steps itself; ``POST /vpns/VPN/switchover`` on the
+standby's admin endpoint has its node run them as an operator request,
+promoting with its own handler (the node serves one request at a time: a
+promote request of its own would wait behind the switchover for ever).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bridge import role_state
@@ -30,6 +36,9 @@ from ._requests import Progress, run_command
 from ._store import connect
 
 __all__ = ["switchover"]
+
+#: promotes this site for the switchover: ``(progress) -> PromotionSummary.as_dict()``
+PromoteHere = Callable[[Progress], Awaitable[dict[str, Any]]]
 
 #: how long this site waits to have applied what the active drained
 APPLY_WAIT = 60.0
@@ -64,8 +73,12 @@ async def _applied(cfg: SiteConfig, vpn: str, index: int) -> None:
         await asyncio.sleep(0.05)
 
 
-async def switchover(cfg: SiteConfig, vpn: str, progress: Progress) -> list[str]:
-    """Run the switchover of ``vpn`` to this site; returns what to print."""
+async def switchover(
+    cfg: SiteConfig, vpn: str, progress: Progress, promote_here: PromoteHere | None = None
+) -> list[str]:
+    """Run the switchover of ``vpn`` to this site; returns what to print.
+    ``promote_here``: how this site promotes (default: through its node
+    when one runs, else in this process)."""
     peer = cfg.peer_store_dsn
     if peer is None:
         raise UsageError(
@@ -87,12 +100,16 @@ async def switchover(cfg: SiteConfig, vpn: str, progress: Progress) -> list[str]
     try:
         await _applied(cfg, vpn, int(drained["ledger_index"]))
 
-        async def here(p: Progress) -> dict[str, Any]:
-            return (await promote(cfg, vpn, p)).as_dict()
+        if promote_here is None:
 
-        promoted = await run_command(
-            cfg.store_dsn, "promote", vpn, {"switchover": True}, here, progress
-        )
+            async def here(p: Progress) -> dict[str, Any]:
+                return (await promote(cfg, vpn, p)).as_dict()
+
+            promoted = await run_command(
+                cfg.store_dsn, "promote", vpn, {"switchover": True}, here, progress
+            )
+        else:
+            promoted = await promote_here(progress)
     except PluginError:
         await run_command(peer, "switchover-abort", vpn, args, _no_node, progress)
         raise

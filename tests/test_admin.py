@@ -181,6 +181,8 @@ def test_with_credentials_only_the_load_balancers_paths_are_open_and_actions_sta
             "promote anonymous": ("/vpns/orders/promote", "POST", None, None),
             "promote": ("/vpns/orders/promote", "POST", basic, b'{"force": true}'),
             "demote": ("/vpns/orders/demote", "POST", bearer, None),
+            "switchover anonymous": ("/vpns/orders/switchover", "POST", None, b"{}"),
+            "switchover": ("/vpns/orders/switchover", "POST", basic, b"{}"),
             "form": ("/vpns/orders/demote", "POST", bearer, b"a=1", "text/plain"),
             "bad body": ("/vpns/orders/promote", "POST", basic, b'{"now": 1}'),
             "request": ("/requests/42", "GET", basic, None),
@@ -197,7 +199,7 @@ def test_with_credentials_only_the_load_balancers_paths_are_open_and_actions_sta
     assert got["health"][0] == 200 and got["active"][0] == 200
     assert got["status anonymous"][0] == got["status wrong"][0] == 401
     assert got["status basic"][0] == 200 and got["metrics bearer"][0] == 200
-    assert got["promote anonymous"][0] == 401
+    assert got["promote anonymous"][0] == got["switchover anonymous"][0] == 401
     assert got["promote"] == (202, '{"request": 42, "href": "/requests/42"}')
     assert got["demote"][0] == 202 and got["bad body"][0] == 400
     assert got["form"][0] == 415  # what a web page could send from the operator's browser
@@ -206,4 +208,5 @@ def test_with_credentials_only_the_load_balancers_paths_are_open_and_actions_sta
     assert started == [
         ("promote", "orders", {"via": "http", "user": "ops", "force": True}),
         ("demote", "orders", {"via": "http", "user": "token", "export": True}),
+        ("switchover", "orders", {"via": "http", "user": "ops"}),
     ]

@@ -1,12 +1,19 @@
 """A controlled switchover between two live sites, and back, under a
-publishing workload: nothing confirmed is lost, nothing is doubled."""
+publishing workload: nothing confirmed is lost, nothing is doubled. There
+by the CLI, back by ``POST /vpns/VPN/switchover`` (the node runs it)."""
 
 from __future__ import annotations
 
+import json
 import threading
+import time
+import urllib.request
+from collections.abc import Callable
 from subprocess import CompletedProcess
+from typing import Any
+from urllib.parse import quote
 
-from tests.fix_cli import Vpnrepl
+from plugin._localsites import LocalSite
 from tests.test_failover import Sites, admin_active, broker_contents, sites  # noqa: F401
 from tests.two_sites import (
     IN_SCOPE,
@@ -22,25 +29,51 @@ from tests.two_sites import (
 
 
 class Switchover(threading.Thread):
-    def __init__(self, cli: Vpnrepl) -> None:
+    def __init__(self, run: Callable[[], CompletedProcess[str]]) -> None:
         super().__init__(name="switchover", daemon=True)
-        self.cli = cli
+        self._run = run
         self.result: CompletedProcess[str] | None = None
 
     def run(self) -> None:
-        self.result = self.cli("switchover", VPN)
+        self.result = self._run()
 
 
-def switch(cli: Vpnrepl, publisher: Publisher) -> CompletedProcess[str]:
+def _admin(site: LocalSite, path: str, body: bytes | None = None) -> Any:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{site.admin_port}{path}",
+        data=body,
+        method="GET" if body is None else "POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback
+        return json.loads(resp.read())
+
+
+def over_http(site: LocalSite) -> CompletedProcess[str]:
+    """``POST /vpns/VPN/switchover`` on ``site``'s admin endpoint, followed
+    to its end through ``/requests/ID``; as a CLI run would have ended."""
+    started = _admin(site, f"/vpns/{quote(VPN, safe='')}/switchover", b"{}")
+    deadline = time.monotonic() + 170
+    while time.monotonic() < deadline:
+        got = _admin(site, started["href"])
+        if got["state"] == "done":
+            return CompletedProcess(["POST"], 0, "\n".join(got["result"]["lines"]), "")
+        if got["state"] == "failed":
+            return CompletedProcess(["POST"], 1, "", str(got["error"]))
+        time.sleep(0.2)
+    raise AssertionError(f"request {started['request']} still running")
+
+
+def switch(run: Callable[[], CompletedProcess[str]], publisher: Publisher) -> CompletedProcess[str]:
     """Run the switchover while ``publisher`` publishes; the old active
     closes the publisher's connection (320) on the way."""
     until(lambda: len(publisher.confirmed) >= 300, "publishing under way")
-    run = Switchover(cli)
-    run.start()
-    run.join(180)
-    assert run.result is not None, "switchover still running"
+    thread = Switchover(run)
+    thread.start()
+    thread.join(180)
+    assert thread.result is not None, "switchover still running"
     publisher.join()
-    return run.result
+    return thread.result
 
 
 def test_switchover_and_back_under_load_lose_and_double_nothing(
@@ -55,7 +88,7 @@ def test_switchover_and_back_under_load_lose_and_double_nothing(
     confirmed: set[int] = set()
 
     first = Publisher(sites.a.site, range(1, 100_001), window=100).start()
-    over = switch(sites.cli_b, first)
+    over = switch(lambda: sites.cli_b("switchover", VPN), first)
     assert over.returncode == 0, over.stderr
     assert "drained to index" in over.stdout and "promoted to active at epoch 2" in over.stdout
     assert first.error is not None and "switchover to site 'b'" in first.error
@@ -65,7 +98,8 @@ def test_switchover_and_back_under_load_lose_and_double_nothing(
     until(lambda: vpn_status(sites.a).get("bridge") == "connected", "A to follow B")
 
     second = Publisher(sites.b.site, range(200_001, 300_001), window=100).start()
-    back = switch(sites.cli_a, second)
+    # and back through the admin endpoint: site A's node runs the steps
+    back = switch(lambda: over_http(sites.a.site), second)
     assert back.returncode == 0, back.stderr
     assert "promoted to active at epoch 3" in back.stdout
     assert not second.nacked

@@ -87,6 +87,7 @@ from ._events import (
 from ._failpoints import FAILPOINTS, UnknownFailpoint, armed, failpoint
 from ._frames import (
     CAP_TOPOLOGY,
+    CAP_XA_OWNER,
     CAPABILITIES,
     DEFAULT_MAX_FRAME_SIZE,
     OUR_CAPABILITIES,
@@ -507,6 +508,7 @@ __all__ = [
     "unanchored",
     "CLOSED",
     "CAP_TOPOLOGY",
+    "CAP_XA_OWNER",
     "CAPABILITIES",
     "DEFAULT_MAX_FRAME_SIZE",
     "OUR_CAPABILITIES",

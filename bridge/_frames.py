@@ -52,6 +52,7 @@ __all__ = [
     "MAGIC",
     "CAPABILITIES",
     "CAP_TOPOLOGY",
+    "CAP_XA_OWNER",
     "OUR_CAPABILITIES",
     "PREVIOUS_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
@@ -102,9 +103,11 @@ SUPPORTED_VERSIONS: Final = frozenset({PREVIOUS_PROTOCOL_VERSION, PROTOCOL_VERSI
 #: and a connection uses those both offered
 CAP_TOPOLOGY: Final = 1 << 0
 """topology changes travel in the stream as ``TopologyChanged`` events"""
+CAP_XA_OWNER: Final = 1 << 1
+"""a ``TxnPrepare`` names the broker user that owns its XA branch"""
 #: every capability this node has, by name (for log lines)
-CAPABILITIES: Final = {CAP_TOPOLOGY: "topology events"}
-OUR_CAPABILITIES: Final = CAP_TOPOLOGY
+CAPABILITIES: Final = {CAP_TOPOLOGY: "topology events", CAP_XA_OWNER: "XA branch owners"}
+OUR_CAPABILITIES: Final = CAP_TOPOLOGY | CAP_XA_OWNER
 #: RabbitMQ (3.8+) accepts messages up to 128 MiB by default, and one event
 #: must fit in one frame; 8 MiB on top for properties and framing.
 DEFAULT_MAX_FRAME_SIZE: Final = 136 * 2**20
@@ -810,21 +813,28 @@ class _TxnFrame(_Frame):
 @dataclass(frozen=True, slots=True)
 class TxnPrepare(_TxnFrame):
     """Active to standby: persist transaction ``txid`` as prepared (its
-    events in the ledger encoding, each ``u32``-length-prefixed) and vote."""
+    events in the ledger encoding, each ``u32``-length-prefixed) and vote.
+    ``owner``: an XA branch's broker user, the standby keeps it in the row
+    (:data:`CAP_XA_OWNER`: a ``str16`` after the events, there only when
+    not empty; a peer without the capability is sent none)."""
 
     TYPE: ClassVar[int] = 12
     events: bytes
+    owner: str = ""
 
     def __post_init__(self) -> None:
         _TxnFrame.__post_init__(self)
         _check_blob("events", self.events)
+        _check_text("owner", self.owner, empty=True)
 
     def payload(self) -> bytes:
-        return self._head() + _bytes32(self.events)
+        owner = _str16(self.owner) if self.owner else b""
+        return self._head() + _bytes32(self.events) + owner
 
     @classmethod
     def read(cls, r: _Reader) -> Self:
-        return cls(*cls._read_head(r), r.blob("events"))
+        head, events = cls._read_head(r), r.blob("events")
+        return cls(*head, events, r.text("owner") if r.pos < len(r.data) else "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,7 @@ from ._errors import (
 from ._events import Purged, TopologyChanged
 from ._frames import (
     CAP_TOPOLOGY,
+    CAP_XA_OWNER,
     CAPABILITIES,
     DEFAULT_MAX_FRAME_SIZE,
     FRAME_OVERHEAD,
@@ -695,7 +696,10 @@ class BridgeConnection:
 
     def _for_peer(self, frame: Frame) -> Frame:
         """``frame`` as the peer reads it: without the topology capability,
-        each topology event becomes a no-op purge (module docstring)."""
+        each topology event becomes a no-op purge (module docstring);
+        without the XA owner capability, a prepare names no owner."""
+        if isinstance(frame, TxnPrepare) and frame.owner:
+            return frame if self.capabilities & CAP_XA_OWNER else replace(frame, owner="")
         if self.capabilities & CAP_TOPOLOGY or not isinstance(frame, Events):
             return frame
         if not any(isinstance(e.event, TopologyChanged) for e in frame.entries):

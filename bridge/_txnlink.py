@@ -79,6 +79,8 @@ class TxnParticipant(Protocol):
         txid: str,
         events: bytes,
         meanwhile: Callable[[Voted], object] | None = None,
+        *,
+        owner: str | None = None,
     ) -> Voted | None: ...
 
     async def outcome(self, vpn: str, txid: str, commit: bool) -> None: ...
@@ -118,8 +120,11 @@ class ActiveTxnLink:
         self._early: dict[str, tuple[Callable[[], None], asyncio.Future[bool]]] = {}
         self._tasks = _Tasks()
 
-    def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> Awaitable[bool]:
-        """Ask the standby to prepare ``txid``: the request is sent before
+    def prepare(
+        self, vpn: str, txid: str, events: bytes, within: float, owner: str | None = None
+    ) -> Awaitable[bool]:
+        """Ask the standby to prepare ``txid`` (``owner``: an XA branch's
+        broker user, kept in its row there): the request is sent before
         this returns (so the caller's own prepare starts after it, the
         standby's round being the longer); the awaitable is True once it
         voted yes within ``within`` seconds. A standby that is not connected
@@ -130,7 +135,8 @@ class ActiveTxnLink:
         peer = self._standby_of(vpn)
         loop = asyncio.get_running_loop()
         vote: asyncio.Future[bool] = loop.create_future()
-        if peer is None or not peer.link.try_send(TxnPrepare(vpn, peer.epochs[vpn], txid, events)):
+        ask = TxnPrepare(vpn, peer.epochs[vpn], txid, events, owner or "") if peer else None
+        if peer is None or ask is None or not peer.link.try_send(ask):
             vote.set_result(False)
             return vote
         self._votes[txid] = vote
@@ -243,7 +249,11 @@ class StandbyTxnLink:
             await self.participant.outcome(frame.vpn, frame.txid, frame.commit)
             return
         voted = await self.participant.prepare(
-            frame.vpn, frame.txid, frame.events, functools.partial(self._get_ready, frame)
+            frame.vpn,
+            frame.txid,
+            frame.events,
+            functools.partial(self._get_ready, frame),
+            owner=frame.owner or None,
         )
         if not voted:
             self._ready.pop(frame.txid, None)

@@ -35,6 +35,7 @@ __all__ = [
     "REPLY_CODES",
     "SyntaxError_",
     "UnexpectedFrame",
+    "login_user",
 ]
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
@@ -533,6 +534,25 @@ def _field_table(buf: bytes, pos: int, end: int) -> dict[str, object]:
     if pos != end:
         raise IndexError
     return out
+
+
+def login_user(mechanism: str, response: str | bytes) -> str | None:
+    """The user name a ``connection.start-ok`` logs in as (PLAIN's
+    ``authzid NUL authcid NUL password``, AMQPLAIN's ``LOGIN``); None when
+    the response does not say. The password is never kept."""
+    raw = response if isinstance(response, bytes) else response.encode()
+    if mechanism == "PLAIN":
+        parts = raw.split(b"\0")
+        return parts[1].decode(errors="replace") if len(parts) == 3 else None
+    if mechanism == "AMQPLAIN":
+        try:
+            login = _field_table(raw, 0, len(raw)).get("LOGIN")
+        except (IndexError, ValueError, struct.error, UnicodeDecodeError):
+            return None
+        if isinstance(login, bytes):
+            return login.decode(errors="replace")
+        return login if isinstance(login, str) else None
+    return None
 
 
 def _table_entries(table: bytes) -> list[tuple[str, int, int]]:

@@ -107,6 +107,8 @@ class Session:
         self._ctx = ChannelContext(ids, self.connection_id, self._channel_closed)
         self._channels: dict[int, Channel] = {}
         self.vhost: str | None = None
+        #: the broker user the client logs in as (from its start-ok)
+        self.user: str | None = None
         #: reply code of the fault that made us close the client, if any
         self.fault_code: int | None = None
         self._client_header_buf = b""
@@ -438,6 +440,8 @@ class Session:
                 "vpnrepl listener; log in with a user name and password (PLAIN or AMQPLAIN)",
                 amqp.CONNECTION_START_OK,
             )
+        # the broker judges the login; its user owns the XA branches it starts
+        self.user = amqp.login_user(m.mechanism, m.response)
         return None
 
     def _c_tune_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:

@@ -163,7 +163,8 @@ class XaGateway:
             request = XaRequest.decode(call.verb, call.correlation_id, reply_to, call.body)
             if self.xa is None:
                 raise XaResourceFailure("client XA is not available on this node")
-            reply = await self.xa.call(vhost, request, self._branch(conn, call.channel))
+            branch = self._branch(conn, call.channel)
+            reply = await self.xa.call(vhost, request, branch, conn.session.user)
         except XaError as e:
             reply = XaReply.of_error(e)
         except Exception as e:  # a bug: the client hears of it, the log has it

@@ -292,7 +292,9 @@ class RecordingStandby:
     def __init__(self, ahead: set[str], calls: list[tuple[str, str]]) -> None:
         self.ahead, self.calls = ahead, calls
 
-    def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> asyncio.Future[bool]:
+    def prepare(
+        self, vpn: str, txid: str, events: bytes, within: float, owner: str | None = None
+    ) -> asyncio.Future[bool]:
         vote: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         vote.set_result(True)
         return vote
@@ -409,7 +411,9 @@ class SlowVote(RecordingStandby):
         super().__init__(set(), [])
         self.delay = delay
 
-    def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> asyncio.Future[bool]:
+    def prepare(
+        self, vpn: str, txid: str, events: bytes, within: float, owner: str | None = None
+    ) -> asyncio.Future[bool]:
         vote: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(self.delay, vote.set_result, False)
         return vote

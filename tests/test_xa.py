@@ -45,7 +45,16 @@ from tests.xa_clients import (
     start_sites,
     take,
 )
-from txn import Verb, XaHeuristic, XaNotFound, XaProtocolError, XAResource, XaRolledBack, Xid
+from txn import (
+    Verb,
+    XaHeuristic,
+    XaNotFound,
+    XaProtocolError,
+    XAResource,
+    XaResourceError,
+    XaRolledBack,
+    Xid,
+)
 
 
 @contextlib.contextmanager
@@ -65,6 +74,15 @@ def xa_rows(site: LocalSite, side: str) -> list[tuple[str, str]]:
                 (side,),
             ).fetchall()
         ]
+
+
+def xa_owner(site: LocalSite, side: str, xid: Xid) -> str | None:
+    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
+        row = db.execute(
+            "SELECT xa_owner FROM txn_log WHERE side = %s AND xid = %s", (side, str(xid))
+        ).fetchone()
+    assert row is not None, f"no {side} row of {xid}"
+    return None if row[0] is None else str(row[0])
 
 
 def numbers_live(site: LocalSite) -> set[int]:
@@ -136,7 +154,7 @@ def test_a_global_transaction_commits_and_rolls_back_atomically(
     assert broker_depths(site_a)["orders.q2"] == before["orders.q2"] + 1
 
 
-def test_verbs_out_of_order_and_unknown_branches_get_xa_errors(
+def test_verbs_out_of_order_unknown_branches_and_other_users_branches_get_xa_errors(
     site_a: LocalSite,
     site_b: LocalSite,
     vpnrepl_a: Vpnrepl,
@@ -160,6 +178,36 @@ def test_verbs_out_of_order_and_unknown_branches_get_xa_errors(
             xa.commit(xid)
         xa.commit(xid, one_phase=True)
         assert 110 in {number(b) for b in _drain(conn, "orders.q2")}
+
+        # a branch is its broker user's: another user may not touch or list it
+        site_a.rabbit.api("PUT", "users/mallory", {"password": "mallory-pw", "tags": ""})
+        site_a.rabbit.api("PUT", f"permissions/{VPN}/mallory",
+                          {"configure": ".*", "write": ".*", "read": ".*"})  # fmt: skip
+        theirs = pika.BlockingConnection(
+            pika.URLParameters(amqp_url(site_a).replace("guest:guest", "mallory:mallory-pw"))
+        )
+        try:
+            other = XAResource(theirs, timeout=20)
+            owned = Xid.from_parts(7, "owned", "b")
+            xa.start(owned, work)
+            publish(work, (115,))
+            refused = pytest.raises(XaResourceError, match="another broker user")
+            for verb in (other.end, other.prepare, other.rollback, other.commit):
+                with refused:
+                    verb(owned)
+            xa.end(owned)
+            xa.prepare(owned)
+            assert other.recover() == [] and xa.recover() == [owned]
+            for verb in (other.commit, other.rollback, other.forget):
+                with refused:
+                    verb(owned)
+            # the standby's row names the owner: a promoted site refuses the same
+            assert xa_owner(site_a, "coordinator", owned) == "guest"
+            assert xa_owner(site_b, "participant", owned) == "guest"
+            xa.commit(owned)
+        finally:
+            theirs.close()
+        assert 115 in {number(b) for b in _drain(conn, "orders.q2")}
 
 
 def test_a_prepare_without_the_standby_votes_no_whatever_the_policy(

@@ -176,8 +176,11 @@ class GroupLedger(Protocol):
 class StandbyLink(Protocol):
     """The active's side of the bridge, as the coordinator uses it."""
 
-    def prepare(self, vpn: str, txid: str, events: bytes, within: float) -> Awaitable[bool]:
-        """Send the standby ``txid``'s prepare now; the awaitable is True
+    def prepare(
+        self, vpn: str, txid: str, events: bytes, within: float, owner: str | None = None
+    ) -> Awaitable[bool]:
+        """Send the standby ``txid``'s prepare now (``owner``: an XA
+        branch's broker user, for its row there); the awaitable is True
         once its participant voted yes within ``within`` seconds. ``events``
         in :func:`txn._log.encode_events` form."""
 
@@ -221,6 +224,8 @@ class _Live:
     published: tuple[bytes, ...] = ()
     #: a client's XA branch: its id (the broker commit waits for its commit)
     xid: str | None = None
+    #: an XA branch's broker user
+    owner: str | None = None
     phase: Span | None = None  # the phase under way
     finished: bool = False  # its outcome is counted and its span ended
     #: the listener's answer to call once the commit is recorded (commit_soon)
@@ -307,7 +312,9 @@ class Coordinator:
 
     # -- the listener's side (through the Replicator sink) -------------------
 
-    def prepare(self, txn: LocalTransaction, xid: str | None = None) -> Awaitable[None]:
+    def prepare(
+        self, txn: LocalTransaction, xid: str | None = None, owner: str | None = None
+    ) -> Awaitable[None]:
         """Start ``txn``'s prepare now and return what finishes it (raises
         :class:`TransactionRefused` from the awaitable, or at once for a VPN
         not replicated here). The standby's request goes out before this
@@ -318,7 +325,9 @@ class Coordinator:
         With ``xid`` it is a client's XA branch: the standby's durable vote
         is needed whatever the VPN's mode and policy (a late vote is a no),
         and the prepare ends there: the broker commit waits for the
-        transaction manager's commit (:meth:`xa_commit_sent`)."""
+        transaction manager's commit (:meth:`xa_commit_sent`); ``owner`` is
+        the broker user that started the branch, kept in its rows on both
+        sites."""
         settings = self.settings.get(txn.vpn)
         if settings is None:
             raise TransactionRefused(f"VPN {txn.vpn!r} is not replicated as active here")
@@ -332,7 +341,7 @@ class Coordinator:
         attrs = _attrs(txn) if xid is None else {**_attrs(txn), "xid": xid}
         span = tracer.start_span("txn" if xid is None else "xa", attributes=attrs)
         live = _Live(txn, machine, asyncio.get_running_loop().create_future(), span, self.stats)
-        live.xid = xid
+        live.xid, live.owner = xid, owner
         self._live[txn.txid] = live
         live.enter("txn.prepare")
         encoded = encode_events(txn.events)  # once: the local row and the standby's
@@ -348,7 +357,8 @@ class Coordinator:
         if not live.machine.needs_standby or self.link is None:
             return None
         txn = live.txn
-        return self.link.prepare(txn.vpn, txn.txid, encoded, settings.sync_timeout_ms / 1000)
+        within = settings.sync_timeout_ms / 1000
+        return self.link.prepare(txn.vpn, txn.txid, encoded, within, live.owner)
 
     async def _prepared(
         self,
@@ -393,7 +403,13 @@ class Coordinator:
             asked = self._ask_standby(live, settings, encoded)
         remote = None if asked is None else asyncio.ensure_future(asked)
         local = self.log.prepare(
-            txn.txid, txn.vpn, COORDINATOR, encoded, ledger_floor=floor, xid=live.xid
+            txn.txid,
+            txn.vpn,
+            COORDINATOR,
+            encoded,
+            ledger_floor=floor,
+            xid=live.xid,
+            xa_owner=live.owner,
         )
         try:
             await local

@@ -59,6 +59,9 @@ class TxnRow:
     heuristic: str | None = None
     hazard: str | None = None
     acks_held: bool = False
+    #: the broker user that started the XA branch (None: anyone's, a row
+    #: from before schema 0014)
+    xa_owner: str | None = None
 
     def recorded_events(self) -> tuple[Event, ...]:
         """The events its commit decision records: all of them, or — a
@@ -91,7 +94,8 @@ DELETE FROM txn_log WHERE txid IN (
 """
 
 _SELECT = """
-SELECT txid, vpn, side, state, degraded, ledger_floor, events, xid, heuristic, hazard, acks_held
+SELECT txid, vpn, side, state, degraded, ledger_floor, events, xid, heuristic, hazard, acks_held,
+    xa_owner
 FROM txn_log
 """
 
@@ -120,16 +124,18 @@ class TxnLog:
         *,
         ledger_floor: int = 0,
         xid: str | None = None,
+        xa_owner: str | None = None,
     ) -> bool:
         """Persist a prepared row; False if ``txid`` already has a row (a
         repeated prepare: the first one stands). ``events`` may come
-        encoded already (:func:`encode_events`, as the bridge carries them)."""
+        encoded already (:func:`encode_events`, as the bridge carries them);
+        ``xa_owner``: an XA branch's broker user."""
         data = events if isinstance(events, bytes) else encode_events(events)
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                "INSERT INTO txn_log (txid, vpn, side, state, events, ledger_floor, xid)"
-                " VALUES (%s, %s, %s, 'prepared', %s, %s, %s) ON CONFLICT (txid) DO NOTHING",
-                (txid, vpn, side, data, ledger_floor, xid),
+                "INSERT INTO txn_log (txid, vpn, side, state, events, ledger_floor, xid, xa_owner)"
+                " VALUES (%s, %s, %s, 'prepared', %s, %s, %s, %s) ON CONFLICT (txid) DO NOTHING",
+                (txid, vpn, side, data, ledger_floor, xid, xa_owner),
             )
             return cur.rowcount == 1
 
@@ -258,7 +264,7 @@ class TxnLog:
 
 
 def _row(r: tuple[object, ...]) -> TxnRow:
-    txid, vpn, side, state, degraded, floor, events, xid, heuristic, hazard, held = r
+    txid, vpn, side, state, degraded, floor, events, xid, heuristic, hazard, held, owner = r
     assert isinstance(events, bytes | memoryview)  # noqa: S101 - bytea column
     return TxnRow(
         str(txid),
@@ -272,4 +278,5 @@ def _row(r: tuple[object, ...]) -> TxnRow:
         None if heuristic is None else str(heuristic),
         None if hazard is None else str(hazard),
         bool(held),
+        None if owner is None else str(owner),
     )

@@ -57,6 +57,8 @@ class Participant:
         txid: str,
         events: bytes,
         meanwhile: Callable[[Voted], object] | None = None,
+        *,
+        owner: str | None = None,
     ) -> Voted | None:
         """Persist ``txid`` as prepared. A yes vote returns the events it
         was for (encoding and event, for the standby to commit it early, ahead of
@@ -65,12 +67,13 @@ class Participant:
         The events are decoded while the database writes the row (the
         insert goes out first): a vote for unreadable events would be
         worthless, so they vote no and their row is aborted at once.
+        ``owner``: an XA branch's broker user, kept in its row.
         ``meanwhile(voted)`` runs then too, before the vote is known: what
         the caller prepares for a yes is ready when the vote goes out, and
         nothing runs between the vote and the active's next step (on one
         machine, the active's node waits for the CPU this one holds)."""
         write = asyncio.ensure_future(
-            self.log.prepare(txid, vpn, PARTICIPANT, events, xid=xid_of_txid(txid))
+            self.log.prepare(txid, vpn, PARTICIPANT, events, xid=xid_of_txid(txid), xa_owner=owner)
         )
         try:
             await asyncio.sleep(0)  # the insert is sent

@@ -29,6 +29,13 @@ Invariants, and why they hold:
 * **Recovery never decides a branch.** A node restart resolves local
   transactions by their markers, but leaves an XA branch without a marker
   prepared for its transaction manager.
+* **A branch is its user's.** The broker user whose connection started a
+  branch owns it (kept in its rows on both sites, so a promoted standby
+  knows it too): another user's verbs on it are refused
+  (:class:`XaNotOwner`, ``XAER_RMERR``: a transaction manager keeps the
+  branch) and its ``recover`` does not list it. An operator's decision
+  (:data:`OPERATOR`) may act on any branch; a branch whose row predates
+  owners (schema 0014) is anyone's.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from ._xa_wire import (
     XaError,
     XaHeuristic,
     XaNotFound,
+    XaNotOwner,
     XaProtocolError,
     XaReply,
     XaRequest,
@@ -73,13 +81,21 @@ from ._xa_wire import (
 )
 from ._xid import Xid
 
-__all__ = ["BranchChannel", "LogPublisher", "XaCoordinator", "XaStats"]
+__all__ = ["OPERATOR", "BranchChannel", "LogPublisher", "XaCoordinator", "XaStats"]
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("vpnrepl.txn")
 
 #: branches rolled back with their channel, remembered for a late rollback
 _TOMBSTONES = 4096
+#: the user an operator's decision acts as: may act on any branch (no broker
+#: user has this name: PLAIN separates its fields with NUL)
+OPERATOR = "\0operator"
+
+
+def _may(owner: str | None, user: str | None) -> bool:
+    """Whether ``user`` may act on a branch ``owner`` started."""
+    return owner is None or user == OPERATOR or owner == user
 
 
 class BranchChannel(Protocol):
@@ -148,6 +164,8 @@ class _Branch:
     state: BranchState
     channel: BranchChannel | None
     txn: LocalTransaction | None = None
+    #: the broker user that started it
+    owner: str | None = None
 
 
 class XaCoordinator:
@@ -160,18 +178,24 @@ class XaCoordinator:
         self.stats = XaStats()
         self._branches: dict[tuple[str, str], _Branch] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        #: (vpn, xid) -> why a branch that never prepared was rolled back
-        self._rolled_back: dict[tuple[str, str], str] = {}
+        #: (vpn, xid) -> (why a branch that never prepared was rolled back, its owner)
+        self._rolled_back: dict[tuple[str, str], tuple[str, str | None]] = {}
 
-    async def call(self, vpn: str, request: XaRequest, channel: BranchChannel | None) -> XaReply:
+    async def call(
+        self,
+        vpn: str,
+        request: XaRequest,
+        channel: BranchChannel | None,
+        user: str | None = None,
+    ) -> XaReply:
         """Answer ``request`` from a connection on ``vpn`` (its channel, for
-        ``start``)."""
+        ``start``) logged in as broker user ``user``."""
         xid = None if request.xid is None else str(request.xid)
         with tracer.start_as_current_span(
             f"xa.{request.verb.value}", attributes={"vpn": vpn, "xid": xid or ""}
         ) as span:
             try:
-                reply = await self._call(vpn, request, xid, channel)
+                reply = await self._call(vpn, request, xid, channel, user)
             except XaError as e:
                 reply = XaReply.of_error(e)
             except (psycopg.Error, MarkerError, BridgeError, TransactionRefused) as e:
@@ -181,30 +205,41 @@ class XaCoordinator:
             return reply
 
     async def _call(
-        self, vpn: str, request: XaRequest, xid: str | None, channel: BranchChannel | None
+        self,
+        vpn: str,
+        request: XaRequest,
+        xid: str | None,
+        channel: BranchChannel | None,
+        user: str | None,
     ) -> XaReply:
         if request.verb is Verb.RECOVER:
-            rows = await self.log.xa_branches(vpn)
+            rows = [r for r in await self.log.xa_branches(vpn) if _may(r.xa_owner, user)]
             return XaReply("XA_OK", f"{len(rows)} branch(es)", tuple(_listed(r) for r in rows))
         assert xid is not None  # noqa: S101 - every other verb names its branch (XaRequest)
         key = (vpn, xid)
         lock = self._locks.setdefault(key, asyncio.Lock())
         try:
             async with lock:
-                return await self._verb(vpn, request, xid, channel)
+                return await self._verb(vpn, request, xid, channel, user)
         finally:
             if not lock.locked() and key not in self._branches:
                 self._locks.pop(key, None)
 
     async def _verb(
-        self, vpn: str, request: XaRequest, xid: str, channel: BranchChannel | None
+        self,
+        vpn: str,
+        request: XaRequest,
+        xid: str,
+        channel: BranchChannel | None,
+        user: str | None,
     ) -> XaReply:
         verb = request.verb
         if verb is Verb.START:
-            return await self._start(vpn, xid, channel)
+            return await self._start(vpn, xid, channel, user)
         branch = self._branches.get((vpn, xid))
         if branch is None:
-            return await self._unbound(vpn, request, xid)
+            return await self._unbound(vpn, request, xid, user)
+        _check_owner(branch.owner, user, verb, xid)
         if verb is Verb.FORGET:
             raise XaProtocolError(f"XA branch {xid} did not end heuristically: nothing to forget")
         if verb is Verb.COMMIT and branch.state is BranchState.IDLE and not request.one_phase:
@@ -235,7 +270,9 @@ class XaCoordinator:
             branch.state = settle(BranchState.PREPARING, BranchState.COMMITTING)
         return await self._commit_bound(branch)
 
-    async def _start(self, vpn: str, xid: str, channel: BranchChannel | None) -> XaReply:
+    async def _start(
+        self, vpn: str, xid: str, channel: BranchChannel | None, user: str | None
+    ) -> XaReply:
         if channel is None or not channel.alive:
             raise XaProtocolError("start must be sent on the channel the branch's work goes on")
         if not channel.transactional:
@@ -250,7 +287,7 @@ class XaCoordinator:
         if row is not None and row.state == "prepared":
             raise XaDuplicate(f"XA branch {xid} is prepared already")
         self._rolled_back.pop((vpn, xid), None)
-        self._branches[(vpn, xid)] = _Branch(vpn, xid, BranchState.ACTIVE, channel)
+        self._branches[(vpn, xid)] = _Branch(vpn, xid, BranchState.ACTIVE, channel, owner=user)
         channel.bind(xid)
         return XaReply("XA_OK")
 
@@ -273,7 +310,7 @@ class XaCoordinator:
             self._count(branch.vpn, "read_only")
             return "XA_RDONLY"
         try:
-            await self.coordinator.prepare(txn, xid=branch.xid)
+            await self.coordinator.prepare(txn, xid=branch.xid, owner=branch.owner)
         except TransactionRefused as e:
             await channel.broker_rollback()
             branch.state = BranchState.ENDED
@@ -339,18 +376,21 @@ class XaCoordinator:
 
     # -- branches known only by their rows ------------------------------------
 
-    async def _unbound(self, vpn: str, request: XaRequest, xid: str) -> XaReply:
+    async def _unbound(self, vpn: str, request: XaRequest, xid: str, user: str | None) -> XaReply:
         """A verb on a branch no channel here holds: its row decides."""
         verb = request.verb
-        gone = self._rolled_back.get((vpn, xid))
+        tombstone = self._rolled_back.get((vpn, xid))
         row = await self.log.xa_branch(vpn, xid)
-        if row is None or (gone is not None and row.state != "prepared"):
-            if gone is not None:
+        if row is None or (tombstone is not None and row.state != "prepared"):
+            if tombstone is not None:
+                gone, owner = tombstone
+                _check_owner(owner, user, verb, xid)
                 if verb is Verb.ROLLBACK:
                     self._rolled_back.pop((vpn, xid), None)
                     return XaReply("XA_OK", gone)
                 raise XaRolledBack(f"XA branch {xid}: {gone}")
             raise XaNotFound(f"no XA branch {xid} on VPN {vpn!r} here")
+        _check_owner(row.xa_owner, user, verb, xid)
         if row.heuristic is not None:
             return await self._heuristic(row, verb)
         if row.state != "prepared":
@@ -437,7 +477,7 @@ class XaCoordinator:
         commit|rollback``), recorded as heuristic."""
         verb = Verb.COMMIT if commit else Verb.ROLLBACK
         request = XaRequest(verb, xid, "operator", "operator")
-        reply = await self.call(vpn, request, None)
+        reply = await self.call(vpn, request, None, OPERATOR)
         if reply.code in ("XA_OK", "XA_HEURHAZ"):
             row = await self.log.xa_branch(vpn, str(xid))
             if row is not None and row.heuristic is None:
@@ -457,21 +497,29 @@ class XaCoordinator:
                 continue
             if branch.state in (BranchState.ACTIVE, BranchState.IDLE):
                 del self._branches[key]
-                self._remember_rollback(key, "its channel closed before prepare")
+                self._remember_rollback(key, "its channel closed before prepare", branch.owner)
                 self._count(branch.vpn, "rolled_back")
             elif branch.state is BranchState.PREPARED:
                 del self._branches[key]
                 if branch.txn is not None:
                     self.coordinator.detach(branch.txn.txid)
 
-    def _remember_rollback(self, key: tuple[str, str], why: str) -> None:
+    def _remember_rollback(self, key: tuple[str, str], why: str, owner: str | None) -> None:
         if len(self._rolled_back) >= _TOMBSTONES:
             with contextlib.suppress(StopIteration):
                 del self._rolled_back[next(iter(self._rolled_back))]
-        self._rolled_back[key] = f"rolled back: {why}"
+        self._rolled_back[key] = (f"rolled back: {why}", owner)
 
     def _count(self, vpn: str, outcome: str) -> None:
         self.stats.outcomes[(vpn, outcome)] += 1
+
+
+def _check_owner(owner: str | None, user: str | None, verb: Verb, xid: str) -> None:
+    if not _may(owner, user):
+        raise XaNotOwner(
+            f"XA branch {xid} was started by another broker user: only that user may"
+            f" {verb.value} it"
+        )
 
 
 def _listed(row: TxnRow) -> Branch:

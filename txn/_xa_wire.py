@@ -45,6 +45,7 @@ __all__ = [
     "XaHeuristic",
     "XaInvalid",
     "XaNotFound",
+    "XaNotOwner",
     "XaProtocolError",
     "XaReply",
     "XaRequest",
@@ -117,6 +118,12 @@ class XaResourceError(XaError):
     is as it was."""
 
     code = "XAER_RMERR"
+
+
+class XaNotOwner(XaResourceError):
+    """The branch was started by another broker user: only that user may
+    end, prepare, commit, roll back or forget it (the branch is as it
+    was)."""
 
 
 class XaResourceFailure(XaError):

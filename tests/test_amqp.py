@@ -211,3 +211,15 @@ def test_truncated_properties_are_a_syntax_error() -> None:
     payload = header.ContentHeader(body_size=0, properties=props).marshal()
     with pytest.raises(amqp.SyntaxError_):
         amqp.property_layout(payload[:16])
+
+
+def test_the_login_user_is_read_from_plain_and_amqplain_and_nothing_else() -> None:
+    from pamqp import encode
+
+    amqplain = encode.field_table({"LOGIN": "bob", "PASSWORD": "secret"})[4:]
+    assert amqp.login_user("PLAIN", "\x00alice\x00secret") == "alice"
+    assert amqp.login_user("PLAIN", "admin\x00alice\x00secret") == "alice"  # authzid ignored
+    assert amqp.login_user("AMQPLAIN", amqplain) == "bob"
+    assert amqp.login_user("AMQPLAIN", amqplain[:7]) is None  # truncated
+    assert amqp.login_user("PLAIN", "alice") is None
+    assert amqp.login_user("EXTERNAL", "") is None

@@ -6,6 +6,7 @@ receive (topology events) reaches it as a no-op, so its indexes stay dense."""
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import pytest
 
@@ -33,6 +34,7 @@ from bridge import (
     SyncRequest,
     SyncTimeoutPolicy,
     TopologyChanged,
+    TxnPrepare,
     VersionMismatch,
     VpnResource,
     decode_frame,
@@ -98,11 +100,16 @@ def test_two_upgraded_ends_speak_the_newest_version_with_every_capability() -> N
     assert standby.resources["orders"].definitions_index == 7  # version 6 carries it
 
 
-def test_topology_events_travel_as_they_are_between_two_upgraded_ends() -> None:
+def test_topology_events_and_xa_owners_travel_as_they_are_between_two_upgraded_ends() -> None:
     active, standby = greeted()
     streaming(active, standby)
     got = frames(standby, active.send(Events("orders", 1, entries())))
     assert got == [Events("orders", 1, entries())]
+    prepare = TxnPrepare("orders", 1, "xa/1:67:62/1.1.1.1", b"", owner="alice")
+    assert frames(standby, active.send(prepare)) == [prepare]
+    unowned = replace(prepare, owner="")  # a local transaction's: the frame as version 5 had it
+    assert unowned.encode() == TxnPrepare("orders", 1, unowned.txid, b"").encode()
+    assert frames(standby, active.send(unowned)) == [unowned]
 
 
 def test_a_previous_version_standby_gets_each_topology_event_as_a_no_op_at_its_index() -> None:
@@ -117,7 +124,7 @@ def test_a_previous_version_standby_gets_each_topology_event_as_a_no_op_at_its_i
     answer = active.send(active.our_hello())
     assert header_version(answer) == 5
     assert active.capabilities == 0
-    assert active.lacking() == ["topology events"]
+    assert active.lacking() == ["topology events", "XA branch owners"]
     frames(active, GetAllResources().encode(5))
     wire = active.send(listing())
     sent, _ = decode_frame(wire)  # what a version-5 node decodes
@@ -134,6 +141,9 @@ def test_a_previous_version_standby_gets_each_topology_event_as_a_no_op_at_its_i
         (2, entries()[1].event),
         (3, Purged("orders", "")),
     ]
+    prepare = TxnPrepare("orders", 1, "xa/1:67:62/1.1.1.1", b"", owner="alice")
+    sent, _ = decode_frame(active.send(prepare))
+    assert sent == replace(prepare, owner="")  # an old node's row names no owner
     with pytest.raises(Exception, match="may not send"):
         active.send(Hello("a", PROTOCOL_VERSION, Role.ACTIVE))  # not twice, not another version
 
@@ -152,7 +162,7 @@ def test_an_upgraded_standby_speaks_version_5_to_a_previous_version_active() -> 
     hello = standby.our_hello()
     assert hello.capabilities == 0 and header_version(standby.send(hello)) == 5
     frames(standby, Hello("a", 5, Role.ACTIVE).encode(5))
-    assert standby.lacking() == ["topology events"]
+    assert standby.lacking() == ["topology events", "XA branch owners"]
     standby.send(GetAllResources())
     old = listing(None)
     frames(standby, old.encode(5))

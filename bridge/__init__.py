@@ -162,6 +162,10 @@ from ._settings import (
 )
 
 if TYPE_CHECKING:
+    from ._acceptor import (
+        TLS_SHUTDOWN_TIMEOUT as TLS_SHUTDOWN_TIMEOUT,
+        TlsServer as TlsServer,
+    )
     from ._active import BridgeServer as BridgeServer
     from ._amqp_client import BrokerPublisher as BrokerPublisher
     from ._apply import (
@@ -306,6 +310,7 @@ if TYPE_CHECKING:
 
 #: module -> the names it exports through this package, imported on first use
 _IO_BOUND: dict[str, tuple[str, ...]] = {
+    "._acceptor": ("TLS_SHUTDOWN_TIMEOUT", "TlsServer"),
     "._active": ("BridgeServer",),
     "._outbound": ("RepairSent",),
     "._amqp_client": ("BrokerPublisher",),

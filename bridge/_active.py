@@ -31,6 +31,7 @@ from typing import Any
 
 import psycopg
 
+from ._acceptor import TlsServer
 from ._bridgestate import (
     CONNECTED,
     DISCONNECTED,
@@ -75,14 +76,12 @@ from ._link import (
     LinkError,
     describe_error,
     peer_address,
-    server_handshake,
 )
 from ._management import ManagementAPI
 from ._outbound import OutboundStream, RepairSent, StandbyPeer, StreamLimits
 from ._protocol import BridgeConnection, Phase
 from ._replicator import Replicator
 from ._settings import HostPort, InvalidSettings, Role, TlsConfig, VpnSettings
-from ._tls import make_server_context
 from ._txnlink import ActiveTxnLink
 from ._vpnstore import active_vpns_async
 
@@ -108,6 +107,7 @@ class BridgeServer:
         peers: Iterable[str] = (),
         management_url: str | None = None,
         tls: TlsConfig | None = None,
+        plaintext_too: bool = False,
         retain_seconds: float = 300.0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
@@ -125,7 +125,6 @@ class BridgeServer:
         self._api = ManagementAPI(management_url) if management_url else None
         #: the named-site rule: only these peer sites are served
         self._check = PeerCheck.of(peers)
-        self._ssl = make_server_context(tls) if tls is not None else None
         self._tls = tls
         self.retain_seconds = retain_seconds
         self.heartbeat_interval = heartbeat_interval
@@ -133,13 +132,25 @@ class BridgeServer:
         #: the TLS handshake and then the standby's Hello must each come
         #: within this many seconds of the connection
         self.handshake_timeout = handshake_timeout
+        #: accepts connections: TLS (TlsSetupError names a bad file), plain
+        #: TCP, or either while the pair moves to TLS (``plaintext_too``)
+        self._acceptor = TlsServer(
+            "bridge",
+            tls,
+            self._stream_protocol,
+            handshake_timeout,
+            plaintext_too=plaintext_too,
+            peer="standby at",
+            whose="the standby's",
+            hangup_hint="did it refuse this site's certificate?",
+        )
         #: connections served at once, authenticated or not: past it a new
         #: one is closed at once (a stranger cannot exhaust the node)
         self.max_connections = max_connections
         self.limits = StreamLimits(batch_size, checkpoint_chunk_bytes)
         self.max_queued_bytes = max_queued_bytes
         self._ack_flush_interval = ack_flush_interval
-        self._server: asyncio.Server | None = None
+        self._listening = False
         self._pool: Pool | None = None
         self._states: BridgeStateWriter | None = None
         self._peers: set[StandbyPeer] = set()
@@ -166,43 +177,57 @@ class BridgeServer:
         self._states.start()
         self._unsubscribe = self.writer.subscribe(self._on_durable)
         try:
-            self._server = await asyncio.start_server(self._handle, host, port)
+            await self._acceptor.start(host, port)
         except OSError as e:
             await self.close()
             raise LinkError(f"cannot listen for standbys on {HostPort(host, port)}: {e}") from e
-        log.info(
-            "bridge: listening for standbys on %s (%s)",
-            HostPort(host, port),
-            "mutual TLS" if self._tls and self._tls.ca else "TLS" if self._tls else "plain TCP",
-        )
+        self._listening = True
+        log.info("bridge: listening for standbys on %s (%s)", HostPort(host, port), self._how())
 
-    def reload_tls(self) -> None:
-        """Read the certificate, key and CA files again (a rotation): new
-        connections use them, established links keep theirs. Raises
-        :class:`~bridge.TlsSetupError` (the old files stay in use)."""
-        if self._tls is not None:
-            self._ssl = make_server_context(self._tls)
+    def _how(self) -> str:
+        tls = self._acceptor.tls
+        how = "mutual TLS" if tls and tls.ca else "TLS" if tls else "plain TCP"
+        return how + (" or plain TCP" if self._acceptor.plaintext_too else "")
+
+    def _stream_protocol(self) -> asyncio.Protocol:
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(), self._handle)
+
+    def reload_tls(self, tls: TlsConfig | None = None, plaintext_too: bool = False) -> None:
+        """Serve new connections with ``tls`` (its files read again: a
+        rotation), and plain TCP too or not. Raises
+        :class:`~bridge.TlsSetupError` (nothing changes then). Without
+        ``plaintext_too``, links that came in as plain TCP are dropped: the
+        standby dials again, with TLS."""
+        self._acceptor.configure(tls, plaintext_too)
+        self._tls = tls
+        log.info("bridge: new standby connections: %s", self._how())
+        if tls is None or plaintext_too:
+            return
+        for peer in list(self._peers):
+            if peer.link.writer.get_extra_info("sslcontext") is None:
+                log.warning("bridge: dropping plain TCP link of standby %s: TLS only", peer.name)
+                peer.link.writer.transport.abort()
 
     @property
     def port(self) -> int:
         """The port listened on (useful after ``start(host, 0)``)."""
-        if self._server is None or not self._server.sockets:
+        if not self._listening:
             raise LinkError("the bridge server is not listening")
-        return int(self._server.sockets[0].getsockname()[1])
+        return self._acceptor.port
 
     async def close(self) -> None:
         """Stop listening, drop every standby, record their state."""
-        if self._server is not None:
-            self._server.close()
+        if self._listening:
+            self._acceptor.close()
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
+        if self._listening:
+            await self._acceptor.wait_closed()
+            self._listening = False
         if self._states is not None:
             await self._states.close()
             self._states = None
@@ -351,13 +376,6 @@ class BridgeServer:
             writer.transport.abort()
             return
         try:
-            if self._ssl is not None:
-                refusal = await server_handshake(
-                    writer, self._ssl, self.handshake_timeout, self._tls.ca if self._tls else None
-                )
-                if refusal is not None:
-                    log.warning("bridge: %s", refusal)
-                    return
             names = certificate_names(writer.get_extra_info("peercert"))
             why = self._check.certificate(names)
             if why is not None:

@@ -34,7 +34,6 @@ __all__ = [
     "describe_error",
     "dial",
     "peer_address",
-    "server_handshake",
 ]
 
 _READ_SIZE = 256 * 1024
@@ -93,38 +92,6 @@ async def dial(
         raise TlsRefused(f"TLS handshake with the active failed: {describe_tls_error(e)}") from e
     except OSError as e:
         raise PeerUnreachable(f"cannot connect: {e.strerror or e}") from e
-
-
-async def server_handshake(
-    writer: asyncio.StreamWriter, context: ssl.SSLContext, within: float, ca: object | None
-) -> str | None:
-    """Upgrade an accepted connection to TLS; None when it worked, else a
-    log line saying why not (the connection is aborted then). ``ca``: the
-    CA client certificates must be signed by, if mutual TLS is on (named
-    when the peer's certificate is not)."""
-    address = peer_address(writer)
-    try:
-        await writer.start_tls(context, ssl_handshake_timeout=within)
-    except ssl.SSLError as e:
-        reason = describe_tls_error(e)
-        if isinstance(e, ssl.SSLCertVerificationError) and ca is not None:
-            reason += f" (the standby's certificate is not signed by {ca})"
-        refusal = f"refused standby at {address}: TLS handshake failed: {reason}"
-    except (ConnectionError, OSError, TimeoutError) as e:
-        if isinstance(e, TimeoutError):
-            reason = f"no handshake within {within:g} s"
-        elif isinstance(e, ConnectionResetError | BrokenPipeError):
-            reason = "the standby hung up"
-        else:
-            reason = e.strerror or describe_error(e)
-        refusal = (
-            f"TLS handshake with standby at {address} failed: {reason} "
-            "(did it refuse this site's certificate?)"
-        )
-    else:
-        return None
-    writer.transport.abort()
-    return refusal
 
 
 class Link:

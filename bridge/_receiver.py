@@ -168,9 +168,12 @@ class BridgeClient:
         max_apply_batch: int = 5000,
         peer_site: str = "",
         copy_tags: tuple[str, ...] = (),
+        plaintext_too: bool = False,
     ) -> None:
         """``peer_site``: the active's site name, which its certificate and
-        its Hello must carry (the named-site rule, :mod:`bridge._identity`)."""
+        its Hello must carry (the named-site rule, :mod:`bridge._identity`).
+        ``plaintext_too`` (the pair moves to TLS): each dial tries TLS
+        first and plain TCP when the TLS handshake fails."""
         self.site = site
         self._check = PeerCheck.of([peer_site])
         self._dsn = dsn
@@ -187,6 +190,7 @@ class BridgeClient:
         )
         self._tls = tls
         self._ssl = make_client_context(tls) if tls is not None else None
+        self._plaintext_too = plaintext_too and tls is not None
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.connect_timeout = connect_timeout
@@ -374,7 +378,7 @@ class BridgeClient:
         for address in self.addresses:
             self.peer = address
             try:
-                reader, writer = await dial(address, self._ssl, self.connect_timeout)
+                reader, writer = await self._dial(address)
             except PeerUnreachable as e:  # the site's next node, if it has one
                 failure = e
                 continue
@@ -389,6 +393,16 @@ class BridgeClient:
         epochs = await self._known_epochs()
         conn = BridgeConnection(Role.STANDBY, self.site, known_epochs=epochs, version=self.version)
         return Link(conn, reader, writer, str(self.peer), self.heartbeat_timeout)
+
+    async def _dial(self, address: HostPort) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            return await dial(address, self._ssl, self.connect_timeout)
+        except (TlsRefused, PeerUnreachable) as e:
+            if not self._plaintext_too:
+                raise
+            # an active not moved to TLS yet reads the ClientHello as a bad frame
+            log.info("bridge: TLS to %s failed (%s); trying plain TCP", address, e)
+            return await dial(address, None, self.connect_timeout)
 
     async def _known_epochs(self) -> dict[str, int]:
         assert self._pool is not None  # noqa: S101 - run() opened it
@@ -451,12 +465,20 @@ class BridgeClient:
             "refused this site's certificate (not signed by the CA it trusts)"
         )
 
-    def reload_tls(self) -> None:
-        """Read the certificate, key and CA files again (a rotation): the
-        next dial uses them. Raises :class:`~bridge.TlsSetupError` (the old
-        files stay in use)."""
-        if self._tls is not None:
-            self._ssl = make_client_context(self._tls)
+    def reload_tls(self, tls: TlsConfig | None = None, plaintext_too: bool = False) -> None:
+        """Dial with ``tls`` from now on (its files read again: a rotation),
+        falling back to plain TCP or not. Raises
+        :class:`~bridge.TlsSetupError` (nothing changes then). Without
+        ``plaintext_too``, a link up over plain TCP is dropped: the next
+        dial is TLS."""
+        context = make_client_context(tls) if tls is not None else None
+        self._tls, self._ssl = tls, context
+        self._plaintext_too = plaintext_too and tls is not None
+        link = self._link
+        if tls is not None and not plaintext_too and link is not None:
+            if link.writer.get_extra_info("sslcontext") is None:
+                log.warning("bridge: dropping the plain TCP link to %s: TLS only", self.peer)
+                link.writer.transport.abort()
 
     def relist_now(self) -> None:
         """Ask the active for its VPNs now (a VPN here changed role), not at

@@ -72,20 +72,13 @@ def _cmd_init(cfg: SiteConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_node(cfg: SiteConfig, args: argparse.Namespace) -> int:
-    import asyncio
-
     import uvloop  # the relay's round trips are about half as long on uvloop
 
     from ._node import run_node  # imports the bridge; only the node needs it
 
-    if cfg.tls is None:
-        uvloop.run(run_node(cfg))
-    else:
-        # uvloop's start_tls on an accepted stream loses a ClientHello that
-        # arrived before it ran (measured: every handshake hung), and the
-        # bridge upgrades accepted connections that way to log refusals
-        # clearly; with TLS configured the node runs on asyncio's own loop.
-        asyncio.run(run_node(cfg))
+    # TLS servers take their sockets before any transport reads from them
+    # (bridge._acceptor), so TLS works on uvloop as on asyncio's loop
+    uvloop.run(run_node(cfg))
     return EXIT_OK
 
 

@@ -110,8 +110,12 @@ class SiteConfig:
     #: with one
     peers: tuple[PeerConfig, ...] = ()
     #: ``[insecure] plaintext_bridge``: the bridge without TLS (no peer is
-    #: authenticated); shown in every start's log, status and metrics
+    #: authenticated); shown in every start's log, status and metrics. With
+    #: ``[tls]`` too the pair is moving to TLS: the bridge takes and dials
+    #: either (TLS first)
     plaintext_bridge: bool = False
+    #: the ``--set`` overrides the file was read with (SIGHUP reads it again)
+    overrides: tuple[str, ...] = ()
 
     @property
     def peer(self) -> PeerConfig | None:
@@ -125,8 +129,14 @@ class SiteConfig:
 
     @property
     def bridge_authenticated(self) -> bool:
-        """Peers prove their site name with a certificate (mutual TLS)."""
-        return self.tls is not None and self.tls.ca is not None
+        """Peers prove their site name with a certificate (mutual TLS), and
+        no plain TCP link is admitted."""
+        return self.tls is not None and self.tls.ca is not None and not self.plaintext_bridge
+
+    @property
+    def bridge_moving(self) -> bool:
+        """``[tls]`` and the opt-out together: the pair moves to TLS."""
+        return self.tls is not None and self.plaintext_bridge
 
 
 _REQUIRED = object()
@@ -411,6 +421,7 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
             peer_store_dsn=peer.store_dsn if peer is not None else None,
             peers=peers,
             plaintext_bridge=plaintext,
+            overrides=tuple(overrides),
             tls=tls,
             ledger_retain_seconds=(
                 v["replication"]["ledger_retain_seconds"] if "replication" in v else 300
@@ -432,13 +443,12 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
 
 
 def _plaintext_bridge(path: str, v: Mapping[str, Mapping[str, Any]], tls: TlsConfig | None) -> bool:
-    """``[insecure] plaintext_bridge``: required when there is no ``[tls]``,
-    refused beside one."""
+    """``[insecure] plaintext_bridge``: required when there is no ``[tls]``;
+    beside one, the bridge takes and dials both while the pair moves to TLS
+    (README "Moving a plaintext pair to mutual TLS")."""
     plaintext = bool(v["insecure"]["plaintext_bridge"]) if "insecure" in v else False
     if tls is None and not plaintext:
         raise ConfigError(path, "tls", _NO_TLS)
-    if tls is not None and plaintext:
-        raise ConfigError(path, "insecure.plaintext_bridge", "is set, but so is [tls]: choose one")
     return plaintext
 
 

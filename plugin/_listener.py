@@ -10,7 +10,7 @@ publishing client is not read while the replication sink's backlog is over its
 limit. Foreign errors (``OSError`` from connect) are translated here.
 
 Clients may also connect over TLS (AMQPS, :meth:`Listener.start_tls`): TLS
-ends here, in :class:`~plugin._tls_server.TlsServer`, and from the completed
+ends here, in :class:`~bridge.TlsServer`, and from the completed
 handshake on such a client is served exactly like a plain one. Whether the
 upstream connection uses TLS depends only on ``broker.amqp_url``.
 """
@@ -32,12 +32,14 @@ from urllib.parse import urlsplit
 
 from bridge import (
     EVENT_KINDS,
+    TLS_SHUTDOWN_TIMEOUT,
     ConfirmKey,
     Event,
     IdSource,
     LocalTransaction,
     Published,
     TlsConfig,
+    TlsServer,
     TransactionRefused,
     describe_tls_error,
 )
@@ -49,7 +51,6 @@ from ._metrics import ListenerStats
 from ._refusal import BrokerUnavailable, TooManyConnections
 from ._session import Output, Session
 from ._sink import ReplicationSink
-from ._tls_server import TLS_SHUTDOWN_TIMEOUT, TlsServer
 from ._xa_gateway import XaGateway
 
 __all__ = ["BrokerAddress", "Listener", "broker_context", "site_broker_ssl"]

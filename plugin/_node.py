@@ -23,6 +23,7 @@ import random
 import signal
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -64,7 +65,7 @@ from bridge import (
 from txn import Coordinator, MarkerError, MarkerStore, Participant, TxnLog, XaCoordinator
 
 from ._admin import AdminCredentials, AdminServer
-from ._config import SiteConfig
+from ._config import SiteConfig, load_config
 from ._demote import DemotionSummary, demote, export_tail
 from ._directory import VpnDirectory, VpnView
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
@@ -105,6 +106,21 @@ def fenced_text(vpn: str, epoch: int, site: str) -> str:
     """What a fenced former active tells the VPN's clients (320 and 530)."""
     where = f"site {site!r}" if site else "the other site"
     return f"vhost '{vpn}' is now active on {where} (epoch {epoch}); connect to that site"
+
+
+def _warn_plaintext(cfg: SiteConfig) -> None:
+    if cfg.bridge_moving:
+        log.warning(
+            "the bridge takes and dials plain TCP beside mutual TLS ([tls] and "
+            "[insecure] plaintext_bridge = true: the pair is moving to TLS); remove "
+            "plaintext_bridge once both sites have [tls]"
+        )
+    elif cfg.plaintext_bridge:
+        log.warning(
+            "the bridge is plain TCP ([insecure] plaintext_bridge = true): peers are not "
+            "authenticated and replicated messages cross the network readable; set "
+            "[tls] cert, key and ca (`vpnrepl tls init`) to end this"
+        )
 
 
 async def _incarnation(cfg: SiteConfig) -> int:
@@ -375,12 +391,7 @@ class Node:
             raise UsageError(str(e)) from e
         if point is not None:
             log.warning("failpoint %s is armed: this node kills itself there", point)
-        if cfg.plaintext_bridge:
-            log.warning(
-                "the bridge is plain TCP ([insecure] plaintext_bridge = true): peers are not "
-                "authenticated and replicated messages cross the network readable; set "
-                "[tls] cert, key and ca (`vpnrepl tls init`) to end this"
-            )
+        _warn_plaintext(cfg)
         incarnation = await _incarnation(cfg)  # checks the schema first
         # the site lock: no operator command runs without the node meanwhile
         await self.requests.start()
@@ -399,6 +410,7 @@ class Node:
                 peers=[p.name for p in cfg.peers],
                 management_url=cfg.management_url,
                 tls=cfg.tls,
+                plaintext_too=cfg.plaintext_bridge,
                 retain_seconds=cfg.ledger_retain_seconds,
             )
             peer = cfg.peer
@@ -411,6 +423,7 @@ class Node:
                     # the user this site's node logs in to its broker with
                     keep_users=(unquote(urlsplit(cfg.amqp_url).username or "guest"),),
                     tls=cfg.tls,
+                    plaintext_too=cfg.plaintext_bridge,
                     peer_site=peer.name,
                     copy_tags=cfg.copy_tags,
                 )
@@ -648,25 +661,31 @@ class Node:
             self.metrics.observe_config_sync(lambda: client.users_not_ours)
 
     def reload_tls(self) -> None:
-        """SIGHUP: the bridge's certificate, key and CA files are read again
-        (a rotation without a restart); new links use them. An unusable set
-        is logged and the old one stays in use."""
-        if self.cfg.tls is None:
-            log.info("SIGHUP: the bridge has no [tls] to reload")
-            return
+        """SIGHUP: the config file's ``[tls]`` and ``[insecure]`` and the
+        certificate, key and CA files are read again — a rotation, or a step
+        of the move to TLS (README "Moving a plaintext pair to mutual TLS")
+        — without a restart: new links use them; a plain TCP link that is no
+        longer allowed is dropped (the standby dials again). An unusable
+        file or config is logged and the bridge stays as it was."""
         try:
-            # both contexts from the files first: the ends switch together or not at all
-            make_server_context(self.cfg.tls)
-            make_client_context(self.cfg.tls)
+            fresh = load_config(self.cfg.path, self.cfg.overrides)
+            tls, plaintext = fresh.tls, fresh.plaintext_bridge
+            if tls is not None:  # both contexts first: the ends switch together or not at all
+                make_server_context(tls)
+                make_client_context(tls)
             for end in (self.bridge_server, self.bridge_client):
                 if end is not None:
-                    end.reload_tls()
-        except TlsSetupError as e:
-            log.error("SIGHUP: the bridge keeps its certificates: %s", e)
+                    end.reload_tls(tls, plaintext)
+        except (TlsSetupError, ConfigError) as e:
+            log.error("SIGHUP: the bridge stays as it was: %s", e)
             return
-        self.metrics.observe_certificates(self.cfg.tls)
+        self.cfg = replace(self.cfg, tls=tls, plaintext_bridge=plaintext)
+        _warn_plaintext(self.cfg)
+        if tls is not None:
+            self.metrics.observe_certificates(tls)
         log.info(
-            "SIGHUP: bridge certificates read again from %s (new links use them)", self.cfg.tls.cert
+            "SIGHUP: the bridge's TLS read again (%s; new links use it)",
+            "certificate " + str(tls.cert) if tls is not None else "no [tls]",
         )
 
     async def _queues_gone(self, view: VpnView, queues: list[str]) -> None:

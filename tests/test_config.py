@@ -81,6 +81,14 @@ def test_a_plaintext_bridge_is_an_explicit_opt_out(tmp_path: Path) -> None:
     assert "[insecure] plaintext_bridge = true" in info.value.problem
     cfg = load_config(write(tmp_path, NO_TLS + "[insecure]\nplaintext_bridge = true\n"))
     assert cfg.tls is None and cfg.plaintext_bridge and not cfg.bridge_authenticated
+    assert not cfg.bridge_moving
+
+
+def test_tls_beside_the_opt_out_is_a_pair_moving_to_tls(tmp_path: Path) -> None:
+    """README "Moving a plaintext pair to mutual TLS": both accepted, and
+    not authenticated while plain TCP is."""
+    cfg = load_config(write(tmp_path, GOOD + "[insecure]\nplaintext_bridge = true\n"))
+    assert cfg.tls is not None and cfg.bridge_moving and not cfg.bridge_authenticated
 
 
 @pytest.mark.parametrize(
@@ -101,11 +109,6 @@ def test_a_plaintext_bridge_is_an_explicit_opt_out(tmp_path: Path) -> None:
         (lambda t: t.replace('key = "k.pem"\n', ""), "tls.key", "required key is missing"),
         (lambda t: t.replace('ca = "ca.pem"\n', ""), "tls.ca", "required key is missing"),
         (lambda t: t.replace('"c.pem"', '"absent.pem"'), "tls.cert", "file not found"),
-        (
-            lambda t: t + "[insecure]\nplaintext_bridge = true\n",
-            "insecure.plaintext_bridge",
-            "but so is [tls]",
-        ),
         (lambda t: t.replace('name = "ldn"\n', ""), "peer.name", "required key is missing"),
         (lambda t: t.replace('name = "ldn"', 'name = "nyc"'), "peers", "names this site itself"),
         (lambda t: t + PEERS, "peer", "both [peer] and [peers.NAME]"),

@@ -19,7 +19,7 @@ import pytest
 import uvloop
 from pika.exceptions import AMQPConnectionError, ProbableAuthenticationError
 
-from bridge import Consumed, IdSource, Published, Role, TlsConfig
+from bridge import Consumed, IdSource, Published, Role, TlsConfig, TlsServer
 from bridge._tls import TlsSetupError
 from plugin._config import load_config
 from plugin._directory import VpnDirectory, VpnView
@@ -27,7 +27,6 @@ from plugin._errors import ConfigError
 from plugin._listener import BrokerAddress, Listener, broker_context, site_broker_ssl
 from plugin._localsites import LocalSite, LocalSites, RabbitNode, free_port
 from plugin._sink import MemorySink
-from plugin._tls_server import TlsServer
 from plugin._topology import ReplicationScope, Topology
 from tests.fix_cli import Vpnrepl
 from tests.fix_listener import ListenerThread, enable_vpn

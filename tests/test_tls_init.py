@@ -145,7 +145,7 @@ def test_sighup_rotates_the_bridge_certificate_without_a_restart(
         node_b.kill()  # a fresh handshake: the standby gets the renewed certificate
         node_b.start()
         until(lambda: vpn_status(node_a).get("bridge") == "connected", "the standby again")
-        assert "SIGHUP: bridge certificates read again" in node_a.log_text()
+        assert "SIGHUP: the bridge's TLS read again" in node_a.log_text()
         assert node_a.proc is not None and node_a.proc.poll() is None  # never restarted
     finally:
         node_a.kill()

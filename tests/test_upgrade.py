@@ -10,6 +10,8 @@ new end says in one log line what the old one cannot take."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -26,6 +28,7 @@ from tests.fix_node import NodeProcess
 from tests.two_sites import (
     SCOPE,
     VPN,
+    Publisher,
     amqp_url,
     assert_same_state,
     body,
@@ -235,3 +238,68 @@ def test_an_active_upgraded_first_still_replicates_to_the_previous_release(
     assert len(lines) == 1 and "topology events" in lines[0], node_a.log_text()
     assert f"(protocol version {PREVIOUS_PROTOCOL_VERSION})" in node_a.log_text()
     assert "gap" not in node_b.log_text().lower()
+
+
+def _sighup(node: NodeProcess) -> None:
+    assert node.pid is not None
+    os.kill(node.pid, signal.SIGHUP)
+
+
+def _authenticated(node: NodeProcess) -> bool:
+    for line in node.get("/metrics").splitlines():
+        if line.startswith("vpnrepl_bridge_authenticated "):
+            return float(line.split()[-1]) == 1
+    raise AssertionError("no vpnrepl_bridge_authenticated")
+
+
+def test_a_plaintext_pair_moves_to_mutual_tls_with_no_client_outage(
+    site_a: LocalSite, site_b: LocalSite, tmp_path: Path, nodes: list[NodeProcess]
+) -> None:
+    """README "Moving a plaintext pair to mutual TLS": certificates added
+    beside the opt-out, then the opt-out removed one site at a time, each
+    step a config edit and a SIGHUP; a client publishes through the active
+    all along, and the bridge ends as mutual TLS."""
+    a_cfg = this_release_config(site_a, site_b, tmp_path / "a.toml")
+    b_cfg = this_release_config(site_b, site_a, tmp_path / "b.toml")
+    for cfg in (a_cfg, b_cfg):
+        assert Vpnrepl(cfg)("init").returncode == 0
+    setup_vpn(site_a)
+    done = Vpnrepl(a_cfg)("vpn", "enable", VPN, "--role", "active", "--mode", "sync",
+                          "--queues", SCOPE)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    node_a = NodeProcess(site_a, a_cfg, tmp_path / "a.log", "a")
+    node_b = NodeProcess(site_b, b_cfg, tmp_path / "b.log", "b")
+    nodes += [node_a, node_b]
+    node_a.start()
+    node_b.start()
+    until(lambda: vpn_status(node_a).get("bridge") == "connected", "B to follow A, plain TCP")
+    client = Publisher(site_a, range(1, 1_000_000), window=20).start()
+
+    def step(name: str, *changes: tuple[NodeProcess, LocalSite, Path, bool]) -> None:
+        for node, site, cfg, plaintext in changes:
+            peer = site_b if site is site_a else site_a
+            text = site.config_text(peer, tls=True)
+            cfg.write_text(text + ("\n[insecure]\nplaintext_bridge = true\n" if plaintext else ""))
+            _sighup(node)
+        confirmed = len(client.confirmed)
+        until(lambda: len(client.confirmed) > confirmed + 50, f"the client to go on: {name}")
+        until(lambda: vpn_status(node_a).get("bridge") == "connected", f"the bridge: {name}")
+        assert client.error is None, f"{name}: {client.error}"
+
+    step("certificates beside the opt-out", (node_a, site_a, a_cfg, True),
+         (node_b, site_b, b_cfg, True))  # fmt: skip
+    assert not _authenticated(node_a) and not _authenticated(node_b)
+    step("the standby TLS only", (node_b, site_b, b_cfg, False))
+    until(lambda: "dropping the plain TCP link" in node_b.log_text(), "B to drop plain TCP")
+    assert _authenticated(node_b) and not _authenticated(node_a)
+    step("the active TLS only", (node_a, site_a, a_cfg, False))
+    assert _authenticated(node_a)
+    # B was on TLS already: A had no plain TCP link left to drop
+    assert "dropping plain TCP link" not in node_a.log_text()
+    assert "new standby connections: mutual TLS" in node_a.log_text()
+    client.stop()
+    client.join()
+    assert client.error is None and not client.nacked
+    for node in (node_a, node_b):
+        assert node.proc is not None and node.proc.poll() is None  # never restarted
+    assert_same_state(node_a, node_b)

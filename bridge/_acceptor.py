@@ -1,10 +1,16 @@
-"""A TLS server socket that sees its refused handshakes.
+"""A server socket that sees its refused TLS handshakes (the AMQPS listener,
+the bridge).
 
-Invariant: a client reaches the protocol only after a completed handshake
-that ``context`` accepted (with a CA configured: a verified client
-certificate), and every refused handshake is logged once, as one WARNING line
-naming the peer and the reason, without a traceback and without a call to the
-loop's exception handler.
+Invariant: with a TLS configuration, a client reaches the protocol only
+after a completed handshake that ``context`` accepted (with a CA configured:
+a verified client certificate), and every refused handshake is logged once,
+as one WARNING line naming the peer and the reason, without a traceback and
+without a call to the loop's exception handler. Without one the server is
+plain TCP. With ``plaintext_too`` (the bridge while a site pair moves from
+plain TCP to mutual TLS, README "Moving a plaintext pair to mutual TLS") it
+serves both: the first octet of a connection, peeked before any transport
+owns the socket, says which — 0x16 opens every TLS handshake, and no bridge
+frame starts with it.
 
 Why not ``loop.create_server(ssl=...)``: a handshake that fails there never
 reaches the application (its protocol's ``connection_made`` is not called,
@@ -35,9 +41,10 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from bridge import HostPort, TlsConfig, describe_tls_error, make_server_context
+from ._settings import HostPort, TlsConfig
+from ._tls import describe_tls_error, make_server_context
 
-__all__ = ["TlsServer"]
+__all__ = ["TLS_RECORD", "TLS_SHUTDOWN_TIMEOUT", "TlsServer"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,8 @@ TLS_SHUTDOWN_TIMEOUT = 3.0
 #: (asyncio's own servers pause as long)
 ACCEPT_RETRY_DELAY = 1.0
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+#: the first octet of a TLS handshake record
+TLS_RECORD = 0x16
 
 
 def _address(addr: object) -> str:
@@ -61,20 +70,35 @@ class TlsServer:
     """Listens on ``host:port``; each connection gets a TLS handshake with
     the certificate and key of ``tls`` (TLS 1.2 or later; with ``tls.ca``,
     a client certificate signed by it is required), then ``factory()``'s
-    protocol over the TLS transport."""
+    protocol over the TLS transport. ``tls`` None: plain TCP;
+    ``plaintext_too``: TLS or plain TCP, as the client opens (module
+    docstring). ``peer``: how log lines name a client (``client``, or the
+    bridge's ``standby at``), ``whose`` its certificate; ``hangup_hint``: said when a client hangs up
+    during the handshake (else that is logged at DEBUG only: a TCP health
+    check does it)."""
 
     def __init__(
         self,
         what: str,
-        tls: TlsConfig,
+        tls: TlsConfig | None,
         factory: Callable[[], asyncio.Protocol],
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        *,
+        plaintext_too: bool = False,
+        peer: str = "client",
+        whose: str = "its",
+        hangup_hint: str | None = None,
     ) -> None:
         self.what = what  # names the server in log lines
-        self.tls = tls
-        self.context = make_server_context(tls)  # TlsSetupError names the bad file
         self.factory = factory
         self.handshake_timeout = handshake_timeout
+        self.peer = peer
+        self.whose = whose  # "its certificate", "the standby's certificate"
+        self.hangup_hint = hangup_hint
+        self.tls: TlsConfig | None = None
+        self.context: ssl.SSLContext | None = None
+        self.plaintext_too = False
+        self.configure(tls, plaintext_too)
         self.sockets: list[socket.socket] = []
         self._tasks: set[asyncio.Task[None]] = set()
         #: accepted sockets whose handshake task has not started
@@ -104,6 +128,13 @@ class TlsServer:
             raise OSError(e.errno, reason) from e
         for sock in self.sockets:
             loop.add_reader(sock, self._accept, sock)
+
+    def configure(self, tls: TlsConfig | None, plaintext_too: bool = False) -> None:
+        """Serve new connections with ``tls`` (its files read now: a
+        :class:`~bridge.TlsSetupError` leaves the server as it was)."""
+        context = make_server_context(tls) if tls is not None else None
+        self.tls, self.context = tls, context
+        self.plaintext_too = plaintext_too and context is not None
 
     @property
     def port(self) -> int:
@@ -145,39 +176,93 @@ class TlsServer:
         if not self._closed:
             asyncio.get_running_loop().add_reader(sock, self._accept, sock)
 
+    async def _first_octet(self, conn: socket.socket) -> int | None:
+        """The connection's first octet, peeked (left for the transport);
+        None when the client sent nothing within the handshake deadline or
+        hung up."""
+        loop = asyncio.get_running_loop()
+        readable: asyncio.Future[None] = loop.create_future()
+
+        def ready() -> None:
+            if not readable.done():
+                readable.set_result(None)
+
+        loop.add_reader(conn.fileno(), ready)
+        try:
+            async with asyncio.timeout(self.handshake_timeout):
+                await readable
+        except TimeoutError:
+            return None
+        finally:
+            loop.remove_reader(conn.fileno())
+        try:
+            first = conn.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return None
+        return first[0] if first else None
+
     async def _handshake(self, conn: socket.socket, peer: str) -> None:
         loop = asyncio.get_running_loop()
+        context = self.context
+        if context is not None and self.plaintext_too:
+            first = await self._first_octet(conn)
+            if first is None:
+                self._unstarted.discard(conn)
+                conn.close()
+                log.debug("%s: %s %s sent nothing", self.what, self.peer, peer)
+                return
+            if first != TLS_RECORD:
+                context = None  # a peer not moved to TLS yet
         self._unstarted.discard(conn)  # from here on, the transport closes it
+        if context is None:
+            await loop.connect_accepted_socket(self.factory, conn)
+            return
         try:
             await loop.connect_accepted_socket(
                 self.factory,
                 conn,
-                ssl=self.context,
+                ssl=context,
                 ssl_handshake_timeout=self.handshake_timeout,
                 ssl_shutdown_timeout=TLS_SHUTDOWN_TIMEOUT,
             )
         except ssl.SSLError as e:
             log.warning(
-                "%s: refused client %s: TLS handshake failed: %s", self.what, peer, self._why(e)
+                "%s: refused %s %s: TLS handshake failed: %s",
+                self.what,
+                self.peer,
+                peer,
+                self._why(e),
             )
         except ConnectionAbortedError:  # the loop's handshake timeout
             log.warning(
-                "%s: refused client %s: no TLS handshake within %g s",
+                "%s: refused %s %s: no TLS handshake within %g s",
                 self.what,
+                self.peer,
                 peer,
                 self.handshake_timeout,
             )
         except OSError as e:
+            if self.hangup_hint is not None:
+                log.warning(
+                    "%s: TLS handshake with %s %s failed: %s (%s)",
+                    self.what,
+                    self.peer,
+                    peer,
+                    e.strerror or type(e).__name__,
+                    self.hangup_hint,
+                )
+                return
             # A client that hangs up before or during the handshake (a TCP
             # health check does) has not been refused: nothing to act on.
-            log.debug("%s: client %s left during the TLS handshake: %s", self.what, peer, e)
+            log.debug("%s: %s %s left during the TLS handshake: %s", self.what, self.peer, peer, e)
 
     def _why(self, e: ssl.SSLError) -> str:
         reason = describe_tls_error(e)
-        if isinstance(e, ssl.SSLCertVerificationError) and self.tls.ca is not None:
-            reason += f" (its certificate is not signed by {self.tls.ca})"
+        ca = self.tls.ca if self.tls is not None else None
+        if isinstance(e, ssl.SSLCertVerificationError) and ca is not None:
+            reason += f" ({self.whose} certificate is not signed by {ca})"
         elif getattr(e, "reason", None) == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
-            reason += f" (a certificate signed by {self.tls.ca} is required)"
+            reason += f" (a certificate signed by {ca} is required)"
         elif getattr(e, "reason", None) in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST"):
             reason += " (not TLS: a plain client on the TLS port?)"
         return reason

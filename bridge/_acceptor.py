@@ -73,9 +73,9 @@ class TlsServer:
     protocol over the TLS transport. ``tls`` None: plain TCP;
     ``plaintext_too``: TLS or plain TCP, as the client opens (module
     docstring). ``peer``: how log lines name a client (``client``, or the
-    bridge's ``standby at``), ``whose`` its certificate; ``hangup_hint``: said when a client hangs up
-    during the handshake (else that is logged at DEBUG only: a TCP health
-    check does it)."""
+    bridge's ``standby at``), ``whose`` its certificate; ``hangup_hint``:
+    said when a client hangs up during the handshake (else that is logged
+    at DEBUG only: a TCP health check does it)."""
 
     def __init__(
         self,

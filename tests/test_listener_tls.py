@@ -278,6 +278,48 @@ def test_tls_server_serves_and_refuses_alike_on_either_loop(
     assert errors == []
 
 
+@pytest.mark.parametrize(
+    "new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+def test_a_server_moving_to_tls_serves_plain_and_tls_clients_on_one_port(
+    new_loop: Callable[[], asyncio.AbstractEventLoop], pki: Pki
+) -> None:
+    """``plaintext_too`` (the bridge while a pair moves to TLS): the first
+    octet, peeked before a transport reads, picks TLS or plain TCP, on
+    either loop, whichever way round the client writes first; configured
+    TLS-only afterwards, a plain client is refused."""
+    loop = new_loop()
+
+    async def scenario() -> None:
+        server = TlsServer("test server", pki.tls("a", ca="ca"), _Echo, plaintext_too=True)
+        await server.start("127.0.0.1", 0)
+
+        def clients(plain_ok: bool) -> None:
+            for _ in range(5):
+                tls = _context(pki, "client").wrap_socket(
+                    socket.create_connection(("127.0.0.1", server.port), timeout=10),
+                    server_hostname="127.0.0.1",
+                )
+                with tls:
+                    tls.sendall(b"ping")
+                    assert tls.recv(4) == b"ping"
+                with socket.create_connection(("127.0.0.1", server.port), timeout=10) as plain:
+                    plain.sendall(b"\xbdAMQP")
+                    got = plain.recv(5)
+                    assert got == (b"\xbdAMQP" if plain_ok else b""), got
+
+        await asyncio.to_thread(clients, True)
+        server.configure(pki.tls("a", ca="ca"), plaintext_too=False)
+        await asyncio.to_thread(clients, False)
+        server.close()
+        await server.wait_closed()
+
+    try:
+        loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+
+
 def test_unusable_tls_files_are_named(pki: Pki, tmp_path: Path) -> None:
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")

@@ -125,7 +125,6 @@ class BridgeServer:
         self._api = ManagementAPI(management_url) if management_url else None
         #: the named-site rule: only these peer sites are served
         self._check = PeerCheck.of(peers)
-        self._tls = tls
         self.retain_seconds = retain_seconds
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -199,7 +198,6 @@ class BridgeServer:
         ``plaintext_too``, links that came in as plain TCP are dropped: the
         standby dials again, with TLS."""
         self._acceptor.configure(tls, plaintext_too)
-        self._tls = tls
         log.info("bridge: new standby connections: %s", self._how())
         if tls is None or plaintext_too:
             return

@@ -52,6 +52,7 @@ __all__ = [
     "ANSWERS",
     "REQUESTS",
     "SITE_LOCK",
+    "Local",
     "Progress",
     "RequestServer",
     "read_request",
@@ -77,6 +78,8 @@ PROGRESS_SECONDS = 0.5
 
 #: ``progress(done, total)``
 Progress = Callable[[int, int], None]
+#: a command run in this process when no node runs: ``(progress) -> result``
+Local = Callable[[Progress], Awaitable[dict[str, Any]]]
 #: a command: ``(vpn, args, progress) -> result``
 Handler = Callable[[str, Mapping[str, Any], Progress], Awaitable[dict[str, Any]]]
 
@@ -130,7 +133,7 @@ async def run_command(
     command: str,
     vpn: str,
     args: Mapping[str, Any],
-    local: Callable[[Progress], Awaitable[dict[str, Any]]],
+    local: Local,
     progress: Progress,
 ) -> dict[str, Any]:
     """Run ``command`` on the site: through its running node, or with
@@ -209,7 +212,7 @@ async def _locally(
     command: str,
     vpn: str,
     args: Mapping[str, Any],
-    local: Callable[[Progress], Awaitable[dict[str, Any]]],
+    local: Local,
     progress: Progress,
 ) -> dict[str, Any]:
     """Run the command in this process (no node runs), recorded in the

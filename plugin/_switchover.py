@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bridge import role_state
@@ -32,13 +31,10 @@ from bridge import role_state
 from ._config import SiteConfig
 from ._errors import PluginError, StateError, UsageError
 from ._promote import PromotionSummary, promote
-from ._requests import Progress, run_command
+from ._requests import Local, Progress, run_command
 from ._store import connect
 
 __all__ = ["switchover"]
-
-#: promotes this site for the switchover: ``(progress) -> PromotionSummary.as_dict()``
-PromoteHere = Callable[[Progress], Awaitable[dict[str, Any]]]
 
 #: how long this site waits to have applied what the active drained
 APPLY_WAIT = 60.0
@@ -74,11 +70,12 @@ async def _applied(cfg: SiteConfig, vpn: str, index: int) -> None:
 
 
 async def switchover(
-    cfg: SiteConfig, vpn: str, progress: Progress, promote_here: PromoteHere | None = None
+    cfg: SiteConfig, vpn: str, progress: Progress, promote_here: Local | None = None
 ) -> list[str]:
     """Run the switchover of ``vpn`` to this site; returns what to print.
-    ``promote_here``: how this site promotes (default: through its node
-    when one runs, else in this process)."""
+    ``promote_here``: how this site promotes, giving
+    ``PromotionSummary.as_dict()`` (default: through its node when one
+    runs, else in this process)."""
     peer = cfg.peer_store_dsn
     if peer is None:
         raise UsageError(

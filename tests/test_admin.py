@@ -14,6 +14,7 @@ import pytest
 
 from plugin._admin import AdminCredentials, AdminServer
 from plugin._lag_history import LagHistory
+from tests.two_sites import admin_call
 
 
 def _doc(lag: int, applied: int) -> dict[str, Any]:
@@ -122,26 +123,6 @@ def test_a_taken_port_is_a_clear_error() -> None:
     assert "cannot listen for admin HTTP on 127.0.0.1:" in asyncio.run(run())
 
 
-def _call(
-    port: int,
-    path: str,
-    method: str = "GET",
-    auth: str | None = None,
-    body: bytes | None = None,
-    content_type: str = "application/json",
-) -> tuple[int, str]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method)
-    if auth is not None:
-        req.add_header("Authorization", auth)
-    if method == "POST":
-        req.add_header("Content-Type", content_type)
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:  # noqa: S310 - loopback
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def test_with_credentials_only_the_load_balancers_paths_are_open_and_actions_start_requests() -> (
     None
 ):
@@ -190,7 +171,8 @@ def test_with_credentials_only_the_load_balancers_paths_are_open_and_actions_sta
         }
         try:
             return {
-                name: await asyncio.to_thread(_call, port, *call) for name, call in calls.items()
+                name: await asyncio.to_thread(admin_call, port, *call)
+                for name, call in calls.items()
             }
         finally:
             await server.close()

@@ -12,8 +12,6 @@ import json
 import os
 import signal
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from tests.two_sites import (
     IN_SCOPE,
     VPN,
     Publisher,
+    admin_call,
     amqp_url,
     body,
     broker_depths,
@@ -63,12 +62,7 @@ def sites(site_a: LocalSite, site_b: LocalSite, tmp_path: Path) -> Iterator[Site
 
 
 def admin_active(site: LocalSite) -> int:
-    url = f"http://127.0.0.1:{site.admin_port}/vpns/{quote(VPN, safe='')}/active"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback
-            return int(resp.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
+    return admin_call(site.admin_port, f"/vpns/{quote(VPN, safe='')}/active")[0]
 
 
 def broker_contents(site: LocalSite, queue: str) -> list[int]:
@@ -597,16 +591,7 @@ def test_the_admin_endpoint_promotes_only_with_its_credentials(sites: Sites) -> 
     sites.a.kill()  # the disaster
 
     def post(auth: str | None) -> tuple[int, str]:
-        url = f"http://127.0.0.1:{sites.b.site.admin_port}/vpns/{VPN}/promote"
-        req = urllib.request.Request(url, data=b"{}", method="POST")  # noqa: S310 - loopback
-        req.add_header("Content-Type", "application/json")
-        if auth is not None:
-            req.add_header("Authorization", auth)
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310 - loopback
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
+        return admin_call(sites.b.site.admin_port, f"/vpns/{VPN}/promote", "POST", auth, b"{}")
 
     assert post(None)[0] == 401
     assert post("Bearer wrong-token-0123456789")[0] == 401
@@ -615,10 +600,9 @@ def test_the_admin_endpoint_promotes_only_with_its_credentials(sites: Sites) -> 
     href = json.loads(body)["href"]
 
     def finished() -> dict[str, Any] | None:
-        req = urllib.request.Request(f"http://127.0.0.1:{sites.b.site.admin_port}{href}")
-        req.add_header("Authorization", f"Bearer {token}")
-        with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310 - loopback
-            row: dict[str, Any] = json.loads(r.read())
+        code, text = admin_call(sites.b.site.admin_port, href, auth=f"Bearer {token}")
+        assert code == 200, text
+        row: dict[str, Any] = json.loads(text)
         return row if row["state"] in ("done", "failed") else None
 
     row = until(finished, "the promotion requested over HTTP")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from subprocess import CompletedProcess
 from typing import Any
@@ -19,6 +18,7 @@ from tests.two_sites import (
     IN_SCOPE,
     VPN,
     Publisher,
+    admin_call,
     assert_same_state,
     cli_status,
     queues_of,
@@ -39,14 +39,9 @@ class Switchover(threading.Thread):
 
 
 def _admin(site: LocalSite, path: str, body: bytes | None = None) -> Any:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{site.admin_port}{path}",
-        data=body,
-        method="GET" if body is None else "POST",
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback
-        return json.loads(resp.read())
+    code, text = admin_call(site.admin_port, path, "GET" if body is None else "POST", body=body)
+    assert code in (200, 202), text
+    return json.loads(text)
 
 
 def over_http(site: LocalSite) -> CompletedProcess[str]:

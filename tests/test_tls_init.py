@@ -21,6 +21,7 @@ from plugin._cli import main
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
+from tests.prometheus import value
 from tests.two_sites import VPN, setup_vpn, until, vpn_status
 
 
@@ -109,10 +110,9 @@ def test_the_bridge_contexts_complete_a_mutual_handshake_with_them(tmp_path: Pat
 
 
 def _expiry_days(node: NodeProcess, role: str) -> float:
-    for line in node.get("/metrics").splitlines():
-        if line.startswith(f'vpnrepl_tls_certificate_expiry_seconds{{role="{role}"}}'):
-            return float(line.split()[-1]) / 86400
-    raise AssertionError(f"no expiry metric for {role}")
+    seconds = value(node.get("/metrics"), "vpnrepl_tls_certificate_expiry_seconds", role=role)
+    assert seconds is not None, f"no expiry metric for {role}"
+    return seconds / 86400
 
 
 def test_sighup_rotates_the_bridge_certificate_without_a_restart(

@@ -25,6 +25,7 @@ from bridge import PREVIOUS_PROTOCOL_VERSION, PROTOCOL_VERSION
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
+from tests.prometheus import value
 from tests.two_sites import (
     SCOPE,
     VPN,
@@ -246,10 +247,7 @@ def _sighup(node: NodeProcess) -> None:
 
 
 def _authenticated(node: NodeProcess) -> bool:
-    for line in node.get("/metrics").splitlines():
-        if line.startswith("vpnrepl_bridge_authenticated "):
-            return float(line.split()[-1]) == 1
-    raise AssertionError("no vpnrepl_bridge_authenticated")
+    return value(node.get("/metrics"), "vpnrepl_bridge_authenticated") == 1
 
 
 def test_a_plaintext_pair_moves_to_mutual_tls_with_no_client_outage(

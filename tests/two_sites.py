@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +139,28 @@ def broker_depths(site: LocalSite) -> dict[str, int]:
     depths = {q: ch.queue_declare(q, passive=True).method.message_count for q in IN_SCOPE}
     conn.close()
     return depths
+
+
+def admin_call(
+    port: int,
+    path: str,
+    method: str = "GET",
+    auth: str | None = None,
+    body: bytes | None = None,
+    content_type: str = "application/json",
+) -> tuple[int, str]:
+    """An admin endpoint request on loopback: its status and body (an
+    HTTP error is an answer too)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method)
+    if auth is not None:
+        req.add_header("Authorization", auth)
+    if method == "POST":
+        req.add_header("Content-Type", content_type)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310 - loopback
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def until(check: Callable[[], Any], what: str, timeout: float = 90.0) -> Any:

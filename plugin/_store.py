@@ -11,8 +11,9 @@ conflicts with what is stored).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from operator import itemgetter
 from typing import Any
 
 import psycopg
@@ -161,6 +162,17 @@ FROM vpn_config c
 """
 
 
+def _by_vpn(
+    conn: psycopg.Connection[dict[str, Any]],
+    present: bool,
+    query: str,
+    value: Callable[[dict[str, Any]], Any],
+) -> dict[str, Any]:
+    """``value`` of each of ``query``'s rows, by their VPN; nothing on a
+    schema older than what the query reads (``present`` false)."""
+    return {row["vpn"]: value(row) for row in conn.execute(query)} if present else {}
+
+
 def status(
     conn: psycopg.Connection[dict[str, Any]],
     site: str,
@@ -196,60 +208,45 @@ def status(
             "SELECT vpn, state, materialised, total, epoch, txns_committed FROM promotion"
         )
     }
-    reconciled = (
-        {
-            row["vpn"]: {
-                "finished_at": row["finished_at"].isoformat(),
-                "outcome": row["outcome"],
-                "missing_on_standby": row["missing_on_standby"],
-                "extra_on_standby": row["extra_on_standby"],
-                "differs": row["differs"],
-                "repaired": row["repaired"],
-                "broker_drift": len(row["broker_drift"] or {}),
-                "seconds": round(row["seconds"], 3),
-            }
-            for row in conn.execute(
-                "SELECT DISTINCT ON (vpn) vpn, finished_at, outcome, missing_on_standby,"
-                " extra_on_standby, differs, repaired, broker_drift, seconds"
-                " FROM reconcile_run ORDER BY vpn, id DESC"
-            )
-        }
-        if _has_table(conn, "reconcile_run")
-        else {}
+    reconciled = _by_vpn(
+        conn,
+        _has_table(conn, "reconcile_run"),
+        "SELECT DISTINCT ON (vpn) vpn, finished_at, outcome, missing_on_standby,"
+        " extra_on_standby, differs, repaired, broker_drift, seconds"
+        " FROM reconcile_run ORDER BY vpn, id DESC",
+        lambda row: {
+            "finished_at": row["finished_at"].isoformat(),
+            "outcome": row["outcome"],
+            "missing_on_standby": row["missing_on_standby"],
+            "extra_on_standby": row["extra_on_standby"],
+            "differs": row["differs"],
+            "repaired": row["repaired"],
+            "broker_drift": len(row["broker_drift"] or {}),
+            "seconds": round(row["seconds"], 3),
+        },
     )
-    branches = (
-        {
-            row["vpn"]: {
-                "prepared": row["prepared"],
-                "heuristic": row["heuristic"],
-                "hazards": row["hazards"],
-            }
-            for row in conn.execute(_XA_BRANCHES)
-        }
-        if _has_table(conn, "xa_held")
-        else {}
+    branches = _by_vpn(
+        conn,
+        _has_table(conn, "xa_held"),
+        _XA_BRANCHES,
+        lambda row: {key: row[key] for key in ("prepared", "heuristic", "hazards")},
     )
-    uncertain = (
-        {row["vpn"]: row["n"] for row in conn.execute(_UNCERTAIN)}
-        if _has_table(conn, "uncertain_publish")
-        else {}
+    uncertain = _by_vpn(conn, _has_table(conn, "uncertain_publish"), _UNCERTAIN, itemgetter("n"))
+    definitions = _by_vpn(
+        conn,
+        _has_table(conn, "topology_change"),
+        _DEFINITIONS,
+        lambda row: {
+            "listed": row["listed"],
+            "listing_index": row["definitions_index"],
+            "streamed_changes": row["changes"],
+        },
     )
-    definitions = (
-        {
-            row["vpn"]: {
-                "listed": row["listed"],
-                "listing_index": row["definitions_index"],
-                "streamed_changes": row["changes"],
-            }
-            for row in conn.execute(_DEFINITIONS)
-        }
-        if _has_table(conn, "topology_change")
-        else {}
-    )
-    split = (
-        {row["vpn"]: row["split_brain"] for row in conn.execute(_SPLIT_BRAIN)}
-        if _has_column(conn, "vpn_state", "split_brain")
-        else {}
+    split = _by_vpn(
+        conn,
+        _has_column(conn, "vpn_state", "split_brain"),
+        _SPLIT_BRAIN,
+        itemgetter("split_brain"),
     )
     epochs: dict[str, list[dict[str, Any]]] = {}
     for row in conn.execute("SELECT vpn, epoch, site, since FROM vpn_epoch ORDER BY vpn, epoch"):

@@ -234,6 +234,16 @@ async def _logged(caplog: pytest.LogCaptureFixture, refusals: int) -> None:
         await asyncio.sleep(0.01)
 
 
+def _ping_over_tls(pki: Pki, port: int) -> None:
+    """A client with a certificate of the CA gets its ping echoed."""
+    tls = _context(pki, "client").wrap_socket(
+        socket.create_connection(("127.0.0.1", port), timeout=10), server_hostname="127.0.0.1"
+    )
+    with tls:
+        tls.sendall(b"ping")
+        assert tls.recv(4) == b"ping"
+
+
 @pytest.mark.parametrize(
     "new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
 )
@@ -251,13 +261,7 @@ def test_tls_server_serves_and_refuses_alike_on_either_loop(
         await server.start("127.0.0.1", 0)
 
         def clients() -> None:
-            good = _context(pki, "client").wrap_socket(
-                socket.create_connection(("127.0.0.1", server.port), timeout=10),
-                server_hostname="127.0.0.1",
-            )
-            with good:
-                good.sendall(b"ping")
-                assert good.recv(4) == b"ping"
+            _ping_over_tls(pki, server.port)
             _handshake_refused(server.port, _context(pki, None))
             _handshake_refused(server.port, _context(pki, "rogue"))
             _handshake_refused(server.port, None)
@@ -296,13 +300,7 @@ def test_a_server_moving_to_tls_serves_plain_and_tls_clients_on_one_port(
 
         def clients(plain_ok: bool) -> None:
             for _ in range(5):
-                tls = _context(pki, "client").wrap_socket(
-                    socket.create_connection(("127.0.0.1", server.port), timeout=10),
-                    server_hostname="127.0.0.1",
-                )
-                with tls:
-                    tls.sendall(b"ping")
-                    assert tls.recv(4) == b"ping"
+                _ping_over_tls(pki, server.port)
                 with socket.create_connection(("127.0.0.1", server.port), timeout=10) as plain:
                     plain.sendall(b"\xbdAMQP")
                     got = plain.recv(5)

@@ -187,14 +187,15 @@ class TlsServer:
             if not readable.done():
                 readable.set_result(None)
 
-        loop.add_reader(conn.fileno(), ready)
+        fd = conn.fileno()  # close() may close the socket while this waits
+        loop.add_reader(fd, ready)
         try:
             async with asyncio.timeout(self.handshake_timeout):
                 await readable
         except TimeoutError:
             return None
         finally:
-            loop.remove_reader(conn.fileno())
+            loop.remove_reader(fd)
         try:
             first = conn.recv(1, socket.MSG_PEEK)
         except OSError:

@@ -202,7 +202,7 @@ class BridgeServer:
         if tls is None or plaintext_too:
             return
         for peer in list(self._peers):
-            if peer.link.writer.get_extra_info("sslcontext") is None:
+            if peer.link.plain:
                 log.warning("bridge: dropping plain TCP link of standby %s: TLS only", peer.name)
                 peer.link.writer.transport.abort()
 

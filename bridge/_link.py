@@ -111,6 +111,11 @@ class Link:
         self.peer = peer
         self.heartbeat_timeout = heartbeat_timeout
 
+    @property
+    def plain(self) -> bool:
+        """The link is plain TCP, not TLS."""
+        return self.writer.get_extra_info("sslcontext") is None
+
     def send(self, frame: Frame) -> None:
         if self.writer.is_closing():
             raise LinkClosed("the link is closed")

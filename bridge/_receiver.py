@@ -414,9 +414,9 @@ class BridgeClient:
             link.send(link.conn.our_hello())
             answer = await link.next_frame()
         except LinkClosed as e:
-            raise self._hung_up(e.text) from e
+            raise self._hung_up(link, e.text) from e
         if answer is None:
-            raise self._hung_up("it closed the link before answering Hello")
+            raise self._hung_up(link, "it closed the link before answering Hello")
         if isinstance(answer, Error):
             refusal = answer.exception()
             if isinstance(refusal, VersionMismatch) and self.version > PREVIOUS_PROTOCOL_VERSION:
@@ -457,8 +457,8 @@ class BridgeClient:
         self.peer_site = answer.site
         link.send(GetAllResources())
 
-    def _hung_up(self, text: str) -> LinkError:
-        if self._ssl is None:
+    def _hung_up(self, link: Link, text: str) -> LinkError:
+        if link.plain:
             return LinkClosed(text)
         return TlsRefused(
             f"the active hung up right after the TLS handshake ({text}): it most likely "
@@ -475,10 +475,9 @@ class BridgeClient:
         self._tls, self._ssl = tls, context
         self._plaintext_too = plaintext_too and tls is not None
         link = self._link
-        if tls is not None and not plaintext_too and link is not None:
-            if link.writer.get_extra_info("sslcontext") is None:
-                log.warning("bridge: dropping the plain TCP link to %s: TLS only", self.peer)
-                link.writer.transport.abort()
+        if tls is not None and not plaintext_too and link is not None and link.plain:
+            log.warning("bridge: dropping the plain TCP link to %s: TLS only", self.peer)
+            link.writer.transport.abort()
 
     def relist_now(self) -> None:
         """Ask the active for its VPNs now (a VPN here changed role), not at

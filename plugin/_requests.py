@@ -98,27 +98,26 @@ async def _take_lock(dsn: str) -> psycopg.AsyncConnection[dict[str, Any]] | None
     lets the lock go); None when it is held already. PermissionError when
     this role may not take it (any role but the node's)."""
     conn = await _connect(dsn)
+    held = False
     try:
         # the lock's transaction stays open for as long as the holder runs
         await conn.execute("SET idle_in_transaction_session_timeout = 0")
         await conn.set_autocommit(False)
         await conn.execute(_TAKE)
+        held = True
+        return conn
     except psycopg.errors.LockNotAvailable:
-        await conn.close()
         return None
     except psycopg.errors.InsufficientPrivilege as e:
-        await conn.close()
         raise PermissionError(e.diag.message_primary or str(e)) from e
     except psycopg.errors.UndefinedTable as e:
-        await conn.close()
         raise StateError(
             "the site database's schema is older than this release (no table site_lock): "
             "run `vpnrepl init`, which upgrades it"
         ) from e
-    except BaseException:
-        await conn.close()
-        raise
-    return conn
+    finally:
+        if not held:
+            await conn.close()
 
 
 async def _held(conn: psycopg.AsyncConnection[dict[str, Any]]) -> bool:

@@ -21,7 +21,7 @@ import pika
 from plugin._localsites import LocalSite
 from tests.fix_node import Sites
 from tests.test_failover import sites  # noqa: F401 - the fixture
-from tests.two_sites import SCOPE, VPN, amqp_url, scalar, until, vpn_status
+from tests.two_sites import SCOPE, VPN, amqp_url, queue_numbers, scalar, until, vpn_status
 
 FANOUT = "orders.fan"
 CLASSIC_ARGS = {"x-message-ttl": 3_600_000, "x-queue-mode": "lazy"}
@@ -35,20 +35,6 @@ def queue_on(site: LocalSite, name: str) -> dict[str, Any] | None:
 def bindings_on(site: LocalSite) -> set[tuple[str, str, str]]:
     listed = site.rabbit.api("GET", f"bindings/{VPN}")
     return {(b["source"], b["destination"], b["routing_key"]) for b in listed if b["source"]}
-
-
-def numbers_in(site: LocalSite, queue: str) -> list[int]:
-    """The message numbers in ``queue`` of the site's broker, read directly."""
-    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url(VPN)))
-    ch = conn.channel()
-    got = []
-    while True:
-        method, _, payload = ch.basic_get(queue)
-        if method is None:
-            break
-        got.append(int(payload))
-    conn.close()  # unacked: back into the queue
-    return got
 
 
 def test_a_topology_younger_than_the_last_listing_survives_the_loss_of_the_active(
@@ -116,6 +102,6 @@ def test_a_topology_younger_than_the_last_listing_survives_the_loss_of_the_activ
     }
     assert not {b for b in bindings_on(site_b) if b[1] == "orders.gone"}
     for queue in ("orders.q1", "orders.q2"):
-        got = numbers_in(site_b, queue)
+        got = queue_numbers(site_b, queue)
         assert got == confirmed, f"{queue}: {len(got)} of {len(confirmed)} confirmed messages"
     assert sites.a.proc is not None and sites.a.proc.poll() is not None  # still down

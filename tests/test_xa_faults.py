@@ -26,6 +26,7 @@ from tests.two_sites import (
     cli_status,
     live_caught_up,
     live_numbers,
+    queue_numbers,
     until,
     vpn_status,
 )
@@ -35,7 +36,6 @@ from tests.xa_clients import (
     app_prepared,
     app_rows,
     publish,
-    queue_numbers,
     recover_commit,
     resource,
     start_sites,

@@ -61,6 +61,20 @@ def number(payload: bytes) -> int:
     return int(payload[:6])
 
 
+def queue_numbers(site: LocalSite, queue: str) -> list[int]:
+    """The numbers in ``queue`` of ``site``'s broker (read directly, requeued)."""
+    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url(VPN)))
+    ch = conn.channel()
+    got = []
+    while True:
+        method, _props, payload = ch.basic_get(queue)
+        if method is None:
+            break
+        got.append(number(payload))
+    conn.close()
+    return got
+
+
 def properties(n: int) -> pika.BasicProperties:
     return pika.BasicProperties(
         delivery_mode=2,

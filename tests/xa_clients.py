@@ -21,7 +21,6 @@ from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import (
-    VPN,
     Publisher,
     amqp_url,
     body,
@@ -71,20 +70,6 @@ def resource(
     finally:
         with contextlib.suppress(Exception):
             conn.close()
-
-
-def queue_numbers(site: LocalSite, queue: str) -> list[int]:
-    """The numbers in ``queue`` of ``site``'s broker (read directly, requeued)."""
-    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url(VPN)))
-    ch = conn.channel()
-    got = []
-    while True:
-        method, _props, payload = ch.basic_get(queue)
-        if method is None:
-            break
-        got.append(number(payload))
-    conn.close()
-    return got
 
 
 def app_database(site: LocalSite) -> str:

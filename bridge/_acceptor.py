@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 BACKLOG = 100
+#: connections in their TLS handshake (or, moving to TLS, before their first
+#: octet) at once; past it a new one is closed at once
+MAX_PENDING = 1024
 #: how long a closing connection waits for the client's TLS close_notify
 TLS_SHUTDOWN_TIMEOUT = 3.0
 #: how long accepting pauses when the process is out of file descriptors
@@ -75,7 +78,9 @@ class TlsServer:
     docstring). ``peer``: how log lines name a client (``client``, or the
     bridge's ``standby at``), ``whose`` its certificate; ``hangup_hint``:
     said when a client hangs up during the handshake (else that is logged
-    at DEBUG only: a TCP health check does it)."""
+    at DEBUG only: a TCP health check does it). ``max_pending``: how many
+    connections may be in their handshake at once (a stranger cannot hold
+    more sockets open than that, each for the handshake deadline)."""
 
     def __init__(
         self,
@@ -88,6 +93,7 @@ class TlsServer:
         peer: str = "client",
         whose: str = "its",
         hangup_hint: str | None = None,
+        max_pending: int = MAX_PENDING,
     ) -> None:
         self.what = what  # names the server in log lines
         self.factory = factory
@@ -95,6 +101,7 @@ class TlsServer:
         self.peer = peer
         self.whose = whose  # "its certificate", "the standby's certificate"
         self.hangup_hint = hangup_hint
+        self.max_pending = max_pending
         self.tls: TlsConfig | None = None
         self.context: ssl.SSLContext | None = None
         self.plaintext_too = False
@@ -167,6 +174,16 @@ class TlsServer:
                 loop.remove_reader(sock)
                 loop.call_later(ACCEPT_RETRY_DELAY, self._resume, sock)
                 return
+            if len(self._tasks) >= self.max_pending:
+                log.warning(
+                    "%s: refused %s %s: %d connections are in their handshake already",
+                    self.what,
+                    self.peer,
+                    _address(addr),
+                    self.max_pending,
+                )
+                conn.close()
+                continue
             conn.setblocking(False)
             self._unstarted.add(conn)
             self._accepted.add(conn)

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 import psycopg
 
@@ -142,6 +141,7 @@ class BridgeServer:
             peer="standby at",
             whose="the standby's",
             hangup_hint="did it refuse this site's certificate?",
+            max_pending=max_connections,
         )
         #: connections served at once, authenticated or not: past it a new
         #: one is closed at once (a stranger cannot exhaust the node)
@@ -153,7 +153,8 @@ class BridgeServer:
         self._pool: Pool | None = None
         self._states: BridgeStateWriter | None = None
         self._peers: set[StandbyPeer] = set()
-        self._handlers: set[asyncio.Task[Any]] = set()
+        #: a task per connection served, with the connection's writer
+        self._handlers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._shown: dict[str, str] = {}
         self._definitions_failures: dict[str, str] = {}
         #: VPN -> the index of the previous epoch's ledger it was taken over at
@@ -189,7 +190,26 @@ class BridgeServer:
         return how + (" or plain TCP" if self._acceptor.plaintext_too else "")
 
     def _stream_protocol(self) -> asyncio.Protocol:
-        return asyncio.StreamReaderProtocol(asyncio.StreamReader(), self._handle)
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(), self._accepted)
+
+    def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A connection the acceptor handed over (its TLS handshake done),
+        called as it is made: its handler task is tracked from this moment,
+        so ``close()`` closes it even if the task never got to run."""
+        if not self._listening:
+            writer.transport.abort()
+            return
+        if len(self._handlers) >= self.max_connections:
+            log.warning(
+                "bridge: refused a connection from %s: %d bridge connections are open already",
+                peer_address(writer),
+                self.max_connections,
+            )
+            writer.transport.abort()
+            return
+        task = asyncio.ensure_future(self._handle(reader, writer))
+        self._handlers[task] = writer
+        task.add_done_callback(lambda done: self._handlers.pop(done, None))
 
     def reload_tls(self, tls: TlsConfig | None = None, plaintext_too: bool = False) -> None:
         """Serve new connections with ``tls`` (its files read again: a
@@ -215,17 +235,18 @@ class BridgeServer:
 
     async def close(self) -> None:
         """Stop listening, drop every standby, record their state."""
-        if self._listening:
+        listening, self._listening = self._listening, False
+        if listening:
             self._acceptor.close()
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        for task in list(self._handlers):
-            task.cancel()
+        for task, writer in list(self._handlers.items()):
+            task.cancel()  # a task that never ran cannot close its connection itself
+            writer.transport.abort()
         await asyncio.gather(*self._handlers, return_exceptions=True)
-        if self._listening:
+        if listening:
             await self._acceptor.wait_closed()
-            self._listening = False
         if self._states is not None:
             await self._states.close()
             self._states = None
@@ -360,19 +381,7 @@ class BridgeServer:
     # -- one standby -------------------------------------------------------------
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None  # noqa: S101 - always inside a task
-        self._handlers.add(task)
         address = peer_address(writer)
-        if len(self._handlers) > self.max_connections:
-            log.warning(
-                "bridge: refused a connection from %s: %d bridge connections are open already",
-                address,
-                self.max_connections,
-            )
-            self._handlers.discard(task)
-            writer.transport.abort()
-            return
         try:
             names = certificate_names(writer.get_extra_info("peercert"))
             why = self._check.certificate(names)
@@ -399,16 +408,14 @@ class BridgeServer:
                 self.txn_link.gone(peer)
                 await peer.link.close()
         except asyncio.CancelledError:
-            # Only close() cancels a handler. Returning (not re-raising) keeps
-            # asyncio's stream callback from logging the cancellation as an
-            # error when the node stops with a standby connected.
+            # Only close() cancels a handler, and waits for it: returning
+            # (not re-raising) keeps the cancellation out of the log.
             return
         except Exception:
             log.exception("bridge: serving %s failed", address)
         finally:
             if not writer.is_closing():
                 writer.close()
-            self._handlers.discard(task)
 
     async def _serve(self, peer: StandbyPeer) -> None:
         link = peer.link

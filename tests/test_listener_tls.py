@@ -318,6 +318,31 @@ def test_a_server_moving_to_tls_serves_plain_and_tls_clients_on_one_port(
         loop.close()
 
 
+def test_connections_in_their_handshake_are_capped(
+    pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stranger that opens connections and says nothing holds at most
+    ``max_pending`` of them (each until the handshake deadline)."""
+
+    async def scenario() -> None:
+        server = TlsServer("test server", pki.tls("a", ca="ca"), _Echo, max_pending=2)
+        await server.start("127.0.0.1", 0)
+
+        def clients() -> None:
+            silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+            with socket.create_connection(("127.0.0.1", server.port), timeout=3) as over:
+                assert over.recv(1) == b""  # closed at once, not at the deadline
+            for sock in silent:
+                sock.close()
+
+        await asyncio.to_thread(clients)
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(scenario())
+    assert any("2 connections are in their handshake already" in r.message for r in caplog.records)
+
+
 def test_unusable_tls_files_are_named(pki: Pki, tmp_path: Path) -> None:
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")

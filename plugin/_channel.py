@@ -69,7 +69,7 @@ from ._amqp import AMQPError, Frame
 from ._confirms import ConfirmTracker
 from ._directory import VpnView
 from ._output import Output, XaCall
-from ._publish import HeaderTemplates, header_frame, in_scope_queues, stamped
+from ._publish import HeaderTemplate, HeaderTemplates, header_frame, in_scope_queues, stamped
 from ._topology_changes import TopologyChange
 
 __all__ = ["Channel", "ChannelContext", "Incoming", "Publish", "commit_marker"]
@@ -136,6 +136,9 @@ class Publish:
     control: bool = False
     correlation_id: str | None = None
     reply_to: str | None = None
+    #: the method frame, held from the broker until the content header
+    #: shows where the publish goes (to the default exchange)
+    method: bytes = b""
 
 
 @dataclass(slots=True)
@@ -254,6 +257,11 @@ class Channel:
         if confirms is not None:
             seq = confirms.hold() if self.ctx.replicating else confirms.number()
         self.publish = Publish(exchange, key, seq)
+        if not exchange and self.ctx.replicating:
+            # to the default exchange, a CC/BCC header names queues: the
+            # method waits for its content header to show it names none of ours
+            self.publish.method = buf[f.start : f.end]
+            return b""
         return None
 
     def on_content_header(self, buf: bytes, f: Frame) -> bytes | None:
@@ -277,19 +285,28 @@ class Channel:
             if p.body_size == 0:
                 self._publish_complete()
             return b""
-        replacement = None
-        if self.ctx.replicating:
-            replacement = self._stamp(p, buf[f.start + 7 : f.end - 1])
+        if not self.ctx.replicating:
+            if p.body_size == 0:
+                self._publish_complete()
+            return None
+        payload = buf[f.start + 7 : f.end - 1]
+        template = self.ctx.templates.of(payload)
+        method, p.method = p.method, b""
+        if method and template.reserved is not None:
+            self.publish = None
+            return self.refuse_reserved(f"publish with a CC/BCC route {template.reserved!r}")
+        replacement = self._stamp(p, payload, template)
         if p.body_size == 0:
             self._publish_complete()
+        if method:
+            return method + (replacement or buf[f.start : f.end])
         return replacement
 
-    def _stamp(self, p: Publish, payload: bytes) -> bytes | None:
+    def _stamp(self, p: Publish, payload: bytes, template: HeaderTemplate) -> bytes | None:
         """Decide whether a publish is replicated; splice its id if so."""
         ctx = self.ctx
         vpn = ctx.vpn
         assert vpn is not None  # noqa: S101 - only called when replicated
-        template = ctx.templates.of(payload)
         queues = in_scope_queues(vpn, p.exchange, p.routing_key, payload, template.layout)
         if not queues:
             return None

@@ -98,7 +98,7 @@ class FusedPublish:
                 return DECLINED
             exchange, routing_key, queues = self._route(buf, f)
             if exchange.startswith(RESERVED_PREFIX) or (
-                not exchange and routing_key.startswith(RESERVED_PREFIX)
+                not exchange and (routing_key.startswith(RESERVED_PREFIX) or template.reserved)
             ):
                 return DECLINED  # an XA request, or a refusal: the general path's
             if template.layout.delivery_mode != 2:

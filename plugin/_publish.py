@@ -22,10 +22,11 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from bridge import REPLICATION_HEADER
+from bridge import REPLICATION_HEADER, RESERVED_PREFIX
 
 from . import _amqp as amqp
 from ._directory import VpnView
+from ._routing import Refused, header_routes
 
 __all__ = ["HeaderTemplate", "HeaderTemplates", "header_frame", "in_scope_queues", "stamped"]
 
@@ -43,12 +44,15 @@ class HeaderTemplate(NamedTuple):
     """A checked content header's layout and its property bytes with our id
     header spliced in: ``before_id + id (int64) + after_id``; ``alone``: the
     headers table is ours alone (the id's value says so, see
-    :data:`~bridge.REPLICATION_HEADER`)."""
+    :data:`~bridge.REPLICATION_HEADER`); ``reserved``: the first ``CC`` or
+    ``BCC`` route naming one of the product's queues (on the default
+    exchange such a publish would reach it), else None."""
 
     layout: amqp.PropertyLayout
     before_id: bytes
     after_id: bytes
     alone: bool
+    reserved: str | None
 
 
 class HeaderTemplates:
@@ -72,20 +76,31 @@ class HeaderTemplates:
             if hit is not None:
                 return hit
         layout = amqp.property_layout(payload)
+        reserved = None
         if layout.flags & 0x2000:
             # checked for every publish, persistent or not: RabbitMQ 3.10
             # crashes the channel on a headers table it cannot parse
-            amqp.decode_headers(payload, layout)
+            reserved = _reserved_route(amqp.decode_headers(payload, layout))
         spliced = amqp.splice_header(payload, layout, REPLICATION_HEADER, _ID_PLACEHOLDER)
         # our entry ends the headers table; what follows the table is unchanged
         end = len(spliced) - (len(payload) - layout.headers_end)
         at = end - _ID_SIZE
         alone = not layout.flags & 0x2000 and not self._expose_id
-        template = HeaderTemplate(layout, spliced[12:at], spliced[end:], alone)
+        template = HeaderTemplate(layout, spliced[12:at], spliced[end:], alone, reserved)
         if len(self._memo) >= _TEMPLATES_LIMIT:
             self._memo.clear()
         self._memo[payload[12:]] = template
         return template
+
+
+def _reserved_route(headers: dict[str, object] | None) -> str | None:
+    if not headers:
+        return None
+    try:
+        routes = header_routes(headers)
+    except Refused:
+        return None  # the broker refuses the publish itself
+    return next((r for r in routes if r.startswith(RESERVED_PREFIX)), None)
 
 
 def stamped(

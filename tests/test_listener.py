@@ -275,7 +275,9 @@ def test_broker_down_gives_a_clean_close_not_a_hang(site_a: LocalSite):
         lt.stop()
 
 
-def test_a_client_cannot_read_the_commit_markers(site_a: LocalSite, listener_a: ListenerThread):
+def test_a_client_cannot_read_or_write_the_commit_markers(
+    site_a: LocalSite, listener_a: ListenerThread
+):
     setup_vpn(site_a)
     enable_vpn(listener_a, site_a, "orders", queues=("orders.q1",))
     admin = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("orders")))
@@ -287,9 +289,26 @@ def test_a_client_cannot_read_the_commit_markers(site_a: LocalSite, listener_a: 
             conn.channel().basic_get("vpnrepl.txn-markers")
         assert refused.value.reply_code == 403
         assert "vpn-replication's own" in refused.value.reply_text
+        forger = conn.channel()
+        forger.basic_publish(
+            "",
+            "orders.q1",
+            b"forged marker",
+            pika.BasicProperties(delivery_mode=2, headers={"CC": ["vpnrepl.txn-markers"]}),
+        )
+        with pytest.raises(ChannelClosedByBroker) as refused:
+            forger.basic_get("orders.q1")  # the refusal arrives on the next round trip
+        assert refused.value.reply_code == 403
         assert conn.channel().queue_declare("orders.q1", durable=True)  # the rest works
     finally:
         conn.close()
+    admin = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("orders")))
+    try:
+        ch = admin.channel()
+        assert ch.queue_declare("vpnrepl.txn-markers", passive=True).method.message_count == 0
+        assert ch.queue_declare("orders.q1", passive=True).method.message_count == 0
+    finally:
+        admin.close()
 
 
 def test_past_max_connections_a_client_is_refused_with_320_and_no_broker_connection(

@@ -11,6 +11,7 @@ from pamqp import commands as C, frame, header
 from pamqp.body import ContentBody
 
 from bridge import MARKER_QUEUE, ReplicationId
+from plugin._output import Output
 from plugin._session import Session
 from tests.test_session import (
     content,
@@ -30,6 +31,13 @@ def xa_request(channel: int, verb: str, doc: dict[str, object], reply: str = "re
     )
 
 
+def feed(s: Session, data: bytes, split: bool) -> list[Output]:
+    """``data`` from the client in one read, or byte by byte."""
+    if split:
+        return [s.client_data(data[i : i + 1]) for i in range(len(data))]
+    return [s.client_data(data)]
+
+
 @pytest.fixture
 def tx() -> Session:
     s = make_session()
@@ -42,11 +50,7 @@ def tx() -> Session:
 @pytest.mark.parametrize("split", [False, True])
 def test_a_request_is_taken_out_of_the_stream(tx: Session, split: bool) -> None:
     data = xa_request(1, "start", {"xid": "1:61:62"}) + publish(1, b"work")
-    outs = (
-        [tx.client_data(data[i : i + 1]) for i in range(len(data))]
-        if split
-        else [tx.client_data(data)]
-    )
+    outs = feed(tx, data, split)
     to_broker = b"".join(b"".join(o.to_broker) for o in outs)
     calls = [c for o in outs for c in o.xa_calls]
     assert [v.name for _, v in decode_all([to_broker])] == [
@@ -119,6 +123,46 @@ def test_a_publish_to_a_reserved_queue_by_the_default_exchange_is_refused() -> N
     closes = [v for _, v in decode_all(out.to_client) if isinstance(v, C.Channel.Close)]
     assert closes and closes[0].reply_code == 403
     assert not [v for _, v in decode_all(out.to_broker) if isinstance(v, C.Basic.Publish)]
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("header_name", ["CC", "BCC"])
+def test_a_publish_whose_cc_or_bcc_names_a_reserved_queue_is_refused(
+    split: bool, header_name: str
+) -> None:
+    """To the default exchange a CC/BCC entry routes to the queue it
+    names: the method waits for its content header, and neither reaches
+    the broker (whole in one read, the fused path; byte by byte, the
+    frame-by-frame one)."""
+    s = make_session()
+    open_session(s)
+    data = publish(1, b"forged marker", headers={header_name: ["q", "vpnrepl.txn-markers"]})
+    outs = feed(s, data, split)
+    to_client = decode_all([b"".join(b"".join(o.to_client) for o in outs)])
+    to_broker = decode_all([b"".join(b"".join(o.to_broker) for o in outs)])
+    closes = [v for _, v in to_client if isinstance(v, C.Channel.Close)]
+    assert closes and closes[0].reply_code == 403, to_client
+    assert "'vpnrepl.txn-markers'" in str(closes[0].reply_text)
+    assert [type(v).__name__ for _, v in to_broker] == ["Close"]  # no publish, no content
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_held_publish_with_a_harmless_cc_reaches_the_broker_in_order(split: bool) -> None:
+    s = make_session()
+    open_session(s)
+    data = publish(1, b"body", headers={"CC": ["other"]}) + publish(2, b"two", mode=1)
+    outs = feed(s, data, split)
+    to_broker = decode_all([b"".join(b"".join(o.to_broker) for o in outs)])
+    assert [(ch, type(v).__name__) for ch, v in to_broker] == [
+        (1, "Publish"),
+        (1, "ContentHeader"),
+        (1, "ContentBody"),
+        (2, "Publish"),
+        (2, "ContentHeader"),
+        (2, "ContentBody"),
+    ]
+    assert to_broker[1][1].properties.headers["CC"] == ["other"]
+    assert [v.value for _, v in to_broker if isinstance(v, ContentBody)] == [b"body", b"two"]
 
 
 def test_on_a_vhost_not_replicated_a_request_is_relayed_untouched() -> None:

@@ -4,7 +4,7 @@ Sans-IO: a :class:`History` (what every client did and was told, with the
 faults applied) and the :class:`Final` state read after the sites healed
 and drained go in; a :class:`Verdict` per queue comes out, and
 :func:`violations` says which of them break the mode's promise
-(:data:`EXPECTATIONS`, written once here). ``tests/test_checker.py`` feeds
+(:data:`EXPECTATIONS`, written once here). ``tests/fault/test_checker.py`` feeds
 it histories built by hand, including each kind of violation.
 
 Kinds, per queue:

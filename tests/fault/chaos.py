@@ -3,9 +3,9 @@
 A :class:`Run` sets up the two-site harness, starts a workload — confirmed
 publishers, acking consumers and transactional clients, pika and aio-pika,
 each on connections of its own — that records what every client was told
-(:class:`~tests.checker.History`, with timestamps), applies a
+(:class:`~tests.fault.checker.History`, with timestamps), applies a
 :class:`Nemesis` during it and heals it, stops the workload, drains both
-sites, and hands what they hold to :mod:`tests.checker`. Every run writes a
+sites, and hands what they hold to :mod:`tests.fault.checker`. Every run writes a
 report: JSON, a text table and a plot of throughput and lag over time with
 the fault marked (``VPNREPL_FAULT_REPORTS=DIR`` keeps them; by default they
 go to the test's temporary directory).
@@ -45,7 +45,17 @@ import pika.exceptions
 import psycopg
 
 from plugin._localsites import LocalSite, _stat_fields
-from tests.checker import Fault, Final, History, Publish, Txn, check, report_json, table, violations
+from tests.fault.checker import (
+    Fault,
+    Final,
+    History,
+    Publish,
+    Txn,
+    check,
+    report_json,
+    table,
+    violations,
+)
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import VPN, cli_status, setup_vpn, until, vpn_status
@@ -804,7 +814,7 @@ def run(
 
 def summary(reports: Path) -> str:
     """A Markdown table of the JSON reports in ``reports`` (one row per run):
-    ``python -m tests.chaos DIR``."""
+    ``python -m tests.fault.chaos DIR``."""
     head = (
         "| run | published | acked | txns committed | lost | in exported tail | duplicates"
         " (all explained) | resurrected (all explained) | half-applied | phantoms | violations |"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.checker import (
+from tests.fault.checker import (
     Fault,
     Final,
     History,

@@ -1,5 +1,5 @@
-"""The fault suite: a workload under every nemesis, checked (``tests/chaos.py``,
-``tests/checker.py``).
+"""The fault suite: a workload under every nemesis, checked (``tests/fault/chaos.py``,
+``tests/fault/checker.py``).
 
 The smoke run (one nemesis, short) is in the default suite; every nemesis
 in both modes runs with ``./run test -m fault``. Each run writes its report
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import chaos
+from tests.fault import chaos
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 

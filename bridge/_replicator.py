@@ -110,7 +110,10 @@ class Replicator:
             self.coordinator.configure(settings)
         gate = self.gates.get(settings.name)
         if settings.mode is Mode.ASYNC:
-            self.gates.pop(settings.name, None)
+            if gate is not None:
+                del self.gates[settings.name]
+                gate.release()  # no confirm is left waiting for a gate gone
+                self._disarm_if_idle()
         elif gate is None:
             self.gates[settings.name] = SyncGate(
                 settings.name, settings.sync_timeout_ms, settings.on_sync_timeout, acked_index

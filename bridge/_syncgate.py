@@ -139,6 +139,13 @@ class SyncGate:
         for waiter in waiting.values():
             waiter.resolve(True)
 
+    def release(self) -> None:
+        """The VPN left sync mode: what waits for the standby is confirmed
+        now, as the async mode it is in would (each entry is durable here)."""
+        waiting, self._waiting, self._by_index, self._deadlines = self._waiting, {}, [], []
+        for waiter in waiting.values():
+            waiter.resolve(True)
+
     def next_deadline(self) -> float | None:
         return self._deadlines[0][0] if self._deadlines else None
 

@@ -173,3 +173,21 @@ def test_the_replicator_schedules_no_deadline_check_while_nothing_waits() -> Non
 
     assert asyncio.run(scenario()) == [False, True, False]
     assert out == {1: True}
+
+
+def test_a_vpn_switched_to_async_confirms_what_waited_for_the_standby() -> None:
+    """An operator serving without a standby (``vpn enable --mode async``
+    after a disaster): the publishes that waited are confirmed, none hangs."""
+    out = Outcomes()
+
+    async def scenario() -> bool:
+        replicator = _replicator(10_000, REJECT)
+        replicator.wait_standby("v", 1, out.resolver(1))
+        replicator.wait_standby("v", 2, out.resolver(2))
+        replicator.configure(VpnSettings.from_args("v", "active", "async"), acked_index=0)
+        armed = replicator._timer is not None
+        await replicator.close()
+        return armed
+
+    assert asyncio.run(scenario()) is False
+    assert out == {1: True, 2: True}

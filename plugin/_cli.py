@@ -25,6 +25,7 @@ from bridge import (
     Role,
     SyncTimeoutPolicy,
     VpnSettings,
+    read_vpn_settings,
 )
 
 from ._config import SiteConfig, load_config
@@ -118,18 +119,30 @@ def _cmd_tls_init(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_vpn_enable(cfg: SiteConfig, args: argparse.Namespace) -> int:
-    settings = VpnSettings.from_args(
+def _enable_settings(args: argparse.Namespace, now: VpnSettings) -> VpnSettings:
+    """The options given, over ``now`` where one was left out."""
+    return VpnSettings.from_args(
         name=args.vpn,
         role=args.role,
-        mode=args.mode,
-        sync_timeout_ms=args.sync_timeout_ms,
-        on_sync_timeout=args.on_sync_timeout,
-        queues=tuple(args.queues),
-        topics=tuple(args.topics),
-        expose_id=args.expose_id,
+        mode=args.mode or now.mode,
+        sync_timeout_ms=now.sync_timeout_ms
+        if args.sync_timeout_ms is None
+        else args.sync_timeout_ms,
+        on_sync_timeout=args.on_sync_timeout or now.on_sync_timeout,
+        queues=tuple(now.queue_patterns if args.queues is None else args.queues),
+        topics=tuple((str(t) for t in now.topic_filters) if args.topics is None else args.topics),
+        expose_id=now.expose_id if args.expose_id is None else args.expose_id,
     )
+
+
+def _cmd_vpn_enable(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    # checked before the database is asked; over the defaults a new VPN takes
+    settings = _enable_settings(args, VpnSettings.from_args(args.vpn, args.role))
     with connect(cfg.store_dsn) as conn:
+        # an option left out keeps the VPN's stored value
+        stored = read_vpn_settings(conn, args.vpn)
+        if stored is not None:
+            settings = _enable_settings(args, stored)
         created = enable_vpn(conn, settings, cfg.site_name)
     verb = "enabled" if created else "updated"
     print(f"VPN {settings.name!r} {verb}: role {settings.role}, mode {settings.mode}")
@@ -461,30 +474,31 @@ def _build_parser() -> _Parser:
     e = vsub.add_parser("enable", help="enable replication of VPN, or change its settings")
     e.add_argument("vpn", metavar="VPN")
     e.add_argument("--role", required=True, choices=[r.value for r in Role])
-    e.add_argument("--mode", default=Mode.ASYNC.value, choices=[m.value for m in Mode])
-    e.add_argument("--sync-timeout-ms", type=int, default=DEFAULT_SYNC_TIMEOUT_MS, metavar="N")
+    # (an option left out keeps the VPN's stored value; a new VPN takes the default)
+    e.add_argument("--mode", choices=[m.value for m in Mode], help=f"default {Mode.ASYNC.value}")
+    e.add_argument(
+        "--sync-timeout-ms", type=int, metavar="N", help=f"default {DEFAULT_SYNC_TIMEOUT_MS}"
+    )
     e.add_argument(
         "--on-sync-timeout",
-        default=SyncTimeoutPolicy.DEGRADE.value,
         choices=[s.value for s in SyncTimeoutPolicy],
+        help=f"default {SyncTimeoutPolicy.DEGRADE.value}",
     )
     e.add_argument(
         "--queues",
         action="append",
-        default=[],
         metavar="REGEX",
-        help="replicate queues whose name matches REGEX (repeatable)",
+        help="replicate queues whose name matches REGEX (repeatable; default every queue)",
     )
     e.add_argument(
         "--topics",
         action="append",
-        default=[],
         metavar="EXCHANGE:PATTERN",
         help="replicate publishes to EXCHANGE matching PATTERN (repeatable)",
     )
     e.add_argument(
         "--expose-id",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="let consumers see the x-vpnrepl-id header (tracing); hidden by default",
     )
     e.set_defaults(run=_cmd_vpn_enable)

@@ -102,9 +102,12 @@ def test_enable_then_status_json_shows_role_and_mode(vpnrepl_a: Vpnrepl) -> None
     assert re.search(r"^audit\s+standby\s+\d+\s+async\s+-\s", text.stdout, re.M)
 
 
-def test_reenable_updates_settings_but_refuses_a_role_change(vpnrepl_a: Vpnrepl) -> None:
+def test_reenable_updates_what_it_names_keeps_the_rest_and_refuses_a_role_change(
+    vpnrepl_a: Vpnrepl,
+) -> None:
     assert vpnrepl_a("init").returncode == 0
-    assert vpnrepl_a("vpn", "enable", "orders", "--role", "active").returncode == 0
+    first = vpnrepl_a("vpn", "enable", "orders", "--role", "active", "--queues", r"orders\..*")
+    assert first.returncode == 0, first.stderr
     again = vpnrepl_a("vpn", "enable", "orders", "--role", "active", "--mode", "sync")
     assert again.returncode == 0 and "updated" in again.stdout
     flip = vpnrepl_a("vpn", "enable", "orders", "--role", "standby")
@@ -114,8 +117,15 @@ def test_reenable_updates_settings_but_refuses_a_role_change(vpnrepl_a: Vpnrepl)
     assert [(v["role"], v["mode"]) for v in doc["vpns"]] == [("active", "sync")]
     exposed = vpnrepl_a("vpn", "enable", "orders", "--role", "active", "--expose-id")
     assert exposed.returncode == 0, exposed.stderr
+    # the mode and the scope given before are kept: an option left out
+    # changes nothing (a mode change must not widen the scope)
     doc = json.loads(vpnrepl_a("status", "--json").stdout)
-    assert [(v["mode"], v["expose_id"]) for v in doc["vpns"]] == [("async", True)]
+    assert [(v["mode"], v["expose_id"]) for v in doc["vpns"]] == [("sync", True)]
+    assert doc["vpns"][0]["scope"]["queues"] == ["orders\\..*"]
+    hidden = vpnrepl_a("vpn", "enable", "orders", "--role", "active", "--no-expose-id")
+    assert hidden.returncode == 0, hidden.stderr
+    doc = json.loads(vpnrepl_a("status", "--json").stdout)
+    assert [(v["mode"], v["expose_id"]) for v in doc["vpns"]] == [("sync", False)]
 
 
 def test_disable_removes_the_vpn_from_status(vpnrepl_a: Vpnrepl) -> None:

@@ -10,7 +10,8 @@ it histories built by hand, including each kind of violation.
 Kinds, per queue:
 
 * **lost**: confirmed (or in a committed transaction), routed to the queue,
-  never acked there, and absent from the active broker;
+  never acked there, and absent from the active broker — unless the mode
+  and policy excuse it (below: **lost, excused**);
 * **duplicated**: present more than once; explained by a client's retry
   when the number was published more than once;
 * **unexpected**: present, never published by any client;
@@ -27,6 +28,22 @@ Kinds, per queue:
 * **phantom** (reported, allowed): in the live state of both sites but not
   in the broker, from a publish whose confirm never came — the broker died
   before taking it.
+
+What may be lost after a promotion (:class:`OldActive` says what the old
+active's ledger showed, read from its PostgreSQL afterwards), per mode and
+sync-timeout policy (:data:`EXPECTATIONS` and :func:`_excuse`):
+
+* sync + ``reject``: nothing, tail or not;
+* sync + ``degrade``: only what the old active confirmed while the VPN was
+  sync-ineligible (its ledger index inside a window the product recorded)
+  and the standby had not applied;
+* async: only what lay past the standby's applied index at the promotion;
+* either way, when the old active came back and ``demote`` exported its
+  tail, only what is in that tail; after ``republish``, nothing.
+
+An ack counts once the client sent it **and** a synchronous call on the
+same channel returned after it (the broker had it); an ack sent with no
+such call after it is *unsure*: its message may be present or not.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ __all__ = [
     "Fault",
     "Final",
     "History",
+    "OldActive",
     "Publish",
     "Txn",
     "Verdict",
@@ -80,17 +98,41 @@ class Fault:
 
 
 @dataclass
+class OldActive:
+    """What a promotion left behind, read from the old active's database."""
+
+    #: the old active's ledger index the standby had applied when promoted
+    #: (the new epoch's ``taken_over_at``)
+    applied_at_promotion: int
+    #: number -> the old active's ledger index of its publish
+    index_of: dict[int, int] = field(default_factory=dict)
+    #: ledger index ranges (first, last) the old active confirmed while the
+    #: VPN was sync-ineligible (sync + ``degrade``)
+    ineligible: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
 class History:
     mode: str
+    #: the sync-timeout policy (sync mode): ``reject`` or ``degrade``
+    policy: str = "reject"
     published: dict[int, Publish] = field(default_factory=dict)
-    #: (number, queue) -> when the ack was sent
+    #: (number, queue) -> when the ack was sent; only acks a later
+    #: synchronous call on their channel showed the broker had
     acked: dict[tuple[int, str], float] = field(default_factory=dict)
+    #: acks sent with no synchronous call returning after them
+    acks_unsure: set[tuple[int, str]] = field(default_factory=set)
     txns: list[Txn] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     #: queues some consumer takes from (no order or atomicity check there)
     consumed_queues: frozenset[str] = frozenset()
     #: numbers a demoted former active exported as its unreplicated tail
-    exported_tail: frozenset[int] = frozenset()
+    #: (None: nothing exported — no promotion, or the old active never came back)
+    exported_tail: frozenset[int] | None = None
+    #: set by a promotion: what the old active's ledger showed
+    old_active: OldActive | None = None
+    #: the exported tail was republished on the new active
+    republished: bool = False
 
 
 @dataclass
@@ -99,9 +141,10 @@ class Final:
 
     #: queue -> numbers in the active broker, in queue order
     broker: dict[str, list[int]]
-    #: queue -> numbers in the active's and the standby's live state
+    #: queue -> numbers in the active's and the standby's live state (None:
+    #: no standby — the old active is gone for good)
     active_live: dict[str, set[int]]
-    standby_live: dict[str, set[int]]
+    standby_live: dict[str, set[int]] | None
 
 
 @dataclass
@@ -119,7 +162,8 @@ class Verdict:
     half_applied: list[tuple[int, ...]] = field(default_factory=list)
     standby_missing: list[int] = field(default_factory=list)
     standby_extra: list[int] = field(default_factory=list)
-    lost_in_tail: list[int] = field(default_factory=list)
+    #: lost, and what the mode and policy allow to be lost (:func:`_excuse`)
+    lost_excused: list[int] = field(default_factory=list)
     unreplicated: list[int] = field(default_factory=list)
     phantoms: list[int] = field(default_factory=list)
     phantoms_unexplained: list[int] = field(default_factory=list)
@@ -137,11 +181,32 @@ _PROMISE = (
     "standby_missing",
     "standby_extra",
 )
-#: what each mode promises: a kind listed here must be empty. The modes
-#: differ in what counts as lost: async may lose the unreplicated tail a
-#: promotion left on the old active, which ``demote`` exports (``lost_in_tail``,
-#: allowed); sync exports none, so there any loss is ``lost``.
-EXPECTATIONS: dict[str, tuple[str, ...]] = {"sync": _PROMISE, "async": _PROMISE}
+#: what each mode and policy promises: a kind listed here must be empty.
+#: They differ only in what a promotion may lose, which :func:`_excuse`
+#: decides number by number (``lost_excused``); the rest is the same.
+EXPECTATIONS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("sync", "reject"): _PROMISE,
+    ("sync", "degrade"): _PROMISE,
+    ("async", "reject"): _PROMISE,
+    ("async", "degrade"): _PROMISE,
+}
+
+
+def _excuse(history: History, n: int) -> bool:
+    """May the confirmed ``n``, missing from the active, be lost?"""
+    old = history.old_active
+    if old is None or history.republished:
+        return False  # no promotion; or the tail went back in
+    if history.exported_tail is not None and n not in history.exported_tail:
+        return False  # the old active came back: what it lacked is in its tail
+    index = old.index_of.get(n)
+    if index is None or index <= old.applied_at_promotion:
+        return False  # the standby had it: a promotion keeps it
+    if history.mode == "async":
+        return True
+    if history.policy == "degrade":
+        return any(first <= index <= last for first, last in old.ineligible)
+    return False  # sync + reject: a confirm waited for the standby
 
 
 def _in_flight(sent: float, faults: list[Fault]) -> bool:
@@ -178,10 +243,11 @@ def _verdict(q: str, history: History, final: Final, told: set[int], known: set[
     in_broker = final.broker.get(q, [])
     counts = Counter(in_broker)
     acked = {n for (n, queue) in history.acked if queue == q}
-    expected = told - acked
+    unsure = {n for (n, queue) in history.acks_unsure if queue == q}
+    expected = told - acked - unsure
     v.expected, v.present = len(expected), len(in_broker)
     for n in sorted(expected - set(counts)):
-        (v.lost_in_tail if n in history.exported_tail else v.lost).append(n)
+        (v.lost_excused if _excuse(history, n) else v.lost).append(n)
     for n, c in sorted(counts.items()):
         p = history.published.get(n)
         if c > 1:
@@ -201,15 +267,17 @@ def _verdict(q: str, history: History, final: Final, told: set[int], known: set[
             for t in history.txns
             if q in t.queues and 0 < len(set(t.numbers) & set(counts)) < len(t.numbers)
         ]
-    active, standby = final.active_live.get(q, set()), final.standby_live.get(q, set())
-    v.standby_missing = sorted(active - standby)
-    v.standby_extra = sorted(standby - active)
+    active = final.active_live.get(q, set())
+    if final.standby_live is not None:
+        standby = final.standby_live.get(q, set())
+        v.standby_missing = sorted(active - standby)
+        v.standby_extra = sorted(standby - active)
     v.unreplicated = sorted((expected & set(counts)) - active)
-    v.phantoms = sorted(active - set(counts) - acked)
+    v.phantoms = sorted(active - set(counts) - acked - unsure)
     v.phantoms_unexplained = [
         n
         for n in v.phantoms
-        if _told_confirmed(history, n) and n not in v.lost and n not in v.lost_in_tail
+        if _told_confirmed(history, n) and n not in v.lost and n not in v.lost_excused
     ]
     return v
 
@@ -240,7 +308,8 @@ def violations(history: History, verdicts: list[Verdict]) -> dict[str, dict[str,
     """Queue -> kind -> what breaks ``history.mode``'s promise (empty: none)."""
     out: dict[str, dict[str, list[Any]]] = {}
     for v in verdicts:
-        broken = {k: getattr(v, k) for k in EXPECTATIONS[history.mode] if getattr(v, k)}
+        promise = EXPECTATIONS[(history.mode, history.policy)]
+        broken = {k: getattr(v, k) for k in promise if getattr(v, k)}
         if broken:
             out[v.queue] = broken
     return out
@@ -249,7 +318,7 @@ def violations(history: History, verdicts: list[Verdict]) -> dict[str, dict[str,
 def table(verdicts: list[Verdict]) -> str:
     """The short text table of a run's report."""
     head = (
-        "queue", "expected", "present", "lost", "in tail", "dup (unexpl.)", "unexpected",
+        "queue", "expected", "present", "lost", "excused", "dup (unexpl.)", "unexpected",
         "resurrected (unexpl.)", "order", "half", "unrepl.", "phantoms", "standby -/+",
     )  # fmt: skip
     rows = [head]
@@ -260,7 +329,7 @@ def table(verdicts: list[Verdict]) -> str:
                 str(v.expected),
                 str(v.present),
                 str(len(v.lost)),
-                str(len(v.lost_in_tail)),
+                str(len(v.lost_excused)),
                 f"{len(v.duplicated)} ({len(v.duplicated_unexplained)})",
                 str(len(v.unexpected)),
                 f"{len(v.resurrected)} ({len(v.resurrected_unexplained)})",
@@ -279,6 +348,7 @@ def report_json(history: History, verdicts: list[Verdict], extra: dict[str, Any]
     return json.dumps(
         {
             "mode": history.mode,
+            "policy": history.policy,
             "faults": [asdict(f) for f in history.faults],
             "published": len(history.published),
             "acked": len(history.acked),

@@ -9,6 +9,7 @@ from tests.fault.checker import (
     Fault,
     Final,
     History,
+    OldActive,
     Publish,
     Txn,
     check,
@@ -46,12 +47,78 @@ def test_a_confirmed_message_missing_is_lost() -> None:
     assert broken(history(), final({Q1: [1, 2, 3, 4, 5], Q2: [1, 2, 4, 5]})) == {Q2: {"lost": [3]}}
 
 
-def test_in_async_mode_only_the_exported_tail_may_be_lost() -> None:
-    h = history("async")
+def promoted(mode: str, policy: str = "reject", applied: int = 3) -> History:
+    """Numbers 1-5 at the old active's ledger indexes 1-5; the standby had
+    applied up to ``applied`` when it was promoted."""
+    h = history(mode)
+    h.policy = policy
+    h.old_active = OldActive(applied, index_of={n: n for n in range(1, 6)})
+    return h
+
+
+def test_in_sync_reject_a_confirmed_message_only_in_the_exported_tail_is_lost() -> None:
+    h = promoted("sync", "reject")
     h.exported_tail = frozenset({5})
-    verdicts = check(h, final({Q1: [1, 2, 3, 4], Q2: [1, 2, 3]}))
-    assert violations(h, verdicts) == {Q2: {"lost": [4]}}
-    assert [v.lost_in_tail for v in verdicts] == [[5], [5]]
+    assert broken(h, final({Q1: [1, 2, 3, 4], Q2: [1, 2, 3, 4]})) == {
+        Q1: {"lost": [5]},
+        Q2: {"lost": [5]},
+    }
+
+
+def test_in_sync_reject_nothing_past_the_applied_index_may_be_lost_either() -> None:
+    h = promoted("sync", "reject")  # the old active never came back: no tail
+    assert broken(h, final({Q1: [1, 2, 3], Q2: [1, 2, 3, 4]})) == {
+        Q1: {"lost": [4, 5]},
+        Q2: {"lost": [5]},
+    }
+
+
+def test_in_sync_degrade_only_what_was_confirmed_while_ineligible_may_be_lost() -> None:
+    h = promoted("sync", "degrade", applied=2)
+    h.old_active.ineligible = [(4, 4)]  # type: ignore[union-attr]
+    verdicts = check(h, final({Q1: [1], Q2: [1]}))
+    # 2: the standby had it; 3 and 5: confirmed while the VPN was eligible
+    assert violations(h, verdicts) == {Q1: {"lost": [2, 3, 5]}, Q2: {"lost": [2, 3, 5]}}
+    assert [v.lost_excused for v in verdicts] == [[4], [4]]
+
+
+def test_in_async_only_what_lay_past_the_applied_index_may_be_lost() -> None:
+    h = promoted("async", applied=3)
+    verdicts = check(h, final({Q1: [1, 4], Q2: [1, 4]}))
+    assert violations(h, verdicts) == {Q1: {"lost": [2, 3]}, Q2: {"lost": [2, 3]}}
+    assert [v.lost_excused for v in verdicts] == [[5], [5]]
+
+
+def test_in_async_an_old_active_that_came_back_may_lose_only_its_exported_tail() -> None:
+    h = promoted("async", applied=3)
+    h.exported_tail = frozenset({5})
+    verdicts = check(h, final({Q1: [1, 2, 3], Q2: [1, 2, 3]}))
+    assert violations(h, verdicts) == {Q1: {"lost": [4]}, Q2: {"lost": [4]}}
+    assert [v.lost_excused for v in verdicts] == [[5], [5]]
+
+
+def test_after_republish_nothing_may_be_lost() -> None:
+    h = promoted("async", applied=3)
+    h.exported_tail = frozenset({4, 5})
+    h.republished = True
+    assert broken(h, final({Q1: [1, 2, 3, 4], Q2: [1, 2, 3, 4]})) == {
+        Q1: {"lost": [5]},
+        Q2: {"lost": [5]},
+    }
+
+
+def test_an_unsure_ack_makes_its_message_neither_lost_nor_resurrected() -> None:
+    h = history()
+    h.acks_unsure |= {(1, Q1), (2, Q1)}  # sent; no synchronous call came back after
+    h.acked[(3, Q1)] = 50.0  # sent, and the broker had it
+    got = broken(h, final({Q1: [2, 3, 4, 5], Q2: [1, 2, 3, 4, 5]}))
+    assert got == {Q1: {"resurrected_unexplained": [3]}}
+
+
+def test_with_the_old_active_gone_there_is_no_standby_to_compare() -> None:
+    f = final({Q1: [1, 2, 3, 4, 5], Q2: [1, 2, 3, 4, 5]})
+    f.standby_live = None
+    assert broken(history(), f) == {}
 
 
 def test_a_duplicate_is_allowed_only_after_a_client_retry() -> None:

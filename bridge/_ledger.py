@@ -169,6 +169,10 @@ class WriterStats:
 
     batches: int = 0
     entries: int = 0
+    #: (vpn, kind) -> entries committed (``vpnrepl_events_total``): every
+    #: event that entered the ledger, once, whoever appended it (the
+    #: listener, a local transaction's or an XA branch's decision, the node)
+    events: Counter[tuple[str, str]] = field(default_factory=Counter)
     failed_attempts: int = 0
     applies: int = 0
     #: entries in one committed ledger transaction -> how many such commits
@@ -727,6 +731,7 @@ class LedgerWriter:
         self.stats.batches += 1
         self.stats.entries += len(batch)
         self.stats.batch_sizes[len(batch)] += 1
+        self.stats.events.update([(e.vpn, e.kind) for e in entries])
         for e in entries:
             self._ledger(e.vpn).durable = e.index
         if self._decisions:

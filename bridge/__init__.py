@@ -86,6 +86,7 @@ from ._events import (
 )
 from ._failpoints import FAILPOINTS, UnknownFailpoint, armed, failpoint
 from ._frames import (
+    CAP_TAKEOVER,
     CAP_TOPOLOGY,
     CAP_XA_OWNER,
     CAPABILITIES,
@@ -512,6 +513,7 @@ __all__ = [
     "anchored",
     "unanchored",
     "CLOSED",
+    "CAP_TAKEOVER",
     "CAP_TOPOLOGY",
     "CAP_XA_OWNER",
     "CAPABILITIES",

@@ -53,6 +53,8 @@ from ._errors import (
     UnknownVpn,
 )
 from ._frames import (
+    CAP_TOPOLOGY,
+    CAPABILITIES,
     Ack,
     Error,
     Frame,
@@ -313,7 +315,14 @@ class BridgeServer:
         if self._states is not None:
             self._states.acked(vpn, index, epoch)
 
-    def _fence(self, vpn: str, reason: BridgeError) -> None:
+    def _fence(
+        self, vpn: str, reason: BridgeError, newer: tuple[int, str, int] | None = None
+    ) -> None:
+        """``vpn`` is fenced: a standby knows a newer epoch. ``newer``: that
+        epoch, the site that took it and the index it took it over at, when
+        the standby's SyncRequest said (recorded as a listing's would be:
+        the epoch history, and a split brain if this site confirmed past
+        that index)."""
         if vpn not in self.replicator.fenced:
             log.error(
                 "bridge: VPN %s is fenced: a standby knows a newer epoch (%s); "
@@ -323,7 +332,7 @@ class BridgeServer:
             )
         self.replicator.fenced.add(vpn)
         if self._states is not None:
-            self._states.fenced(vpn)
+            self._states.fenced(vpn, newer)
 
     async def _prune(self, acked: Mapping[str, int]) -> None:
         """Acknowledgements were recorded: prune the ledger behind them, at
@@ -507,11 +516,13 @@ class BridgeServer:
         lacking = link.conn.lacking()
         if lacking:
             log.warning(
-                "bridge: standby site %r (protocol version %d) cannot receive %s: "
-                "topology changes reach it only by its periodic listings",
+                "bridge: standby site %r (protocol version %d) lacks %s%s",
                 hello.site,
                 link.conn.version,
                 ", ".join(lacking),
+                ": topology changes reach it only by its periodic listings"
+                if CAPABILITIES[CAP_TOPOLOGY] in lacking
+                else "",
             )
         return True
 
@@ -631,7 +642,8 @@ class BridgeServer:
                 self._state_changed,
             )
         except Fenced as e:
-            self._fence(out.vpn, e)
+            by, at = request.taken_over_by, request.taken_over_at
+            self._fence(out.vpn, e, (request.epoch, by, at) if by else None)
             if peer.streams.get(out.vpn) is out:
                 del peer.streams[out.vpn]
             self._state_changed(out.vpn)

@@ -3,7 +3,8 @@
 Per VPN, ``vpn_state.bridge_state`` (:data:`CONNECTED`, :data:`SYNCING`,
 :data:`DISCONNECTED`, as ``vpnrepl status`` shows them), and on the active
 the standby's last acknowledgement (``applied_index``, ``applied_epoch``,
-``applied_at``) and ``fenced``. Invariant: recording never blocks the
+``applied_at``) and ``fenced`` (with the epoch that fenced it, the site
+that took it and where, when the standby said so). Invariant: recording never blocks the
 bridge and never loses the newest value — :class:`BridgeStateWriter`
 coalesces the writes into at most one transaction per interval, and a
 value that could not be written (the database is down) is kept for the
@@ -24,6 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 from ._link import describe_error
 from ._settings import Role
 from ._vpnstore import (
+    fence_vpn_async,
     mark_fenced_async,
     reset_bridge_states_async,
     set_applied_async,
@@ -89,7 +91,9 @@ class BridgeStateWriter:
         self._on_acked = on_acked
         self._states: dict[str, str] = {}
         self._acks: dict[str, tuple[int, int]] = {}
-        self._fenced: set[str] = set()
+        #: vpn -> (epoch, site, taken_over_at) of the epoch that fenced it,
+        #: None when not known
+        self._fenced: dict[str, tuple[int, str, int] | None] = {}
         self._dirty = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._failing = False
@@ -105,8 +109,13 @@ class BridgeStateWriter:
         self._acks[vpn] = (index, epoch)
         self._dirty.set()
 
-    def fenced(self, vpn: str) -> None:
-        self._fenced.add(vpn)
+    def fenced(self, vpn: str, newer: tuple[int, str, int] | None = None) -> None:
+        """``vpn`` is fenced; ``newer``: the epoch that fenced it, the site
+        that took it and the index it took it over at (recorded as a
+        listing's are: the epoch history, and a split brain when this site
+        confirmed past that index)."""
+        if newer is not None or vpn not in self._fenced:
+            self._fenced[vpn] = newer
         self._dirty.set()
 
     async def _run(self) -> None:
@@ -119,7 +128,7 @@ class BridgeStateWriter:
         self._dirty.clear()
         states, self._states = self._states, {}
         acks, self._acks = self._acks, {}
-        fenced, self._fenced = self._fenced, set()
+        fenced, self._fenced = self._fenced, {}
         if not (states or acks or fenced):
             return
         try:
@@ -131,7 +140,9 @@ class BridgeStateWriter:
                 self._states.setdefault(vpn, state)
             for vpn, ack in acks.items():
                 self._acks.setdefault(vpn, ack)
-            self._fenced |= fenced
+            for vpn, newer in fenced.items():
+                if self._fenced.get(vpn) is None:
+                    self._fenced[vpn] = newer
             self._dirty.set()
             if not isinstance(e, psycopg.Error):
                 raise
@@ -149,15 +160,19 @@ class BridgeStateWriter:
             await self._on_acked({vpn: index for vpn, (index, _) in acks.items()})
 
     async def _write(
-        self, states: dict[str, str], acks: dict[str, tuple[int, int]], fenced: set[str]
+        self,
+        states: dict[str, str],
+        acks: dict[str, tuple[int, int]],
+        fenced: dict[str, tuple[int, str, int] | None],
     ) -> None:
         async with self._pool.connection() as conn, conn.transaction():
             for vpn, state in states.items():
                 await set_bridge_state_async(conn, vpn, state)
             for vpn, (index, epoch) in acks.items():
                 await set_applied_async(conn, vpn, index, epoch)
-            for vpn in fenced:
-                await mark_fenced_async(conn, vpn)
+            for vpn, newer in fenced.items():
+                if newer is None or not await fence_vpn_async(conn, vpn, *newer):
+                    await mark_fenced_async(conn, vpn)
 
     async def close(self) -> None:
         if self._task is not None:

@@ -51,6 +51,7 @@ __all__ = [
     "FRAME_TYPES",
     "MAGIC",
     "CAPABILITIES",
+    "CAP_TAKEOVER",
     "CAP_TOPOLOGY",
     "CAP_XA_OWNER",
     "OUR_CAPABILITIES",
@@ -105,9 +106,15 @@ CAP_TOPOLOGY: Final = 1 << 0
 """topology changes travel in the stream as ``TopologyChanged`` events"""
 CAP_XA_OWNER: Final = 1 << 1
 """a ``TxnPrepare`` names the broker user that owns its XA branch"""
+CAP_TAKEOVER: Final = 1 << 2
+"""a ``SyncRequest`` names the site that took its epoch and where"""
 #: every capability this node has, by name (for log lines)
-CAPABILITIES: Final = {CAP_TOPOLOGY: "topology events", CAP_XA_OWNER: "XA branch owners"}
-OUR_CAPABILITIES: Final = CAP_TOPOLOGY | CAP_XA_OWNER
+CAPABILITIES: Final = {
+    CAP_TOPOLOGY: "topology events",
+    CAP_XA_OWNER: "XA branch owners",
+    CAP_TAKEOVER: "take-over points in sync requests",
+}
+OUR_CAPABILITIES: Final = CAP_TOPOLOGY | CAP_XA_OWNER | CAP_TAKEOVER
 #: RabbitMQ (3.8+) accepts messages up to 128 MiB by default, and one event
 #: must fit in one frame; 8 MiB on top for properties and framing.
 DEFAULT_MAX_FRAME_SIZE: Final = 136 * 2**20
@@ -469,6 +476,14 @@ class SyncRequest(_Frame):
     epoch of the standby's last applied entry, so the active can tell a
     standby whose history diverged (a demoted former active) from one that is
     merely behind — both get a checkpoint. Both are 0 when nothing is applied.
+
+    ``taken_over_by`` and ``taken_over_at``: the site that took the VPN at
+    ``epoch`` and the index of the previous epoch's ledger it took it over
+    at, from the standby's epoch history ("" and 0: not known), so that an
+    active this request fences records them as a listing's would
+    (:data:`CAP_TAKEOVER`: a ``str16`` and a ``u64`` after the numbers,
+    there only when the site is known; a peer without the capability is
+    sent none).
     """
 
     TYPE: ClassVar[int] = 4
@@ -476,6 +491,8 @@ class SyncRequest(_Frame):
     epoch: int
     last_applied_index: int
     last_applied_epoch: int
+    taken_over_by: str = ""
+    taken_over_at: int = 0
 
     def __post_init__(self) -> None:
         _check_text("vpn", self.vpn)
@@ -484,14 +501,26 @@ class SyncRequest(_Frame):
         _check_int("last_applied_epoch", self.last_applied_epoch, 0, self.epoch)
         if (self.last_applied_index == 0) != (self.last_applied_epoch == 0):
             raise ValueError("last_applied_index and last_applied_epoch are 0 together")
+        _check_text("taken_over_by", self.taken_over_by, empty=True)
+        _check_int("taken_over_at", self.taken_over_at, 0)
+        if self.taken_over_at and not self.taken_over_by:
+            raise ValueError("taken_over_at needs the site that took the epoch (taken_over_by)")
 
     def payload(self) -> bytes:
         numbers = (self.epoch, self.last_applied_index, self.last_applied_epoch)
-        return _str16(self.vpn) + b"".join(_U64.pack(n) for n in numbers)
+        head = _str16(self.vpn) + b"".join(_U64.pack(n) for n in numbers)
+        if not self.taken_over_by:
+            return head
+        return head + _str16(self.taken_over_by) + _U64.pack(self.taken_over_at)
 
     @classmethod
     def read(cls, r: _Reader) -> Self:
-        return cls(r.text("vpn"), r.u64("epoch"), r.u64("last_applied"), r.u64("last_epoch"))
+        vpn, epoch = r.text("vpn"), r.u64("epoch")
+        applied, applied_epoch = r.u64("last_applied"), r.u64("last_epoch")
+        if r.pos == len(r.data):
+            return cls(vpn, epoch, applied, applied_epoch)
+        by = r.text("taken_over_by")
+        return cls(vpn, epoch, applied, applied_epoch, by, r.u64("taken_over_at"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,12 @@ with itself:
   :meth:`LedgerWriter.open_vpn`, and whose prune waits for the writer's
   live index.
 
+A VPN forgotten (:meth:`LedgerWriter.forget_vpn`, a demotion) while
+entries of it are in flight takes no more entries, but keeps its indexes
+until the last entry it was given is applied to the live state: those
+entries still commit, their callbacks fire, and an :meth:`open_vpn` of it
+meanwhile waits for them, so its indexes continue after theirs.
+
 Commits do not wait for company when someone waits for them: with an
 entry pending that has an ``on_durable`` callback (a publish whose confirm
 is held), the flusher commits whatever is pending as soon as it is free
@@ -163,6 +169,10 @@ class WriterStats:
 
     batches: int = 0
     entries: int = 0
+    #: (vpn, kind) -> entries committed (``vpnrepl_events_total``): every
+    #: event that entered the ledger, once, whoever appended it (the
+    #: listener, a local transaction's or an XA branch's decision, the node)
+    events: Counter[tuple[str, str]] = field(default_factory=Counter)
     failed_attempts: int = 0
     applies: int = 0
     #: entries in one committed ledger transaction -> how many such commits
@@ -245,6 +255,9 @@ class LedgerWriter:
         self._max_backoff = max_backoff
         self._attempt_timeout = attempt_timeout
         self._vpns: dict[str, _VpnLedger] = {}
+        #: VPNs forgotten while entries of theirs were in flight, until the
+        #: last of those is applied to the live state (forget_vpn)
+        self._draining: dict[str, _VpnLedger] = {}
         self._pending: deque[_Pending] = deque()
         self._waiters = 0  # pending entries with an on_durable callback
         #: (vpn, last index of a group) -> the transaction it decides (append_group)
@@ -337,7 +350,13 @@ class LedgerWriter:
 
     async def open_vpn(self, vpn: str) -> None:
         """Start (or refresh the epoch of) the ledger of ``vpn``, e.g. one
-        enabled after :meth:`start`. Indexes continue after the last durable one."""
+        enabled after :meth:`start`. Indexes continue after the last durable
+        one, once the entries of an earlier :meth:`forget_vpn` still in
+        flight are applied."""
+        while vpn in self._draining and vpn not in self._vpns:
+            if self._failure is not None or self._closing:
+                raise LedgerClosed("entries of its earlier ledger did not complete", vpn)
+            await self._durable_changed.wait()
         async with self.reader.connection() as conn:
             found = await ledger_start_async(conn, vpn)
             if found is None:
@@ -354,10 +373,23 @@ class LedgerWriter:
             )
 
     def forget_vpn(self, vpn: str) -> None:
-        """``vpn`` is no longer active here (demoted): a later :meth:`open_vpn`
-        loads it afresh from the database instead of continuing its old
-        indexes."""
-        self._vpns.pop(vpn, None)
+        """``vpn`` is no longer active here (demoted): it takes no more
+        entries, and a later :meth:`open_vpn` loads it afresh from the
+        database instead of continuing its old indexes. Entries of it still
+        in flight are committed and applied as if it were open (module
+        docstring)."""
+        ledger = self._vpns.pop(vpn, None)
+        if ledger is not None and ledger.live < ledger.next_index - 1:
+            self._draining[vpn] = ledger
+
+    def _ledger(self, vpn: str) -> _VpnLedger:
+        """The indexes of ``vpn``, open or forgotten with entries in flight."""
+        ledger = self._vpns.get(vpn)
+        if ledger is None:
+            ledger = self._draining.get(vpn)
+            if ledger is None:
+                raise VpnNotOpen("no ledger is open for this VPN", vpn)
+        return ledger
 
     # -- the listener's side -----------------------------------------------
 
@@ -479,17 +511,19 @@ class LedgerWriter:
             raise VpnNotOpen("no ledger is open for this VPN", vpn) from None
 
     async def wait_durable(self, vpn: str, index: int) -> None:
-        """Return once ``index`` of ``vpn`` is committed; raise :class:`LedgerClosed`
-        if the writer stops first."""
-        while self.durable_index(vpn) < index:
+        """Return once ``index`` of ``vpn`` is committed (also when ``vpn`` was
+        forgotten meanwhile); raise :class:`LedgerClosed` if the writer stops
+        first."""
+        while self._ledger(vpn).durable < index:
             if self._failure is not None or (self._task is not None and self._task.done()):
                 raise LedgerClosed(f"index {index} was not committed", vpn)
             await self._durable_changed.wait()
 
     async def wait_live(self, vpn: str, index: int) -> None:
-        """Return once ``index`` of ``vpn`` is applied to ``live_message``;
-        raise :class:`LedgerClosed` if the writer stops first."""
-        while self.live_index(vpn) < index:
+        """Return once ``index`` of ``vpn`` is applied to ``live_message``
+        (also when ``vpn`` was forgotten meanwhile); raise
+        :class:`LedgerClosed` if the writer stops first."""
+        while self._ledger(vpn).live < index:
             if self._failure is not None or (
                 self._applier_task is not None and self._applier_task.done()
             ):
@@ -697,8 +731,9 @@ class LedgerWriter:
         self.stats.batches += 1
         self.stats.entries += len(batch)
         self.stats.batch_sizes[len(batch)] += 1
+        self.stats.events.update([(e.vpn, e.kind) for e in entries])
         for e in entries:
-            self._vpns[e.vpn].durable = e.index
+            self._ledger(e.vpn).durable = e.index
         if self._decisions:
             for e in entries:
                 self._decisions.pop((e.vpn, e.index), None)
@@ -762,6 +797,10 @@ class LedgerWriter:
     def _applied(self, entries: list[LedgerEntry]) -> None:
         """The applier committed ``entries`` to the live state."""
         for e in entries:
-            self._vpns[e.vpn].live = e.index
+            self._ledger(e.vpn).live = e.index
+        if self._draining:
+            for vpn, ledger in list(self._draining.items()):
+                if ledger.live >= ledger.next_index - 1:  # its last entry is in
+                    del self._draining[vpn]
         self.stats.applies += 1
         self._signal()

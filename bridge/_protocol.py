@@ -80,6 +80,7 @@ from ._errors import (
 )
 from ._events import Purged, TopologyChanged
 from ._frames import (
+    CAP_TAKEOVER,
     CAP_TOPOLOGY,
     CAP_XA_OWNER,
     CAPABILITIES,
@@ -697,9 +698,14 @@ class BridgeConnection:
     def _for_peer(self, frame: Frame) -> Frame:
         """``frame`` as the peer reads it: without the topology capability,
         each topology event becomes a no-op purge (module docstring);
-        without the XA owner capability, a prepare names no owner."""
+        without the XA owner capability, a prepare names no owner; without
+        the take-over capability, a sync request names no take-over point."""
         if isinstance(frame, TxnPrepare) and frame.owner:
             return frame if self.capabilities & CAP_XA_OWNER else replace(frame, owner="")
+        if isinstance(frame, SyncRequest) and frame.taken_over_by:
+            if self.capabilities & CAP_TAKEOVER:
+                return frame
+            return replace(frame, taken_over_by="", taken_over_at=0)
         if self.capabilities & CAP_TOPOLOGY or not isinstance(frame, Events):
             return frame
         if not any(isinstance(e.event, TopologyChanged) for e in frame.entries):

@@ -58,6 +58,8 @@ from ._errors import (
 )
 from ._failpoints import failpoint
 from ._frames import (
+    CAP_TOPOLOGY,
+    CAPABILITIES,
     PREVIOUS_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Ack,
@@ -93,7 +95,7 @@ from ._settings import HostPort, InvalidSettings, Role, TlsConfig
 from ._standby import NotStandby, StandbyApplier, StandbyError
 from ._tls import make_client_context
 from ._txnlink import StandbyTxnLink
-from ._vpnstore import applied_position_async, known_epochs_async
+from ._vpnstore import applied_position_async, epoch_taken_async, known_epochs_async
 
 __all__ = ["BridgeClient"]
 
@@ -447,12 +449,14 @@ class BridgeClient:
         lacking = link.conn.lacking()
         if lacking:
             log.warning(
-                "bridge: the active site %r (protocol version %d) cannot send %s: "
-                "topology changes reach this site only by its listings, every %.0f s",
+                "bridge: the active site %r (protocol version %d) lacks %s%s",
                 answer.site,
                 answer.version,
                 ", ".join(lacking),
-                self.relist_interval,
+                f": topology changes reach this site only by its listings, every "
+                f"{self.relist_interval:.0f} s"
+                if CAPABILITIES[CAP_TOPOLOGY] in lacking
+                else "",
             )
         self.peer_site = answer.site
         link.send(GetAllResources())
@@ -641,12 +645,15 @@ class BridgeClient:
         vpn = worker.vpn
         async with self._pool.connection() as conn:
             found = await applied_position_async(conn, vpn)
-        applied, applied_epoch = found if found is not None else (0, 0)
-        if applied == 0:
-            applied_epoch = 0
-        epoch = max(session.link.conn.known_epoch(vpn), applied_epoch, 1)
+            applied, applied_epoch = found if found is not None else (0, 0)
+            if applied == 0:
+                applied_epoch = 0
+            epoch = max(session.link.conn.known_epoch(vpn), applied_epoch, 1)
+            # who took the epoch and where: an active it fences records them
+            taken = await epoch_taken_async(conn, vpn, epoch)
+        by, at = taken if taken is not None else ("", 0)
         try:
-            session.link.send(SyncRequest(vpn, epoch, applied, applied_epoch))
+            session.link.send(SyncRequest(vpn, epoch, applied, applied_epoch, by, at))
         except LocalProtocolError as e:
             log.debug("bridge: VPN %s: no sync request now: %s", vpn, e)
             return

@@ -69,6 +69,7 @@ __all__ = [
     "become_standby",
     "disable_replication",
     "enabled_vpns_async",
+    "epoch_taken_async",
     "fence_vpn",
     "fence_vpn_async",
     "follow_settings_async",
@@ -343,6 +344,7 @@ EPOCH_SQL = """
 INSERT INTO vpn_epoch (vpn, epoch, site, taken_over_at) VALUES (%s, %s, %s, %s)
 ON CONFLICT (vpn, epoch) DO UPDATE SET site = EXCLUDED.site, taken_over_at = EXCLUDED.taken_over_at
 """
+_EPOCH_TAKEN = "SELECT site, taken_over_at FROM vpn_epoch WHERE vpn = %s AND epoch = %s"
 _FIRST_EPOCH = """
 INSERT INTO vpn_epoch (vpn, epoch, site) SELECT name, epoch, %s FROM vpn_config
 WHERE name = %s AND role = 'active' ON CONFLICT DO NOTHING
@@ -432,6 +434,15 @@ def record_epoch(conn: _Conn, vpn: str, epoch: int, site: str, taken_over_at: in
     """Record that ``site`` holds ``vpn`` at ``epoch``, taken over at
     ``taken_over_at`` of the previous epoch's ledger."""
     conn.execute(EPOCH_SQL, (vpn, epoch, site, taken_over_at))
+
+
+async def epoch_taken_async(conn: _AsyncConn, vpn: str, epoch: int) -> tuple[str, int] | None:
+    """The site that took ``vpn`` at ``epoch`` and the index it took it
+    over at, from the epoch history; None when the history lacks it."""
+    async with conn.cursor(row_factory=tuple_row) as cur:
+        await cur.execute(_EPOCH_TAKEN, (vpn, epoch))
+        row = await cur.fetchone()
+    return None if row is None else (str(row[0]), int(row[1]))
 
 
 def record_first_epoch(conn: _Conn, vpn: str, site: str) -> None:

@@ -187,11 +187,20 @@ class FrameSplitter:
     ``frame_max`` (0: no limit) is the negotiated maximum frame size; a larger
     frame is a :class:`FrameError` as soon as its header is seen, before its
     payload is buffered, so an oversize frame cannot exhaust memory.
+
+    Bytes relayed without being split (:meth:`pass_over`: the broker's side
+    of a vhost that is not replicated) still have their frame boundaries
+    followed, from the headers alone, so that splitting can take over later
+    at a boundary (:meth:`finish_frame`), not in the middle of a frame.
     """
 
     def __init__(self, frame_max: int = 0) -> None:
         self.frame_max = frame_max
         self._tail = b""
+        #: after pass_over: bytes of the frame in progress still to come,
+        #: or the start of its header when the header itself was cut
+        self._skip = 0
+        self._passed_head = b""
 
     def feed(self, data: bytes) -> tuple[bytes, list[Frame], AMQPError | None]:
         """Return ``(buffer, frames, fault)``: the frames complete in ``buffer``
@@ -233,6 +242,40 @@ class FrameSplitter:
         """Hand over the buffered partial frame (when parsing stops)."""
         tail, self._tail = self._tail, b""
         return tail
+
+    def pass_over(self, data: bytes, *, one_frame: bool = False) -> int:
+        """Follow the frame boundaries of ``data``, bytes relayed as they came
+        (from a frame boundary, or where the last call left off). Returns how
+        many bytes of ``data`` were passed over: all of them, or with
+        ``one_frame`` those up to the end of the frame in progress (0 at a
+        boundary). Only frame headers are read; nothing is buffered but a
+        header cut by the end of ``data`` (under 7 bytes)."""
+        n = len(data)
+        pos = self._skip  # where the next frame starts in data
+        head = self._passed_head
+        if head:  # the frame in progress began with a header cut short
+            if len(head) + n < 7:
+                self._passed_head = head + data
+                return n
+            missing = 7 - len(head)
+            pos = missing + _FRAME_HEAD.unpack(head + data[:missing])[2] + 1
+            self._passed_head = b""
+        if not one_frame:
+            while pos + 7 <= n:
+                pos += 7 + _FRAME_HEAD.unpack_from(data, pos)[2] + 1
+        if pos >= n:
+            self._skip = pos - n
+            return n
+        self._skip = 0
+        if one_frame:
+            return pos
+        self._passed_head = data[pos:]
+        return n
+
+    @property
+    def in_frame(self) -> bool:
+        """:meth:`pass_over` stopped inside a frame."""
+        return bool(self._skip or self._passed_head)
 
 
 def method_id(buf: bytes, f: Frame) -> tuple[int, int]:

@@ -31,7 +31,6 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from bridge import (
-    EVENT_KINDS,
     TLS_SHUTDOWN_TIMEOUT,
     ConfirmKey,
     Event,
@@ -250,7 +249,6 @@ class _ClientSide(asyncio.Protocol):
             self._write_client(out.to_client)
         sink = self.listener.sink
         if out.events:
-            self._count(out.events)
             self._hold(out.events)
             sink.append_many(out.events, self._durable_notice)
         for txn in out.prepare:
@@ -266,17 +264,6 @@ class _ClientSide(asyncio.Protocol):
             self._close_timer = asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, self.close)
         if self.session.client_done and (self.session.broker_done or out.drop_broker):
             self.close()
-
-    def _count(self, events: list[tuple[Event, ConfirmKey | None]]) -> None:
-        published = sum(1 for event, _ in events if type(event) is Published)
-        counts = self.listener.stats.events
-        vpn = events[0][0].vpn  # a connection's events are all of its vhost's VPN
-        if published:
-            counts[(vpn, "published")] += published
-        if published < len(events):
-            for event, _ in events:
-                if type(event) is not Published:
-                    counts[(vpn, EVENT_KINDS[type(event)])] += 1
 
     def _hold(self, events: list[tuple[Event, ConfirmKey | None]]) -> None:
         now = time.monotonic()
@@ -414,7 +401,6 @@ class _ClientSide(asyncio.Protocol):
         if last.uncertain:
             self.listener.on_uncertain(last.uncertain)
         if last.events:  # the connection's exclusive queues are gone
-            self._count(last.events)
             self.listener.sink.append_many(last.events, self._durable_notice)
         self._settle(last)
         self._xa(last)

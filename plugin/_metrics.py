@@ -84,8 +84,6 @@ class ListenerStats:
     connections_total: int = 0
     #: client connections refused for listen.max_connections
     connections_refused: int = 0
-    #: (vpn, kind) -> events handed to the sink
-    events: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: reply code -> client connections closed by the listener for bad input
     protocol_closes: Counter[int] = field(default_factory=Counter)
     #: (vpn, mode) -> how long publisher confirms were held for replication
@@ -204,6 +202,13 @@ class _Collector:
                 m._bound,
             )
         if m._ledger is not None:
+            yield _counter(
+                "vpnrepl_events",
+                "replication events committed to the ledger, by kind (those of a "
+                "local transaction or an XA branch at its commit)",
+                ("vpn", "kind"),
+                m._ledger.events,
+            )
             yield _commit_entries(m._ledger)
         if m._not_ours is not None:
             yield GaugeMetricFamily(
@@ -253,12 +258,6 @@ def _listener_families(stats: ListenerStats) -> Iterator[Metric]:
         "vpnrepl_client_connections_refused",
         "client connections refused (320) because listen.max_connections were open",
         value=stats.connections_refused,
-    )
-    yield _counter(
-        "vpnrepl_events",
-        "replication events handed to the sink",
-        ("vpn", "kind"),
-        stats.events,
     )
     yield _counter(
         "vpnrepl_protocol_closes",

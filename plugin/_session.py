@@ -23,7 +23,10 @@ Invariants, and why the code keeps them:
   released confirm, our close) goes behind every frame read before the one
   it handled (:meth:`Session._relay`), so a held confirm may reach the
   client later than the broker sent it, never ahead of a frame the broker
-  sent before it.
+  sent before it, and never inside one: on a vhost that is not replicated
+  the broker's bytes are relayed as they come, their frame boundaries
+  followed (``FrameSplitter.pass_over``), and our close waits for the end
+  of a frame the client has only the start of.
 * **The lifecycle is one state.** Each side's bytes are read as the state
   says, and the state changes only through the lifecycle's transition
   table; the session closes a client at most once.
@@ -104,6 +107,9 @@ class Session:
         #: the broker's frame_max (its connection.tune): the client's bound
         self._broker_frame_max = 0
         self._broker = FrameSplitter(0)
+        #: our frames for the client while passthrough has relayed only the
+        #: start of a broker frame to it: they go once that frame is whole
+        self._behind_raw_frame: list[bytes] = []
         self._ctx = ChannelContext(ids, self.connection_id, self._channel_closed)
         self._channels: dict[int, Channel] = {}
         self.vhost: str | None = None
@@ -200,12 +206,20 @@ class Session:
         """Bytes from the broker; returns what to forward and what happened."""
         out = self._begin()
         reads = BROKER_READS[self._state]
+        broker = self._broker
         if reads is _RAW:
-            out.to_client.append(self._broker.take_tail() + data if self._broker.pending else data)
+            if broker.pending:  # a frame begun before open-ok, not relayed yet
+                data = broker.take_tail() + data
+            broker.pass_over(data)  # where frames end, for when passthrough ends
+            out.to_client.append(data)
             return out
         if reads is _BROKER_NOTHING:
             return out
-        buf, frames, fault = self._broker.feed(data)
+        if broker.in_frame:
+            data = self._finish_raw_frame(data)
+            if not data:
+                return out
+        buf, frames, fault = broker.feed(data)
         self._from_broker(buf, frames)
         if fault is not None and self._state not in WE_CLOSED:
             self._broker_fault(fault)
@@ -514,7 +528,7 @@ class Session:
             return
         ids = amqp.method_id(buf, f)
         if ids == amqp.CONNECTION_CLOSE:  # both sides closed at once
-            self._out.to_client.append(amqp.marshal_method(commands.Connection.CloseOk(), 0))
+            self._to_client(amqp.marshal_method(commands.Connection.CloseOk(), 0))
             self._advance(Trigger.CLIENT_CLOSE)
         elif ids == amqp.CONNECTION_CLOSE_OK:
             self._advance(Trigger.CLIENT_CLOSE_OK)
@@ -529,6 +543,30 @@ class Session:
             self._advance(Trigger.BROKER_CLOSE)
         elif ids == amqp.CONNECTION_CLOSE_OK:
             self._advance(Trigger.BROKER_CLOSE_OK)
+
+    def _finish_raw_frame(self, data: bytes) -> bytes:
+        """Passthrough ended (we closed the connection) inside a broker frame
+        whose start was relayed raw: the rest of it goes to the client, then
+        the frames of ours held behind it (:meth:`_to_client`). Returns the
+        bytes after that frame, which the splitter takes from a boundary
+        (so the broker's close-ok is seen)."""
+        end = self._broker.pass_over(data, one_frame=True)
+        if end:
+            self._out.to_client.append(data[:end])
+        if self._broker.in_frame:
+            return b""
+        self._out.to_client.extend(self._behind_raw_frame)
+        self._behind_raw_frame.clear()
+        return data[end:]
+
+    def _to_client(self, frame: bytes) -> None:
+        """A frame of ours for the client (our close, a close-ok answer),
+        behind the broker frame passthrough left half relayed, if any: the
+        client must never find it in the middle of a frame."""
+        if self._broker.in_frame:
+            self._behind_raw_frame.append(frame)
+        else:
+            self._out.to_client.append(frame)
 
     def _find_close_ok(self, data: bytes) -> None:
         """After a framing fault the frame boundaries are lost, but the
@@ -555,7 +593,7 @@ class Session:
             error.reply_code,
             error.reply_text,
         )
-        self._out.to_client.append(
+        self._to_client(
             amqp.marshal_method(
                 commands.Connection.Close(
                     reply_code=error.reply_code,

@@ -48,6 +48,56 @@ def test_splitter_keeps_a_partial_frame_for_later() -> None:
     assert got == [data] and splitter.pending == 5
 
 
+def _stream_and_boundaries() -> tuple[bytes, list[int]]:
+    from pamqp.body import ContentBody
+
+    parts = [
+        frame.marshal(commands.Basic.Deliver("c", 1, exchange="", routing_key="q"), 1),
+        frame.marshal(header.ContentHeader(body_size=300), 1),
+        frame.marshal(ContentBody(b"b" * 300), 1),
+        frame.marshal(commands.Basic.Ack(delivery_tag=7), 2),
+        frame.marshal(commands.Connection.CloseOk(), 0),
+    ]
+    ends = [sum(len(p) for p in parts[: i + 1]) for i in range(len(parts))]
+    return b"".join(parts), [0, *ends]
+
+
+@given(st.lists(st.integers(min_value=0, max_value=340), max_size=6))
+def test_pass_over_follows_frame_boundaries_however_the_bytes_are_cut(cuts: list[int]) -> None:
+    """Bytes relayed unsplit, cut anywhere into reads: pass_over knows
+    whether a read ended inside a frame, and with one_frame stops exactly
+    at the end of the frame in progress, from where feed splits the rest."""
+    stream, boundaries = _stream_and_boundaries()
+    points = sorted({min(c, len(stream)) for c in cuts})
+    splitter, at = amqp.FrameSplitter(), 0
+    for point in points:
+        assert splitter.pass_over(stream[at:point]) == point - at
+        at = point
+        assert splitter.in_frame == (at not in boundaries)
+    end = splitter.pass_over(stream[at:], one_frame=True)
+    assert at + end == min(b for b in boundaries if b >= at)
+    assert not splitter.in_frame
+    got, _ = _frames(stream[at + end :], splitter)
+    assert b"".join(got) == stream[at + end :]
+
+
+def test_pass_over_byte_by_byte() -> None:
+    stream, boundaries = _stream_and_boundaries()
+    splitter = amqp.FrameSplitter()
+    for i in range(len(stream)):
+        assert splitter.pass_over(stream[i : i + 1]) == 1
+        assert splitter.in_frame == (i + 1 not in boundaries)
+    for start in range(len(stream)):
+        splitter = amqp.FrameSplitter()
+        splitter.pass_over(stream[:start])
+        ends = [
+            splitter.pass_over(stream[i : i + 1], one_frame=True) for i in range(start, len(stream))
+        ]
+        first_boundary = min(b for b in boundaries if b >= start)
+        # one byte at a time: each is passed over until the frame ends, then 0
+        assert ends == [1] * (first_boundary - start) + [0] * (len(stream) - first_boundary)
+
+
 @pytest.mark.parametrize(
     ("data", "error", "text"),
     [

@@ -130,6 +130,8 @@ SAMPLES: list[Frame] = [
     ResourceList((resource(), resource("billing", 9, expose_id=True, taken_over_at=2**40))),
     SyncRequest(VPN, 3, 0, 0),
     SyncRequest(VPN, 3, 1042, 2),
+    SyncRequest(VPN, 3, 1042, 2, "zürich-ä", 2**40),
+    SyncRequest(VPN, 3, 0, 0, "b"),
     SyncAccepted(VPN, 3, 1043),
     Checkpoint(VPN, 3, 0, (), True),
     Checkpoint(VPN, 3, 50, (row(1), row(2, "orders.q2"), row(50)), False),

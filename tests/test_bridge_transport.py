@@ -564,6 +564,37 @@ def test_a_fenced_active_is_refused_and_the_standby_waits(
     assert [r.levelno for r in fenced if "not replicating from it" in r.message] == [logging.ERROR]
 
 
+def test_a_sync_request_that_fences_the_active_records_where_its_epoch_took_over(
+    site_a: LocalSite, site_b: LocalSite
+) -> None:
+    """B took the VPN over at epoch 2 from A's index 10 (then became a
+    standby again); A, which never heard of it, confirmed up to 40. B's
+    SyncRequest fences A, and A records what a listing of epoch 2 would
+    have told it: the epoch, the site and the take-over index, and the
+    split brain (A confirmed past index 10)."""
+    a_dsn, b_dsn = prepare(site_a, orders="active"), prepare(site_b, orders="standby")
+    sql(b_dsn, "UPDATE vpn_config SET epoch = 2")
+    took = "INSERT INTO vpn_epoch (vpn, epoch, site, taken_over_at) VALUES (%s, 2, 'b', 10)"
+    sql(b_dsn, took, VPN)
+    epochs = "SELECT epoch, site, taken_over_at FROM vpn_epoch WHERE vpn = %s ORDER BY epoch"
+
+    async def scenario() -> None:
+        async with active(site_a) as a:
+            last = await feed(a.writer, events(1, 30))
+            assert last.index == 40
+            async with standby(site_b, site_a.bridge_port):
+                await until(lambda: VPN in a.replicator.fenced, "A to learn it is fenced")
+                await until(
+                    lambda: scalar(a_dsn, "SELECT fenced FROM vpn_state WHERE vpn = %s", VPN),
+                    "A to record it",
+                )
+
+    run(scenario)
+    with psycopg.connect(a_dsn) as conn:
+        assert conn.execute(epochs, (VPN,)).fetchall()[-1] == (2, "b", 10)
+    assert scalar(a_dsn, "SELECT split_brain FROM vpn_state WHERE vpn = %s", VPN) is True
+
+
 def test_an_ack_records_applied_index_prunes_and_releases_a_sync_confirm(
     site_a: LocalSite, site_b: LocalSite
 ) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from bridge import (
     CAP_TOPOLOGY,
+    CAP_XA_OWNER,
     OUR_CAPABILITIES,
     PREVIOUS_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
@@ -124,7 +125,11 @@ def test_a_previous_version_standby_gets_each_topology_event_as_a_no_op_at_its_i
     answer = active.send(active.our_hello())
     assert header_version(answer) == 5
     assert active.capabilities == 0
-    assert active.lacking() == ["topology events", "XA branch owners"]
+    assert active.lacking() == [
+        "topology events",
+        "XA branch owners",
+        "take-over points in sync requests",
+    ]
     frames(active, GetAllResources().encode(5))
     wire = active.send(listing())
     sent, _ = decode_frame(wire)  # what a version-5 node decodes
@@ -148,6 +153,38 @@ def test_a_previous_version_standby_gets_each_topology_event_as_a_no_op_at_its_i
         active.send(Hello("a", PROTOCOL_VERSION, Role.ACTIVE))  # not twice, not another version
 
 
+def test_a_sync_request_names_where_its_epoch_took_over_to_an_active_that_can_read_it() -> None:
+    """Between two ends with the take-over capability the SyncRequest
+    carries the site that took its epoch and where; to an active without
+    it (the previous release, in version 6 or 5) it goes as that one reads
+    it: byte for byte the frame without them."""
+    request = SyncRequest("orders", 2, 0, 0, taken_over_by="b", taken_over_at=10)
+    plain = SyncRequest("orders", 2, 0, 0)
+    active, standby = greeted()
+    assert frames(active, standby.send(request)) == [request]
+
+    active = BridgeConnection(Role.ACTIVE, "a", offered=CAP_TOPOLOGY | CAP_XA_OWNER)
+    standby = BridgeConnection(Role.STANDBY, "b")
+    frames(active, standby.send(standby.our_hello()))
+    frames(standby, active.send(active.our_hello()))
+    assert standby.lacking() == ["take-over points in sync requests"]
+    frames(active, standby.send(GetAllResources()))
+    frames(standby, active.send(listing()))
+    wire = standby.send(request)
+    assert wire == plain.encode()
+    assert frames(active, wire) == [plain]
+
+    standby = BridgeConnection(Role.STANDBY, "b", version=PREVIOUS_PROTOCOL_VERSION)
+    standby.send(standby.our_hello())
+    frames(standby, Hello("a", 5, Role.ACTIVE).encode(5))
+    standby.send(GetAllResources())
+    frames(standby, listing(None).encode(5))
+    assert standby.send(request) == plain.encode(5)
+
+    with pytest.raises(ValueError, match="taken_over_by"):
+        SyncRequest("orders", 2, 0, 0, taken_over_at=10)
+
+
 def test_a_standby_that_offers_no_topology_gets_no_topology_events_in_version_6() -> None:
     active, standby = greeted(standby_offers=0)
     assert active.capabilities == 0 and standby.capabilities == 0
@@ -162,7 +199,11 @@ def test_an_upgraded_standby_speaks_version_5_to_a_previous_version_active() -> 
     hello = standby.our_hello()
     assert hello.capabilities == 0 and header_version(standby.send(hello)) == 5
     frames(standby, Hello("a", 5, Role.ACTIVE).encode(5))
-    assert standby.lacking() == ["topology events", "XA branch owners"]
+    assert standby.lacking() == [
+        "topology events",
+        "XA branch owners",
+        "take-over points in sync requests",
+    ]
     standby.send(GetAllResources())
     old = listing(None)
     frames(standby, old.encode(5))

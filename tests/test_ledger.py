@@ -232,6 +232,102 @@ def test_backpressure_holds_until_entries_are_durable(site_a: LocalSite) -> None
     run(scenario)
 
 
+# ------------------------------------------------------------- forgetting a VPN
+
+
+async def _hold_vpn_live_state(dsn: str, vpn: str) -> psycopg.AsyncConnection[Any]:
+    """A transaction holding ``vpn``'s vpn_live_state row: the live-state
+    apply blocks (the ledger commits go on)."""
+    blocker = await psycopg.AsyncConnection.connect(dsn)
+    await blocker.execute("SELECT 1 FROM vpn_live_state WHERE vpn = %s FOR UPDATE", (vpn,))
+    return blocker
+
+
+async def _until_scalar(dsn: str, sql: str, want: Any) -> None:
+    deadline = time.monotonic() + 10.0
+    while await asyncio.to_thread(scalar, dsn, sql) != want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{sql} never gave {want!r}")
+        await asyncio.sleep(0.02)
+
+
+def test_forgetting_a_vpn_whose_entries_wait_for_their_commit_loses_nothing(
+    site_a: LocalSite,
+) -> None:
+    """A demotion forgets the VPN while entries of it still wait for their
+    commit: they still become durable, their callbacks fire and the writer
+    goes on; an open_vpn meanwhile waits for them and continues after."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active", w="active")
+    durable = Durable()
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            blocker = await _hold_vpn_state(dsn, "v")
+            for n in range(1, 6):
+                writer.append(pub("v", n, "q"), durable.cb(n))
+            await _until_blocked(dsn)
+            writer.forget_vpn("v")
+            with pytest.raises(VpnNotOpen):
+                writer.append(pub("v", 6, "q"))
+            await blocker.commit()
+            await blocker.close()
+            await writer.wait_durable("v", 5)  # a waiter of a forgotten VPN still hears
+            assert durable.calls == [(n, True) for n in range(1, 6)]
+            await writer.wait_durable("w", writer.append(pub("w", 1, "q")).index)
+            # forgotten again with entries in flight: open_vpn waits for them
+            await writer.open_vpn("v")
+            blocker = await _hold_vpn_state(dsn, "v")
+            writer.append(pub("v", 6, "q"), durable.cb(6))
+            await _until_blocked(dsn)
+            writer.forget_vpn("v")
+            reopened = asyncio.create_task(writer.open_vpn("v"))
+            await asyncio.sleep(0.1)
+            assert not reopened.done()  # its indexes continue after the one in flight
+            await blocker.commit()
+            await blocker.close()
+            await asyncio.wait_for(reopened, 10)
+            assert writer.append(pub("v", 7, "q")).index == 7
+            await writer.wait_live("v", 7)
+        assert durable.calls == [(n, True) for n in range(1, 7)]
+
+    run(scenario)
+    assert [i for i, _, _ in stored(dsn, "v")] == list(range(1, 8))
+    assert live_keys(dsn, "v") == {("q", n) for n in range(1, 8)}
+
+
+def test_forgetting_a_vpn_whose_entries_wait_for_their_live_apply_loses_nothing(
+    site_a: LocalSite,
+) -> None:
+    """Entries durable but not yet applied to the live state when their VPN
+    is forgotten are applied, and the writer goes on."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active", w="active")
+    durable = Durable()
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn, apply_delay=0) as writer:
+            blocker = await _hold_vpn_live_state(dsn, "v")
+            for n in range(1, 6):
+                writer.append(pub("v", n, "q"), durable.cb(n))
+            await writer.wait_durable("v", 5)
+            await _until_blocked(dsn)
+            writer.forget_vpn("v")
+            await blocker.commit()
+            await blocker.close()
+            await _until_scalar(dsn, "SELECT live_index FROM vpn_live_state WHERE vpn = 'v'", 5)
+            await writer.wait_durable("w", writer.append(pub("w", 1, "q")).index)
+            await writer.wait_live("w", 1)
+            await writer.open_vpn("v")
+            assert writer.append(pub("v", 6, "q")).index == 6
+            await writer.wait_live("v", 6)
+        assert durable.calls == [(n, True) for n in range(1, 6)]
+
+    run(scenario)
+    assert live_keys(dsn, "v") == {("q", n) for n in range(1, 7)}
+    assert live_keys(dsn, "w") == {("q", 1)}
+
+
 # ------------------------------------------------------------- restart
 
 

@@ -9,6 +9,7 @@ import psycopg
 import pytest
 from pika.exceptions import NackError
 
+from bridge import EVENT_KINDS
 from bridge._ids import INCARNATION_LIMIT
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
@@ -74,6 +75,56 @@ def test_confirmed_publishes_are_in_the_ledger_and_consumption_is_mirrored(
     assert '"orders.q1": 120' in cli.stdout
     metrics = node_a.get("/metrics")
     assert value(metrics, "vpnrepl_events_total", vpn="orders", kind="published") == 200
+    assert node_a.stop() == 0
+
+
+def test_the_events_metric_counts_every_ledger_entry_once_local_transactions_included(
+    site_a: LocalSite, vpnrepl_a: Vpnrepl, node_a: NodeProcess
+) -> None:
+    """``vpnrepl_events_total`` is what entered the ledger, by kind: the
+    publishes and acks of a committed local transaction (tx_select,
+    tx_commit through the listener) count as the plain ones do, once; a
+    rolled-back transaction's count nothing."""
+    _setup_vhost(site_a)
+    _enable_orders(vpnrepl_a, "--role", "active", "--queues", r"orders\..*")
+    node_a.start()
+    conn = _client(site_a)
+    plain = conn.channel()
+    plain.confirm_delivery()
+    for i in range(5):
+        plain.basic_publish("events", "order.created", f"plain {i}".encode(), PERSISTENT)
+    tx = conn.channel()
+    tx.tx_select()
+    for i in range(4):
+        tx.basic_publish("events", "order.created", f"tx {i}".encode(), PERSISTENT)
+    for _ in range(3):
+        method, _, _ = tx.basic_get("orders.q1")
+        tx.basic_ack(method.delivery_tag)
+    tx.tx_commit()
+    tx.basic_publish("events", "order.created", b"rolled back", PERSISTENT)
+    tx.tx_rollback()
+    method, _, _ = plain.basic_get("orders.q2")
+    plain.basic_ack(method.delivery_tag)
+    conn.close()
+
+    def ledger() -> dict[str, int]:
+        with psycopg.connect(site_a.pg.dsn()) as db:
+            rows = db.execute(
+                "SELECT kind, count(*) FROM ledger WHERE vpn = 'orders' GROUP BY kind"
+            ).fetchall()
+        return {kind: int(n) for kind, n in rows}
+
+    def metric() -> dict[str, int]:
+        text = node_a.get("/metrics")
+        kinds = EVENT_KINDS.values()
+        counts = {k: value(text, "vpnrepl_events_total", vpn="orders", kind=k) for k in kinds}
+        return {k: int(n) for k, n in counts.items() if n}
+
+    deadline = time.monotonic() + 10
+    while ledger() != {"published": 9, "consumed": 4} and time.monotonic() < deadline:
+        time.sleep(0.05)  # the last ack is durable shortly after it
+    assert ledger() == {"published": 9, "consumed": 4}
+    assert metric() == ledger()
     assert node_a.stop() == 0
 
 

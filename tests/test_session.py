@@ -573,11 +573,50 @@ def test_unreplicated_connection_only_checks_client_frames_after_open_ok() -> No
     data = publish(1, b"x")
     out = s.client_data(data)
     assert out.to_broker == [data] and out.events == []
-    broker_bytes = b"anything the broker sends is relayed as is"
+    # whatever the broker sends is relayed as is: an id header is not cut
+    deliver = C.Basic.Deliver(consumer_tag="c", delivery_tag=1, exchange="", routing_key="q")
+    broker_bytes = m(deliver, 1) + content(1, b"x", headers={"x-vpnrepl-id": 5})
     assert s.broker_data(broker_bytes).to_client == [broker_bytes]
     # the checks RabbitMQ itself does not make still close with a reply code
     unknown = struct.pack(">BHI", 1, 1, 4) + struct.pack(">HH", 999, 10) + b"\xce"
     assert closing_code(s.client_data(unknown)) == 503
+
+
+def _delivery(channel: int, body: bytes) -> bytes:
+    deliver = C.Basic.Deliver(consumer_tag="c", delivery_tag=1, exchange="", routing_key="q")
+    return m(deliver, channel) + content(channel, body)
+
+
+#: where a read of the broker's bytes ends, from the start of the first
+#: delivery's body frame: in its header, in its payload, in the next frame's header
+_CUTS = (3, 7 + 2000, 7 + 5000 + 1 + 2)
+
+
+@pytest.mark.parametrize("cut", _CUTS, ids=["in-a-frame-header", "in-a-body", "in-the-next-header"])
+def test_our_close_in_passthrough_finds_the_brokers_close_ok_behind_a_frame_cut_by_a_read(
+    cut: int,
+) -> None:
+    """On a vhost that is not replicated the broker's bytes are relayed as
+    they come: a read may end inside a frame. When we then close the
+    connection (a client fault), the rest of that frame still reaches the
+    client, whole, before our close, and the broker's close-ok behind it
+    ends the broker's side (not the listener's 5 s close timer)."""
+    s = Session(VpnDirectory(), IdSource(1))
+    open_session(s, vhost="plain")
+    first = _delivery(1, b"x" * 5000)
+    stream = first + _delivery(1, b"y" * 10)
+    split = len(first) - (7 + 5000 + 1) + cut
+    to_client = list(s.broker_data(stream[:split]).to_client)
+    unknown = struct.pack(">BHI", 1, 1, 4) + struct.pack(">HH", 999, 10) + b"\xce"
+    out = s.client_data(unknown)
+    assert [v for _, v in decode_all(out.to_broker) if isinstance(v, C.Connection.Close)]
+    to_client += out.to_client
+    out = s.broker_data(stream[split:] + m(C.Connection.CloseOk()))
+    to_client += out.to_client
+    assert s.broker_done
+    frames = decode_all(to_client)  # whole frames only, our close last
+    assert isinstance(frames[-1][1], C.Connection.Close) and frames[-1][1].reply_code == 503
+    assert b"".join(to_client).startswith(stream[:split])
 
 
 def test_body_longer_than_declared_is_refused_on_unreplicated_vhosts_too() -> None:

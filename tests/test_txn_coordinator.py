@@ -4,6 +4,8 @@ its rows, its ledger group, its spans, and recovery by marker."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from typing import Any
 
 import pika
 import psycopg
@@ -21,7 +23,7 @@ from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from sql import migrate
 from txn._coordinator import TXN_RETAIN_SECONDS, Coordinator
-from txn._log import PARTICIPANT, TxnLog, encode_events
+from txn._log import _PRUNE, PARTICIPANT, PRUNE_LIMIT, TxnLog, encode_events
 from txn._markers import MARKER_QUEUE, MarkerStore
 from txn._participant import OUTCOME_FLUSH_SECONDS, Participant
 
@@ -533,6 +535,51 @@ def test_rows_of_transactions_over_on_both_sites_are_pruned_after_their_retentio
         "p-applied",
         "p-prepared",
     ]
+
+
+def test_the_prune_reaches_old_rows_through_an_index_not_a_scan_of_the_log(
+    site_a: LocalSite,
+) -> None:
+    """The sweep runs every few minutes against a log of every transaction
+    of the last hour: it must find the few rows past their retention
+    through an index on ``updated_at`` (schema 0015), not read the whole
+    table each time."""
+    dsn = active_site(site_a)
+    with psycopg.connect(dsn) as db:
+        db.execute(
+            "INSERT INTO txn_log (txid, vpn, side, state, events, updated_at)"
+            " SELECT 'r-' || n, 'v', 'coordinator', 'ended', '', now() - n * interval '100 ms'"
+            " FROM generate_series(1, 20000) AS n"
+        )
+        db.execute(
+            "INSERT INTO txn_log (txid, vpn, side, state, events, updated_at)"
+            " SELECT 'old-' || n, 'v', 'participant', 'committed', '', now() - interval '2 hours'"
+            " FROM generate_series(1, 20) AS n"
+        )
+        db.execute("ANALYZE txn_log")
+        plan = db.execute(
+            "EXPLAIN (FORMAT JSON) " + _PRUNE, (TXN_RETAIN_SECONDS, PRUNE_LIMIT)
+        ).fetchone()
+    assert plan is not None
+    scans = list(_scans_of_txn_log(plan[0][0]["Plan"]))
+    assert ("Seq Scan", None) not in scans, scans
+    assert any(index == "txn_log_prunable" for _, index in scans), scans
+
+    async def scenario() -> None:
+        log = TxnLog(dsn)
+        await log.open()
+        assert await log.prune(TXN_RETAIN_SECONDS) == 20
+        await log.close()
+
+    asyncio.run(scenario())
+
+
+def _scans_of_txn_log(node: dict[str, Any]) -> Iterator[tuple[str, str | None]]:
+    """(node type, index name) of every node on ``txn_log`` in a plan."""
+    if node.get("Relation Name") == "txn_log":
+        yield node["Node Type"], node.get("Index Name")
+    for child in node.get("Plans", []):
+        yield from _scans_of_txn_log(child)
 
 
 def test_an_abort_the_standby_database_does_not_take_stays_in_doubt_quietly(

@@ -84,7 +84,8 @@ PRUNE_LIMIT = 10_000
 # Rows whose transaction is over on both sites: a coordinator's ended (the
 # standby acknowledged its group) or aborted, a participant's committed
 # (applied from the stream) or aborted; never an XA branch the transaction
-# manager must still hear of (heuristic).
+# manager must still hear of (heuristic). The index txn_log_prunable (schema
+# 0015) is partial on this very condition on the state: change both together.
 _PRUNE = """
 DELETE FROM txn_log WHERE txid IN (
     SELECT txid FROM txn_log

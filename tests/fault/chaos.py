@@ -565,11 +565,14 @@ def pause_pg(side: str) -> Nemesis:
     )
 
 
-def bridge(mode: str, delay: float = 0.0) -> Nemesis:
+def bridge(mode: str, delay: float = 0.0, hold: float = 5.0) -> Nemesis:
+    """The bridge, both directions: a full partition (``cut``: reset;
+    ``blackhole``: half-open, nothing goes through) or a slow WAN."""
     return Nemesis(
-        f"bridge {mode}" + (f" {delay:g} s" if delay else ""),
-        lambda r: r.proxy.set(mode, delay),
-        lambda r: r.proxy.set("pass"),
+        f"bridge {mode}" + (f" {delay:g} s" if delay else "") + f", held {hold:g} s",
+        lambda r: r.partition(mode, delay),
+        lambda r: r.partition("pass"),
+        hold,
     )
 
 
@@ -584,6 +587,7 @@ def _demote_old(run: Run) -> None:
     """The old active is fenced: demote it (its tail exported), so it
     follows the new active."""
     until(lambda: cli_status(run.node_a).get("fenced"), "the old active to be fenced", 60)
+    run.split_brain_seen = bool(cli_status(run.node_a).get("split_brain"))
     run.history.old_active = read_old_active(run.node_a.site, run.node_b.site)
     tail = run.tmp / "tail.jsonl"
     done = Vpnrepl(run.node_a.config)("demote", VPN, "--export", str(tail))
@@ -592,6 +596,29 @@ def _demote_old(run: Run) -> None:
         number(base64.b64decode(json.loads(line)["body"]))
         for line in tail.read_text().splitlines()
         if line.strip()
+    )
+    # the operator puts the tail back: then nothing may be lost at all
+    done = Vpnrepl(run.node_b.config)("republish", str(tail))
+    assert done.returncode == 0, done.stderr
+    run.history.republished = True
+
+
+def _split(run: Run) -> None:
+    """The bridge cut both ways, then B promoted with ``--force``: both
+    sites take clients (a split brain on purpose)."""
+    run.partition("cut")
+    time.sleep(1.0)
+    _promote(run)
+
+
+def _heal_split(run: Run) -> None:
+    run.partition("pass")
+    _demote_old(run)
+
+
+def split_brain(hold: float = 5.0) -> Nemesis:
+    return Nemesis(
+        "split brain: bridge cut both ways, B promoted --force", _split, _heal_split, hold
     )
 
 
@@ -665,6 +692,7 @@ NEMESES: dict[str, Callable[[], Nemesis]] = {
     "promotion": promotion,
     "switchover": switchover,
     "disaster": disaster,
+    "split-brain": split_brain,
 }
 
 
@@ -692,6 +720,8 @@ class Run:
     #: the site lost for good ("" while both are there)
     lost: str = ""
     declarer: Declarer | None = None
+    #: the old active's status showed SPLIT-BRAIN once it heard of the new epoch
+    split_brain_seen: bool = False
     #: what :meth:`report` found broken
     broken: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
@@ -703,16 +733,26 @@ class Run:
         self._stop = threading.Event()
         self._clients: list[threading.Thread] = []
         a, b = self.node_a.site, self.node_b.site
-        self.proxy = FaultProxy(("127.0.0.1", a.bridge_port))
         # each site names the other, as deployed: after a promotion A learns
-        # of the new epoch from B and is fenced
+        # of the new epoch from B and is fenced. Each reaches the other's
+        # bridge through a proxy of its own, so a fault can take either
+        # direction, or both (a full partition)
+        self.proxy = FaultProxy(("127.0.0.1", a.bridge_port))  # B -> A
+        self.proxy_ab = FaultProxy(("127.0.0.1", b.bridge_port))  # A -> B
         a.write_config(self.node_a.config, peer=b)
-        # B reaches A's bridge through the proxy (A reaches B's directly:
-        # after a promotion the proxy still stands between the sites)
-        text = self.node_b.config.read_text().replace(
-            f'bridge = "127.0.0.1:{a.bridge_port}"', f'bridge = "127.0.0.1:{self.proxy.port}"'
-        )
-        self.node_b.config.write_text(text)
+        for node, peer_port, proxy in (
+            (self.node_b, a.bridge_port, self.proxy),
+            (self.node_a, b.bridge_port, self.proxy_ab),
+        ):
+            text = node.config.read_text().replace(
+                f'bridge = "127.0.0.1:{peer_port}"', f'bridge = "127.0.0.1:{proxy.port}"'
+            )
+            node.config.write_text(text)
+
+    def partition(self, mode: str, delay: float = 0.0) -> None:
+        """Both bridge directions at once: ``pass``, ``cut``, ``blackhole``, ``delay``."""
+        for proxy in (self.proxy, self.proxy_ab):
+            proxy.set(mode, delay)
 
     @property
     def history(self) -> History:
@@ -749,8 +789,12 @@ class Run:
         (a long run's unconsumed ``orders.q2`` stays small enough to check);
         ``declare``: a client declares, binds and fills new queues."""
         urls, rec, stop = self.urls(), self.recorder, self._stop
+        # the first publisher tries B first: in a split brain both sites take clients
         senders: list[Client | AioPublisher] = [
-            *(Publisher(i + 1, rec, urls, stop) for i in range(publishers)),
+            *(
+                Publisher(i + 1, rec, urls[::-1] if i == 0 else urls, stop)
+                for i in range(publishers)
+            ),
             AioPublisher(publishers + 1, rec, urls, stop),
             *(TxPublisher(8 + i, rec, urls, stop) for i in range(tx)),
         ]
@@ -874,6 +918,7 @@ class Run:
     def close(self) -> None:
         self._stop.set()
         self.proxy.close()
+        self.proxy_ab.close()
 
 
 def read_old_active(old: LocalSite, new: LocalSite) -> OldActive:

@@ -19,7 +19,8 @@ Kinds, per queue:
   by an ACK in flight when the ack was sent within :data:`ACK_IN_FLIGHT`
   seconds before a fault began or while one lasted;
 * **order**: two numbers one publisher sent in order on one channel,
-  present in the other order (checked on queues no consumer takes from);
+  present in the other order (checked on queues no consumer takes from;
+  a client's retry and a republished tail may come after later numbers);
 * **half-applied**: a transaction some of whose publishes are present and
   some absent (on a queue no consumer takes from);
 * **unreplicated**: confirmed (or committed), in the active broker, never
@@ -261,7 +262,9 @@ def _verdict(q: str, history: History, final: Final, told: set[int], known: set[
             if not _in_flight(history.acked[(n, q)], history.faults):
                 v.resurrected_unexplained.append(n)
     if q not in history.consumed_queues:
-        v.order = _order_violations(in_broker, history)
+        # a republished tail comes after what the new active took meanwhile
+        moved = history.exported_tail if history.republished else None
+        v.order = _order_violations(in_broker, history, moved or frozenset())
         v.half_applied = [
             t.numbers
             for t in history.txns
@@ -287,14 +290,17 @@ def _told_confirmed(history: History, n: int) -> bool:
     return p is None or p.outcome == "confirmed"
 
 
-def _order_violations(in_broker: list[int], history: History) -> list[tuple[int, int]]:
-    """Adjacent pairs of one publisher's numbers (first copies) out of order."""
+def _order_violations(
+    in_broker: list[int], history: History, republished: frozenset[int]
+) -> list[tuple[int, int]]:
+    """Adjacent pairs of one publisher's numbers (first copies) out of order;
+    a retry and a republished number may come after later ones."""
     last: dict[int, int] = {}
     seen: set[int] = set()
     out = []
     for n in in_broker:
         p = history.published.get(n)
-        if p is None or n in seen or p.attempts > 1:  # a retry may come after later ones
+        if p is None or n in seen or p.attempts > 1 or n in republished:
             continue
         seen.add(n)
         before = last.get(p.publisher)

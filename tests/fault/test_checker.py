@@ -107,6 +107,14 @@ def test_after_republish_nothing_may_be_lost() -> None:
     }
 
 
+def test_a_republished_tail_may_come_after_later_numbers_but_nothing_else() -> None:
+    h = promoted("async", applied=3)
+    h.exported_tail = frozenset({4})
+    h.republished = True
+    got = broken(h, final({Q1: [1, 2, 3, 4, 5], Q2: [1, 3, 2, 5, 4]}))
+    assert got == {Q2: {"order": [(3, 2)]}}
+
+
 def test_an_unsure_ack_makes_its_message_neither_lost_nor_resurrected() -> None:
     h = history()
     h.acks_unsure |= {(1, Q1), (2, Q1)}  # sent; no synchronous call came back after

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -63,6 +64,8 @@ from tests.fix_node import NodeProcess
 from tests.two_sites import VPN, cli_status, setup_vpn, until, vpn_status
 
 Q1, Q2 = "orders.q1", "orders.q2"
+#: the VPN's sync timeout (seconds)
+SYNC_TIMEOUT = 3.0
 PADDING = b"." * 200
 #: what a client's connection failure can raise
 CLIENT_ERRORS = (pika.exceptions.AMQPError, OSError, ConnectionError, AssertionError)
@@ -96,6 +99,8 @@ class Recorder:
         self.lock = threading.Lock()
         self.confirmed = 0
         self.errors: list[tuple[float, str, str]] = []
+        #: sender -> when it was answered (:meth:`longest_silence`)
+        self.answers: dict[str, list[float]] = {}
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -112,6 +117,25 @@ class Recorder:
         with self.lock:
             self.history.published[n].outcome = outcome
             self.confirmed += outcome == "confirmed"
+            self._answered()
+
+    def _answered(self) -> None:
+        """A sender got an answer (a confirm, a nack, a commit, an error):
+        for the liveness check, when, per sender."""
+        self.answers.setdefault(threading.current_thread().name, []).append(self.now())
+
+    def longest_silence(self, start: float, end: float) -> dict[str, float]:
+        """Per sender that was answered before ``start``: the longest time
+        within [start, end] it went without an answer."""
+        with self.lock:
+            out = {}
+            for who, times in self.answers.items():
+                if not times or times[0] > start:
+                    continue
+                inside = [t for t in times if start < t <= end]
+                edges = [start, *inside, end]
+                out[who] = max(b - a for a, b in itertools.pairwise(edges))
+            return out
 
     def acked(self, acks: list[tuple[int, str, float]], sure: bool) -> None:
         """Acks sent at the times given: ``sure``, a synchronous call on
@@ -126,10 +150,13 @@ class Recorder:
     def txn(self, t: Txn) -> None:
         with self.lock:
             self.history.txns.append(t)
+            self._answered()
 
     def error(self, who: str, e: BaseException) -> None:
         with self.lock:
             self.errors.append((self.now(), who, f"{type(e).__name__}: {e}"[:200]))
+            if not who.startswith("consumer"):
+                self._answered()
 
 
 def connect(urls: list[str]) -> pika.BlockingConnection:
@@ -576,6 +603,17 @@ def bridge(mode: str, delay: float = 0.0, hold: float = 5.0) -> Nemesis:
     )
 
 
+def link(name: str, mode: str, hold: float = 5.0) -> Nemesis:
+    """One link of :attr:`Run.links` cut (reset) or black-holed (half-open:
+    connections stay, nothing goes through — a COMMIT whose answer is lost)."""
+    return Nemesis(
+        f"link {name} {mode}, held {hold:g} s",
+        lambda r: r.links[name].set(mode),
+        lambda r: r.links[name].set("pass"),
+        hold,
+    )
+
+
 def _promote(run: Run) -> None:
     # a promotion with the old active still serving: a split brain on purpose
     done = Vpnrepl(run.node_b.config)("promote", VPN, "--force")
@@ -689,6 +727,13 @@ NEMESES: dict[str, Callable[[], Nemesis]] = {
     "bridge-cut": lambda: bridge("cut"),
     "bridge-blackhole": lambda: bridge("blackhole"),
     "bridge-delay": lambda: bridge("delay", 0.2),
+    "bridge-blackhole-30s": lambda: bridge("blackhole", hold=30.0),
+    "pg-a-blackhole-30s": lambda: link("pg-a", "blackhole", hold=30.0),
+    **{
+        f"{name}-{mode}": functools.partial(link, name, mode)
+        for name in ("client-a", "pg-a", "pg-b", "rabbit-a")
+        for mode in ("cut", "blackhole")
+    },
     "promotion": promotion,
     "switchover": switchover,
     "disaster": disaster,
@@ -720,6 +765,11 @@ class Run:
     #: the site lost for good ("" while both are there)
     lost: str = ""
     declarer: Declarer | None = None
+    #: ``[replication]`` settings of both nodes (a small ledger bound, a
+    #: short retention: a long partition outlasts them)
+    replication: dict[str, int] = field(default_factory=dict)
+    #: per fault: each sender's longest time without an answer while it lasted
+    silences: dict[str, dict[str, float]] = field(default_factory=dict)
     #: the old active's status showed SPLIT-BRAIN once it heard of the new epoch
     split_brain_seen: bool = False
     #: what :meth:`report` found broken
@@ -748,6 +798,29 @@ class Run:
                 f'bridge = "127.0.0.1:{peer_port}"', f'bridge = "127.0.0.1:{proxy.port}"'
             )
             node.config.write_text(text)
+        # the other links a partition can take: clients to A's listener, each
+        # node to its own PostgreSQL, A's node to its RabbitMQ
+        self.links = {
+            "client-a": FaultProxy(("127.0.0.1", a.amqp_port)),
+            "pg-a": FaultProxy(("127.0.0.1", a.pg.port)),
+            "pg-b": FaultProxy(("127.0.0.1", b.pg.port)),
+            "rabbit-a": FaultProxy(("127.0.0.1", a.rabbit.amqp_port)),
+        }
+        for node, site, side in ((self.node_a, a, "a"), (self.node_b, b, "b")):
+            store = site.pg.dsn()
+            text = node.config.read_text().replace(
+                f'[store]\ndsn = "{store}"',
+                f'[store]\ndsn = "{_via(store, site.pg.port, self.links[f"pg-{side}"])}"',
+            )
+            if side == "a":
+                broker = site.rabbit.amqp_url()
+                via = _via(broker, site.rabbit.amqp_port, self.links["rabbit-a"])
+                text = text.replace(f'amqp_url = "{broker}"', f'amqp_url = "{via}"')
+            if self.replication:
+                text += "\n[replication]\n" + "".join(
+                    f"{k} = {v}\n" for k, v in self.replication.items()
+                )
+            node.config.write_text(text)
 
     def partition(self, mode: str, delay: float = 0.0) -> None:
         """Both bridge directions at once: ``pass``, ``cut``, ``blackhole``, ``delay``."""
@@ -759,14 +832,15 @@ class Run:
         return self.recorder.history
 
     def urls(self) -> list[str]:
+        """A's listener (through the client link's proxy), then B's."""
         return [
-            f"amqp://guest:guest@127.0.0.1:{n.site.amqp_port}/{VPN}"
-            for n in (self.node_a, self.node_b)
+            f"amqp://guest:guest@127.0.0.1:{port}/{VPN}"
+            for port in (self.links["client-a"].port, self.node_b.site.amqp_port)
         ]
 
     def setup(self) -> None:
         setup_vpn(self.node_a.site)
-        options = ["--mode", self.mode, "--sync-timeout-ms", "3000"]
+        options = ["--mode", self.mode, "--sync-timeout-ms", str(int(SYNC_TIMEOUT * 1000))]
         if self.mode == "sync":
             options += ["--on-sync-timeout", self.policy]
         done = self.vpnrepl_a(
@@ -841,6 +915,7 @@ class Run:
         nemesis.heal(self)
         self.faults.append(Fault(nemesis.name, start, self.recorder.now()))
         self.history.faults.append(self.faults[-1])
+        self.silences[nemesis.name] = self.recorder.longest_silence(start, self.recorder.now())
 
     def stop_workload(self) -> None:
         self._stop.set()
@@ -905,6 +980,7 @@ class Run:
             if old is None
             else {"applied_at_promotion": old.applied_at_promotion, "ineligible": old.ineligible},
             "republished": self.history.republished,
+            "longest_silence": self.silences,
             "client_errors": self.recorder.errors[-50:],
             "samples": [(s.t, s.confirmed, s.lag_events) for s in self.samples],
         }
@@ -919,6 +995,8 @@ class Run:
         self._stop.set()
         self.proxy.close()
         self.proxy_ab.close()
+        for link in self.links.values():
+            link.close()
 
 
 def read_old_active(old: LocalSite, new: LocalSite) -> OldActive:
@@ -939,6 +1017,11 @@ def read_old_active(old: LocalSite, new: LocalSite) -> OldActive:
             assert isinstance(event, Published)
             index_of.setdefault(number(event.body), int(idx))
     return OldActive(int(row[0]), index_of)
+
+
+def _via(url: str, port: int, proxy: FaultProxy) -> str:
+    """``url`` (of 127.0.0.1:``port``) through ``proxy``."""
+    return url.replace(f"127.0.0.1:{port}/", f"127.0.0.1:{proxy.port}/")
 
 
 def _live_caught_up(site: LocalSite) -> bool:
@@ -1049,8 +1132,9 @@ def run(
     mode: str,
     tmp: Path,
     policy: str = "reject",
+    replication: dict[str, int] | None = None,
 ) -> Iterator[Run]:
-    r = Run(node_a, node_b, vpnrepl_a, mode, tmp, policy)
+    r = Run(node_a, node_b, vpnrepl_a, mode, tmp, policy, replication=replication or {})
     try:
         yield r
     finally:

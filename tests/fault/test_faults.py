@@ -147,7 +147,9 @@ def test_a_nemesis_breaks_no_promise(
     nemesis: str,
     mode: str,
 ) -> None:
-    with chaos.run(node_a, node_b, vpnrepl_a, mode, tmp_path) as r:
+    # a long partition outlasts the ledger's retention and its bound
+    replication = SMALL_LEDGER if nemesis.endswith("30s") else None
+    with chaos.run(node_a, node_b, vpnrepl_a, mode, tmp_path, replication=replication) as r:
         r.setup()
         r.start_workload()
         r.wait_confirmed(500)
@@ -156,6 +158,23 @@ def test_a_nemesis_breaks_no_promise(
         r.stop_workload()
         broken = r.report(r.drain(), f"{mode}-{nemesis}")
     assert broken == {}
+    if "blackhole" in nemesis and not nemesis.startswith("client"):
+        # liveness: a half-open link of ours leaves no client without an
+        # answer (confirm, nack, error) longer than the sync timeout and a bound
+        silent = {
+            who: t
+            for silences in r.silences.values()
+            for who, t in silences.items()
+            if t > chaos.SYNC_TIMEOUT + LIVENESS_BOUND
+        }
+        assert not silent, f"clients without an answer for seconds: {silent}"
+
+
+#: a ledger a 30-second partition outlasts: 10 s retention, a 100 kB bound
+SMALL_LEDGER = {"ledger_retain_seconds": 10, "ledger_max_bytes": 100_000, "ledger_check_seconds": 2}
+#: beyond the sync timeout, how long a client may wait for an answer while
+#: one of our links is black-holed
+LIVENESS_BOUND = 10.0
 
 
 def _rss_kib(pid: int | None) -> int:

@@ -174,6 +174,9 @@ class WriterStats:
     #: listener, a local transaction's or an XA branch's decision, the node)
     events: Counter[tuple[str, str]] = field(default_factory=Counter)
     failed_attempts: int = 0
+    #: client confirms nacked after waiting past the answer timeout
+    #: (``vpnrepl_ledger_confirms_nacked_late_total``)
+    answered_late: int = 0
     applies: int = 0
     #: entries in one committed ledger transaction -> how many such commits
     #: (``vpnrepl_ledger_commit_entries``: how well group commit batches)
@@ -187,6 +190,9 @@ class _Pending:
     on_durable: OnDurable | None
     #: inside an all-or-nothing group (append_group), and not its last entry
     open_group: bool = False
+    #: ``on_durable`` answers a client's confirm, which may be a nack once
+    #: it waited :attr:`LedgerWriter.answer_timeout` (append, append_many)
+    answers_client: bool = False
 
 
 @dataclass(slots=True)
@@ -243,6 +249,7 @@ class LedgerWriter:
         max_backoff: float = 2.0,
         attempt_timeout: float = 30.0,
         read_pool_size: int = 4,
+        answer_timeout: float = 10.0,
     ) -> None:
         if batch_size < 1 or max_pending < batch_size or apply_batch_size < 1:
             raise ValueError("need 1 <= batch_size <= max_pending and 1 <= apply_batch_size")
@@ -254,6 +261,10 @@ class LedgerWriter:
         self._min_backoff = min_backoff
         self._max_backoff = max_backoff
         self._attempt_timeout = attempt_timeout
+        #: a client's confirm waits this long for a commit the store does not
+        #: complete (down, or its link black-holed); then it is a nack, and
+        #: the entry still commits once the store is back
+        self.answer_timeout = answer_timeout
         self._vpns: dict[str, _VpnLedger] = {}
         #: VPNs forgotten while entries of theirs were in flight, until the
         #: last of those is applied to the live state (forget_vpn)
@@ -278,6 +289,7 @@ class LedgerWriter:
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._task: asyncio.Task[None] | None = None
         self._applier_task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
         self._batch_ready = asyncio.Event()
@@ -316,6 +328,7 @@ class LedgerWriter:
         await self.reader.open()
         self._task = asyncio.create_task(self._run(), name="ledger-writer")
         self._applier_task = asyncio.create_task(self._run_applier(), name="ledger-live-apply")
+        self._watchdog = asyncio.create_task(self._answer_late_ones(), name="ledger-answers")
 
     async def close(self, grace: float | None = 10.0) -> None:
         """Commit what is pending and apply it to the live state (for up to
@@ -331,6 +344,8 @@ class LedgerWriter:
         self._wake.set()
         self._batch_ready.set()
         self._applier.close()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         tasks = [t for t in (self._task, self._applier_task) if t is not None]
         _, late = await asyncio.wait(tasks, timeout=grace)
         for task in late:
@@ -410,7 +425,7 @@ class LedgerWriter:
         _check_storable(event)
         entry = LedgerEntry(event.vpn, vpn.epoch, vpn.next_index, event, encode_event(event))
         vpn.next_index += 1
-        self._pending.append(_Pending(entry, self._loop.time(), on_durable))
+        self._pending.append(_Pending(entry, self._loop.time(), on_durable, False, True))
         if on_durable is not None:
             self._waiters += 1
         if len(self._pending) == 1:
@@ -451,6 +466,7 @@ class LedgerWriter:
             pending.append(_Pending(entry, now, None))
             index += 1
         pending[-1].on_durable = on_durable
+        pending[-1].answers_client = True
         if on_durable is not None:
             self._waiters += 1
         vpn.next_index = index
@@ -477,6 +493,8 @@ class LedgerWriter:
         pending = self._pending
         for i in range(len(pending) - len(events), len(pending) - 1):
             pending[i].open_group = True
+        # a transaction's group: its coordinator decides what the client hears
+        pending[-1].answers_client = False
         if decision is not None:
             self._decisions[(last.vpn, last.index)] = decision
         self._batch_ready.set()  # a client's tx.commit-ok waits: no group-commit window
@@ -750,6 +768,40 @@ class LedgerWriter:
                 log.exception("ledger subscriber failed")
         self._applier.enqueue(entries)
         self._signal()
+
+    async def _answer_late_ones(self) -> None:
+        """Once a second: nack the confirms that waited past
+        :attr:`answer_timeout` (the oldest entries come first)."""
+        while True:
+            await asyncio.sleep(1.0)
+            self.answer_late(asyncio.get_running_loop().time())
+
+    def answer_late(self, now: float) -> int:
+        """Nack each client confirm pending since before ``now`` -
+        :attr:`answer_timeout`; its entry stays pending. Returns how many."""
+        late = 0
+        for p in self._pending:
+            if now - p.at <= self.answer_timeout:
+                break
+            if p.on_durable is None or not p.answers_client:
+                continue
+            answer, p.on_durable = p.on_durable, None
+            self._waiters = max(0, self._waiters - 1)
+            late += 1
+            try:
+                answer(False)
+            except Exception:
+                log.exception("on_durable callback failed")
+        if late:
+            self.stats.answered_late += late
+            log.warning(
+                "%d confirms waited over %.0f s for the ledger store (%s): nacked; their "
+                "entries commit once it answers",
+                late,
+                self.answer_timeout,
+                _describe(self.store_error) if self.store_error is not None else "no answer",
+            )
+        return late
 
     def _fail_pending(self, reason: BaseException) -> None:
         failed, self._pending = self._pending, deque()

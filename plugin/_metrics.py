@@ -210,6 +210,12 @@ class _Collector:
                 m._ledger.events,
             )
             yield _commit_entries(m._ledger)
+            yield CounterMetricFamily(
+                "vpnrepl_ledger_confirms_nacked_late",
+                "client confirms nacked after waiting past the ledger's answer timeout for a "
+                "store that did not answer (their entries commit once it does)",
+                value=m._ledger.answered_late,
+            )
         if m._not_ours is not None:
             yield GaugeMetricFamily(
                 "vpnrepl_configsync_users_not_ours",

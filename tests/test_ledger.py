@@ -175,6 +175,36 @@ def test_durability_is_reported_only_after_the_commit(site_a: LocalSite) -> None
     assert seen == [[1, 2, 3, 4, 5]]
 
 
+def test_a_confirm_the_store_does_not_answer_in_time_is_a_nack_and_its_entry_still_commits(
+    site_a: LocalSite,
+) -> None:
+    """A black-holed or stuck store holds no client forever: past the
+    answer timeout its confirm is a nack (never a confirm: the entry is
+    not durable yet); the entry commits once the store answers, with no
+    second answer. A transaction's group is not the client's to nack."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+    durable = Durable()
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn, answer_timeout=1.0) as writer:
+            blocker = await _hold_vpn_state(dsn, "v")
+            writer.append(pub("v", 1, "q"), durable.cb(1))
+            writer.append_many([pub("v", 2, "q"), pub("v", 3, "q")], durable.cb(3))
+            writer.append_group([pub("v", 4, "q")], durable.cb(4))
+            await _until_blocked(dsn)
+            await asyncio.sleep(2.5)  # the watchdog looks once a second
+            assert durable.calls == [(1, False), (3, False)]
+            assert writer.stats.answered_late == 2
+            await blocker.commit()
+            await blocker.close()
+            await writer.wait_durable("v", 4)
+            assert durable.calls == [(1, False), (3, False), (4, True)]
+            assert scalar(dsn, "SELECT count(*) FROM ledger") == 4
+
+    run(scenario)
+
+
 def test_group_commit_batches_by_size_and_by_time(site_a: LocalSite) -> None:
     dsn = site_a.pg.dsn()
     prepare(dsn, v="active")

@@ -32,6 +32,7 @@ import functools
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import threading
@@ -741,6 +742,64 @@ NEMESES: dict[str, Callable[[], Nemesis]] = {
 }
 
 
+# ---------------------------------------------------------------- random schedules
+
+#: what a random schedule draws from: faults that heal themselves, by the
+#: process or link they take (two faults of one schedule never share one)
+SCHEDULED: dict[str, tuple[str, Callable[[float], Nemesis]]] = {
+    "kill-node-a": ("node-a", lambda h: _held(kill_node("a"), h)),
+    "kill-node-b": ("node-b", lambda h: _held(kill_node("b"), h)),
+    "pause-node-a": ("node-a", lambda h: _held(pause_node("a"), h)),
+    "pause-node-b": ("node-b", lambda h: _held(pause_node("b"), h)),
+    "kill-rabbit-a": ("rabbit-a", lambda h: _held(kill_rabbit("a"), h)),
+    "pause-rabbit-b": ("rabbit-b", lambda h: _held(pause_rabbit("b"), h)),
+    "kill-pg-b": ("pg-b", lambda h: _held(kill_pg("b"), h)),
+    "pause-pg-a": ("pg-a", lambda h: _held(pause_pg("a"), h)),
+    "bridge-cut": ("bridge", lambda h: bridge("cut", hold=h)),
+    "bridge-blackhole": ("bridge", lambda h: bridge("blackhole", hold=h)),
+    "bridge-delay": ("bridge", lambda h: bridge("delay", 0.2, hold=h)),
+    "pg-a-blackhole": ("pg-a-link", lambda h: link("pg-a", "blackhole", h)),
+    "rabbit-a-cut": ("rabbit-a-link", lambda h: link("rabbit-a", "cut", h)),
+    "client-a-blackhole": ("client-a-link", lambda h: link("client-a", "blackhole", h)),
+}
+
+
+def _held(nemesis: Nemesis, hold: float) -> Nemesis:
+    nemesis.hold = hold
+    nemesis.name += f", held {hold:.1f} s"
+    return nemesis
+
+
+@dataclass
+class Scheduled:
+    """A fault of a random schedule: begins ``at`` seconds into it."""
+
+    at: float
+    kind: str
+    nemesis: Nemesis
+
+
+def schedule(seed: int, faults: int = 3, span: float = 20.0) -> list[Scheduled]:
+    """``faults`` faults of random kind, target, start (within ``span``
+    seconds: they may overlap) and hold (1-15 s), from ``seed`` alone: the
+    same seed is the same schedule."""
+    rng = random.Random(seed)  # noqa: S311 - a schedule to replay, not a secret
+    kinds = sorted(SCHEDULED)
+    rng.shuffle(kinds)
+    chosen: list[Scheduled] = []
+    taken: set[str] = set()
+    for kind in kinds:
+        target, make = SCHEDULED[kind]
+        if target in taken:
+            continue
+        taken.add(target)
+        hold = round(rng.uniform(1.0, 15.0), 1)
+        chosen.append(Scheduled(round(rng.uniform(0.0, span), 1), kind, make(hold)))
+        if len(chosen) == faults:
+            break
+    return sorted(chosen, key=lambda s: s.at)
+
+
 # ---------------------------------------------------------------- a run
 
 
@@ -916,6 +975,27 @@ class Run:
         self.faults.append(Fault(nemesis.name, start, self.recorder.now()))
         self.history.faults.append(self.faults[-1])
         self.silences[nemesis.name] = self.recorder.longest_silence(start, self.recorder.now())
+
+    def apply_schedule(self, faults: list[Scheduled]) -> None:
+        """Each fault in a thread of its own, from its start: they overlap
+        as the schedule has them; returns once every one healed."""
+        errors: list[BaseException] = []
+
+        def one(s: Scheduled) -> None:
+            time.sleep(s.at)
+            try:
+                self.apply(s.nemesis)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(s,), daemon=True) for s in faults]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+            assert not t.is_alive(), "a fault did not heal within 300 s"
+        if errors:
+            raise errors[0]
 
     def stop_workload(self) -> None:
         self._stop.set()

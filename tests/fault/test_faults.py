@@ -180,6 +180,33 @@ SMALL_LEDGER = {"ledger_retain_seconds": 10, "ledger_max_bytes": 100_000, "ledge
 LIVENESS_BOUND = 10.0
 
 
+#: what a seed runs: mode and sync-timeout policy, in turn
+SEED_MODES = (("sync", "reject"), ("sync", "degrade"), ("async", "reject"))
+
+
+@AIO_CLOSE
+@pytest.mark.fault
+def test_a_random_schedule_breaks_no_promise(
+    node_a: NodeProcess, node_b: NodeProcess, vpnrepl_a: Vpnrepl, tmp_path: Path, seed: int
+) -> None:
+    """``--seeds``: per seed, three faults of random kind, target, overlap
+    and hold (``chaos.schedule``), in the mode and policy the seed picks.
+    No promotion happens, so nothing may be lost in any mode; every other
+    allowance (a retry's duplicate, an ack in flight) is the checker's,
+    tied to the faults the schedule holds. The report names the seed."""
+    mode, policy = SEED_MODES[seed % len(SEED_MODES)]
+    faults = chaos.schedule(seed)
+    with chaos.run(node_a, node_b, vpnrepl_a, mode, tmp_path, policy) as r:
+        r.setup()
+        r.start_workload(declare=True)
+        r.wait_confirmed(300)
+        r.apply_schedule(faults)
+        r.wait_confirmed(300, timeout=120)
+        r.stop_workload()
+        broken = r.report(r.drain(), f"seed-{seed}-{mode}-{policy}")
+    assert broken == {}, f"seed {seed}: {[(s.at, s.nemesis.name) for s in faults]}"
+
+
 def _rss_kib(pid: int | None) -> int:
     if pid is None:
         return 0

@@ -86,6 +86,7 @@ from ._events import (
 )
 from ._failpoints import FAILPOINTS, UnknownFailpoint, armed, failpoint
 from ._frames import (
+    CAP_PURGE_POINT,
     CAP_TAKEOVER,
     CAP_TOPOLOGY,
     CAP_XA_OWNER,
@@ -513,6 +514,7 @@ __all__ = [
     "anchored",
     "unanchored",
     "CLOSED",
+    "CAP_PURGE_POINT",
     "CAP_TAKEOVER",
     "CAP_TOPOLOGY",
     "CAP_XA_OWNER",

@@ -100,7 +100,8 @@ ON CONFLICT DO NOTHING{returning}
 _DELETE = _DELETE_KEYS.format(guard="")
 _INSERT = _INSERT_ROWS.format(base="", guard="", returning="")
 # A purge removes the queue's rows published before it (a replay of the purge
-# must not remove rows published after it), except the ids it spared.
+# must not remove rows published after it), or before its request went to the
+# broker when it says (Purged.sent_at), except the ids it spared.
 _PURGE = """
 DELETE FROM live_message
 WHERE vpn = %b AND queue = %b AND publish_index < %b AND repl_id <> ALL(%b::bytea[])
@@ -247,7 +248,8 @@ def _apply_steps(
             continue
         if isinstance(event, Purged):
             spared = bytea_array([r.value for r in event.spared])
-            count = yield _Execute(_PURGE, (vpn, event.queue, run[0].index, spared))
+            below = min(run[0].index, event.sent_at) if event.sent_at else run[0].index
+            count = yield _Execute(_PURGE, (vpn, event.queue, below, spared))
             deleted += int(count)
             continue
         if isinstance(event, DeadLettered):

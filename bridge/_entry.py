@@ -12,12 +12,15 @@ ledger writer sets it at append, a replay or a received frame keeps the bytes
 it decoded), and the bridge ships them without encoding again. It is
 length-prefixed and versionless on purpose: the bridge handshake carries the
 protocol version, and a schema migration rewrites stored entries if the
-encoding ever changes.
+encoding ever changes. A purge's ``sent_at`` is an optional trailing field
+instead: entries stored without it decode as before, and a standby whose
+release lacks it is sent the purge without it (``bridge._protocol``).
 
     PUBLISHED: b"P" id(16) exchange(str16) routing_key(str16) nqueues(u16)
                queue(str16)* properties(bytes32) body(bytes32)
     CONSUMED:  b"C" id(16) queue(str16)
     PURGED:    b"Q" deleted(u8: 0 or 1) queue(str16) nspared(u32) id(16)*
+               [sent_at(u64), only when not 0]
     DEAD:      b"D" id(16) queue(str16) nto(u16) queue(str16)*
     TOPOLOGY:  b"T" op(u8: 1 + its place in TOPOLOGY_OPS) item(bytes32: UTF-8 JSON)
     (str16 = u16 length + UTF-8, bytes32 = u32 length + bytes)
@@ -52,6 +55,7 @@ __all__ = [
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
 _HEAD = struct.Struct(">c16sH")  # kind, id, length of the first string
 KIND_PUBLISHED = b"P"
 KIND_CONSUMED = b"C"
@@ -141,6 +145,7 @@ def encode_event(event: Event) -> bytes:
             _str16(event.queue),
             _U32.pack(len(event.spared)),
             spared,
+            _U64.pack(event.sent_at) if event.sent_at else b"",
         )
     )
 
@@ -225,7 +230,8 @@ def _decode_checked(data: bytes, vpn: str) -> Event:
             raise EventDecodeError(f"purge flag is {flag!r}, expected 0 or 1")
         queue = r.str16()
         spared = tuple(ReplicationId(r.take(16)) for _ in range(r.u32()))
-        event = Purged(vpn, queue, spared, deleted=flag == b"\x01")
+        sent_at = int(_U64.unpack(r.take(8))[0]) if r.pos < len(r.data) else 0
+        event = Purged(vpn, queue, spared, deleted=flag == b"\x01", sent_at=sent_at)
         if r.pos != len(r.data):
             raise EventDecodeError(f"{len(r.data) - r.pos} bytes after the event")
         return event

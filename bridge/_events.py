@@ -88,6 +88,11 @@ class Purged(NamedTuple):
     ``queue.purge-ok``: ``spared`` holds the ids of the queue's messages
     that were delivered and not yet settled on this listener's connections
     (RabbitMQ's purge leaves them in the queue; they may still be requeued).
+    ``sent_at`` is the ledger index the VPN's next event took when the purge
+    request went to the broker: only messages published below it can have
+    been purged there (one another connection published meanwhile, whose
+    event may precede this one, may have reached the queue after the purge),
+    so both sites remove only those (0: not known, the purge's own index).
     ``queue.delete-ok``, or the close of the connection owning an exclusive
     queue: ``deleted``, nothing spared (the queue's unacked messages go with
     it). Sent for every queue of a replicated VPN, whatever the scope (a
@@ -99,6 +104,7 @@ class Purged(NamedTuple):
     queue: str
     spared: tuple[ReplicationId, ...] = ()
     deleted: bool = False
+    sent_at: int = 0
 
 
 class DeadLettered(NamedTuple):

@@ -51,6 +51,7 @@ __all__ = [
     "FRAME_TYPES",
     "MAGIC",
     "CAPABILITIES",
+    "CAP_PURGE_POINT",
     "CAP_TAKEOVER",
     "CAP_TOPOLOGY",
     "CAP_XA_OWNER",
@@ -108,13 +109,16 @@ CAP_XA_OWNER: Final = 1 << 1
 """a ``TxnPrepare`` names the broker user that owns its XA branch"""
 CAP_TAKEOVER: Final = 1 << 2
 """a ``SyncRequest`` names the site that took its epoch and where"""
+CAP_PURGE_POINT: Final = 1 << 3
+"""a ``Purged`` event says the ledger index its request went to the broker at"""
 #: every capability this node has, by name (for log lines)
 CAPABILITIES: Final = {
     CAP_TOPOLOGY: "topology events",
     CAP_XA_OWNER: "XA branch owners",
     CAP_TAKEOVER: "take-over points in sync requests",
+    CAP_PURGE_POINT: "purge points",
 }
-OUR_CAPABILITIES: Final = CAP_TOPOLOGY | CAP_XA_OWNER | CAP_TAKEOVER
+OUR_CAPABILITIES: Final = CAP_TOPOLOGY | CAP_XA_OWNER | CAP_TAKEOVER | CAP_PURGE_POINT
 #: RabbitMQ (3.8+) accepts messages up to 128 MiB by default, and one event
 #: must fit in one frame; 8 MiB on top for properties and framing.
 DEFAULT_MAX_FRAME_SIZE: Final = 136 * 2**20

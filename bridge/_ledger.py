@@ -514,6 +514,12 @@ class LedgerWriter:
     def pending(self) -> int:
         return len(self._pending)
 
+    def next_index(self, vpn: str) -> int:
+        """The index the next event of ``vpn`` appended takes (0: no ledger
+        is open for it)."""
+        ledger = self._vpns.get(vpn)
+        return 0 if ledger is None else ledger.next_index
+
     def durable_index(self, vpn: str) -> int:
         """The last index of ``vpn`` known committed."""
         try:

@@ -51,7 +51,8 @@ on each ``Hello`` offers the sender's capability flags and the connection
 uses those both offered (:attr:`BridgeConnection.capabilities`). A peer
 without the topology capability reads each topology event as a purge of
 the queue named "" (no queue has that name: a no-op that keeps the indexes
-dense, so it detects no gap).
+dense, so it detects no gap); one without the purge point capability reads
+each purge without its purge point (``Purged.sent_at``), as it encoded them.
 
 The frames and their wire encoding are :mod:`bridge._frames`.
 """
@@ -80,6 +81,7 @@ from ._errors import (
 )
 from ._events import Purged, TopologyChanged
 from ._frames import (
+    CAP_PURGE_POINT,
     CAP_TAKEOVER,
     CAP_TOPOLOGY,
     CAP_XA_OWNER,
@@ -699,21 +701,28 @@ class BridgeConnection:
         """``frame`` as the peer reads it: without the topology capability,
         each topology event becomes a no-op purge (module docstring);
         without the XA owner capability, a prepare names no owner; without
-        the take-over capability, a sync request names no take-over point."""
+        the take-over capability, a sync request names no take-over point;
+        without the purge point capability, a purge says no purge point (an
+        older standby purges as it always did)."""
         if isinstance(frame, TxnPrepare) and frame.owner:
             return frame if self.capabilities & CAP_XA_OWNER else replace(frame, owner="")
         if isinstance(frame, SyncRequest) and frame.taken_over_by:
             if self.capabilities & CAP_TAKEOVER:
                 return frame
             return replace(frame, taken_over_by="", taken_over_at=0)
-        if self.capabilities & CAP_TOPOLOGY or not isinstance(frame, Events):
+        if not isinstance(frame, Events):
             return frame
-        if not any(isinstance(e.event, TopologyChanged) for e in frame.entries):
+        lacking = ~self.capabilities & (CAP_TOPOLOGY | CAP_PURGE_POINT)
+        if not lacking or not any(_for_older(e, lacking) is not e for e in frame.entries):
             return frame
-        return replace(frame, entries=tuple(_without_topology(e) for e in frame.entries))
+        return replace(frame, entries=tuple(_for_older(e, lacking) for e in frame.entries))
 
 
-def _without_topology(entry: LedgerEntry) -> LedgerEntry:
-    if not isinstance(entry.event, TopologyChanged):
-        return entry
-    return LedgerEntry(entry.vpn, entry.epoch, entry.index, Purged(entry.vpn, ""))
+def _for_older(entry: LedgerEntry, lacking: int) -> LedgerEntry:
+    """``entry`` as a peer lacking the ``lacking`` capabilities reads it."""
+    event = entry.event
+    if isinstance(event, TopologyChanged) and lacking & CAP_TOPOLOGY:
+        return LedgerEntry(entry.vpn, entry.epoch, entry.index, Purged(entry.vpn, ""))
+    if isinstance(event, Purged) and event.sent_at and lacking & CAP_PURGE_POINT:
+        return LedgerEntry(entry.vpn, entry.epoch, entry.index, event._replace(sent_at=0))
+    return entry

@@ -288,6 +288,10 @@ class Replicator:
                 on_durable(False)
             return 0
 
+    def next_index(self, vpn: str) -> int:
+        """The ledger index the next event of ``vpn`` takes (0: not known)."""
+        return self.writer.next_index(vpn)
+
     def full(self) -> bool:
         return self.writer.full()
 

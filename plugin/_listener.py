@@ -49,7 +49,7 @@ from ._errors import ConfigError
 from ._metrics import ListenerStats
 from ._refusal import BrokerUnavailable, TooManyConnections
 from ._session import Output, Session
-from ._sink import ReplicationSink
+from ._sink import ReplicationSink, append_events
 from ._xa_gateway import XaGateway
 
 __all__ = ["BrokerAddress", "Listener", "broker_context", "site_broker_ssl"]
@@ -248,9 +248,11 @@ class _ClientSide(asyncio.Protocol):
         if out.to_client:
             self._write_client(out.to_client)
         sink = self.listener.sink
-        if out.events:
+        if out.events or out.marks:
+            # after to_broker: a mark is where a request went to the broker
             self._hold(out.events)
-            sink.append_many(out.events, self._durable_notice)
+            vpn = self.session.vpn
+            append_events(sink, vpn.name if vpn else "", out, self._durable_notice)
         for txn in out.prepare:
             self._spawn(self._prepare(txn, self._start_prepare(txn)))
         for txn in out.commit:

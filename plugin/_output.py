@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 
 from bridge import ConfirmKey, Event, LocalTransaction, Published
 
-__all__ = ["Output", "XaCall"]
+__all__ = ["LedgerMark", "Output", "XaCall"]
+
+
+@dataclass(slots=True)
+class LedgerMark:
+    """Where a request went to the broker in its VPN's ledger order: the
+    index the VPN's next event took when the request's bytes were written.
+    The driver fills it (:func:`plugin._sink.append_events`) before the
+    broker's answer can come; 0 until then, or when the sink cannot say."""
+
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +47,10 @@ class Output:
     to_client: list[bytes] = field(default_factory=list)
     #: (event, confirm key or None): hand to ``ReplicationSink.append``.
     events: list[tuple[Event, ConfirmKey | None]] = field(default_factory=list)
+    #: (how many of ``events`` came before it, mark): a request in
+    #: ``to_broker`` whose place in the ledger order is to be recorded
+    #: (a purge: ``plugin._topology_changes``); in the order of ``events``
+    marks: list[tuple[int, LedgerMark]] = field(default_factory=list)
     #: transactions to prepare (sink.prepare, then ``transaction_prepared``).
     prepare: list[LocalTransaction] = field(default_factory=list)
     #: transactions to commit (sink.commit, then ``transaction_committed``).

@@ -18,7 +18,9 @@ from typing import Protocol
 
 from bridge import ConfirmKey, Event, LocalTransaction, commit_in_task
 
-__all__ = ["MemorySink", "ReplicationSink"]
+from ._output import Output
+
+__all__ = ["MemorySink", "ReplicationSink", "append_events"]
 
 
 class ReplicationSink(Protocol):
@@ -86,6 +88,11 @@ class ReplicationSink(Protocol):
         seen (the connection broke): settle it by its commit marker."""
         return None
 
+    def next_index(self, vpn: str) -> int:
+        """The ledger index the next event of ``vpn`` appended takes (0: the
+        sink cannot say; a purge then removes what its own index says)."""
+        return 0
+
     def full(self) -> bool:
         """True while the sink holds as many not-yet-durable events as it may;
         the listener then stops reading the client (TCP backpressure)."""
@@ -95,6 +102,27 @@ class ReplicationSink(Protocol):
         """Return once :meth:`full` is False again (at once for a sink that
         is never full)."""
         return None
+
+
+def append_events(
+    sink: ReplicationSink,
+    vpn: str,
+    out: Output,
+    on_durable: Callable[[ConfirmKey, bool], None],
+) -> None:
+    """Hand ``out``'s events to ``sink`` (after its ``to_broker`` was
+    written), filling each of its ledger marks with the index the VPN's
+    next event took at the mark's place among them: the events before it
+    are appended first, so the index is exact whatever the sink refuses."""
+    events = out.events
+    start = 0
+    for before, mark in out.marks:
+        if before > start:
+            sink.append_many(events[start:before], on_durable)
+            start = before
+        mark.index = sink.next_index(vpn)
+    if start < len(events):
+        sink.append_many(events[start:] if start else events, on_durable)
 
 
 @dataclass
@@ -120,6 +148,10 @@ class MemorySink(ReplicationSink):
             self.events.append(event)
             if key is not None:
                 on_durable(key, True)
+
+    def next_index(self, vpn: str) -> int:
+        """The events kept are numbered from 1, as one VPN's ledger."""
+        return len(self.events) + 1
 
     async def prepare(self, txn: LocalTransaction) -> None:
         self.prepared.append(txn)

@@ -15,14 +15,17 @@ again when it applies.
 Three changes reach beyond the topology, and :class:`TopologyRequests`
 carries those out too: a declared queue may be the connection's exclusive
 one, and a deleted or purged queue's messages are gone on both sites (a
-``Purged`` event). On a replicated VPN every declare, delete, bind and
-unbind that applies also becomes a ``TopologyChanged`` event, in the
-connection's events where the broker made it, so the standby holds the
-topology in stream order with the messages (:meth:`change_event`); the
-connection's exclusive queues are left out (they end with it, on this site
-too). An empty queue name in a bind, unbind, purge or delete
-means the channel's last declared queue (:data:`NAMES_A_QUEUE`), resolved
-when the change applies, after every earlier ``declare-ok`` of the channel.
+``Purged`` event; a purge's says where its request went to the broker in
+the ledger's order, a :class:`~plugin._output.LedgerMark` the driver fills,
+so a message published after that is not taken for purged). On a
+replicated VPN every declare, delete, bind and unbind that applies also
+becomes a ``TopologyChanged`` event, in the connection's events where the
+broker made it, so the standby holds the topology in stream order with the
+messages (:meth:`change_event`); the connection's exclusive queues are left
+out (they end with it, on this site too). An empty queue name in a bind,
+unbind, purge or delete means the channel's last declared queue
+(:data:`NAMES_A_QUEUE`), resolved when the change applies, after every
+earlier ``declare-ok`` of the channel.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from bridge import (
 
 from . import _amqp as amqp
 from ._amqp import Frame
+from ._output import LedgerMark
 from ._topology import Topology
 
 if TYPE_CHECKING:  # the channel keeps the requests: only typed here
@@ -153,9 +157,12 @@ class DeleteQueue:
 
 @dataclass(frozen=True, slots=True)
 class PurgeQueue:
-    """The topology has no messages: a purge changes only the sites' stores."""
+    """The topology has no messages: a purge changes only the sites' stores.
+    ``sent``: where the request went to the broker in the ledger's order
+    (its ``Purged`` event's ``sent_at``; on a replicated VPN)."""
 
     queue: str
+    sent: LedgerMark | None = field(default=None, compare=False)
 
     def apply(self, topology: Topology) -> None:
         return None
@@ -387,6 +394,12 @@ class TopologyRequests:
         if reserved is not None:
             return ch.refuse_reserved(f"{m.name.lower()} of {reserved!r}")
         change = change_of(m)
+        if isinstance(change, PurgeQueue) and self._ctx.replicating:
+            # Only messages published before the request goes out can have
+            # been purged at the broker: the driver records where that is.
+            out, mark = self._ctx.out, LedgerMark()
+            change = dataclasses.replace(change, sent=mark)
+            out.marks.append((len(out.events), mark))
         if not getattr(m, "nowait", False):
             # one entry per request, so each -ok pops its own request
             ch.requests.append((change, False))
@@ -452,7 +465,8 @@ class TopologyRequests:
                 change.apply(topology)
                 self._emptied(change.queue, deleted=True)
             elif isinstance(change, PurgeQueue):
-                self._emptied(change.queue, deleted=False)
+                sent_at = change.sent.index if change.sent is not None else 0
+                self._emptied(change.queue, deleted=False, sent_at=sent_at)
             else:
                 change.apply(topology)
             self._stream(change, declared)
@@ -472,15 +486,16 @@ class TopologyRequests:
         if event is not None:
             ctx.out.events.append((event, None))
 
-    def _emptied(self, queue: str, *, deleted: bool) -> None:
+    def _emptied(self, queue: str, *, deleted: bool, sent_at: int = 0) -> None:
         """``queue`` was purged (or deleted): a :class:`Purged` event, on a
-        replicated VPN, sparing what a purge leaves in the queue."""
+        replicated VPN, sparing what a purge leaves in the queue and, with
+        ``sent_at``, what was published after its request went out."""
         ctx = self._ctx
         vpn = ctx.vpn
         if vpn is None or not ctx.replicating:
             return
         spared = () if deleted else self._unsettled(vpn.name, queue)
-        ctx.out.events.append((Purged(vpn.name, queue, spared, deleted), None))
+        ctx.out.events.append((Purged(vpn.name, queue, spared, deleted, sent_at), None))
 
     def connection_lost(self) -> None:
         """The connection is gone, and its exclusive queues with it."""

@@ -223,10 +223,15 @@ def test_a_purge_event_decodes_back_and_a_damaged_one_is_refused() -> None:
     good = encode_event(event)
     assert decode_event(good, "v") == event
     assert decode_event(encode_event(Purged("v", "q")), "v") == Purged("v", "q", (), False)
+    at = Purged("v", "q", (rid(1),), sent_at=2**40)
+    assert encode_event(at) == encode_event(at._replace(sent_at=0)) + struct.pack(">Q", 2**40)
+    assert decode_event(encode_event(at), "v") == at
     with pytest.raises(EventDecodeError, match="purge flag"):
         decode_event(b"Q\x07" + good[2:], "v")
+    with pytest.raises(EventDecodeError, match="truncated"):
+        decode_event(good + b"x", "v")  # a purge point cut short
     with pytest.raises(EventDecodeError, match="bytes after the event"):
-        decode_event(good + b"x", "v")
+        decode_event(good + struct.pack(">Q", 5) + b"x", "v")
     with pytest.raises(EventDecodeError, match="truncated"):
         decode_event(good[:-1], "v")
 
@@ -340,7 +345,12 @@ def events_of(vpn: str) -> st.SearchStrategy:
         ),
         st.builds(Consumed, st.just(vpn), repl_ids, texts),
         st.builds(
-            Purged, st.just(vpn), texts, st.lists(repl_ids, max_size=3).map(tuple), st.booleans()
+            Purged,
+            st.just(vpn),
+            texts,
+            st.lists(repl_ids, max_size=3).map(tuple),
+            st.booleans(),
+            st.integers(0, 2**64 - 1),
         ),
         st.builds(
             DeadLettered, st.just(vpn), repl_ids, texts, st.lists(texts, max_size=3).map(tuple)

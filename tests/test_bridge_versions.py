@@ -41,7 +41,11 @@ from bridge import (
     decode_frame,
     name_item,
 )
+from bridge._entry import encode_event
 from bridge._frames import MAGIC
+
+#: what the release before take-over and purge points offers in version 6
+PREDECESSOR_CAPABILITIES = CAP_TOPOLOGY | CAP_XA_OWNER
 
 
 def listing(index: int | None = 7) -> ResourceList:
@@ -129,6 +133,7 @@ def test_a_previous_version_standby_gets_each_topology_event_as_a_no_op_at_its_i
         "topology events",
         "XA branch owners",
         "take-over points in sync requests",
+        "purge points",
     ]
     frames(active, GetAllResources().encode(5))
     wire = active.send(listing())
@@ -163,11 +168,11 @@ def test_a_sync_request_names_where_its_epoch_took_over_to_an_active_that_can_re
     active, standby = greeted()
     assert frames(active, standby.send(request)) == [request]
 
-    active = BridgeConnection(Role.ACTIVE, "a", offered=CAP_TOPOLOGY | CAP_XA_OWNER)
+    active = BridgeConnection(Role.ACTIVE, "a", offered=PREDECESSOR_CAPABILITIES)
     standby = BridgeConnection(Role.STANDBY, "b")
     frames(active, standby.send(standby.our_hello()))
     frames(standby, active.send(active.our_hello()))
-    assert standby.lacking() == ["take-over points in sync requests"]
+    assert standby.lacking() == ["take-over points in sync requests", "purge points"]
     frames(active, standby.send(GetAllResources()))
     frames(standby, active.send(listing()))
     wire = standby.send(request)
@@ -183,6 +188,40 @@ def test_a_sync_request_names_where_its_epoch_took_over_to_an_active_that_can_re
 
     with pytest.raises(ValueError, match="taken_over_by"):
         SyncRequest("orders", 2, 0, 0, taken_over_at=10)
+
+
+def test_a_purge_says_its_purge_point_only_to_a_standby_that_reads_it() -> None:
+    """An upgraded standby gets a purge's point (the ledger index its request
+    went out at) and purges below it; a standby of the previous release (in
+    version 6 without the capability, or in version 5) gets the purge as it
+    always did, encoded as it knows it, and purges what its own index says."""
+    at = Purged("orders", "q", (), sent_at=2)
+    batch = (
+        LedgerEntry("orders", 1, 1, entries()[1].event),
+        LedgerEntry("orders", 1, 2, at),
+    )
+    active, standby = greeted()
+    streaming(active, standby)
+    (got,) = frames(standby, active.send(Events("orders", 1, batch)))
+    assert isinstance(got, Events) and got.entries[1].event == at
+    for offers in (PREDECESSOR_CAPABILITIES, 0):
+        active, standby = greeted(standby_offers=offers)
+        streaming(active, standby)
+        wire = active.send(Events("orders", 1, batch))
+        sent, _ = decode_frame(wire)
+        assert isinstance(sent, Events)
+        assert sent.entries[1].event == Purged("orders", "q")
+        assert sent.entries[1].encoded == encode_event(Purged("orders", "q"))  # the old bytes
+    active = BridgeConnection(Role.ACTIVE, "a")
+    frames(active, Hello("b", PREVIOUS_PROTOCOL_VERSION, Role.STANDBY).encode(5))
+    active.send(active.our_hello())
+    frames(active, GetAllResources().encode(5))
+    active.send(listing())
+    frames(active, SyncRequest("orders", 1, 0, 0).encode(5))
+    active.send(SyncAccepted("orders", 1, 1))
+    active.send(SyncFinished("orders", 1, 0))
+    sent, _ = decode_frame(active.send(Events("orders", 1, batch)))
+    assert isinstance(sent, Events) and sent.entries[1].event == Purged("orders", "q")
 
 
 def test_a_standby_that_offers_no_topology_gets_no_topology_events_in_version_6() -> None:
@@ -203,6 +242,7 @@ def test_an_upgraded_standby_speaks_version_5_to_a_previous_version_active() -> 
         "topology events",
         "XA branch owners",
         "take-over points in sync requests",
+        "purge points",
     ]
     standby.send(GetAllResources())
     old = listing(None)

@@ -107,6 +107,31 @@ def test_publish_makes_one_row_per_queue_and_ack_removes_one(site_b: LocalSite) 
     assert applied_at is not None
 
 
+def test_a_purge_removes_only_what_was_published_before_its_request_went_out(
+    site_b: LocalSite,
+) -> None:
+    """The purge's request went out at index 2: the message at 1 was
+    purged; the one at 2 (another connection's, its event in the ledger
+    before the purge-ok came) may have reached the queue after the purge,
+    and stays. A purge that does not say (an older active's) removes all
+    that came before it, as it always did."""
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    events: list[Event] = [
+        pub("v", 1, "q"),
+        pub("v", 2, "q", "other"),
+        Purged("v", "q", (), sent_at=2),
+        pub("v", 3, "q"),
+    ]
+    with psycopg.connect(dsn) as conn:
+        result = apply_entries(conn, "v", numbered(events))
+    assert keys(dsn, "v") == {("q", 2, 2), ("other", 2, 2), ("q", 3, 4)}
+    assert result.deleted == 1
+    with psycopg.connect(dsn) as conn:
+        apply_entries(conn, "v", numbered([Purged("v", "q")], start=5))
+    assert keys(dsn, "v") == {("other", 2, 2)}
+
+
 def test_order_within_a_batch_is_kept_for_the_same_key(site_b: LocalSite) -> None:
     dsn = site_b.pg.dsn()
     prepare(dsn, v="standby")
@@ -314,8 +339,11 @@ def _event(vpn: str, kind: str, i: int, queues: list[str]) -> Event:
         return ack(vpn, i, queues[0])
     if kind == "D":  # rejected from the first queue, dead-lettered to the others
         return DeadLettered(vpn, rid(i), queues[0], tuple(queues[1:]))
-    # a purge sparing one delivered message (i even), or a delete (i odd)
-    return Purged(vpn, queues[0], (rid(i),) if i % 2 == 0 else (), i % 2 == 1)
+    # a purge sparing one delivered message (i even) and saying where its
+    # request went out (some index, maybe 0: not said), or a delete (i odd)
+    if i % 2 == 0:
+        return Purged(vpn, queues[0], (rid(i),), sent_at=i // 3)
+    return Purged(vpn, queues[0], (), deleted=True)
 
 
 def model_keys(entries: list[LedgerEntry]) -> set[tuple[str, int, int]]:
@@ -335,8 +363,9 @@ def model_keys(entries: list[LedgerEntry]) -> set[tuple[str, int, int]]:
                     model.setdefault((q, _counter(event.repl_id)), entry.index)
         else:
             spared = {_counter(r) for r in event.spared}
+            below = min(entry.index, event.sent_at) if event.sent_at else entry.index
             for key, index in list(model.items()):
-                if key[0] == event.queue and index < entry.index and key[1] not in spared:
+                if key[0] == event.queue and index < below and key[1] not in spared:
                     del model[key]
     return {(q, n, index) for (q, n), index in model.items()}
 

@@ -270,12 +270,23 @@ class Publisher:
 
     A connection that goes away (a killed node) ends the run; ``error`` says
     why. Only the ioloop thread touches the connection.
+
+    ``hold_at``: publish only the first that many numbers, then wait for
+    :meth:`release` before the rest, so a test can act while the run is
+    certainly not over, whatever the machine's load.
     """
 
-    def __init__(self, site: LocalSite, numbers: Iterable[int], window: int = 300) -> None:
+    def __init__(
+        self,
+        site: LocalSite,
+        numbers: Iterable[int],
+        window: int = 300,
+        hold_at: int | None = None,
+    ) -> None:
         self.url = amqp_url(site)
         self.todo = list(numbers)
         self.window = window
+        self._hold_at = hold_at
         self.confirmed: set[int] = set()
         self.nacked: set[int] = set()
         self.error: str | None = None
@@ -306,6 +317,16 @@ class Publisher:
 
     def run(self, timeout: float = 120.0) -> Publisher:
         return self.start().join(timeout)
+
+    def release(self) -> None:
+        """Publish the numbers past ``hold_at`` too."""
+        assert self._conn is not None
+        self._conn.ioloop.add_callback_threadsafe(self._release)
+
+    def _release(self) -> None:
+        self._hold_at = None
+        if self._channel is not None:
+            self._fill()
 
     def stop(self) -> None:
         """Publish nothing more; the run ends once the outstanding are settled."""
@@ -347,7 +368,8 @@ class Publisher:
         channel.confirm_delivery(ack_nack_callback=self._confirm, callback=lambda _: self._fill())
 
     def _fill(self) -> None:
-        while len(self._pending) < self.window and self._next < len(self.todo):
+        end = len(self.todo) if self._hold_at is None else min(self._hold_at, len(self.todo))
+        while len(self._pending) < self.window and self._next < end:
             n = self.todo[self._next]
             self._next += 1
             self._channel.basic_publish("events", routing_key(n), body(n), properties(n))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from typing import cast
+from typing import Any, cast
 
 from bridge import SyncTimeoutPolicy, VpnSettings
 from bridge._ledger import LedgerWriter
 from bridge._replicator import Replicator
 from bridge._syncgate import SyncGate, WindowClosed, WindowOpened
+from bridge._window_recorder import WindowRecorder
 
 DEGRADE, REJECT = SyncTimeoutPolicy.DEGRADE, SyncTimeoutPolicy.REJECT
 
@@ -251,6 +252,52 @@ def test_a_gate_switched_to_reject_while_ineligible_still_closes_its_window() ->
     assert gate.acked(1) == WindowClosed("v", 1, 1)  # caught up with index 1
     assert 2 not in out and gate.eligible
     assert gate.acked(2) is None and out[2] is True
+
+
+class Recorded:
+    """A recorder that writes nothing: the test says when a write is durable."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, ...]] = []
+        self.thens: list[Any] = []
+
+    def open_window(self, vpn: str, first: int, then: Any) -> None:
+        self.writes.append(("open", vpn, str(first)))
+        self.thens.append(then)
+
+    def close_window(self, vpn: str, first: int, last: int) -> None:
+        self.writes.append(("close", vpn, str(first), str(last)))
+
+    def add_window(self, vpn: str, first: int, last: int, then: Any) -> None:
+        self.writes.append(("add", vpn, str(first), str(last)))
+        self.thens.append(then)
+
+
+def test_the_replicator_releases_a_windows_confirms_only_once_its_opening_is_durable() -> None:
+    recorder = Recorded()
+    out = Outcomes()
+
+    async def scenario() -> None:
+        replicator = Replicator(cast(LedgerWriter, None), cast(WindowRecorder, recorder))
+        replicator.configure(
+            VpnSettings.from_args("v", "active", "sync", 50, "degrade"), acked_index=0
+        )
+        replicator.wait_standby("v", 3, out.resolver(3), first=1)
+        await asyncio.sleep(0.2)  # past the sync timeout
+        assert recorder.writes == [("open", "v", "1")]
+        assert out == {} and not replicator.sync_eligible("v")
+        replicator.wait_standby("v", 4, out.resolver(4))
+        assert out == {}
+        recorder.thens.pop()()  # the opening committed
+        assert out == {3: True, 4: True}
+        replicator.standby_acked("v", 4)
+        assert recorder.writes[-1] == ("close", "v", "1", "4")
+        assert replicator.sync_eligible("v")
+        assert replicator.confirmed_without_standby("v", 7, 9, lambda: None)
+        assert recorder.writes[-1] == ("add", "v", "7", "9")
+        await replicator.close()
+
+    asyncio.run(scenario())
 
 
 def _replicator(timeout_ms: int, policy: SyncTimeoutPolicy) -> Replicator:

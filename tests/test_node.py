@@ -156,6 +156,8 @@ def test_sync_mode_without_a_standby_degrades_after_the_timeout(
     # the window opened before either confirm went out, and stays open: no
     # standby caught up
     assert _windows(site_a) == [(1, 1, None)]
+    assert [(w["first_index"], w["last_index"]) for w in vpn["sync_windows"]] == [(1, None)]
+    assert vpn["sync_windows_total"] == 1
     assert node_a.stop() == 0
     with psycopg.connect(site_a.pg.dsn()) as db:
         row = db.execute("SELECT ledger_index FROM vpn_state WHERE vpn = 'orders'").fetchone()

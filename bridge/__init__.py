@@ -15,7 +15,8 @@ ours. Its public API is listed here once, in two parts:
   materialisation, the replication sink the listener's events go to
   (:class:`Replicator`), and the statements on the per-VPN rows
   ``vpn_config`` / ``vpn_state`` (``_vpnstore``: every layer reads and
-  writes them through it).
+  writes them through it), and the sync-ineligible windows
+  (``_window_store``, written by the ``_window_recorder``).
 """
 
 from __future__ import annotations
@@ -309,6 +310,13 @@ if TYPE_CHECKING:
         stored_ledger_index as stored_ledger_index,
         vpn_status_rows as vpn_status_rows,
     )
+    from ._window_recorder import WindowRecorder as WindowRecorder
+    from ._window_store import (
+        NEWEST_WINDOWS as NEWEST_WINDOWS,
+        SyncWindow as SyncWindow,
+        WindowCount as WindowCount,
+        windows_by_vpn as windows_by_vpn,
+    )
 
 #: module -> the names it exports through this package, imported on first use
 _IO_BOUND: dict[str, tuple[str, ...]] = {
@@ -358,6 +366,8 @@ _IO_BOUND: dict[str, tuple[str, ...]] = {
     ),
     "._standby": ("LiveRow", "NotStandby", "StandbyApplier", "StandbyError", "StandbyUnavailable"),
     "._tls": ("TlsSetupError", "describe_tls_error", "make_client_context", "make_server_context"),
+    "._window_recorder": ("WindowRecorder",),
+    "._window_store": ("NEWEST_WINDOWS", "SyncWindow", "WindowCount", "windows_by_vpn"),
     "._vpnstore": (
         "ActiveVpn",
         "AppliedLock",

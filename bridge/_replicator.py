@@ -9,6 +9,14 @@ Nothing here ever reports an entry durable before the ledger did, so a
 confirmed message is always in the active's ledger, from which a standby can
 be brought up to date.
 
+A sync gate that times out under ``degrade`` opens a *window* (ledger
+indexes confirmed without the standby); with a
+:class:`~bridge._window_recorder.WindowRecorder` the gate holds the
+window's confirms until its opening is recorded, and its end is recorded
+when the standby has caught up. Local transactions the coordinator
+confirms without the standby (degraded) are recorded as windows through
+:meth:`Replicator.confirmed_without_standby`, before their answer.
+
 A VPN whose epoch was overtaken by a promoted standby is *fenced*: its
 publishes are nacked (the listener closes nothing; the client sees nacks and
 ``status`` says ``fenced``).
@@ -34,7 +42,8 @@ from ._events import (
 from ._ledger import LedgerWriter
 from ._ledger_errors import LedgerError, UnstorableEvent
 from ._settings import Mode, VpnSettings
-from ._syncgate import SyncGate
+from ._syncgate import SyncGate, WindowClosed, WindowOpened
+from ._window_recorder import WindowRecorder
 
 __all__ = ["Replicator", "Transactions", "commit_in_task"]
 
@@ -91,8 +100,11 @@ class Replicator:
     The listener's replication sink (``plugin``'s ``ReplicationSink``
     protocol, implemented structurally: this layer does not import it)."""
 
-    def __init__(self, writer: LedgerWriter) -> None:
+    def __init__(self, writer: LedgerWriter, windows: WindowRecorder | None = None) -> None:
         self.writer = writer
+        #: records the gates' windows; without one (tests of the sink
+        #: alone) nothing is recorded and no confirm is held for a record
+        self.windows = windows
         self.gates: dict[str, SyncGate] = {}
         self.fenced: set[str] = set()
         #: checks the sync deadlines when the earliest passes; None while no
@@ -112,11 +124,16 @@ class Replicator:
         if settings.mode is Mode.ASYNC:
             if gate is not None:
                 del self.gates[settings.name]
-                gate.release()  # no confirm is left waiting for a gate gone
+                # no confirm is left waiting for a gate gone; its window ends
+                self._closed(gate.release())
                 self._disarm_if_idle()
         elif gate is None:
             self.gates[settings.name] = SyncGate(
-                settings.name, settings.sync_timeout_ms, settings.on_sync_timeout, acked_index
+                settings.name,
+                settings.sync_timeout_ms,
+                settings.on_sync_timeout,
+                acked_index,
+                recording=self.windows is not None,
             )
         else:
             gate.configure(settings.sync_timeout_ms, settings.on_sync_timeout)
@@ -124,22 +141,50 @@ class Replicator:
     def standby_acked(self, vpn: str, index: int) -> None:
         gate = self.gates.get(vpn)
         if gate is not None:
-            gate.acked(index)
+            self._closed(gate.acked(index))
             self._disarm_if_idle()
+
+    def _opened(self, gate: SyncGate, opened: WindowOpened | None) -> None:
+        """Record a window the gate opened; the gate holds its confirms
+        until then."""
+        if opened is None or self.windows is None:
+            return
+        first = opened.first
+        self.windows.open_window(opened.vpn, first, lambda: gate.window_recorded(first))
+
+    def _closed(self, closed: WindowClosed | None) -> None:
+        """Record the end of a window (no confirm waits for it)."""
+        if closed is not None and self.windows is not None:
+            self.windows.close_window(closed.vpn, closed.first, closed.last)
+
+    def confirmed_without_standby(
+        self, vpn: str, first: int, last: int, then: Callable[[], None]
+    ) -> bool:
+        """Record ``first``..``last`` of ``vpn`` as a window (a transaction
+        the coordinator degraded) and call ``then()`` once durable; False,
+        and no call, when nothing records windows here."""
+        if self.windows is None:
+            return False
+        self.windows.add_window(vpn, first, last, then)
+        return True
 
     def _disarm_if_idle(self) -> None:
         if self._timer is not None and not any(g.waiting for g in self.gates.values()):
             self._timer.cancel()  # nothing left to time out
             self._timer = None
 
-    def wait_standby(self, vpn: str, index: int, resolve: Callable[[bool], None]) -> bool:
+    def wait_standby(
+        self, vpn: str, index: int, resolve: Callable[[bool], None], first: int | None = None
+    ) -> bool:
         """Resolve once the standby acknowledged ``index`` (or the sync
         timeout passed: ``resolve(False)``); False if ``vpn`` is not in sync
-        mode (nothing to wait for)."""
+        mode (nothing to wait for). ``first``: the first index of the group
+        that waits at ``index``. Called in the ledger's durable callback of
+        ``index`` (so in index order, which the gate's windows rely on)."""
         gate = self.gates.get(vpn)
         if gate is None:
             return False
-        self._wait(gate, index, resolve)
+        self._wait(gate, index, resolve, first)
         return True
 
     def withdraw(self, vpn: str, index: int) -> None:
@@ -166,11 +211,17 @@ class Replicator:
             self._timer.cancel()
             self._timer = None
 
-    def _wait(self, gate: SyncGate, index: int, resolve: Callable[[bool], None]) -> None:
+    def _wait(
+        self,
+        gate: SyncGate,
+        index: int,
+        resolve: Callable[[bool], None],
+        first: int | None = None,
+    ) -> None:
         """``gate.wait``, with the deadline check armed for it (the gate's
         earliest deadline, a heap's top: no scan of the gates per publish)."""
         loop = asyncio.get_running_loop()
-        gate.wait(index, loop.time(), resolve)
+        gate.wait(index, loop.time(), resolve, first)
         deadline = gate.next_deadline()
         if deadline is not None:
             self._arm(loop, deadline)
@@ -190,7 +241,7 @@ class Replicator:
         now = loop.time()
         for gate in list(self.gates.values()):
             try:
-                gate.expire(now)
+                self._opened(gate, gate.expire(now))
             except Exception:
                 log.exception("VPN %s: applying the sync timeout failed", gate.vpn)
             deadline = gate.next_deadline()
@@ -249,7 +300,7 @@ class Replicator:
         callback: Callable[[bool], None] | None = settle if keys else None
         last: list[int] = []  # the group's last index, once appended
         if callback is not None and gate is not None:
-            callback = self._then_standby(gate, last, settle)
+            callback = self._then_standby(gate, last, len(events), settle)
         try:
             last.append(self.writer.append_many([event for event, _ in events], callback).index)
         except UnstorableEvent:
@@ -267,15 +318,16 @@ class Replicator:
             self.append(event, None if key is None else functools.partial(on_durable, key))
 
     def _then_standby(
-        self, gate: SyncGate, last: list[int], settle: Callable[[bool], None]
+        self, gate: SyncGate, last: list[int], size: int, settle: Callable[[bool], None]
     ) -> Callable[[bool], None]:
-        """A ledger callback that hands a durable group to the sync gate."""
+        """A ledger callback that hands a durable group of ``size`` entries
+        to the sync gate."""
 
         def ledger_durable(ok: bool) -> None:
             if not ok:
                 settle(False)
             else:
-                self._wait(gate, last[0], settle)
+                self._wait(gate, last[0], settle, last[0] - size + 1)
 
         return ledger_durable
 

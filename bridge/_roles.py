@@ -46,6 +46,7 @@ from ._vpnstore import (
     record_epoch,
     stored_ledger_index,
 )
+from ._window_store import close_left_open
 
 __all__ = [
     "PromotionStart",
@@ -411,9 +412,12 @@ def demote_to_standby(conn: psycopg.Connection[Any], vpn: str) -> int:
     do its transactions still prepared: the new active decided them (a
     client's XA branch is its row now), and a stale row here would list a
     branch the transaction manager has settled, and commit it a second
-    time, once this site is active again."""
+    time, once this site is active again. A sync-ineligible window still
+    open (its node stopped before the standby caught up) is closed at the
+    ledger index first, as a node's start would: the index goes to 0."""
     with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
         _, _, epoch, _ = _fenced_here(conn, vpn)
+        close_left_open(conn, vpn)
         become_standby(conn, vpn, epoch)
         cur.execute(_RETIRE_PREPARED, (vpn,))
         cur.execute("DELETE FROM xa_held WHERE vpn = %s", (vpn,))

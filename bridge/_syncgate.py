@@ -14,9 +14,29 @@ it durable (:meth:`SyncGate.acked`, cumulative) or its deadline passes
 * ``reject`` — nack that publish. Every publish waits its own timeout: a
   client that asked for "no confirm without the standby" gets exactly that.
 
-Invariant: a waiter is resolved exactly once, and ``ok=True`` is never given
-to a waiter of a sync-eligible ``reject`` VPN unless the standby acknowledged
-its index.
+Each spell of ineligibility is a *window*: the ledger indexes confirmed
+without the standby, from ``first`` — the lowest of them: the lowest index
+of the groups released by the timeout, above what the standby had
+acknowledged — to ``last``, the catch-up index (the highest of them).
+:meth:`expire` returns :class:`WindowOpened` when one opens and
+:meth:`acked` (or :meth:`release`) :class:`WindowClosed` when it closes;
+the owner records them (``bridge/_window_store.py``). A gate told it is
+``recording`` holds every confirm of a window — those the timeout released
+and those that :meth:`wait` while the window is open — until the owner
+reports the opening durable (:meth:`window_recorded`), so no confirm given
+without the standby lies outside a recorded window, whatever crashes next.
+A held confirm the standby acknowledges meanwhile goes out as acknowledged.
+
+Windows are exact because waits come in ledger order: each is made in the
+ledger's durable callback of its index, which runs in index order, and a
+group waits once, at its last index, naming its first. So an index
+confirmed without the standby is never below the open window's ``first``.
+
+Invariants: a waiter is resolved exactly once; ``ok=True`` is never given
+to a waiter of a sync-eligible ``reject`` VPN unless the standby
+acknowledged its index; and a recording gate gives ``ok=True`` past the
+standby's acknowledged index only once the window holding that index has
+been recorded (or the VPN left sync mode, :meth:`release`).
 """
 
 from __future__ import annotations
@@ -28,68 +48,150 @@ from dataclasses import dataclass
 
 from ._settings import SyncTimeoutPolicy
 
-__all__ = ["SyncGate"]
+__all__ = ["SyncGate", "WindowClosed", "WindowOpened"]
 
 log = logging.getLogger(__name__)
 
 Resolve = Callable[[bool], None]
 
 
+@dataclass(frozen=True, slots=True)
+class WindowOpened:
+    """``vpn`` went sync-ineligible: indexes from ``first`` on are confirmed
+    without the standby (once this is recorded, when the gate records)."""
+
+    vpn: str
+    first: int
+
+
+@dataclass(frozen=True, slots=True)
+class WindowClosed:
+    """``vpn``'s window from ``first`` is over: ``last`` is the highest index
+    confirmed without the standby (the catch-up index)."""
+
+    vpn: str
+    first: int
+    last: int
+
+
 @dataclass(slots=True)
 class _Waiter:
     deadline: float
     resolve: Resolve
+    first: int  # the first index of the group that waits at this index
 
 
 class SyncGate:
     """Holds sync-mode confirms of one VPN until the standby acknowledges."""
 
     def __init__(
-        self, vpn: str, timeout_ms: int, policy: SyncTimeoutPolicy, acked_index: int = 0
+        self,
+        vpn: str,
+        timeout_ms: int,
+        policy: SyncTimeoutPolicy,
+        acked_index: int = 0,
+        *,
+        recording: bool = False,
     ) -> None:
         self.vpn = vpn
         self.timeout = timeout_ms / 1000.0
         self.policy = policy
         self.acked_index = acked_index
-        self.eligible = True
+        #: hold a window's confirms until its opening is recorded
+        self.recording = recording
         self.degradations = 0
         self.rejections = 0
         self._catch_up_to = 0  # ineligible until the standby acked this index
         self._waiting: dict[int, _Waiter] = {}  # index -> waiter, still unresolved
         self._by_index: list[int] = []  # heap of waiting indexes
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, index)
+        #: the open window's first index; None while sync-eligible
+        self._window: int | None = None
+        #: the first index of the window whose opening is not recorded yet
+        #: (its confirms are held); None when nothing waits for a record
+        self._unrecorded: int | None = None
+        self._held: list[tuple[int, Resolve]] = []  # (index, resolve), in index order
+
+    @property
+    def eligible(self) -> bool:
+        """Confirms wait for the standby (no window is open)."""
+        return self._window is None
+
+    @property
+    def window_first(self) -> int | None:
+        """The open window's first index (None: sync-eligible)."""
+        return self._window
 
     def configure(self, timeout_ms: int, policy: SyncTimeoutPolicy) -> None:
         self.timeout = timeout_ms / 1000.0
         self.policy = policy
 
-    def wait(self, index: int, now: float, resolve: Resolve) -> None:
-        """``index`` is durable locally; resolve once the standby has it too."""
+    def wait(self, index: int, now: float, resolve: Resolve, first: int | None = None) -> None:
+        """``index`` is durable locally; resolve once the standby has it too.
+        ``first``: the first index of the group whose confirms wait at
+        ``index``, its last (default: ``index`` alone)."""
         if index <= self.acked_index:
             resolve(True)
             return
         if not self.eligible and self.policy is SyncTimeoutPolicy.DEGRADE:
+            low = max(self.acked_index + 1, index if first is None else first)
+            if low < (self._window or 0):
+                log.error(
+                    "VPN %s: index %d confirmed without the standby below its window's first "
+                    "index %d (a wait out of ledger order)",
+                    self.vpn,
+                    low,
+                    self._window,
+                )
             self._catch_up_to = max(self._catch_up_to, index)
-            resolve(True)
+            self._confirm(index, resolve)
             return
         deadline = now + self.timeout
-        self._waiting[index] = _Waiter(deadline, resolve)
+        self._waiting[index] = _Waiter(deadline, resolve, index if first is None else first)
         heapq.heappush(self._by_index, index)
         heapq.heappush(self._deadlines, (deadline, index))
 
-    def acked(self, index: int) -> None:
-        """The standby has durably applied everything up to ``index``."""
+    def _confirm(self, index: int, resolve: Resolve) -> None:
+        """Confirm ``index`` without the standby: now, or once the window's
+        opening is recorded."""
+        if self._unrecorded is not None:
+            self._held.append((index, resolve))
+        else:
+            resolve(True)
+
+    def acked(self, index: int) -> WindowClosed | None:
+        """The standby has durably applied everything up to ``index``; the
+        window that closed with it, if any."""
         if index <= self.acked_index:
-            return
+            return None
         self.acked_index = index
         while self._by_index and self._by_index[0] <= index:
             waiter = self._waiting.pop(heapq.heappop(self._by_index), None)
             if waiter is not None:
                 waiter.resolve(True)
         self._forget_if_idle()
-        if not self.eligible and index >= self._catch_up_to:
-            self.eligible = True
-            log.info("VPN %s: standby caught up at index %d; sync-eligible again", self.vpn, index)
+        if self._held and self._held[0][0] <= index:  # the standby has them after all
+            acknowledged = [h for h in self._held if h[0] <= index]
+            self._held = [h for h in self._held if h[0] > index]
+            for _, resolve in acknowledged:
+                resolve(True)
+        if self._window is None or index < self._catch_up_to:
+            return None
+        closed = WindowClosed(self.vpn, self._window, self._catch_up_to)
+        self._window = self._unrecorded = None  # nothing is held any more
+        log.info("VPN %s: standby caught up at index %d; sync-eligible again", self.vpn, index)
+        return closed
+
+    def window_recorded(self, first: int) -> None:
+        """The opening of the window from ``first`` is durable: its held
+        confirms go out. (An opening recorded after its window closed, or
+        another window's, releases nothing.)"""
+        if self._unrecorded != first:
+            return
+        self._unrecorded = None
+        held, self._held = self._held, []
+        for _, resolve in held:
+            resolve(True)
 
     def withdraw(self, index: int) -> None:
         """Stop waiting for ``index`` without resolving it: its owner learned
@@ -105,8 +207,9 @@ class SyncGate:
             self._by_index.clear()
             self._deadlines.clear()
 
-    def expire(self, now: float) -> None:
-        """Apply the timeout policy to every waiter whose own deadline passed.
+    def expire(self, now: float) -> WindowOpened | None:
+        """Apply the timeout policy to every waiter whose own deadline passed;
+        the window this opened, if any.
 
         Deadlines of waiters the standby acknowledged in time are skipped: only
         a publish still waiting at its deadline is a timeout.
@@ -117,14 +220,15 @@ class SyncGate:
             if index in self._waiting:
                 timed_out.append(index)
         if not timed_out:
-            return
+            return None
         if self.policy is SyncTimeoutPolicy.REJECT:
             for index in timed_out:
                 self._waiting.pop(index).resolve(False)
                 self.rejections += 1
-            return
+            return None
         # degrade: everything waiting is confirmed now, the VPN goes ineligible
-        if self.eligible:
+        opened = None
+        if self._window is None:
             self.degradations += 1
             log.warning(
                 "VPN %s: standby did not acknowledge index %d within %.0f ms; "
@@ -133,18 +237,31 @@ class SyncGate:
                 min(timed_out),
                 self.timeout * 1000,
             )
-        self.eligible = False
+            lowest = min(waiter.first for waiter in self._waiting.values())
+            self._window = max(self.acked_index + 1, lowest)
+            if self.recording:
+                self._unrecorded = self._window
+            opened = WindowOpened(self.vpn, self._window)
         self._catch_up_to = max(self._catch_up_to, max(self._waiting))
         waiting, self._waiting, self._by_index, self._deadlines = self._waiting, {}, [], []
-        for waiter in waiting.values():
-            waiter.resolve(True)
+        for index in sorted(waiting):
+            self._confirm(index, waiting[index].resolve)
+        return opened
 
-    def release(self) -> None:
+    def release(self) -> WindowClosed | None:
         """The VPN left sync mode: what waits for the standby is confirmed
-        now, as the async mode it is in would (each entry is durable here)."""
+        now, as the async mode it is in would (each entry is durable here);
+        an open window closes at its catch-up index. Confirms held for a
+        window's opening still wait for :meth:`window_recorded`: they were
+        given under the sync promise."""
         waiting, self._waiting, self._by_index, self._deadlines = self._waiting, {}, [], []
         for waiter in waiting.values():
             waiter.resolve(True)
+        if self._window is None:
+            return None
+        closed = WindowClosed(self.vpn, self._window, self._catch_up_to)
+        self._window = None
+        return closed
 
     def next_deadline(self) -> float | None:
         return self._deadlines[0][0] if self._deadlines else None
@@ -152,3 +269,8 @@ class SyncGate:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def held(self) -> int:
+        """Confirms held until their window's opening is recorded."""
+        return len(self._held)

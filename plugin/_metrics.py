@@ -382,11 +382,19 @@ def _vpn_families(
         "acknowledgements the standby could not match to a replicated message",
         labels=["vpn"],
     )
+    windows = CounterMetricFamily(
+        "vpnrepl_sync_windows",
+        "sync-ineligible windows recorded: ledger ranges the VPN confirmed without its"
+        " standby (sync timeouts under degrade, degraded transactions)",
+        labels=["vpn"],
+    )
     for v in vpns:
         connected.add_metric([v["name"]], 1 if v["bridge"] in ("connected", "syncing") else 0)
         unknown.add_metric([v["name"]], v["unknown_acks"])
+        windows.add_metric([v["name"]], v.get("sync_windows_total", 0))
     yield connected
     yield unknown
+    yield windows
     degraded = CounterMetricFamily(
         "vpnrepl_sync_degraded",
         "times a sync-mode VPN's standby missed the sync timeout and the VPN "

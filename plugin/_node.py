@@ -1,8 +1,9 @@
 """``vpnrepl node``: the site process.
 
 Starts, in order: the site database check and a new process incarnation (the
-high bits of every replication id it hands out), the ledger writer and the
-replication sink with the transaction coordinator, the VPN directory
+high bits of every replication id it hands out), the ledger writer, the
+sync-ineligible windows' recorder (which first closes those a crash left
+open), the replication sink with the transaction coordinator, the VPN directory
 (settings from the database, topology from the management API, refreshed
 every ``[broker] topology_refresh_seconds``), the recovery of transactions a
 crash left in doubt (txn/_coordinator.py; before any client is accepted), the AMQP
@@ -53,6 +54,7 @@ from bridge import (
     TopologyChanged,
     UnknownFailpoint,
     VpnSettings,
+    WindowRecorder,
     armed,
     enabled_vpns_async,
     ledger_progress_async,
@@ -167,7 +169,9 @@ class Node:
         self.metrics = Metrics()
         self.tracing = Tracing(cfg)
         self.writer = LedgerWriter(cfg.store_dsn)
-        self.replicator = Replicator(self.writer)
+        #: records the sync-ineligible windows (``sync_window``)
+        self.windows = WindowRecorder(cfg.store_dsn)
+        self.replicator = Replicator(self.writer, self.windows)
         self.txn_log = TxnLog(cfg.store_dsn)
         self.broker_ssl = site_broker_ssl(cfg)
         self.coordinator = Coordinator(
@@ -399,6 +403,7 @@ class Node:
             await self.writer.start()
         except LedgerError as e:
             raise PluginError(str(e)) from e
+        await self._start_windows()
         self.replicator.start()
         await self.txn_log.open()
         try:
@@ -517,6 +522,19 @@ class Node:
             cfg.listen_admin,
             ", ".join(f"{v.name} ({v.role})" for v in vpns) or "none",
         )
+
+    async def _start_windows(self) -> None:
+        """Close the sync-ineligible windows a crash left open, at each VPN's
+        ledger index (before anything is confirmed), and start recording."""
+        try:
+            await self.windows.start()
+        except psycopg.errors.UndefinedTable as e:
+            raise StateError(
+                "the site database's schema is older than this release (no table "
+                "sync_window): run `vpnrepl init`, which upgrades it"
+            ) from e
+        except psycopg.Error as e:
+            raise StoreUnavailable(f"sync windows: {e.diag.message_primary or e}") from e
 
     async def _demote(
         self, vpn: str, args: Mapping[str, Any], progress: Progress
@@ -840,6 +858,7 @@ class Node:
         await self.ledger_bound.close()
         await self.coordinator.close()
         await self.replicator.close()
+        await self.windows.close()
         await self.writer.close()
         await self.participant.close()
         await self.txn_log.close()

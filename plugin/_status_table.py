@@ -3,7 +3,8 @@
 One row per VPN (role, epoch, mode, eligibility, bridge, indexes, lag,
 in-doubt transactions), then per VPN its queues (replicated live count
 against the broker's), the queues out of scope that hold persistent
-messages, and anything that needs attention. Built from the same document
+messages, and anything that needs attention (the sync-ineligible windows
+recorded among it). Built from the same document
 ``--json`` prints, so the two cannot disagree.
 """
 
@@ -80,6 +81,15 @@ def _details(v: dict[str, Any]) -> list[str]:
             f"  last reconcile {run['finished_at'][:19].replace('T', ' ')}: {verdict}"
             + (f", {left} differences left" if left else "")
             + (f", {run['repaired']} repaired" if run["repaired"] else "")
+        )
+    windows = v.get("sync_windows") or []
+    if windows:
+        newest = windows[0]
+        last = "open" if newest["last_index"] is None else newest["last_index"]
+        out.append(
+            f"  {v.get('sync_windows_total', len(windows))} sync-ineligible window(s) recorded"
+            f" (confirmed without the standby); newest: ledger {newest['first_index']}..{last}"
+            f" at epoch {newest['epoch']}"
         )
     if v["unknown_acks"]:
         out.append(f"  {v['unknown_acks']} acks the standby could not match (see the README)")

@@ -30,6 +30,7 @@ from bridge import (
     redact_url,
     save_vpn_settings,
     vpn_status_rows,
+    windows_by_vpn,
 )
 
 from ._errors import StateError, StoreUnavailable
@@ -248,6 +249,7 @@ def status(
         _SPLIT_BRAIN,
         itemgetter("split_brain"),
     )
+    windows = windows_by_vpn(conn) if _has_table(conn, "sync_window") else {}
     epochs: dict[str, list[dict[str, Any]]] = {}
     for row in conn.execute("SELECT vpn, epoch, site, since FROM vpn_epoch ORDER BY vpn, epoch"):
         epochs.setdefault(row["vpn"], []).append(
@@ -276,6 +278,10 @@ def status(
                 "lag_seconds": round(r.since_applied, 3) if lag else 0.0,
                 "in_doubt_txns": r.in_doubt_txns,
                 "degraded_txns": r.degraded_txns,
+                "sync_windows": [w.as_dict() for w in windows[r.name].newest]
+                if r.name in windows
+                else [],
+                "sync_windows_total": windows[r.name].total if r.name in windows else 0,
                 "unknown_acks": r.unknown_acks,
                 "queues": counts.get(r.name, {}),
                 "promotion": promotions.get(

@@ -41,6 +41,7 @@ SANS_IO = (
     "bridge._frames",
     "bridge._inbound",
     "bridge._entry",
+    "bridge._syncgate",
     "txn._machine",
 )
 

@@ -26,6 +26,7 @@ PER_VPN = (
     "vpnrepl_in_doubt_transactions",
     "vpnrepl_unknown_acks_total",
     "vpnrepl_sync_degraded_total",
+    "vpnrepl_sync_windows_total",
 )
 COUNTERS = (
     "vpnrepl_events_total",
@@ -81,6 +82,7 @@ def test_metrics_during_a_sync_workload_then_equal_to_status(
     assert value(settled, "vpnrepl_fenced", vpn=VPN) == 0
     assert value(settled, "vpnrepl_bridge_connected", vpn=VPN) == 1
     assert value(settled, "vpnrepl_sync_degraded_total", vpn=VPN) == 0
+    assert value(settled, "vpnrepl_sync_windows_total", vpn=VPN) == 0
     assert value(settled, "vpnrepl_ledger_index", vpn=VPN) == 4000  # one entry per publish
     assert value(settled, "vpnrepl_confirm_delay_seconds_count", vpn=VPN, mode="sync") == 4000
     # the standby's view of the same VPN
@@ -94,6 +96,9 @@ def test_metrics_during_a_sync_workload_then_equal_to_status(
     Publisher(node_a.site, range(5001, 5003), window=1).run()
     degraded = node_a.get("/metrics")
     assert value(degraded, "vpnrepl_sync_degraded_total", vpn=VPN) == 1
+    # the window was recorded before the confirm: the scrape reads it from the store
+    assert value(degraded, "vpnrepl_sync_windows_total", vpn=VPN) == 1
+    assert cli_status(node_a)["sync_windows_total"] == 1
     assert value(degraded, "vpnrepl_sync_eligible", vpn=VPN) == 0
     assert value(degraded, "vpnrepl_bridge_connected", vpn=VPN) == 0
     assert value(degraded, "vpnrepl_replication_lag_events", vpn=VPN) > 0

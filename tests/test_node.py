@@ -153,7 +153,28 @@ def test_sync_mode_without_a_standby_degrades_after_the_timeout(
     vpn = node_a.status()["vpns"][0]
     assert vpn["sync_eligible"] is False
     assert "did not acknowledge" in node_a.log_text()
+    # the window opened before either confirm went out, and stays open: no
+    # standby caught up
+    assert _windows(site_a) == [(1, 1, None)]
+    assert [(w["first_index"], w["last_index"]) for w in vpn["sync_windows"]] == [(1, None)]
+    assert vpn["sync_windows_total"] == 1
     assert node_a.stop() == 0
+    with psycopg.connect(site_a.pg.dsn()) as db:
+        row = db.execute("SELECT ledger_index FROM vpn_state WHERE vpn = 'orders'").fetchone()
+    assert row is not None and row[0] >= 2
+    # the next start closes it where the ledger ended: nothing was confirmed past it
+    node_a.start()
+    assert _windows(site_a) == [(1, 1, row[0])]
+    assert "left open by a crash; closed at the ledger index" in node_a.log_text()
+    assert node_a.stop() == 0
+
+
+def _windows(site: LocalSite) -> list[tuple[int, int, int | None]]:
+    with psycopg.connect(site.pg.dsn()) as db:
+        return db.execute(
+            "SELECT epoch, first_index, last_index FROM sync_window WHERE vpn = 'orders'"
+            " ORDER BY epoch, first_index"
+        ).fetchall()
 
 
 def test_sync_mode_reject_nacks_without_a_standby(

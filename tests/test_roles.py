@@ -160,3 +160,20 @@ def test_demotion_retires_the_old_epochs_prepared_transactions(site_a: LocalSite
         states = dict(conn.execute("SELECT txid, state FROM txn_log").fetchall())
     assert states == {"xa/1:61:62/1.1": "ended", "1.1.2": "ended", "1.1.3": "committed"}
     assert one(dsn, "SELECT role, epoch FROM vpn_config WHERE name = %s", VPN) == ("standby", 2)
+
+
+def test_demotion_closes_a_sync_window_left_open_at_the_ledger_index_it_resets(
+    site_a: LocalSite,
+) -> None:
+    """A former active's node stopped while the VPN was sync-ineligible:
+    its window ends where its ledger ended, before the index goes to 0."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, **{VPN: "active"})
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE vpn_state SET ledger_index = 9 WHERE vpn = %s", (VPN,))
+        conn.execute("INSERT INTO sync_window (vpn, epoch, first_index) VALUES (%s, 1, 4)", (VPN,))
+    with connect(dsn) as conn:
+        assert record_fenced(conn, VPN, 2, "b")
+        assert demote_to_standby(conn, VPN) == 2
+    assert one(dsn, "SELECT first_index, last_index FROM sync_window WHERE vpn = %s", VPN) == (4, 9)
+    assert one(dsn, "SELECT ledger_index FROM vpn_state WHERE vpn = %s", VPN) == (0,)

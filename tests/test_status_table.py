@@ -80,6 +80,11 @@ def test_the_table_flags_what_needs_attention() -> None:
                     out_of_scope=None,
                     broker_error="management API unreachable",
                     promotion={"state": "running", "materialised": 10, "total": 40},
+                    sync_windows=[
+                        {"epoch": 2, "first_index": 1151, "last_index": None},
+                        {"epoch": 2, "first_index": 900, "last_index": 960},
+                    ],
+                    sync_windows_total=4,
                 )
             ],
         }
@@ -89,6 +94,11 @@ def test_the_table_flags_what_needs_attention() -> None:
     assert "  broker depths unavailable: management API unreachable" in text
     assert "  promotion running: 10/40 materialised" in text
     assert "  3 acks the standby could not match" in text
+    assert (
+        "  4 sync-ineligible window(s) recorded (confirmed without the standby);"
+        " newest: ledger 1151..open at epoch 2"
+    ) in text
+    assert "window" not in render({"site": "a", "vpns": [_vpn()]})
     assert render({"site": "a", "vpns": []}) == "site a\nno VPN is enabled for replication\n"
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from typing import cast
+from typing import Any, cast
 
 from bridge import SyncTimeoutPolicy, VpnSettings
 from bridge._ledger import LedgerWriter
 from bridge._replicator import Replicator
-from bridge._syncgate import SyncGate
+from bridge._syncgate import SyncGate, WindowClosed, WindowOpened
+from bridge._window_recorder import WindowRecorder
 
 DEGRADE, REJECT = SyncTimeoutPolicy.DEGRADE, SyncTimeoutPolicy.REJECT
 
@@ -126,6 +127,177 @@ def test_a_withdrawn_waiter_never_resolves_and_its_deadline_is_no_timeout() -> N
         assert gate.next_deadline() is None  # nothing to wake up for
         gate.acked(2)
         assert out == {}  # withdrawn: resolved by no one
+
+
+# ---------------------------------------------------------------- windows
+
+
+def test_a_recording_gate_holds_a_windows_confirms_until_its_opening_is_recorded() -> None:
+    """A crash right after a confirm given without the standby must leave
+    that index inside a recorded window: nothing of the window goes out
+    before the owner says its opening is durable."""
+    gate, out = SyncGate("v", 500, DEGRADE, recording=True), Outcomes()
+    for i in (1, 2, 3):
+        gate.wait(i, 0.1 * i, out.resolver(i))
+    assert gate.expire(0.6) == WindowOpened("v", 1)
+    assert out == {} and gate.held == 3 and not gate.eligible  # timed out, held
+    gate.wait(4, 0.7, out.resolver(4))  # ineligible: confirmed without the standby, held
+    assert out == {} and gate.held == 4 and gate.waiting == 0
+    gate.window_recorded(1)
+    assert out == {1: True, 2: True, 3: True, 4: True} and gate.held == 0
+    gate.wait(5, 0.8, out.resolver(5))  # the opening is recorded: at once
+    assert out[5] is True
+
+
+def test_a_gate_that_does_not_record_confirms_at_once_and_still_reports_its_window() -> None:
+    gate, out = SyncGate("v", 500, DEGRADE), Outcomes()
+    gate.wait(1, 0.0, out.resolver(1))
+    assert gate.expire(0.5) == WindowOpened("v", 1)
+    assert out == {1: True} and gate.held == 0
+    assert gate.acked(1) == WindowClosed("v", 1, 1)
+
+
+def test_window_bounds_are_the_lowest_index_confirmed_without_the_standby_and_the_catch_up() -> (
+    None
+):
+    """``first``: the lowest index of the groups the timeout released, but
+    not what the standby had acknowledged; ``last``: the highest index
+    confirmed while ineligible (the catch-up index)."""
+    gate, out = SyncGate("v", 500, DEGRADE, acked_index=10, recording=True), Outcomes()
+    gate.wait(15, 0.0, out.resolver(15), first=11)  # one read's group, 11..15
+    gate.wait(17, 0.1, out.resolver(17), first=16)
+    assert gate.acked(12) is None  # the standby has 11 and 12, not the group's end
+    opened = gate.expire(0.5)
+    assert opened == WindowOpened("v", 13)  # 11 and 12 went out with the standby
+    assert gate.window_first == 13
+    gate.window_recorded(13)
+    assert out == {15: True, 17: True}
+    gate.wait(20, 0.6, out.resolver(20), first=18)  # ineligible: the catch-up moves to 20
+    assert gate.acked(19) is None and not gate.eligible
+    assert gate.acked(20) == WindowClosed("v", 13, 20)
+    assert gate.eligible and gate.window_first is None
+    gate.wait(21, 1.0, out.resolver(21))
+    assert 21 not in out  # eligible: waits for the standby again
+    assert gate.expire(1.5) == WindowOpened("v", 21)  # a new window, from 21
+
+
+def test_a_single_publish_window_starts_at_the_oldest_waiter() -> None:
+    """Entries no confirm waits for (acks, publishes without confirms)
+    between the standby's index and the first waiter are not in the window."""
+    gate, out = SyncGate("v", 500, DEGRADE, acked_index=4), Outcomes()
+    gate.wait(7, 0.0, out.resolver(7))
+    gate.wait(9, 0.1, out.resolver(9))
+    assert gate.expire(0.5) == WindowOpened("v", 7)
+    assert gate.acked(9) == WindowClosed("v", 7, 9)
+
+
+def test_reject_records_no_window() -> None:
+    gate, out = SyncGate("v", 500, REJECT, recording=True), Outcomes()
+    gate.wait(1, 0.0, out.resolver(1))
+    gate.wait(2, 0.1, out.resolver(2))
+    assert gate.expire(0.6) is None
+    assert out == {1: False, 2: False} and gate.held == 0 and gate.eligible
+    assert gate.acked(2) is None and gate.window_first is None
+
+
+def test_a_held_confirm_the_standby_acknowledges_goes_out_as_acknowledged() -> None:
+    """The standby came back while the opening was being written: what it
+    acknowledged needs no window; the window still closes at its catch-up."""
+    gate, out = SyncGate("v", 500, DEGRADE, recording=True), Outcomes()
+    for i in (1, 2, 3):
+        gate.wait(i, 0.0, out.resolver(i))
+    assert gate.expire(0.5) == WindowOpened("v", 1)
+    assert gate.acked(2) is None
+    assert out == {1: True, 2: True} and gate.held == 1
+    assert gate.acked(3) == WindowClosed("v", 1, 3)
+    assert out == {1: True, 2: True, 3: True} and gate.held == 0
+    gate.window_recorded(1)  # the opening lands after the end: nothing to release
+    assert gate.eligible
+
+
+def test_an_opening_recorded_late_never_releases_a_newer_window() -> None:
+    gate, out = SyncGate("v", 500, DEGRADE, recording=True), Outcomes()
+    gate.wait(1, 0.0, out.resolver(1))
+    assert gate.expire(0.5) == WindowOpened("v", 1)
+    assert gate.acked(1) == WindowClosed("v", 1, 1)  # caught up before the record
+    gate.wait(2, 1.0, out.resolver(2))
+    assert gate.expire(1.5) == WindowOpened("v", 2)
+    gate.window_recorded(1)  # the first window's opening
+    assert 2 not in out and gate.held == 1
+    gate.window_recorded(2)
+    assert out[2] is True
+
+
+def test_release_ends_the_window_and_keeps_what_waits_for_its_opening() -> None:
+    """The VPN switched to async: what waited for the standby is confirmed
+    now; what the timeout released under the sync promise still waits for
+    its window's record."""
+    gate, out = SyncGate("v", 500, DEGRADE, recording=True), Outcomes()
+    gate.wait(1, 0.0, out.resolver(1))
+    assert gate.expire(0.5) == WindowOpened("v", 1)
+    gate.wait(2, 0.6, out.resolver(2))  # held too (ineligible)
+    assert gate.release() == WindowClosed("v", 1, 2)
+    assert out == {} and gate.held == 2
+    gate.window_recorded(1)
+    assert out == {1: True, 2: True}
+
+
+def test_a_gate_switched_to_reject_while_ineligible_still_closes_its_window() -> None:
+    gate, out = SyncGate("v", 500, DEGRADE), Outcomes()
+    gate.wait(1, 0.0, out.resolver(1))
+    assert gate.expire(0.5) == WindowOpened("v", 1)
+    gate.configure(500, REJECT)
+    gate.wait(2, 0.6, out.resolver(2))  # reject: waits for the standby again
+    assert 2 not in out and gate.waiting == 1
+    assert gate.acked(1) == WindowClosed("v", 1, 1)  # caught up with index 1
+    assert 2 not in out and gate.eligible
+    assert gate.acked(2) is None and out[2] is True
+
+
+class Recorded:
+    """A recorder that writes nothing: the test says when a write is durable."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, ...]] = []
+        self.thens: list[Any] = []
+
+    def open_window(self, vpn: str, first: int, then: Any) -> None:
+        self.writes.append(("open", vpn, str(first)))
+        self.thens.append(then)
+
+    def close_window(self, vpn: str, first: int, last: int) -> None:
+        self.writes.append(("close", vpn, str(first), str(last)))
+
+    def add_window(self, vpn: str, first: int, last: int, then: Any) -> None:
+        self.writes.append(("add", vpn, str(first), str(last)))
+        self.thens.append(then)
+
+
+def test_the_replicator_releases_a_windows_confirms_only_once_its_opening_is_durable() -> None:
+    recorder = Recorded()
+    out = Outcomes()
+
+    async def scenario() -> None:
+        replicator = Replicator(cast(LedgerWriter, None), cast(WindowRecorder, recorder))
+        replicator.configure(
+            VpnSettings.from_args("v", "active", "sync", 50, "degrade"), acked_index=0
+        )
+        replicator.wait_standby("v", 3, out.resolver(3), first=1)
+        await asyncio.sleep(0.2)  # past the sync timeout
+        assert recorder.writes == [("open", "v", "1")]
+        assert out == {} and not replicator.sync_eligible("v")
+        replicator.wait_standby("v", 4, out.resolver(4))
+        assert out == {}
+        recorder.thens.pop()()  # the opening committed
+        assert out == {3: True, 4: True}
+        replicator.standby_acked("v", 4)
+        assert recorder.writes[-1] == ("close", "v", "1", "4")
+        assert replicator.sync_eligible("v")
+        assert replicator.confirmed_without_standby("v", 7, 9, lambda: None)
+        assert recorder.writes[-1] == ("add", "v", "7", "9")
+        await replicator.close()
+
+    asyncio.run(scenario())
 
 
 def _replicator(timeout_ms: int, policy: SyncTimeoutPolicy) -> Replicator:

@@ -6,6 +6,8 @@ times out, and the bridge runs over (mutual) TLS. Messages are numbered (see
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -14,6 +16,8 @@ import pika.exceptions
 import psycopg
 import pytest
 
+from bridge import Published
+from bridge._entry import decode_event
 from plugin._localsites import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
@@ -324,6 +328,92 @@ def test_sync_mode_does_not_degrade_while_the_standby_keeps_up(
     assert not degraded, f"the VPN degraded with the standby up:\n{degraded[0]}"
     assert vpn_status(node_a)["sync_eligible"] is True
     assert_same_state(node_a, node_b)
+    assert node_b.stop() == 0 and node_a.stop() == 0
+
+
+def _ledger_index_of(site: LocalSite) -> dict[int, int]:
+    """Each number's ledger index on ``site`` (its publish's entry)."""
+    with psycopg.connect(site.pg.dsn()) as db:
+        rows = db.execute(
+            "SELECT idx, event FROM ledger WHERE vpn = %s AND kind = 'published'", (VPN,)
+        ).fetchall()
+    out: dict[int, int] = {}
+    for idx, data in rows:
+        event = decode_event(bytes(data), VPN)
+        assert isinstance(event, Published)
+        out[number(event.body)] = int(idx)
+    return out
+
+
+#: a VPN's windows as ranges, one a crash left open ending at the ledger index
+WINDOWS = """
+SELECT w.first_index, COALESCE(w.last_index, s.ledger_index), w.last_index IS NULL
+FROM sync_window w JOIN vpn_state s ON s.vpn = w.vpn
+WHERE w.vpn = %s ORDER BY w.epoch, w.first_index
+"""
+
+
+def _windows(site: LocalSite) -> list[tuple[int, int, bool]]:
+    with psycopg.connect(site.pg.dsn()) as db:
+        return [(int(f), int(la), bool(o)) for f, la, o in db.execute(WINDOWS, (VPN,))]
+
+
+def test_a_frozen_standby_under_degrade_leaves_every_confirm_without_it_in_a_window(
+    site_a: LocalSite,
+    site_b: LocalSite,
+    vpnrepl_a: Vpnrepl,
+    node_a: NodeProcess,
+    node_b: NodeProcess,
+) -> None:
+    """The standby's node frozen (SIGSTOP) past the sync timeout under
+    ``degrade`` while a publisher streams, then the active killed: every
+    publish confirmed above what the standby had acknowledged lies in the
+    window recorded before its confirm, which starts exactly at the lowest
+    of them; the next start closes the window at the ledger index; the
+    standby thawed catches up and nothing new is windowed."""
+    setup_vpn(site_a)
+    enable(vpnrepl_a, "--mode", "sync", "--sync-timeout-ms", "500", "--on-sync-timeout", "degrade")
+    node_a.start()
+    node_b.start()
+    until(lambda: vpn_status(node_a).get("bridge") == "connected", "B connected")
+    publisher = Publisher(site_a, range(1, 200_001), window=50).start()
+    until(lambda: len(publisher.confirmed) >= 500, "500 publishes confirmed through B")
+    assert node_b.pid is not None
+    os.kill(node_b.pid, signal.SIGSTOP)
+    try:
+        behind = len(publisher.confirmed)
+        until(lambda: vpn_status(node_a)["sync_eligible"] is False, "A sync-ineligible")
+        until(lambda: len(publisher.confirmed) >= behind + 2000, "A to confirm without B")
+        # A records B's acknowledgements coalesced, at most a second late
+        applied = "SELECT applied_index FROM vpn_state WHERE vpn = %s"
+        acked = scalar(site_a, applied, VPN)
+        time.sleep(1.5)
+        assert scalar(site_a, applied, VPN) == acked > 0  # B is frozen: no more
+        node_a.kill()  # mid-stream, the window still open
+        publisher.join()
+        confirmed = set(publisher.confirmed)
+        assert not publisher.nacked
+        ledger = scalar(site_a, "SELECT ledger_index FROM vpn_state WHERE vpn = %s", VPN)
+        index_of = _ledger_index_of(site_a)
+        without = sorted(index_of[n] for n in confirmed if index_of[n] > acked)
+        assert len(without) >= 2000
+        assert _windows(site_a) == [(without[0], ledger, True)]  # open: the crash's
+        first = without[0]
+        outside = [i for i in without if not first <= i <= ledger]
+        assert outside == [], f"confirmed without the standby, in no window: {outside[:10]}"
+
+        node_a.start()  # the restart rule: closed where the ledger ended
+        assert _windows(site_a) == [(first, ledger, False)]
+    finally:
+        os.kill(node_b.pid, signal.SIGCONT)
+    caught_up(node_a, node_b)
+    until(lambda: vpn_status(node_a)["sync_eligible"] is True, "A sync-eligible")
+    publish_one(site_a, 200_001)  # confirmed through the standby: no new window
+    status = cli_status(node_a)
+    assert status["sync_windows_total"] == 1
+    assert [(w["first_index"], w["last_index"]) for w in status["sync_windows"]] == [
+        (first, ledger)
+    ]
     assert node_b.stop() == 0 and node_a.stop() == 0
 
 

@@ -19,6 +19,7 @@ from bridge import IdSource, LocalTransaction, Published, TransactionRefused, Vp
 from bridge._entry import encode_event
 from bridge._ledger import LedgerWriter
 from bridge._replicator import Replicator
+from bridge._window_recorder import WindowRecorder
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from sql import migrate
@@ -34,11 +35,14 @@ trace.set_tracer_provider(_provider)
 
 
 class NoStandby:
-    def wait_standby(self, vpn: str, index: int, resolve: object) -> bool:
+    def wait_standby(self, vpn: str, index: int, resolve: object, first: int | None = None) -> bool:
         return False  # an async VPN: nothing to wait for
 
     def withdraw(self, vpn: str, index: int) -> None:
         raise AssertionError("nothing waits")
+
+    def confirmed_without_standby(self, vpn: str, first: int, last: int, then: object) -> bool:
+        return False  # no windows recorded
 
 
 def txn(ids: IdSource, sequence: int) -> LocalTransaction:
@@ -309,12 +313,15 @@ class RecordingStandby:
     def outcome(self, vpn: str, txid: str, commit: bool) -> None:
         self.calls.append(("outcome", txid))
 
-    def wait_standby(self, vpn: str, index: int, resolve: object) -> bool:
+    def wait_standby(self, vpn: str, index: int, resolve: object, first: int | None = None) -> bool:
         asyncio.get_running_loop().call_soon(resolve, True)  # type: ignore[arg-type]
         return True  # the stream's acknowledgement, for one not committed early
 
     def withdraw(self, vpn: str, index: int) -> None:
         self.calls.append(("withdraw", str(index)))
+
+    def confirmed_without_standby(self, vpn: str, first: int, last: int, then: object) -> bool:
+        return False  # no windows recorded
 
 
 def test_a_transaction_committed_early_sends_the_standby_no_outcome(site_a: LocalSite) -> None:
@@ -419,6 +426,62 @@ class SlowVote(RecordingStandby):
         vote: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(self.delay, vote.set_result, False)
         return vote
+
+
+@pytest.mark.parametrize(
+    ("late", "policy"),
+    [("vote", "degrade"), ("acknowledgement", "reject")],
+    ids=["the vote late under degrade", "the stream late after the broker commit"],
+)
+def test_a_degraded_transaction_is_answered_once_its_group_is_a_recorded_window(
+    site_a: LocalSite, late: str, policy: str
+) -> None:
+    """The client's ``tx.commit-ok`` for a transaction committed without the
+    standby comes only once its ledger group is a ``sync_window`` row: a
+    crash right after the answer leaves it inside a recorded window."""
+    dsn = active_site(site_a)
+    ids = IdSource(29)
+    t = txn(ids, 1)
+    seen: list[list[tuple[Any, ...]]] = []
+
+    def windows() -> list[tuple[Any, ...]]:
+        with psycopg.connect(dsn) as db:
+            return db.execute(
+                "SELECT first_index, last_index, closed_at IS NOT NULL FROM sync_window"
+            ).fetchall()
+
+    async def scenario() -> None:
+        log, writer = await opened(dsn)
+        recorder = WindowRecorder(dsn)
+        await recorder.start()
+        settings = VpnSettings.from_args(
+            "v", "active", "sync", sync_timeout_ms=200, on_sync_timeout=policy
+        )
+        replicator = Replicator(writer, recorder)
+        replicator.configure(settings, acked_index=0)
+        # the vote comes after the timeout; or at once, and then the stream never acknowledges
+        standby = SlowVote(0.5) if late == "vote" else RecordingStandby(set(), [])
+        c = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, replicator, standby)
+        c.configure(settings)
+        await c.prepare(t)
+        answered: asyncio.Future[BaseException | None] = asyncio.Future()
+
+        def answer(error: BaseException | None) -> None:
+            seen.append(windows())  # what a crash right after the answer would leave
+            answered.set_result(error)
+
+        c.commit_soon(t, answer)
+        assert await asyncio.wait_for(answered, 10) is None
+        assert c.stats.outcomes[("v", "degraded")] == 1
+        assert replicator.sync_eligible("v")  # a transaction's window is no ineligibility
+        await replicator.close()
+        await c.close()
+        await recorder.close()
+        await writer.close()
+        await log.close()
+
+    asyncio.run(scenario())
+    assert seen == [[(1, 3, True)]]  # the group's three events, ledger indexes 1..3
 
 
 @pytest.mark.parametrize(

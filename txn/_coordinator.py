@@ -52,6 +52,16 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
    the sweep once the standby's acknowledged index has passed their
    groups, and the markers are removed.
 
+**Confirmed without the standby.** A transaction degraded — the standby's
+vote late under ``degrade``, or its acknowledgement late after the broker
+committed (either policy) — has its ledger group recorded as a
+sync-ineligible window (``sync_window``, through the sink's
+``confirmed_without_standby``) before the client is told: the machine's
+``Answer`` and the actions after it are performed once that row is
+durable, in the order the machine gave them. A group released by a
+``degrade`` sync gate's timeout is inside the gate's own window (the gate
+holds the answer until that is recorded).
+
 **Recovery** (either node, at start, before clients are accepted): every
 coordinator row still ``prepared`` is resolved — its group in the ledger
 after ``ledger_floor`` means the decision was made (mark committed); else
@@ -194,14 +204,26 @@ class StandbyLink(Protocol):
 
 
 class SyncWait(Protocol):
-    """Waits for the standby to acknowledge a ledger index (the sync gate)."""
+    """Waits for the standby to acknowledge a ledger index (the sync gate),
+    and records what was confirmed without it."""
 
-    def wait_standby(self, vpn: str, index: int, resolve: Callable[[bool], None]) -> bool:
+    def wait_standby(
+        self, vpn: str, index: int, resolve: Callable[[bool], None], first: int | None = None
+    ) -> bool:
         """Call ``resolve(acked)`` once the standby acknowledged ``index`` or the
-        sync timeout passed; False when the VPN has no sync gate."""
+        sync timeout passed; False when the VPN has no sync gate. ``first``:
+        the first index of the group waiting at ``index``. Called in the
+        ledger's durable callback of ``index``."""
 
     def withdraw(self, vpn: str, index: int) -> None:
         """Stop a :meth:`wait_standby` for ``index``; ``resolve`` is never called."""
+
+    def confirmed_without_standby(
+        self, vpn: str, first: int, last: int, then: Callable[[], None]
+    ) -> bool:
+        """Record ``first``..``last`` as a sync-ineligible window and call
+        ``then()`` once that is durable; False (no call) when windows are
+        not recorded."""
 
 
 @dataclass
@@ -230,6 +252,9 @@ class _Live:
     finished: bool = False  # its outcome is counted and its span ended
     #: the listener's answer to call once the commit is recorded (commit_soon)
     on_done: Callable[[BaseException | None], None] | None = None
+    #: a degraded transaction's group was handed over to be recorded as a
+    #: sync-ineligible window (its answer waits for that)
+    window_asked: bool = False
 
     def enter(self, phase: str | None) -> None:
         """End the phase under way and start ``phase`` (None: no next phase)."""
@@ -560,12 +585,29 @@ class Coordinator:
 
     def _perform(self, live: _Live, actions: list[Action]) -> None:
         """The actions after the broker commit, in order (the prepare's are
-        performed by :meth:`_prepare`)."""
-        for action in actions:
+        performed by :meth:`_prepare`). A degraded transaction's answer,
+        and what follows it, wait until its group is recorded as a
+        sync-ineligible window (:meth:`_window_first`)."""
+        for i, action in enumerate(actions):
+            if isinstance(action, Answer) and self._window_first(live, action, actions[i:]):
+                return
             perform = self._performers.get(type(action))
             if perform is None:
                 raise TxnProtocolError(f"transaction {live.txn.txid}: {action} after the prepare")
             perform(live, action)
+
+    def _window_first(self, live: _Live, answer: Answer, rest: list[Action]) -> bool:
+        """A degraded transaction was committed without the standby: its
+        ledger group is recorded as a sync-ineligible window before the
+        client is told (``rest``, from ``answer`` on, is performed once that
+        is durable). True when ``rest`` now waits for the record."""
+        m = live.machine
+        if not (answer.ok and m.degraded and m.last_index) or live.window_asked:
+            return False
+        live.window_asked = True
+        return self.sync.confirmed_without_standby(
+            live.txn.vpn, m.first_index, m.last_index, lambda: self._perform(live, rest)
+        )
 
     def _commit_early(self, live: _Live, action: CommitEarly) -> None:
         if self.link is not None:
@@ -580,7 +622,10 @@ class Coordinator:
 
     def _await_standby_ack(self, live: _Live, action: AwaitStandbyAck) -> None:
         if not self.sync.wait_standby(
-            live.txn.vpn, action.last, lambda acked: self._standby_answered(live, acked)
+            live.txn.vpn,
+            action.last,
+            lambda acked: self._standby_answered(live, acked),
+            live.machine.first_index,
         ):
             self._feed(live, Input.STANDBY_ACKED)  # no sync gate: nothing to wait for
 
@@ -711,7 +756,9 @@ class Coordinator:
         ledger group, then the standby's acknowledgement (up to the VPN's
         sync timeout; True if it came) and its outcome. Raises
         :class:`TransactionRefused` when the decision could not be recorded
-        (the branch stays prepared; its marker settles it at the next start)."""
+        (the branch stays prepared; its marker settles it at the next start).
+        Committed without the standby's acknowledgement, its group is
+        recorded as a sync-ineligible window before this returns."""
         events = row.recorded_events()
         acked = True
         if not events:
@@ -719,15 +766,32 @@ class Coordinator:
         else:
             loop = asyncio.get_running_loop()
             durable: asyncio.Future[bool] = loop.create_future()
+            answered: asyncio.Future[bool] = loop.create_future()
+            last = 0
+
+            def on_durable(ok: bool) -> None:
+                # the sync gate's wait is made here, in the ledger's callback
+                # (in index order), not after an await
+                if not durable.done():
+                    durable.set_result(ok)
+                first = last - len(events) + 1
+                if ok and not self.sync.wait_standby(
+                    row.vpn, last, future_callback(answered), first
+                ):
+                    future_callback(answered)(True)
+
             try:
-                last = self.ledger.append_group(events, future_callback(durable), decision=row.txid)
+                last = self.ledger.append_group(events, on_durable, decision=row.txid)
             except LedgerError as e:
                 raise TransactionRefused(f"the commit decision could not be recorded: {e}") from e
             if not await durable:
                 raise TransactionRefused("the commit decision could not be made durable")
-            answered: asyncio.Future[bool] = loop.create_future()
-            if self.sync.wait_standby(row.vpn, last, future_callback(answered)):
-                acked = await answered
+            acked = await answered
+            recorded: asyncio.Future[None] = loop.create_future()
+            if not acked and self.sync.confirmed_without_standby(
+                row.vpn, last - len(events) + 1, last, lambda: _settle(recorded)
+            ):
+                await recorded
         self._decided.setdefault(row.vpn, set()).add(row.txid)
         if self.link is not None:
             self.link.outcome(row.vpn, row.txid, commit=True)
@@ -822,6 +886,11 @@ class Coordinator:
             log.warning(
                 "transaction bookkeeping failed (settled at the next start): %s", task.exception()
             )
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _still_wanted(machine: TxnMachine) -> None:

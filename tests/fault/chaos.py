@@ -1089,14 +1089,24 @@ def read_old_active(old: LocalSite, new: LocalSite) -> OldActive:
         ).fetchone()
     assert row is not None, "the promoted site recorded no epoch"
     index_of: dict[int, int] = {}
+    epochs: set[int] = set()
     with psycopg.connect(old.pg.dsn(), autocommit=True) as db:
-        for idx, data in db.execute(
-            "SELECT idx, event FROM ledger WHERE vpn = %s AND kind = 'published'", (VPN,)
+        for idx, epoch, data in db.execute(
+            "SELECT idx, epoch, event FROM ledger WHERE vpn = %s AND kind = 'published'", (VPN,)
         ):
             event = decode_event(bytes(data), VPN)
             assert isinstance(event, Published)
             index_of.setdefault(number(event.body), int(idx))
-    return OldActive(int(row[0]), index_of)
+            epochs.add(int(epoch))
+        # the ranges it confirmed without the standby (sync + degrade); one
+        # a crash left open ends at its ledger index
+        windows = db.execute(
+            "SELECT w.first_index, COALESCE(w.last_index, s.ledger_index)"
+            " FROM sync_window w JOIN vpn_state s ON s.vpn = w.vpn"
+            " WHERE w.vpn = %s AND w.epoch = ANY(%s) ORDER BY w.first_index",
+            (VPN, sorted(epochs)),
+        ).fetchall()
+    return OldActive(int(row[0]), index_of, [(int(a), int(b)) for a, b in windows])
 
 
 def _via(url: str, port: int, proxy: FaultProxy) -> str:

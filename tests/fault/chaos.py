@@ -667,11 +667,11 @@ def split_brain(hold: float = 5.0) -> Nemesis:
 DISASTER_LAG = 1.5
 
 
-def _lose_site_a(run: Run) -> None:
+def _lose_site_a(run: Run, lag: float) -> None:
     """Site A's node, RabbitMQ and PostgreSQL killed together, while the
     standby lags: a disaster."""
     run.proxy.set("blackhole")
-    time.sleep(DISASTER_LAG)
+    time.sleep(lag)
     site = run.node_a.site
     run.node_a.kill()
     site.rabbit.kill()
@@ -692,9 +692,16 @@ def _promote_alone(run: Run) -> None:
         assert done.returncode == 0, done.stderr
 
 
-def disaster() -> Nemesis:
-    """Site A lost for good under load; B promoted; A never comes back."""
-    return Nemesis("site A lost, B promoted", _lose_site_a, _promote_alone, hold=2.0)
+def disaster(lag: float = DISASTER_LAG) -> Nemesis:
+    """Site A lost for good under load, the standby ``lag`` seconds behind
+    (past the sync timeout, a ``degrade`` VPN confirms without it); B
+    promoted; A never comes back."""
+    return Nemesis(
+        f"site A lost {lag:g} s into a bridge black hole, B promoted",
+        functools.partial(_lose_site_a, lag=lag),
+        _promote_alone,
+        hold=2.0,
+    )
 
 
 def promotion() -> Nemesis:

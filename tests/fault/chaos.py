@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import functools
 import itertools
 import json
 import os
+import pwd
 import random
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +48,7 @@ from typing import Any
 import pika
 import pika.exceptions
 import psycopg
+import psycopg.sql
 
 from bridge import Published, decode_event
 from plugin._localsites import LocalSite, _stat_fields
@@ -718,6 +722,106 @@ def switchover() -> Nemesis:
     return Nemesis("switchover", _switchover, lambda r: None, hold=2.0)
 
 
+def _disk_limit(run: Run, side: str, limit: str) -> None:
+    _site(run, side).rabbit.ctl("set_disk_free_limit", limit)
+
+
+def disk_alarm(side: str) -> Nemesis:
+    """RabbitMQ's disk alarm: a free-space limit above what the disk has, so
+    the broker blocks publishers (``connection.blocked``) until it is lowered."""
+    return Nemesis(
+        f"RabbitMQ {side} disk alarm",
+        lambda r: _disk_limit(r, side, "100000GB"),
+        lambda r: _disk_limit(r, side, "50MB"),
+        hold=10.0,
+    )
+
+
+class MountRefused(Exception):
+    """The machine forbids a tmpfs mount: a disk-full run cannot be built."""
+
+
+def _fill_pg_disk(run: Run, side: str) -> None:
+    """The ledger moved onto a small tmpfs tablespace, which is then filled:
+    each ledger write fails with ``No space left on device``."""
+    site = _site(run, side)
+    small = site.base / "small-tablespace"
+    small.mkdir(exist_ok=True)
+    pw = pwd.getpwnam("postgres")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size=16m,uid={pw.pw_uid},gid={pw.pw_gid},mode=0700",
+         "vpnrepl-small", str(small)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise MountRefused(f"mount -t tmpfs: {done.stderr.strip() or done.returncode}")
+    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
+        # a utility statement takes no parameters: the path as a quoted literal
+        db.execute(
+            psycopg.sql.SQL("CREATE TABLESPACE small LOCATION {}").format(
+                psycopg.sql.Literal(str(small))
+            )
+        )
+        db.execute("ALTER TABLE ledger SET TABLESPACE small")
+    filler = small / "filler"
+    with contextlib.suppress(OSError), filler.open("wb") as f:
+        while True:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+
+
+def _free_pg_disk(run: Run, side: str) -> None:
+    site = _site(run, side)
+    small = site.base / "small-tablespace"
+    (small / "filler").unlink(missing_ok=True)
+    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
+        db.execute("ALTER TABLE ledger SET TABLESPACE pg_default")
+        db.execute("DROP TABLESPACE small")
+    subprocess.run(["umount", str(small)], check=True)
+
+
+def pg_disk_full(side: str) -> Nemesis:
+    return Nemesis(
+        f"PostgreSQL {side} disk full (its ledger's tablespace)",
+        lambda r: _fill_pg_disk(r, side),
+        lambda r: _free_pg_disk(r, side),
+        hold=10.0,
+    )
+
+
+def _flap(run: Run, times: int) -> None:
+    """``times`` switchovers, back and forth, under load."""
+    for _ in range(times):
+        standby = run.standby_node()
+        done = Vpnrepl(standby.config)("switchover", VPN)
+        assert done.returncode == 0, done.stderr
+        run.active = "b" if run.active == "a" else "a"
+
+
+def flapping(times: int = 5) -> Nemesis:
+    return Nemesis(
+        f"{times} switchovers back and forth", lambda r: _flap(r, times), lambda r: None, 1.0
+    )
+
+
+def _promote_twice_at_once(run: Run) -> None:
+    """Two operators promote B at the same moment: one promotion, one epoch."""
+    before = int(cli_status(run.node_b)["epoch"])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = list(
+            pool.map(lambda _: Vpnrepl(run.node_b.config)("promote", VPN, "--force"), (1, 2))
+        )
+    assert any(d.returncode == 0 for d in runs), [d.stderr for d in runs]
+    for d in runs:
+        assert d.returncode == 0 or d.stderr.strip(), "a refused promotion said nothing"
+    run.active = "b"
+    run.epochs_raised = int(cli_status(run.node_b)["epoch"]) - before
+
+
+def concurrent_promotions() -> Nemesis:
+    return Nemesis("two promotions of B at once", _promote_twice_at_once, _demote_old, hold=2.0)
+
+
 #: every nemesis of the fault suite
 NEMESES: dict[str, Callable[[], Nemesis]] = {
     "kill-node-a": lambda: kill_node("a"),
@@ -746,6 +850,10 @@ NEMESES: dict[str, Callable[[], Nemesis]] = {
     "switchover": switchover,
     "disaster": disaster,
     "split-brain": split_brain,
+    "disk-alarm-a": lambda: disk_alarm("a"),
+    "pg-disk-full-a": lambda: pg_disk_full("a"),
+    "flapping": flapping,
+    "concurrent-promotions": concurrent_promotions,
 }
 
 
@@ -834,6 +942,8 @@ class Run:
     #: ``[replication]`` settings of both nodes (a small ledger bound, a
     #: short retention: a long partition outlasts them)
     replication: dict[str, int] = field(default_factory=dict)
+    #: how far two promotions at once raised the epoch (one: one promotion)
+    epochs_raised: int = 0
     #: per fault: each sender's longest time without an answer while it lasted
     silences: dict[str, dict[str, float]] = field(default_factory=dict)
     #: the old active's status showed SPLIT-BRAIN once it heard of the new epoch

@@ -157,11 +157,16 @@ def test_a_nemesis_breaks_no_promise(
         r.setup()
         r.start_workload()
         r.wait_confirmed(500)
-        r.apply(chaos.NEMESES[nemesis]())
+        try:
+            r.apply(chaos.NEMESES[nemesis]())
+        except chaos.MountRefused as e:
+            pytest.skip(f"this machine cannot build a full disk: {e}")
         r.wait_confirmed(500, timeout=120)
         r.stop_workload()
         broken = r.report(r.drain(), f"{mode}-{nemesis}")
     assert broken == {}
+    if nemesis == "concurrent-promotions":
+        assert r.epochs_raised == 1, "two promotions at once raised the epoch twice"
     if "blackhole" in nemesis and not nemesis.startswith("client"):
         # liveness: a half-open link of ours leaves no client without an
         # answer (confirm, nack, error) longer than the sync timeout and a bound

@@ -12,6 +12,11 @@ recorded in ``republished`` as ``sending`` before its first publish and
 one left ``sending`` by an interrupted run is reported as of unknown
 outcome (it may or may not be in the broker) and never sent again, so a
 message is never doubled; the admin decides about those few.
+
+A message this site holds already is skipped too (:func:`_held_here`): a
+local transaction the standby had prepared is committed by its promotion
+(presumed commit) while the old active, which committed it as well after
+the take-over point, exports it in its tail.
 """
 
 from __future__ import annotations
@@ -24,7 +29,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge import AmqpEndpoint, BridgeError, BrokerPublisher, Role, TailMessage, role_state
+from bridge import (
+    AmqpEndpoint,
+    BridgeError,
+    BrokerPublisher,
+    Published,
+    Role,
+    TailMessage,
+    decode_event,
+    role_state,
+    split_events,
+)
 
 from ._config import SiteConfig
 from ._errors import StateError, UsageError
@@ -49,12 +64,16 @@ class RepublishSummary:
     copies: int
     already: int
     unknown: tuple[str, ...]
+    #: this site held them already (skipped)
+    held: int = 0
 
     def line(self) -> str:
         text = (
             f"republished {self.sent} messages ({self.copies} queue copies); "
             f"{self.already} were republished before and skipped"
         )
+        if self.held:
+            text += f"; {self.held} this site holds already were skipped"
         if self.unknown:
             text += (
                 f"; {len(self.unknown)} were being sent by an interrupted run and are not sent "
@@ -151,6 +170,32 @@ def _claim(cfg: SiteConfig, vpn: str, ids: Iterable[bytes]) -> tuple[set[bytes],
     return mine, already, unknown
 
 
+def _held_here(cfg: SiteConfig, vpn: str, ids: Iterable[bytes]) -> set[bytes]:
+    """The ``ids`` this site holds already: in its live state, or among the
+    publishes of the transactions it committed as a standby's participant
+    (its promotion commits those it held prepared; their messages may have
+    been consumed since)."""
+    wanted = set(ids)
+    with connect(cfg.store_dsn) as conn:
+        held = {
+            bytes(r["repl_id"])
+            for r in conn.execute(
+                "SELECT DISTINCT repl_id FROM live_message WHERE vpn = %s AND repl_id = ANY(%s)",
+                (vpn, list(wanted)),
+            ).fetchall()
+        }
+        for r in conn.execute(
+            "SELECT events FROM txn_log WHERE vpn = %s AND side = 'participant'"
+            " AND state = 'committed' AND events IS NOT NULL",
+            (vpn,),
+        ).fetchall():
+            for data in split_events(bytes(r["events"])):
+                event = decode_event(data, vpn)
+                if isinstance(event, Published) and event.repl_id.value in wanted:
+                    held.add(event.repl_id.value)
+    return held
+
+
 def _sent(cfg: SiteConfig, vpn: str, ids: list[bytes]) -> None:
     with connect(cfg.store_dsn) as conn:
         conn.execute(
@@ -161,10 +206,13 @@ def _sent(cfg: SiteConfig, vpn: str, ids: list[bytes]) -> None:
 
 
 async def republish(cfg: SiteConfig, records: list[TailRecord]) -> RepublishSummary:
-    sent = copies = already = 0
+    sent = copies = already = held = 0
     unknown: list[str] = []
     for vpn in sorted({r.vpn for r in records}):
         mine_records = [r.message for r in records if r.vpn == vpn]
+        here = _held_here(cfg, vpn, [r.repl_id for r in mine_records])
+        held += len(here)
+        mine_records = [r for r in mine_records if r.repl_id not in here]
         mine, before, left = _claim(cfg, vpn, [r.repl_id for r in mine_records])
         already += before
         unknown += left
@@ -192,4 +240,4 @@ async def republish(cfg: SiteConfig, records: list[TailRecord]) -> RepublishSumm
             ) from e
         _sent(cfg, vpn, [r.repl_id for r in todo])
         sent += len(todo)
-    return RepublishSummary(sent, copies, already, tuple(unknown))
+    return RepublishSummary(sent, copies, already, tuple(unknown), held)

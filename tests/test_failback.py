@@ -9,6 +9,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import psycopg
+
+from bridge import Published, ReplicationId, TailMessage
+from plugin._republish import write_tail_file
 from tests.test_failover import Sites, broker_contents, sites  # noqa: F401 - the fixture
 from tests.two_sites import (
     IN_SCOPE,
@@ -24,6 +28,7 @@ from tests.two_sites import (
     until,
     vpn_status,
 )
+from txn._log import encode_events
 
 
 def number_of(record: dict[str, Any]) -> int:
@@ -76,9 +81,46 @@ def test_demote_exports_the_tail_and_the_old_active_follows_the_new_one(
         got = broker_contents(sites.b.site, queue)
         assert len(got) == len(set(got))
         assert set(got) == {n for n in range(1, 1301) if queue in queues_of(n)}
+    # a tail message the new active holds already (a transaction its
+    # promotion committed from the prepared row the old active also
+    # committed): skipped, whether live there or consumed since
+    held = held_already(sites, tmp_path)
+    assert held.returncode == 0, held.stderr
+    assert "republished 0 messages" in held.stdout
+    assert "2 this site holds already were skipped" in held.stdout
+    for queue in IN_SCOPE:
+        got = broker_contents(sites.b.site, queue)
+        assert set(got) == {n for n in range(1, 1301) if queue in queues_of(n)}
+        assert len(got) == len(set(got))
 
     # the old active is the new one's standby, with the same live state
     until(lambda: vpn_status(sites.a).get("role") == "standby", "A to be a standby")
     assert_same_state(sites.b, sites.a)
     status_a = cli_status(sites.a)
     assert (status_a["role"], status_a["epoch"], status_a["fenced"]) == ("standby", 2, False)
+
+
+def held_already(sites: Sites, tmp: Path) -> Any:  # noqa: F811 - the fixture's type
+    """Republish, on B, a tail of two messages B holds: one in its live
+    state, one only among the publishes of a participant transaction it
+    committed (its message consumed since)."""
+    with psycopg.connect(sites.b.site.pg.dsn(), autocommit=True) as db:
+        repl_id, exchange, key, properties, body = db.execute(
+            "SELECT repl_id, exchange, routing_key, properties, body FROM live_message"
+            " WHERE vpn = %s LIMIT 1",
+            (VPN,),
+        ).fetchone()
+        gone = ReplicationId.from_parts(999, 1)
+        event = Published(VPN, gone, "", "orders.q1", bytes(properties), b"7:", ("orders.q1",))
+        db.execute(
+            "INSERT INTO txn_log (txid, vpn, side, state, events)"
+            " VALUES ('t-held', %s, 'participant', 'committed', %s)",
+            (VPN, encode_events([event])),
+        )
+    messages = [
+        TailMessage(bytes(repl_id), exchange, key, ("orders.q1",), bytes(properties), bytes(body)),
+        TailMessage(gone.value, "", "orders.q1", ("orders.q1",), bytes(properties), b"7:"),
+    ]
+    path = tmp / "held.jsonl"
+    write_tail_file(path, VPN, messages)
+    return sites.cli_b("republish", str(path))

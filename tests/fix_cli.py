@@ -26,9 +26,13 @@ class Vpnrepl:
         assert changed != text or f'store_dsn = "{dsn}"' in text, "no peer store_dsn to set"
         self.config.write_text(changed)
 
-    def __call__(self, *args: str, config: bool = True) -> subprocess.CompletedProcess[str]:
+    def argv(self, *args: str, config: bool = True) -> list[str]:
+        """The command line (for a caller that starts it itself)."""
         exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))
-        argv = [exe, *(["--config", str(self.config)] if config else []), *args]
+        return [exe, *(["--config", str(self.config)] if config else []), *args]
+
+    def __call__(self, *args: str, config: bool = True) -> subprocess.CompletedProcess[str]:
+        argv = self.argv(*args, config=config)
         return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
 
 

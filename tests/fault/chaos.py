@@ -635,6 +635,11 @@ def _demote_old(run: Run) -> None:
     tail = run.tmp / "tail.jsonl"
     done = Vpnrepl(run.node_a.config)("demote", VPN, "--export", str(tail))
     assert done.returncode == 0, done.stderr
+    _take_tail(run, tail)
+
+
+def _take_tail(run: Run, tail: Path) -> None:
+    """The exported ``tail`` into the history, and republished on B."""
     run.history.exported_tail = frozenset(
         number(base64.b64decode(json.loads(line)["body"]))
         for line in tail.read_text().splitlines()
@@ -822,6 +827,68 @@ def concurrent_promotions() -> Nemesis:
     return Nemesis("two promotions of B at once", _promote_twice_at_once, _demote_old, hold=2.0)
 
 
+def _promote_killed_at(run: Run, failpoint: str, command: str) -> None:
+    """B's node restarted with ``failpoint`` armed, then ``command``
+    (``promote --force`` or ``switchover``) on B: the node dies at that step
+    of its promotion, under load."""
+    b = run.node_b
+    b.stop()
+    b.start(failpoint=failpoint)
+    args = ("promote", VPN, "--force") if command == "promote" else ("switchover", VPN)
+    Vpnrepl(b.config)(*args)  # its answer is lost with the node
+    b.wait_killed()
+    run.active = "b"
+
+
+def _resume_promotion(run: Run) -> None:
+    """B's node back: ``promote`` again resumes the promotion it began; the
+    old active is then demoted, its tail republished."""
+    run.node_b.start()
+    done = Vpnrepl(run.node_b.config)("promote", VPN, "--force")
+    assert done.returncode == 0, done.stderr
+    _demote_old(run)
+
+
+def promotion_killed(failpoint: str, command: str = "promote") -> Nemesis:
+    return Nemesis(
+        f"{command} with B's node killed at {failpoint}",
+        lambda r: _promote_killed_at(r, failpoint, command),
+        _resume_promotion,
+        hold=1.0,
+    )
+
+
+def _demote_killed(run: Run) -> None:
+    """B promoted; A's node killed while it demotes; A back, demoted again."""
+    _promote(run)
+    a = run.node_a
+    until(lambda: cli_status(a).get("fenced"), "the old active to be fenced", 60)
+    demote = subprocess.Popen(  # noqa: S603 - our own CLI
+        Vpnrepl(a.config).argv("demote", VPN, "--export", str(run.tmp / "first.jsonl")),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(0.3)
+    a.kill()
+    demote.wait(60)
+
+
+def _demote_again(run: Run) -> None:
+    """A back: still fenced, it is demoted again; a demote that finished
+    before the kill left its tail in the first file, which is republished."""
+    run.node_a.start()
+    if cli_status(run.node_a).get("fenced"):
+        _demote_old(run)
+        return
+    assert cli_status(run.node_a)["role"] == "standby", "A is neither fenced nor a standby"
+    run.split_brain_seen = False
+    _take_tail(run, run.tmp / "first.jsonl")
+
+
+def demote_killed() -> Nemesis:
+    return Nemesis("demote with A's node killed", _demote_killed, _demote_again, hold=1.0)
+
+
 #: every nemesis of the fault suite
 NEMESES: dict[str, Callable[[], Nemesis]] = {
     "kill-node-a": lambda: kill_node("a"),
@@ -854,6 +921,9 @@ NEMESES: dict[str, Callable[[], Nemesis]] = {
     "pg-disk-full-a": lambda: pg_disk_full("a"),
     "flapping": flapping,
     "concurrent-promotions": concurrent_promotions,
+    "kill-mid-materialise": lambda: promotion_killed("promotion.mid-materialise"),
+    "kill-mid-switchover": lambda: promotion_killed("promotion.before-finish", "switchover"),
+    "kill-during-demote": demote_killed,
 }
 
 
@@ -1177,6 +1247,7 @@ class Run:
             if old is None
             else {"applied_at_promotion": old.applied_at_promotion, "ineligible": old.ineligible},
             "republished": self.history.republished,
+            "exported": len(self.history.exported_tail or ()),
             "longest_silence": self.silences,
             "client_errors": self.recorder.errors[-50:],
             "samples": [(s.t, s.confirmed, s.lag_events) for s in self.samples],
@@ -1348,15 +1419,16 @@ def run(
         r.close()
 
 
-def summary(reports: Path) -> str:
-    """A Markdown table of the JSON reports in ``reports`` (one row per run):
-    ``python -m tests.fault.chaos DIR``."""
+def summary(*dirs: Path) -> str:
+    """A Markdown table of the JSON reports in ``dirs`` (one row per run):
+    ``python -m tests.fault.chaos DIR...``."""
     head = (
-        "| run | published | acked | txns committed | lost | lost, excused | duplicates"
-        " (all explained) | resurrected (all explained) | half-applied | phantoms | violations |"
+        "| run | mode | faults | published | lost | lost, excused | exported | republished"
+        " | duplicates (unexplained) | resurrected (unexplained) | longest silence (s)"
+        " | violations |"
     )
-    rows = [head, "|" + " --- |" * 11]
-    for path in sorted(reports.glob("*.json")):
+    rows = [head, "|" + " --- |" * 12]
+    for path in sorted(p for d in dirs for p in d.glob("*.json")):
         doc = json.loads(path.read_text())
         if "verdicts" not in doc:
             continue
@@ -1365,15 +1437,16 @@ def summary(reports: Path) -> str:
         def total(kind: str, verdicts: list[dict[str, Any]] = v) -> int:
             return sum(len(x[kind]) for x in verdicts)
 
-        explained = total("duplicated_unexplained") == 0
-        resurrected_ok = total("resurrected_unexplained") == 0
+        silences = [t for f in doc.get("longest_silence", {}).values() for t in f.values()]
+        broken = sorted({k for kinds in doc["violations"].values() for k in kinds})
+        mode = doc["mode"] + (f"+{doc['policy']}" if doc["mode"] == "sync" else "")
         rows.append(
-            f"| {path.stem} | {doc['published']} | {doc['acked']} |"
-            f" {doc['transactions'].get('committed', 0)} | {total('lost')} |"
-            f" {total('lost_excused')} | {total('duplicated')} ({'yes' if explained else 'NO'}) |"
-            f" {total('resurrected')} ({'yes' if resurrected_ok else 'NO'}) |"
-            f" {total('half_applied')} | {total('phantoms')} |"
-            f" {'none' if not doc['violations'] else 'SEE REPORT'} |"
+            f"| {path.stem} | {mode} | {'; '.join(f['name'] for f in doc['faults'])} |"
+            f" {doc['published']} | {total('lost')} | {total('lost_excused')} |"
+            f" {doc.get('exported', '-')} | {'yes' if doc.get('republished') else '-'} |"
+            f" {total('duplicated')} ({total('duplicated_unexplained')}) |"
+            f" {total('resurrected')} ({total('resurrected_unexplained')}) |"
+            f" {max(silences, default=0):.1f} | {', '.join(broken) or 'none'} |"
         )
     return "\n".join(rows)
 
@@ -1381,4 +1454,4 @@ def summary(reports: Path) -> str:
 if __name__ == "__main__":
     import sys
 
-    print(summary(Path(sys.argv[1])))
+    print(summary(*(Path(a) for a in sys.argv[1:])))

@@ -206,7 +206,18 @@ class _ClientSide(asyncio.Protocol):
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task[None]) -> None:
+        """A transaction's abort or resolve ended; one that failed (its
+        database went away, say) leaves the row for recovery to settle."""
+        self._tasks.discard(task)
+        if not task.cancelled() and (e := task.exception()) is not None:
+            log.warning(
+                "settling a transaction failed (%s: %s); the next start's recovery settles it",
+                type(e).__name__,
+                e,
+            )
 
     async def _connect_upstream(self) -> None:
         addr = self.listener.broker

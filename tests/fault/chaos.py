@@ -103,6 +103,7 @@ class Recorder:
         self.history = History(mode, consumed_queues=frozenset({Q1}))
         self.lock = threading.Lock()
         self.confirmed = 0
+        self.nacked = 0
         self.errors: list[tuple[float, str, str]] = []
         #: sender -> when it was answered (:meth:`longest_silence`)
         self.answers: dict[str, list[float]] = {}
@@ -122,6 +123,7 @@ class Recorder:
         with self.lock:
             self.history.published[n].outcome = outcome
             self.confirmed += outcome == "confirmed"
+            self.nacked += outcome == "nacked"
             self._answered()
 
     def _answered(self) -> None:
@@ -1151,7 +1153,9 @@ class Run:
             )
         except AssertionError as e:
             raise AssertionError(
-                f"{e}; the clients' last errors: {self.recorder.errors[-8:]}"
+                f"{e}; {self.recorder.nacked} nacks so far; the clients' last errors: "
+                f"{self.recorder.errors[-8:]}; last samples (t, confirmed, lag): "
+                f"{[(round(x.t), x.confirmed, x.lag_events) for x in self.samples[-6:]]}"
             ) from None
 
     def apply(self, nemesis: Nemesis) -> None:

@@ -106,8 +106,8 @@ def _stat_fields(stat: Path) -> list[str]:
     return stat.read_text().rsplit(")", 1)[1].split()
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants at once (a crash, not a shutdown)."""
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -115,12 +115,17 @@ def _kill_tree(pid: int) -> None:
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    todo, victims = [pid], []
+    todo, found = [pid], []
     while todo:
         p = todo.pop()
-        victims.append(p)
+        found.append(p)
         todo.extend(children.get(p, []))
-    for p in victims:
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants at once (a crash, not a shutdown)."""
+    for p in process_tree(pid):
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

@@ -51,7 +51,7 @@ import psycopg
 import psycopg.sql
 
 from bridge import Published, decode_event
-from plugin._localsites import LocalSite, _stat_fields
+from plugin._localsites import LocalSite, process_tree
 from tests.fault.checker import (
     Fault,
     Final,
@@ -424,23 +424,6 @@ class AioPublisher(threading.Thread):
 
 
 # ---------------------------------------------------------------- processes
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = _stat_fields(stat)
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    todo, found = [pid], []
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo.extend(children.get(p, []))
-    return found
 
 
 def signal_tree(pid: int | None, sig: signal.Signals) -> None:

@@ -45,24 +45,39 @@ def test_smoke_a_killed_active_node_loses_nothing_confirmed(
     assert r.history.acked
 
 
+def one_run(
+    sites: tuple[NodeProcess, NodeProcess, Vpnrepl],
+    tmp: Path,
+    mode: str,
+    policy: str,
+    nemesis: chaos.Nemesis,
+    name: str,
+    declare: bool = False,
+) -> chaos.Run:
+    """The workload, 300 confirms, ``nemesis`` applied and healed, 300 more
+    (the clients found the active site), drained and checked."""
+    with chaos.run(*sites, mode, tmp, policy) as r:
+        r.setup()
+        r.start_workload(declare=declare)
+        r.wait_confirmed(300)
+        r.apply(nemesis)
+        r.wait_confirmed(300, timeout=120)
+        r.stop_workload()
+        r.broken = r.report(r.drain(), f"{mode}-{policy}-{name}")
+    return r
+
+
 def disaster_run(
     node_a: NodeProcess, node_b: NodeProcess, vpnrepl_a: Vpnrepl, tmp: Path, mode: str, policy: str
 ) -> chaos.Run:
     """Site A lost for good under load (node, RabbitMQ and PostgreSQL killed
     together), B promoted, A never back; checked against B alone, while A's
-    broker and node are still down."""
-    with chaos.run(node_a, node_b, vpnrepl_a, mode, tmp, policy) as r:
-        r.setup()
-        r.start_workload(declare=True)
-        r.wait_confirmed(300)
-        # under degrade, past the sync timeout: what it confirms without the
-        # standby is in a recorded window, and only that may be lost
-        r.apply(
-            chaos.disaster(2 * chaos.SYNC_TIMEOUT if policy == "degrade" else chaos.DISASTER_LAG)
-        )
-        r.wait_confirmed(300, timeout=120)  # the clients found B
-        r.stop_workload()
-        r.broken = r.report(r.drain(), f"{mode}-{policy}-disaster")
+    broker and node are still down. Under degrade the standby lags past the
+    sync timeout: what A confirms without it is in a recorded window, and
+    only that may be lost."""
+    lag = 2 * chaos.SYNC_TIMEOUT if policy == "degrade" else chaos.DISASTER_LAG
+    sites = (node_a, node_b, vpnrepl_a)
+    r = one_run(sites, tmp, mode, policy, chaos.disaster(lag), "disaster", declare=True)
     assert not node_a.alive() and not node_a.site.rabbit.alive()
     return r
 
@@ -99,15 +114,9 @@ def split_brain_run(
     """The bridge cut both ways, B promoted with ``--force`` while A still
     serves, clients on both sites for the hold; healed: A fenced, demoted
     (its tail exported), the tail republished on B; checked on both sites."""
-    with chaos.run(node_a, node_b, vpnrepl_a, mode, tmp, policy) as r:
-        r.setup()
-        r.start_workload()
-        r.wait_confirmed(300)
-        r.apply(chaos.split_brain())
-        r.wait_confirmed(300, timeout=120)
-        r.stop_workload()
-        r.broken = r.report(r.drain(), f"{mode}-{policy}-split-brain")
-    return r
+    return one_run(
+        (node_a, node_b, vpnrepl_a), tmp, mode, policy, chaos.split_brain(), "split-brain"
+    )
 
 
 @AIO_CLOSE

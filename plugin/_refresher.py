@@ -13,6 +13,12 @@ while it was being fetched (the topology's ``generation`` is unchanged);
 otherwise the fetch is retried at the next tick, so a declare seen on the wire
 is never overwritten by an older snapshot.
 
+A VPN whose definitions were never read (the broker was unreachable when
+the node started) refuses its clients (530) until they are: with an empty
+topology, no publish would route to an in-scope queue, and the broker
+would confirm what was never replicated. Such a VPN is tried again every
+second.
+
 A definitions export leaves out exclusive queues. A queue the live topology
 has and the snapshot lacks is therefore looked up at the broker: one that
 exists (an exclusive queue declared through the listener) keeps its place
@@ -37,6 +43,9 @@ __all__ = ["DirectoryRefresher"]
 
 log = logging.getLogger(__name__)
 
+#: how often a VPN whose definitions were never read is tried again
+UNLOADED_RETRY = 1.0
+
 
 class DirectoryRefresher:
     """Loads VPN settings and topologies into a directory, now and periodically."""
@@ -58,11 +67,18 @@ class DirectoryRefresher:
         self.interval = interval
         self.on_gone = on_gone
         self.refusal = refusal
+        #: VPNs whose definitions were never read: their clients are refused
+        self.unloaded: set[str] = set()
 
     def _settle(self, view: VpnView, s: VpnSettings) -> None:
         view.role, view.scope, view.expose_id = s.role, ReplicationScope.of(s), s.expose_id
         view.mode = s.mode.value
         view.refusal = self.refusal(s.name) if self.refusal is not None else None
+        if view.refusal is None and s.name in self.unloaded:
+            view.refusal = (
+                f"the definitions of vhost {s.name!r} are not loaded yet (its broker's "
+                "management API did not answer); try again"
+            )
 
     async def refresh(self) -> None:
         """One pass; a VPN whose definitions cannot be read keeps its old view."""
@@ -70,6 +86,7 @@ class DirectoryRefresher:
         for name in self.directory.names():
             if name not in settings:
                 self.directory.remove(name)
+                self.unloaded.discard(name)
         for name, s in settings.items():
             view = self.directory.lookup(name)
             generation = view.topology.generation if view is not None else None
@@ -80,9 +97,14 @@ class DirectoryRefresher:
                 log.warning("VPN %s: topology not refreshed: %s", name, e)
                 if view is None:
                     fresh = Topology(name)
+                    self.unloaded.add(name)
                 else:
                     self._settle(view, s)
                     continue
+            else:
+                if view is not None and name in self.unloaded:
+                    view.topology = fresh  # nothing seen on the wire: clients were refused
+                self.unloaded.discard(name)
             if view is None:
                 view = VpnView(name, s.role, ReplicationScope.of(s), fresh)
                 self._settle(view, s)
@@ -115,7 +137,7 @@ class DirectoryRefresher:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(UNLOADED_RETRY if self.unloaded else self.interval)
             try:
                 await self.refresh()
             except (PluginError, ManagementUnavailable) as e:

@@ -93,6 +93,32 @@ def test_unreachable_management_api_keeps_the_old_view(site_a: LocalSite) -> Non
     assert directory.lookup("orders") is view
 
 
+def test_a_vpn_whose_definitions_were_never_read_refuses_clients_until_they_are(
+    site_a: LocalSite,
+) -> None:
+    """A node started while its broker was unreachable knows no queue of
+    the VPN: admitted, its clients' publishes would route to no in-scope
+    queue and be confirmed unreplicated. Refused (530) until the
+    definitions are read, which is tried again every second."""
+    site_a.rabbit.add_vhost("orders")
+    _declare(site_a, "orders", "orders.q1")
+    directory = VpnDirectory()
+    settings = [VpnSettings.from_args("orders", "active", queues=(r"orders\..*",))]
+    good = _refresher(site_a, directory, settings)
+    unreachable = DirectoryRefresher(
+        directory, ManagementAPI("http://guest:guest@127.0.0.1:1/"), good.load_settings
+    )
+    asyncio.run(unreachable.refresh())
+    view = directory.lookup("orders")
+    assert view is not None and view.refusal is not None
+    assert "definitions of vhost 'orders' are not loaded yet" in view.refusal
+    assert unreachable.unloaded == {"orders"}
+    unreachable.api = good.api  # the broker is back
+    asyncio.run(unreachable.refresh())
+    assert view.refusal is None and unreachable.unloaded == set()
+    assert view.topology.route("events", "order.created", None) == {"orders.q1"}
+
+
 def test_exclusive_queues_stay_and_deleted_ones_are_reported_for_active_vpns(
     site_a: LocalSite,
 ) -> None:

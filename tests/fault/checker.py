@@ -17,7 +17,8 @@ Kinds, per queue:
 * **unexpected**: present, never published by any client;
 * **resurrected**: acked (the ack was sent) and present again; explained
   by an ACK in flight when the ack was sent within :data:`ACK_IN_FLIGHT`
-  seconds before a fault began or while one lasted;
+  seconds before a fault began or while one lasted, or by a client's retry
+  (the acked copy was one of two);
 * **order**: two numbers one publisher sent in order on one channel,
   present in the other order (checked on queues no consumer takes from;
   a client's retry and a republished tail may come after later numbers);
@@ -259,7 +260,8 @@ def _verdict(q: str, history: History, final: Final, told: set[int], known: set[
             v.unexpected.append(n)
         if n in acked:
             v.resurrected.append(n)
-            if not _in_flight(history.acked[(n, q)], history.faults):
+            retried = p is not None and p.attempts > 1  # its other copy stays
+            if not retried and not _in_flight(history.acked[(n, q)], history.faults):
                 v.resurrected_unexplained.append(n)
     if q not in history.consumed_queues:
         # a republished tail comes after what the new active took meanwhile

@@ -149,6 +149,8 @@ def test_a_resurrection_is_allowed_only_for_an_ack_in_flight() -> None:
     h.acked[(2, Q1)] = 50.0  # long before: it was replicated
     got = broken(h, final({Q1: [1, 2, 3, 4, 5], Q2: [1, 2, 3, 4, 5]}))
     assert got == {Q1: {"resurrected_unexplained": [2]}}
+    h.published[2].attempts = 2  # a retry made a second copy: one was acked
+    assert broken(h, final({Q1: [1, 2, 3, 4, 5], Q2: [1, 2, 3, 4, 5]})) == {}
 
 
 def test_order_is_checked_per_publisher_on_queues_nobody_consumes() -> None:

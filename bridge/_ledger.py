@@ -350,7 +350,8 @@ class LedgerWriter:
         _, late = await asyncio.wait(tasks, timeout=grace)
         for task in late:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        watchdog = [self._watchdog] if self._watchdog is not None else []
+        await asyncio.gather(*tasks, *watchdog, return_exceptions=True)
         self._fail_pending(LedgerClosed("the ledger writer closed"))
         await self._drop_connection()
         await self._applier.disconnect()

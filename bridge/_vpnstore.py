@@ -506,6 +506,7 @@ UPDATE vpn_state s SET ledger_index = v.idx, updated_at = now()
 FROM unnest(%s::text[], %s::int8[]) AS v(vpn, idx)
 WHERE s.vpn = v.vpn
 """
+_SHARE_CONFIG = "SELECT 1 FROM vpn_config WHERE name = %s FOR SHARE"
 _LOCK_APPLIED = """
 SELECT s.applied_index, s.applied_epoch, c.role
 FROM vpn_state s JOIN vpn_config c ON c.name = s.vpn
@@ -599,8 +600,16 @@ async def advance_ledger_indexes_async(conn: _AsyncConn, indexes: Mapping[str, i
 
 def lock_applied(conn: _Conn, vpn: str) -> AppliedLock | None:
     """Lock ``vpn``'s ``vpn_state`` row; its applied index and epoch and
-    the VPN's role. None when it has none."""
+    the VPN's role. None when it has none.
+
+    The ``vpn_config`` row is share-locked first, by a statement of its
+    own, in the order a promotion locks the two (:data:`_LOCK_FOR_PROMOTION`):
+    an apply that waited for a promotion then reads the role it left. With
+    the state row alone locked, PostgreSQL re-read that row after the wait
+    but took the role from the statement's first snapshot: ``standby``,
+    and the stream was applied into a VPN already active."""
     with conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(_SHARE_CONFIG, (vpn,))
         row = cur.execute(_LOCK_APPLIED, (vpn,)).fetchone()
     return None if row is None else AppliedLock(int(row[0]), int(row[1]), Role(row[2]))
 

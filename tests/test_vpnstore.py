@@ -5,6 +5,7 @@ it stays inside the caller's transaction."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ from bridge._vpnstore import (
     advance_ledger_indexes_async,
     applied_position,
     applied_position_async,
+    become_active,
     disable_replication,
     enabled_vpns_async,
     fence_vpn,
@@ -33,6 +35,7 @@ from bridge._vpnstore import (
     ledger_progress_async,
     ledger_start_async,
     lock_applied,
+    lock_for_promotion,
     lock_ledger_indexes_async,
     lock_vpn_config,
     lock_vpn_config_async,
@@ -320,3 +323,37 @@ def test_a_standby_apply_locks_its_row_and_reads_its_role(dsn: str) -> None:
         assert found is not None
         assert (found.applied_index, found.applied_epoch, found.role) == (5, 2, Role.STANDBY)
         assert lock_applied(conn, "nowhere") is None
+
+
+def test_a_standby_apply_waiting_on_a_promotion_reads_the_role_it_left(dsn: str) -> None:
+    """An apply that waits for a promotion's locks must see the VPN active
+    once it gets them: with only the state row locked, PostgreSQL re-read
+    that row but took the role from its first snapshot ('standby'), and the
+    stream was applied past the index the promotion began the ledger at."""
+    import threading
+
+    enable(dsn, "mirror", "standby")
+    found: list[Role] = []
+    with psycopg.connect(dsn) as promoting:
+        assert lock_for_promotion(promoting, "mirror") is not None
+        become_active(promoting, "mirror", 2, 0)
+
+        def apply() -> None:
+            with psycopg.connect(dsn) as conn:
+                lock = lock_applied(conn, "mirror")
+                assert lock is not None
+                found.append(lock.role)
+
+        waiter = threading.Thread(target=apply)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while not one(
+            dsn,
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND datname = current_database()",
+        )[0]:
+            assert time.monotonic() < deadline, "the apply did not wait for the promotion"
+            time.sleep(0.02)
+        promoting.commit()
+    waiter.join(10)
+    assert found == [Role.ACTIVE]

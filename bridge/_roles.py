@@ -111,6 +111,8 @@ INSERT INTO xa_held (vpn, repl_id, queue, txid)
 SELECT %s, r, q, t FROM unnest(%s::bytea[], %s::text[], %s::text[]) AS h(r, q, t)
 ON CONFLICT DO NOTHING
 """
+#: the highest index a live row holds (groups committed early lie past the applied index)
+_LIVE_TOP = "SELECT coalesce(max(publish_index), 0) FROM live_message WHERE vpn = %s"
 _SETTLE = "UPDATE txn_log SET state = 'committed', updated_at = now() WHERE txid = ANY(%s)"
 _LIVE_INDEX = """
 INSERT INTO vpn_live_state (vpn, live_index) VALUES (%s, %s)
@@ -190,14 +192,18 @@ def _resolve_in_doubt(
 
     A prepared row's group never reached this standby (else the stream
     would have settled the row), so its events go right after the applied
-    index, as the group would have come next."""
+    index, as the group would have come next — after the groups committed
+    early, whose live rows already hold the indexes right after it (the new
+    ledger, and a checkpoint of the live state, must start past them)."""
     with conn.cursor(row_factory=tuple_row) as cur:
         cur.execute(_PREPARED, (vpn,))
         rows = cur.fetchall()
         _take_xa_branches(cur, vpn)
+        cur.execute(_LIVE_TOP, (vpn,))
+        top = cur.fetchone()
     committed: list[str] = []
     early: list[str] = []
-    index = applied
+    index = max(applied, int(top[0]) if top else 0)
     for txid, state, events in rows:
         if state == "applied":
             early.append(txid)

@@ -103,6 +103,30 @@ def test_in_doubt_transactions_are_committed_after_what_was_applied(standby: str
     assert one(standby, "SELECT txns_committed FROM promotion WHERE vpn = %s", VPN) == (2,)
 
 
+def test_in_doubt_transactions_and_the_new_ledger_start_past_groups_committed_early(
+    standby: str,
+) -> None:
+    """A group the standby committed early holds the indexes right after
+    the applied index in its live state: what the promotion commits, and
+    the new ledger, come after it (a checkpoint of the live state then
+    never holds a row past its index)."""
+    prepared_txn(standby, "t-ahead", [pub(VPN, 11, "q2")], state="applied")
+    with psycopg.connect(standby, autocommit=True) as conn:  # its group, applied early at 6
+        conn.execute(
+            "INSERT INTO live_message (vpn, queue, repl_id, publish_index, exchange,"
+            " routing_key, properties, body)"
+            " SELECT vpn, 'q2', decode(repeat('ab', 16), 'hex'), 6, exchange, routing_key,"
+            " properties, body FROM live_message WHERE vpn = %s LIMIT 1",
+            (VPN,),
+        )
+    prepared_txn(standby, "t-prepared", [pub(VPN, 10, "q1")])
+    with connect(standby) as conn:
+        start = begin_promotion(conn, VPN, "b")
+    assert start.ledger_index == 7  # 6: the early group; 7: the prepared one
+    assert one(standby, "SELECT max(publish_index) FROM live_message WHERE vpn = %s", VPN) == (7,)
+    assert one(standby, "SELECT live_index FROM vpn_live_state WHERE vpn = %s", VPN) == (7,)
+
+
 def test_the_new_active_hands_out_incarnations_above_those_it_took_over(standby: str) -> None:
     # the standby's rows carry incarnation 9 (tests/test_standby_apply.py's ids)
     with connect(standby) as conn:

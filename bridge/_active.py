@@ -123,6 +123,9 @@ class BridgeServer:
         self._dsn = dsn
         self.writer = writer
         self.replicator = replicator
+        #: ``on_fenced(vpn, epoch, site)``: a standby showed a newer epoch
+        #: of an active VPN here (the node closes its clients)
+        self.on_fenced: Callable[[str, int, str], None] | None = None
         self._api = ManagementAPI(management_url) if management_url else None
         #: the named-site rule: only these peer sites are served
         self._check = PeerCheck.of(peers)
@@ -316,14 +319,19 @@ class BridgeServer:
             self._states.acked(vpn, index, epoch)
 
     def _fence(
-        self, vpn: str, reason: BridgeError, newer: tuple[int, str, int] | None = None
+        self,
+        vpn: str,
+        reason: BridgeError,
+        newer: tuple[int, str, int] | None = None,
+        by: str = "",
     ) -> None:
         """``vpn`` is fenced: a standby knows a newer epoch. ``newer``: that
         epoch, the site that took it and the index it took it over at, when
         the standby's SyncRequest said (recorded as a listing's would be:
         the epoch history, and a split brain if this site confirmed past
         that index)."""
-        if vpn not in self.replicator.fenced:
+        first = vpn not in self.replicator.fenced
+        if first:
             log.error(
                 "bridge: VPN %s is fenced: a standby knows a newer epoch (%s); "
                 "this site refuses its publishes from now on",
@@ -333,6 +341,10 @@ class BridgeServer:
         self.replicator.fenced.add(vpn)
         if self._states is not None:
             self._states.fenced(vpn, newer)
+        if first and self.on_fenced is not None:
+            # the node closes the VPN's clients (320) and refuses new ones
+            epoch = newer[0] if newer else getattr(reason, "known", None) or 0
+            self.on_fenced(vpn, epoch, newer[1] if newer else by)
 
     async def _prune(self, acked: Mapping[str, int]) -> None:
         """Acknowledgements were recorded: prune the ledger behind them, at
@@ -545,7 +557,7 @@ class BridgeServer:
         if out is not None and out.task is not None:
             out.task.cancel()
         if isinstance(exc, StaleEpoch):
-            self._fence(error.vpn, exc)
+            self._fence(error.vpn, exc, by=peer.name)
         self._state_changed(error.vpn)
 
     async def _send_resources(self, peer: StandbyPeer) -> None:

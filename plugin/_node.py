@@ -434,6 +434,7 @@ class Node:
                 )
         except TlsSetupError as e:
             raise ConfigError(cfg.path, "tls", str(e)) from e
+        self.bridge_server.on_fenced = self._fenced_by_peer
         self.bridge_server.txn_link.coordinator = self.coordinator
         self.coordinator.link = self.bridge_server.txn_link
         if self.bridge_client is not None:

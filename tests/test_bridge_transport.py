@@ -578,8 +578,12 @@ def test_a_sync_request_that_fences_the_active_records_where_its_epoch_took_over
     sql(b_dsn, took, VPN)
     epochs = "SELECT epoch, site, taken_over_at FROM vpn_epoch WHERE vpn = %s ORDER BY epoch"
 
+    told: list[tuple[str, int, str]] = []
+
     async def scenario() -> None:
         async with active(site_a) as a:
+            # the node closes the VPN's clients and refuses new ones when told
+            a.server.on_fenced = lambda vpn, epoch, site: told.append((vpn, epoch, site))
             last = await feed(a.writer, events(1, 30))
             assert last.index == 40
             async with standby(site_b, site_a.bridge_port):
@@ -593,6 +597,7 @@ def test_a_sync_request_that_fences_the_active_records_where_its_epoch_took_over
     with psycopg.connect(a_dsn) as conn:
         assert conn.execute(epochs, (VPN,)).fetchall()[-1] == (2, "b", 10)
     assert scalar(a_dsn, "SELECT split_brain FROM vpn_state WHERE vpn = %s", VPN) is True
+    assert told == [(VPN, 2, "b")]
 
 
 def test_an_ack_records_applied_index_prunes_and_releases_a_sync_confirm(

@@ -74,7 +74,7 @@ class DirectoryRefresher:
         view.role, view.scope, view.expose_id = s.role, ReplicationScope.of(s), s.expose_id
         view.mode = s.mode.value
         view.refusal = self.refusal(s.name) if self.refusal is not None else None
-        if view.refusal is None and s.name in self.unloaded:
+        if view.refusal is None and s.name in self.unloaded and s.role is Role.ACTIVE:
             view.refusal = (
                 f"the definitions of vhost {s.name!r} are not loaded yet (its broker's "
                 "management API did not answer); try again"

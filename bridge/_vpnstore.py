@@ -337,6 +337,14 @@ FROM vpn_config c
 WHERE s.vpn = c.name AND c.name = %(vpn)s AND c.role = 'active' AND c.epoch < %(epoch)s
   AND NOT s.fenced
 """
+#: a fence learnt first without the take-over index (a standby's report of
+#: a newer epoch), then with it (the peer's listing): the split brain the
+#: index shows is recorded all the same
+FENCED_SPLIT_SQL = """
+UPDATE vpn_state SET split_brain = true, updated_at = now()
+WHERE vpn = %(vpn)s AND fenced AND NOT split_brain AND %(taken)s > 0
+  AND ledger_index > %(taken)s
+"""
 #: both sites hold the VPN active at the same epoch
 SPLIT_BRAIN_SQL = "UPDATE vpn_state SET split_brain = true WHERE vpn = %s AND NOT split_brain"
 #: record an epoch, the site holding it, and where it took over
@@ -457,6 +465,8 @@ def fence_vpn(conn: _Conn, vpn: str, epoch: int, site: str, taken_over_at: int =
     when it was not fenced before."""
     params = {"vpn": vpn, "epoch": epoch, "taken": taken_over_at}
     newly = conn.execute(FENCE_SQL, params).rowcount == 1
+    if not newly and taken_over_at:
+        conn.execute(FENCED_SPLIT_SQL, params)
     record_epoch(conn, vpn, epoch, site, taken_over_at)
     return newly
 
@@ -465,9 +475,13 @@ async def fence_vpn_async(
     conn: _AsyncConn, vpn: str, epoch: int, site: str, taken_over_at: int = 0
 ) -> bool:
     """:func:`fence_vpn` on an asyncio connection."""
-    cur = await conn.execute(FENCE_SQL, {"vpn": vpn, "epoch": epoch, "taken": taken_over_at})
+    params = {"vpn": vpn, "epoch": epoch, "taken": taken_over_at}
+    cur = await conn.execute(FENCE_SQL, params)
+    newly = cur.rowcount == 1
+    if not newly and taken_over_at:
+        await conn.execute(FENCED_SPLIT_SQL, params)
     await conn.execute(EPOCH_SQL, (vpn, epoch, site, taken_over_at))
-    return cur.rowcount == 1
+    return newly
 
 
 def lock_for_demotion(conn: _Conn, vpn: str) -> DemotionLock | None:

@@ -129,8 +129,11 @@ def _enable_settings(args: argparse.Namespace, now: VpnSettings) -> VpnSettings:
         if args.sync_timeout_ms is None
         else args.sync_timeout_ms,
         on_sync_timeout=args.on_sync_timeout or now.on_sync_timeout,
-        queues=tuple(now.queue_patterns if args.queues is None else args.queues),
-        topics=tuple((str(t) for t in now.topic_filters) if args.topics is None else args.topics),
+        # given, a list replaces the stored one; an empty pattern clears it
+        queues=tuple(now.queue_patterns if args.queues is None else filter(None, args.queues)),
+        topics=tuple(
+            map(str, now.topic_filters) if args.topics is None else filter(None, args.topics)
+        ),
         expose_id=now.expose_id if args.expose_id is None else args.expose_id,
     )
 
@@ -488,13 +491,13 @@ def _build_parser() -> _Parser:
         "--queues",
         action="append",
         metavar="REGEX",
-        help="replicate queues whose name matches REGEX (repeatable; default every queue)",
+        help="replicate queues whose name matches REGEX (repeatable; default, or '', every queue)",
     )
     e.add_argument(
         "--topics",
         action="append",
         metavar="EXCHANGE:PATTERN",
-        help="replicate publishes to EXCHANGE matching PATTERN (repeatable)",
+        help="replicate publishes to EXCHANGE matching PATTERN (repeatable; '' clears them)",
     )
     e.add_argument(
         "--expose-id",

@@ -122,7 +122,10 @@ def test_the_standby_settings_follow_every_change_on_the_active(
     assert len(lines) == 1, lines
     assert "mode 'async' -> 'sync'" in lines[0] and "expose_id False -> True" in lines[0]
 
-    assert vpnrepl_a("vpn", "enable", VPN, "--role", "active").returncode == 0  # every scope
+    defaults = ("--mode", "async", "--sync-timeout-ms", "2000", "--on-sync-timeout", "degrade")
+    # every queue again ('' clears a list), no topic filters, the id hidden
+    scope = ("--queues", "", "--topics", "", "--no-expose-id")
+    assert vpnrepl_a("vpn", "enable", VPN, "--role", "active", *defaults, *scope).returncode == 0
     back: tuple[Any, ...] = ("async", 2000, "degrade", [], [], False)
     until(lambda: row(site_b, SETTINGS, VPN) == back, "B to follow the defaults", 30)
     assert node_b.log_text().count("settings follow the active") == 2

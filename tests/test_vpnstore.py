@@ -261,6 +261,25 @@ def test_fencing_marks_an_active_vpn_once_and_records_the_epoch(dsn: str) -> Non
     assert one(dsn, epochs, "audit", 3) == ("c", 0)
 
 
+def test_a_fence_without_the_take_over_index_then_with_it_records_the_split_brain(
+    dsn: str,
+) -> None:
+    """A standby's report of a newer epoch fences first, with no index;
+    the peer's listing then says where the epoch took over: this site
+    confirmed past it, a split brain, recorded though already fenced."""
+    enable(dsn, "orders", "active")
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE vpn_state SET ledger_index = 40 WHERE vpn = 'orders'")
+        assert fence_vpn(conn, "orders", 2, "b")  # no index: nothing claimed
+        assert one(dsn, "SELECT split_brain FROM vpn_state WHERE vpn = 'orders'") == (False,)
+        conn.commit()
+        assert not fence_vpn(conn, "orders", 2, "b", 10)  # fenced already
+    assert one(dsn, "SELECT fenced, split_brain FROM vpn_state WHERE vpn = 'orders'") == (
+        True,
+        True,
+    )
+
+
 def test_the_active_listing_leaves_out_fenced_promoting_and_standby_vpns(dsn: str) -> None:
     served = enable(dsn, "orders", "active", mode="sync", topics=("amq.topic:orders.#",))
     for name in ("fenced", "promoting", "disabled"):

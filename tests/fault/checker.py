@@ -171,7 +171,10 @@ class Verdict:
     phantoms_unexplained: list[int] = field(default_factory=list)
 
 
-_PROMISE = (
+#: what every mode and policy promises: a kind listed here must be empty.
+#: They differ only in what a promotion may lose, which :func:`_excuse`
+#: decides number by number (``lost_excused``).
+EXPECTATIONS = (
     "lost",
     "unreplicated",
     "phantoms_unexplained",
@@ -183,15 +186,6 @@ _PROMISE = (
     "standby_missing",
     "standby_extra",
 )
-#: what each mode and policy promises: a kind listed here must be empty.
-#: They differ only in what a promotion may lose, which :func:`_excuse`
-#: decides number by number (``lost_excused``); the rest is the same.
-EXPECTATIONS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("sync", "reject"): _PROMISE,
-    ("sync", "degrade"): _PROMISE,
-    ("async", "reject"): _PROMISE,
-    ("async", "degrade"): _PROMISE,
-}
 
 
 def _excuse(history: History, n: int) -> bool:
@@ -316,8 +310,7 @@ def violations(history: History, verdicts: list[Verdict]) -> dict[str, dict[str,
     """Queue -> kind -> what breaks ``history.mode``'s promise (empty: none)."""
     out: dict[str, dict[str, list[Any]]] = {}
     for v in verdicts:
-        promise = EXPECTATIONS[(history.mode, history.policy)]
-        broken = {k: getattr(v, k) for k in promise if getattr(v, k)}
+        broken = {k: getattr(v, k) for k in EXPECTATIONS if getattr(v, k)}
         if broken:
             out[v.queue] = broken
     return out

@@ -102,8 +102,6 @@ class DirectoryRefresher:
                     self._settle(view, s)
                     continue
             else:
-                if view is not None and name in self.unloaded:
-                    view.topology = fresh  # nothing seen on the wire: clients were refused
                 self.unloaded.discard(name)
             if view is None:
                 view = VpnView(name, s.role, ReplicationScope.of(s), fresh)

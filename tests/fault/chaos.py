@@ -416,9 +416,15 @@ class AioPublisher(threading.Thread):
     async def _connect(self, aio_pika: Any) -> Any:
         last: BaseException | None = None
         for url in self.urls:
+            # aio_pika.connect leaves the connection of a failed attempt open;
+            # collected later by another thread, its __del__ schedules its
+            # close on that thread's loop, which never runs it
+            conn = aio_pika.Connection(aio_pika.connection.make_url(url))
             try:
-                return await aio_pika.connect(url, timeout=5)
+                await conn.connect(timeout=5)
+                return conn
             except Exception as e:  # noqa: BLE001 - the next listener
+                await conn.close()
                 last = e
         raise ConnectionError(f"no listener took the connection: {last!r}")
 

@@ -338,6 +338,9 @@ class PostgresCluster:
         self.datadir = base / "data"
         self._bindir = _pg_bindir()
         self._as_postgres = os.geteuid() == 0
+        #: environment the server starts with besides this process's (the
+        #: fault suite's clock jump preloads libfaketime)
+        self.extra_env: dict[str, str] = {}
         base.mkdir(parents=True, exist_ok=True)
         if self._as_postgres:
             shutil.chown(base, "postgres", "postgres")
@@ -347,7 +350,13 @@ class PostgresCluster:
         if self._as_postgres:
             cmd = ["runuser", "-u", "postgres", "--", *cmd]
         result = subprocess.run(  # noqa: S603 - fixed argv
-            cmd, capture_output=True, text=True, check=False, cwd=self.base, timeout=120
+            cmd,
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=self.base,
+            timeout=120,
+            env={**os.environ, **self.extra_env},
         )
         if result.returncode != 0:
             raise HarnessError(

@@ -530,6 +530,8 @@ class Nemesis:
     apply: Callable[[Run], None]
     heal: Callable[[Run], None]
     hold: float = 5.0
+    #: the run's PostgreSQL servers must keep a clock it can move (:func:`clock_jump`)
+    clocks: bool = False
 
 
 def _node(run: Run, side: str) -> NodeProcess:
@@ -733,6 +735,53 @@ def disk_alarm(side: str) -> Nemesis:
     )
 
 
+#: libfaketime, from Debian's faketime package (``./run test`` installs it)
+FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+
+
+def faketime_env(clock: Path) -> dict[str, str]:
+    """A server started with this reads its wall clock as the real one
+    shifted by the offset in ``clock`` (``+3600``), read at every clock read
+    (libfaketime's cache misses a step back, and a step to ``+0``)."""
+    if not FAKETIME.exists():
+        raise AssertionError(f"{FAKETIME} is missing: install Debian's faketime package")
+    return {
+        "LD_PRELOAD": str(FAKETIME),
+        "FAKETIME_TIMESTAMP_FILE": str(clock),
+        "FAKETIME_NO_CACHE": "1",
+    }
+
+
+def _clock(run: Run, side: str) -> Path:
+    # beside the server's data: a test's tmp directory is closed to its user
+    return _site(run, side).pg.base / "clock"
+
+
+def clock_jump(side: str, seconds: int, hold: float = 10.0) -> Nemesis:
+    """Site ``side``'s clock steps ``seconds`` (forward or back), then
+    steps back after ``hold``: as an NTP step would. It moves the site's
+    PostgreSQL ``now()``, which drives the ledger's retention, replication
+    lag, sync windows and the ``txn_log`` prune; the node reads no wall
+    clock for a decision (tests/test_clocks.py), and libfaketime cannot step
+    a Python process's wall clock without breaking its sleeps, so the node
+    keeps the real one."""
+
+    def step(run: Run, offset: int) -> None:
+        _clock(run, side).write_text(f"{offset:+d}\n")
+        with psycopg.connect(_site(run, side).pg.dsn(), connect_timeout=10) as conn:
+            row = conn.execute("SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8").fetchone()
+        shift = (row[0] if row else 0.0) - time.time()
+        assert abs(shift - offset) < 60, f"PostgreSQL {side}'s clock is {shift:+.0f} s off"
+
+    return Nemesis(
+        f"clock of site {side} {seconds:+d} s, held {hold:g} s",
+        lambda r: step(r, seconds),
+        lambda r: step(r, 0),
+        hold,
+        clocks=True,
+    )
+
+
 class MountRefused(Exception):
     """The machine forbids a tmpfs mount: a disk-full run cannot be built."""
 
@@ -915,6 +964,9 @@ NEMESES: dict[str, Callable[[], Nemesis]] = {
     "kill-mid-materialise": lambda: promotion_killed("promotion.mid-materialise"),
     "kill-mid-switchover": lambda: promotion_killed("promotion.before-finish", "switchover"),
     "kill-during-demote": demote_killed,
+    "clock-forward-a": lambda: clock_jump("a", 3600),
+    "clock-back-a": lambda: clock_jump("a", -3600),
+    "clock-forward-b": lambda: clock_jump("b", 3600),
 }
 
 
@@ -1003,6 +1055,8 @@ class Run:
     #: ``[replication]`` settings of both nodes (a small ledger bound, a
     #: short retention: a long partition outlasts them)
     replication: dict[str, int] = field(default_factory=dict)
+    #: both sites' PostgreSQL run under libfaketime (:func:`clock_jump`)
+    clocks: bool = False
     #: how far two promotions at once raised the epoch (one: one promotion)
     epochs_raised: int = 0
     #: per fault: each sender's longest time without an answer while it lasted
@@ -1076,6 +1130,13 @@ class Run:
         ]
 
     def setup(self) -> None:
+        if self.clocks:
+            # the shared servers restart with a clock a fault can move; they
+            # are restarted on the real one by close()
+            for side in ("a", "b"):
+                _clock(self, side).write_text("+0\n")
+                _site(self, side).pg.extra_env = faketime_env(_clock(self, side))
+                _site(self, side).pg.restart()
         setup_vpn(self.node_a.site)
         options = ["--mode", self.mode, "--sync-timeout-ms", str(int(SYNC_TIMEOUT * 1000))]
         if self.mode == "sync":
@@ -1258,6 +1319,11 @@ class Run:
         self.proxy_ab.close()
         for link in self.links.values():
             link.close()
+        if self.clocks:
+            for side in ("a", "b"):
+                _node(self, side).kill()
+                _site(self, side).pg.extra_env = {}
+                _site(self, side).pg.restart()
 
 
 def read_old_active(old: LocalSite, new: LocalSite) -> OldActive:
@@ -1404,8 +1470,11 @@ def run(
     tmp: Path,
     policy: str = "reject",
     replication: dict[str, int] | None = None,
+    clocks: bool = False,
 ) -> Iterator[Run]:
-    r = Run(node_a, node_b, vpnrepl_a, mode, tmp, policy, replication=replication or {})
+    r = Run(
+        node_a, node_b, vpnrepl_a, mode, tmp, policy, replication=replication or {}, clocks=clocks
+    )
     try:
         yield r
     finally:

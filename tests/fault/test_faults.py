@@ -2,7 +2,7 @@
 ``tests/fault/checker.py``).
 
 The smoke run (one nemesis, short) is in the default suite; every nemesis
-in both modes runs with ``./run test -m fault``. Each run writes its report
+in every mode and policy runs with ``./run test -m fault``. Each run writes its report
 (``VPNREPL_FAULT_REPORTS=DIR`` keeps them).
 """
 
@@ -50,17 +50,24 @@ def one_run(
     tmp: Path,
     mode: str,
     policy: str,
-    nemesis: chaos.Nemesis,
+    faults: chaos.Nemesis | list[chaos.Scheduled],
     name: str,
     declare: bool = False,
+    replication: dict[str, int] | None = None,
 ) -> chaos.Run:
-    """The workload, 300 confirms, ``nemesis`` applied and healed, 300 more
-    (the clients found the active site), drained and checked."""
-    with chaos.run(*sites, mode, tmp, policy) as r:
+    """The workload, 300 confirms, the faults (one nemesis, or a random
+    schedule) applied and healed, 300 more (the clients found the active
+    site), drained and checked."""
+    nemeses = [f.nemesis for f in faults] if isinstance(faults, list) else [faults]
+    clocks = any(n.clocks for n in nemeses)
+    with chaos.run(*sites, mode, tmp, policy, replication=replication, clocks=clocks) as r:
         r.setup()
         r.start_workload(declare=declare)
         r.wait_confirmed(300)
-        r.apply(nemesis)
+        if isinstance(faults, list):
+            r.apply_schedule(faults)
+        else:
+            r.apply(faults)
         r.wait_confirmed(300, timeout=120)
         r.stop_workload()
         r.broken = r.report(r.drain(), f"{mode}-{policy}-{name}")
@@ -148,10 +155,14 @@ def test_split_brain_in_sync(
         assert not (r.history.exported_tail or frozenset()) & confirmed
 
 
+#: every mode and sync-timeout policy a run can be in
+MODES = (("sync", "reject"), ("sync", "degrade"), ("async", "reject"))
+
+
 @AIO_CLOSE
 @pytest.mark.fault
 @pytest.mark.parametrize("nemesis", sorted(set(chaos.NEMESES) - {"disaster", "split-brain"}))
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize(("mode", "policy"), MODES)
 def test_a_nemesis_breaks_no_promise(
     node_a: NodeProcess,
     node_b: NodeProcess,
@@ -159,24 +170,20 @@ def test_a_nemesis_breaks_no_promise(
     tmp_path: Path,
     nemesis: str,
     mode: str,
+    policy: str,
 ) -> None:
     # a long partition outlasts the ledger's retention and its bound
     replication = SMALL_LEDGER if nemesis.endswith("30s") else None
-    with chaos.run(node_a, node_b, vpnrepl_a, mode, tmp_path, replication=replication) as r:
-        r.setup()
-        r.start_workload()
-        r.wait_confirmed(500)
-        try:
-            r.apply(chaos.NEMESES[nemesis]())
-        except chaos.MountRefused as e:
-            pytest.skip(f"this machine cannot build a full disk: {e}")
-        r.wait_confirmed(500, timeout=120)
-        r.stop_workload()
-        broken = r.report(r.drain(), f"{mode}-{nemesis}")
-    assert broken == {}
+    sites = (node_a, node_b, vpnrepl_a)
+    faults = chaos.NEMESES[nemesis]()
+    try:
+        r = one_run(sites, tmp_path, mode, policy, faults, nemesis, replication=replication)
+    except chaos.MountRefused as e:
+        pytest.skip(f"this machine cannot build a full disk: {e}")
+    assert r.broken == {}
     if nemesis == "concurrent-promotions":
         assert r.epochs_raised == 1, "two promotions at once raised the epoch twice"
-    if "blackhole" in nemesis and not nemesis.startswith("client"):
+    if ("blackhole" in nemesis and not nemesis.startswith("client")) or faults.clocks:
         # liveness: a half-open link of ours leaves no client without an
         # answer (confirm, nack, error) longer than the sync timeout and a bound
         # (a transaction's commit waits for its prepare in the site's own
@@ -198,10 +205,6 @@ SMALL_LEDGER = {"ledger_retain_seconds": 10, "ledger_max_bytes": 100_000, "ledge
 LIVENESS_BOUND = 10.0
 
 
-#: what a seed runs: mode and sync-timeout policy, in turn
-SEED_MODES = (("sync", "reject"), ("sync", "degrade"), ("async", "reject"))
-
-
 @AIO_CLOSE
 @pytest.mark.fault
 def test_a_random_schedule_breaks_no_promise(
@@ -212,17 +215,11 @@ def test_a_random_schedule_breaks_no_promise(
     No promotion happens, so nothing may be lost in any mode; every other
     allowance (a retry's duplicate, an ack in flight) is the checker's,
     tied to the faults the schedule holds. The report names the seed."""
-    mode, policy = SEED_MODES[seed % len(SEED_MODES)]
+    mode, policy = MODES[seed % len(MODES)]
     faults = chaos.schedule(seed)
-    with chaos.run(node_a, node_b, vpnrepl_a, mode, tmp_path, policy) as r:
-        r.setup()
-        r.start_workload(declare=True)
-        r.wait_confirmed(300)
-        r.apply_schedule(faults)
-        r.wait_confirmed(300, timeout=120)
-        r.stop_workload()
-        broken = r.report(r.drain(), f"seed-{seed}-{mode}-{policy}")
-    assert broken == {}, f"seed {seed}: {[(s.at, s.nemesis.name) for s in faults]}"
+    sites = (node_a, node_b, vpnrepl_a)
+    r = one_run(sites, tmp_path, mode, policy, faults, f"seed-{seed}", declare=True)
+    assert r.broken == {}, f"seed {seed}: {[(s.at, s.nemesis.name) for s in faults]}"
 
 
 def _rss_kib(pid: int | None) -> int:

@@ -81,13 +81,16 @@ RETURNING events
 """
 # apply_prepared's gate and row move as the leading part of one statement
 # (bridge._apply.guarded_apply): the same checks as lock_applied and the
-# gate after it, a VPN that is not (or no longer) standby here declines
+# gate after it, a VPN that is not (or no longer) standby here declines.
+# Each gate locks the config row too, first (a promotion's order: the
+# clauses lock in the order they are written): one that waited for a
+# promotion re-reads the role it left, not its first snapshot's 'standby'
 _TAKE_GUARD = """
 WITH gate AS (
     SELECT s.vpn FROM vpn_state s JOIN vpn_config c ON c.name = s.vpn
     WHERE s.vpn = %s AND c.role = 'standby'
       AND (s.applied_index = %s OR (%s >= s.applied_index AND %s = %s))
-    FOR UPDATE OF s)
+    FOR SHARE OF c FOR UPDATE OF s)
 , go AS (
     UPDATE txn_log SET state = 'applied', ledger_floor = %s, updated_at = now()
     WHERE txid = %s AND vpn = %s AND side = 'participant' AND state = 'prepared'
@@ -101,7 +104,7 @@ WITH gate AS (
     SELECT s.vpn FROM vpn_state s JOIN vpn_config c ON c.name = s.vpn
     WHERE s.vpn = %s AND c.role = 'standby' AND s.applied_index = %s
       AND s.applied_epoch <= %s
-    FOR UPDATE OF s)
+    FOR SHARE OF c FOR UPDATE OF s)
 , settled AS (
     UPDATE txn_log SET state = 'committed', updated_at = now()
     WHERE txid = ANY(%s) AND state = 'applied' AND EXISTS (SELECT FROM gate))

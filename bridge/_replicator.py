@@ -198,10 +198,12 @@ class Replicator:
         gate = self.gates.get(vpn)
         return gate is None or gate.eligible
 
-    def degradations(self) -> dict[str, int]:
-        """Per sync-mode VPN: how often its sync timeout made it ineligible
-        since this node started (a VPN switched to async loses its count)."""
-        return {vpn: gate.degradations for vpn, gate in self.gates.items()}
+    def sync_counts(self) -> dict[str, tuple[int, int]]:
+        """Per sync-mode VPN, since this node started (a VPN switched to
+        async loses its counts): how often its sync timeout made it
+        ineligible, and how many confirms were nacked waiting for the record
+        of a window's opening."""
+        return {vpn: (gate.degradations, gate.nacked_held) for vpn, gate in self.gates.items()}
 
     def start(self) -> None:
         """Nothing runs until a publish waits for the standby (:meth:`_wait`)."""

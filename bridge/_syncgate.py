@@ -25,7 +25,10 @@ the owner records them (``bridge/_window_store.py``). A gate told it is
 and those that :meth:`wait` while the window is open — until the owner
 reports the opening durable (:meth:`window_recorded`), so no confirm given
 without the standby lies outside a recorded window, whatever crashes next.
-A held confirm the standby acknowledges meanwhile goes out as acknowledged.
+A held confirm the standby acknowledges meanwhile goes out as acknowledged;
+one held :data:`HOLD_BOUND` seconds (the store does not answer) is nacked,
+as the ledger nacks a confirm its store leaves unanswered: the client
+publishes it again.
 
 Windows are exact because waits come in ledger order: each is made in the
 ledger's durable callback of its index, which runs in index order, and a
@@ -53,6 +56,10 @@ __all__ = ["SyncGate", "WindowClosed", "WindowOpened"]
 log = logging.getLogger(__name__)
 
 Resolve = Callable[[bool], None]
+
+#: seconds a confirm may wait for its window's opening to be recorded before
+#: it is nacked (the ledger's own bound on an unanswered store, ``answer_timeout``)
+HOLD_BOUND = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +117,10 @@ class SyncGate:
         #: the first index of the window whose opening is not recorded yet
         #: (its confirms are held); None when nothing waits for a record
         self._unrecorded: int | None = None
-        self._held: list[tuple[int, Resolve]] = []  # (index, resolve), in index order
+        #: (index, resolve, held since), in index order
+        self._held: list[tuple[int, Resolve, float]] = []
+        #: confirms nacked after :data:`HOLD_BOUND` (``vpnrepl_sync_confirms_nacked_held_total``)
+        self.nacked_held = 0
 
     @property
     def eligible(self) -> bool:
@@ -144,18 +154,18 @@ class SyncGate:
                     self._window,
                 )
             self._catch_up_to = max(self._catch_up_to, index)
-            self._confirm(index, resolve)
+            self._confirm(index, resolve, now)
             return
         deadline = now + self.timeout
         self._waiting[index] = _Waiter(deadline, resolve, index if first is None else first)
         heapq.heappush(self._by_index, index)
         heapq.heappush(self._deadlines, (deadline, index))
 
-    def _confirm(self, index: int, resolve: Resolve) -> None:
+    def _confirm(self, index: int, resolve: Resolve, now: float) -> None:
         """Confirm ``index`` without the standby: now, or once the window's
         opening is recorded."""
         if self._unrecorded is not None:
-            self._held.append((index, resolve))
+            self._held.append((index, resolve, now))
         else:
             resolve(True)
 
@@ -173,7 +183,7 @@ class SyncGate:
         if self._held and self._held[0][0] <= index:  # the standby has them after all
             acknowledged = [h for h in self._held if h[0] <= index]
             self._held = [h for h in self._held if h[0] > index]
-            for _, resolve in acknowledged:
+            for _, resolve, _ in acknowledged:
                 resolve(True)
         if self._window is None or index < self._catch_up_to:
             return None
@@ -190,7 +200,7 @@ class SyncGate:
             return
         self._unrecorded = None
         held, self._held = self._held, []
-        for _, resolve in held:
+        for _, resolve, _ in held:
             resolve(True)
 
     def withdraw(self, index: int) -> None:
@@ -214,6 +224,7 @@ class SyncGate:
         Deadlines of waiters the standby acknowledged in time are skipped: only
         a publish still waiting at its deadline is a timeout.
         """
+        self._nack_held_past(now - HOLD_BOUND)
         timed_out: list[int] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, index = heapq.heappop(self._deadlines)
@@ -245,8 +256,29 @@ class SyncGate:
         self._catch_up_to = max(self._catch_up_to, max(self._waiting))
         waiting, self._waiting, self._by_index, self._deadlines = self._waiting, {}, [], []
         for index in sorted(waiting):
-            self._confirm(index, waiting[index].resolve)
+            self._confirm(index, waiting[index].resolve, now)
         return opened
+
+    def _nack_held_past(self, since: float) -> None:
+        """Nack each confirm held since before ``since``: the opening of
+        its window was not recorded in time, and without that record it
+        may not be confirmed. Its entry stays in the ledger (a client that
+        publishes it again may make a duplicate, as after any nack)."""
+        late = [h for h in self._held if h[2] < since]
+        if not late:
+            return
+        self._held = [h for h in self._held if h[2] >= since]
+        self.nacked_held += len(late)
+        log.warning(
+            "VPN %s: %d confirms waited %.0f s for the record of the sync-ineligible window "
+            "from index %s: nacked",
+            self.vpn,
+            len(late),
+            HOLD_BOUND,
+            self._unrecorded,
+        )
+        for _, resolve, _ in late:
+            resolve(False)
 
     def release(self) -> WindowClosed | None:
         """The VPN left sync mode: what waits for the standby is confirmed
@@ -264,7 +296,12 @@ class SyncGate:
         return closed
 
     def next_deadline(self) -> float | None:
-        return self._deadlines[0][0] if self._deadlines else None
+        """When :meth:`expire` has something to do next: a waiter's
+        deadline, or the oldest held confirm's bound."""
+        times = [self._deadlines[0][0]] if self._deadlines else []
+        if self._held:
+            times.append(self._held[0][2] + HOLD_BOUND)  # held in time order
+        return min(times, default=None)
 
     @property
     def waiting(self) -> int:

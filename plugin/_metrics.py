@@ -108,7 +108,7 @@ class Metrics:
         self._xa: XaStats | None = None
         self._bound: Mapping[str, int] | None = None
         self._ledger: WriterStats | None = None
-        self._degradations: Callable[[], Mapping[str, int]] | None = None
+        self._sync_counts: Callable[[], Mapping[str, tuple[int, int]]] | None = None
         self._not_ours: Callable[[], int] | None = None
         #: role ("site", "ca") -> when the bridge's certificate expires
         self._expiry: dict[str, float] = {}
@@ -147,9 +147,10 @@ class Metrics:
             if path is not None and (when := not_after(path)) is not None
         }
 
-    def observe_sync(self, degradations: Callable[[], Mapping[str, int]]) -> None:
-        """``degradations()``: VPN -> sync timeouts that cost eligibility."""
-        self._degradations = degradations
+    def observe_sync(self, counts: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
+        """``counts()``: VPN -> (sync timeouts that cost eligibility, confirms
+        nacked waiting for a window's record)."""
+        self._sync_counts = counts
 
     def render(self, status: dict[str, Any] | None = None) -> bytes:
         """The exposition text; ``status`` is this site's status document
@@ -234,7 +235,7 @@ class _Collector:
             for role, when in sorted(m._expiry.items()):
                 expiry.add_metric([role], when - now)
             yield expiry
-        yield from _vpn_families(m._status, m._degradations)
+        yield from _vpn_families(m._status, m._sync_counts)
 
 
 def _counter(
@@ -344,7 +345,7 @@ _VPN_DERIVED: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
 
 
 def _vpn_families(
-    status: dict[str, Any] | None, degradations: Callable[[], Mapping[str, int]] | None
+    status: dict[str, Any] | None, sync_counts: Callable[[], Mapping[str, tuple[int, int]]] | None
 ) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "vpnrepl_store_up",
@@ -401,11 +402,20 @@ def _vpn_families(
         "became sync-ineligible, since the node started",
         labels=["vpn"],
     )
-    counts = degradations() if degradations is not None else {}
+    unrecorded = CounterMetricFamily(
+        "vpnrepl_sync_confirms_nacked_unrecorded",
+        "confirms of a sync-ineligible window nacked after waiting 10 s for the store"
+        " to record the window's opening, since the node started",
+        labels=["vpn"],
+    )
+    counts = sync_counts() if sync_counts is not None else {}
     for v in vpns:
         if v["role"] == "active":
-            degraded.add_metric([v["name"]], counts.get(v["name"], 0))
+            degradations, nacked = counts.get(v["name"], (0, 0))
+            degraded.add_metric([v["name"]], degradations)
+            unrecorded.add_metric([v["name"]], nacked)
     yield degraded
+    yield unrecorded
     branches = GaugeMetricFamily(
         "vpnrepl_xa_branches",
         "client XA branches this site coordinates, by kind: prepared (awaiting their"

@@ -472,7 +472,7 @@ class Node:
         self.metrics.observe_ledger_bound(self.ledger_bound.unacknowledged)
         self.metrics.observe_txn(self.coordinator.stats)
         self.metrics.observe_ledger(self.writer.stats)
-        self.metrics.observe_sync(self.replicator.degradations)
+        self.metrics.observe_sync(self.replicator.sync_counts)
         self._observe_security(cfg)
         await self.listener.start(cfg.listen_amqp.host, cfg.listen_amqp.port)
         if cfg.listen_amqps is not None and cfg.client_tls is not None:

@@ -26,6 +26,7 @@ PER_VPN = (
     "vpnrepl_in_doubt_transactions",
     "vpnrepl_unknown_acks_total",
     "vpnrepl_sync_degraded_total",
+    "vpnrepl_sync_confirms_nacked_unrecorded_total",
     "vpnrepl_sync_windows_total",
 )
 COUNTERS = (
@@ -82,6 +83,7 @@ def test_metrics_during_a_sync_workload_then_equal_to_status(
     assert value(settled, "vpnrepl_fenced", vpn=VPN) == 0
     assert value(settled, "vpnrepl_bridge_connected", vpn=VPN) == 1
     assert value(settled, "vpnrepl_sync_degraded_total", vpn=VPN) == 0
+    assert value(settled, "vpnrepl_sync_confirms_nacked_unrecorded_total", vpn=VPN) == 0
     assert value(settled, "vpnrepl_sync_windows_total", vpn=VPN) == 0
     assert value(settled, "vpnrepl_ledger_index", vpn=VPN) == 4000  # one entry per publish
     assert value(settled, "vpnrepl_confirm_delay_seconds_count", vpn=VPN, mode="sync") == 4000

@@ -149,6 +149,25 @@ def test_a_recording_gate_holds_a_windows_confirms_until_its_opening_is_recorded
     assert out[5] is True
 
 
+def test_a_confirm_held_past_the_bound_for_its_windows_record_is_nacked() -> None:
+    """The store does not record the window's opening (it hangs): a held
+    confirm may not go out, and after HOLD_BOUND its client gets a nack,
+    not silence. One the store records in time still goes out."""
+    from bridge._syncgate import HOLD_BOUND
+
+    gate, out = SyncGate("v", 500, DEGRADE, recording=True), Outcomes()
+    gate.wait(1, 0.0, out.resolver(1))
+    assert gate.expire(0.5) == WindowOpened("v", 1)  # 1 held since 0.5
+    gate.wait(2, 5.0, out.resolver(2))  # held since 5.0
+    assert gate.next_deadline() == 0.5 + HOLD_BOUND
+    assert gate.expire(0.5 + HOLD_BOUND - 0.01) is None and out == {}
+    gate.expire(0.5 + HOLD_BOUND + 0.01)
+    assert out == {1: False} and gate.held == 1 and gate.nacked_held == 1
+    assert gate.next_deadline() == 5.0 + HOLD_BOUND
+    gate.window_recorded(1)
+    assert out == {1: False, 2: True} and gate.held == 0 and gate.next_deadline() is None
+
+
 def test_a_gate_that_does_not_record_confirms_at_once_and_still_reports_its_window() -> None:
     gate, out = SyncGate("v", 500, DEGRADE), Outcomes()
     gate.wait(1, 0.0, out.resolver(1))

@@ -73,12 +73,6 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import tuple_row
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    wait_random_exponential,
-)
 
 from ._arrays import bytea_array, int8_array, text_array
 from ._entry import LedgerEntry, encode_event, entries_by_vpn
@@ -94,6 +88,7 @@ from ._ledger_errors import (
 )
 from ._ledger_reader import LedgerReader
 from ._live import LiveStateApplier, add_live_rows
+from ._store_retry import retry_log_level, retry_store
 from ._vpnstore import (
     active_ledgers_async,
     advance_ledger_indexes_async,
@@ -632,14 +627,12 @@ class LedgerWriter:
                     len(self._pending),
                 )
 
-        def before_retry(state: RetryCallState) -> None:
+        def failed(error: BaseException | None, n: int) -> None:
             self.stats.failed_attempts += 1
-            error = state.outcome.exception() if state.outcome is not None else None
             self.store_error = error
-            n = state.attempt_number
-            if n == 1 or n % 20 == 0:
+            if (level := retry_log_level(n)) is not None:
                 log.log(
-                    logging.WARNING if n == 1 else logging.ERROR,
+                    level,
                     "%s attempt %d failed (%s); %d entries pending, retrying",
                     what,
                     n,
@@ -647,15 +640,13 @@ class LedgerWriter:
                     len(self._pending),
                 )
 
-        retrying = AsyncRetrying(
-            retry=retry_if_exception_type(_TRANSIENT),
-            wait=wait_random_exponential(multiplier=self._min_backoff, max=self._max_backoff),
-            before_sleep=before_retry,
-            reraise=True,
+        await retry_store(
+            lambda: attempt_once(entries),
+            retried=_TRANSIENT,
+            min_backoff=self._min_backoff,
+            max_backoff=self._max_backoff,
+            failed=failed,
         )
-        async for attempt in retrying:
-            with attempt:
-                await attempt_once(entries)
         if self.store_error is not None:
             log.warning("ledger store is back; %d entries pending", len(self._pending))
             self.store_error = None

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
 from ._ledger_errors import describe_error
+from ._store_retry import retry_log_level, retry_store
 from ._window_store import (
     SyncWindow,
     add_window_async,
@@ -170,28 +170,24 @@ class WindowRecorder:
                     log.exception("%s: its callback failed", write.what)
 
     async def _retrying(self, write: _Write) -> None:
-        def before_retry(state: RetryCallState) -> None:
-            error = state.outcome.exception() if state.outcome is not None else None
+        def failed(error: BaseException | None, n: int) -> None:
             self.store_error = error
-            n = state.attempt_number
-            if n == 1 or n % 20 == 0:
+            if (level := retry_log_level(n)) is not None:
                 log.log(
-                    logging.WARNING if n == 1 else logging.ERROR,
+                    level,
                     "%s: attempt %d failed (%s); retrying",
                     write.what,
                     n,
                     describe_error(error) if error is not None else "?",
                 )
 
-        retrying = AsyncRetrying(
-            retry=retry_if_exception_type(_RETRIED),
-            wait=wait_random_exponential(multiplier=self._min_backoff, max=self._max_backoff),
-            before_sleep=before_retry,
-            reraise=True,
+        await retry_store(
+            lambda: self._attempt(write),
+            retried=_RETRIED,
+            min_backoff=self._min_backoff,
+            max_backoff=self._max_backoff,
+            failed=failed,
         )
-        async for attempt in retrying:
-            with attempt:
-                await self._attempt(write)
         if self.store_error is not None:
             log.warning("%s: recorded; the store is back", write.what)
             self.store_error = None

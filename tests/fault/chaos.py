@@ -1295,8 +1295,10 @@ class Run:
         out = Path(os.environ.get("VPNREPL_FAULT_REPORTS", str(self.tmp)))
         out.mkdir(parents=True, exist_ok=True)
         old = self.history.old_active
+        lost = sorted({n for v in verdicts for n in v.lost})
         extra = {
             "nemesis": name,
+            "lost_traces": self._traces(lost[:20]),
             "old_active": None
             if old is None
             else {"applied_at_promotion": old.applied_at_promotion, "ineligible": old.ineligible},
@@ -1312,6 +1314,20 @@ class Run:
         plot(self.samples, self.faults, out / f"{name}.png", f"{name} ({self.mode})")
         print(text)
         return broken
+
+    def _traces(self, numbers: list[int]) -> dict[str, dict[str, list[str]]]:
+        """Where each lost number is still found, per site whose PostgreSQL
+        answers: the row kinds holding it (a failure explains itself)."""
+        out: dict[str, dict[str, list[str]]] = {}
+        for node in (self.node_a, self.node_b):
+            if not node.site.pg.alive():
+                continue
+            with psycopg.connect(node.site.pg.dsn(), autocommit=True) as db:
+                for n in numbers:
+                    found = trace(db, n)
+                    if found:
+                        out.setdefault(str(n), {})[node.name] = found
+        return out
 
     def close(self) -> None:
         self._stop.set()
@@ -1396,6 +1412,31 @@ def broker_numbers(site: LocalSite, queue: str) -> list[int]:
         return got
     finally:
         conn.close()
+
+
+#: where :func:`trace` looks for a number's body, and how it names a row
+_TRACES = (
+    ("live", "SELECT queue FROM live_message WHERE vpn = %(vpn)s AND position(%(b)s IN body) = 1"),
+    (
+        "ledger",
+        "SELECT idx::text || ' epoch ' || epoch || ' ' || kind FROM ledger"
+        " WHERE vpn = %(vpn)s AND position(%(b)s IN event) > 0",
+    ),
+    (
+        "txn_log",
+        "SELECT txid || ' ' || side || ' ' || state FROM txn_log"
+        " WHERE vpn = %(vpn)s AND position(%(b)s IN events) > 0",
+    ),
+)
+
+
+def trace(db: psycopg.Connection[Any], n: int) -> list[str]:
+    """The rows of one site's store that hold number ``n``'s body."""
+    found = []
+    for kind, sql in _TRACES:
+        for (where,) in db.execute(sql, {"vpn": VPN, "b": body(n)}).fetchall():
+            found.append(f"{kind}: {where}")
+    return found
 
 
 def live_numbers(site: LocalSite) -> dict[str, set[int]]:

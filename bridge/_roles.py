@@ -221,7 +221,7 @@ def _resolve_in_doubt(
         encoded = split_events(bytes(events))
         if state == "applied":  # its group holds the indexes from its floor on
             early.append(txid)
-            early_lasts.append(int(floor) + len(encoded) - 1)
+            early_lasts.append(max(int(floor) + len(encoded) - 1, 0))
             continue
         entries = [
             LedgerEntry(vpn, epoch, index + 1 + i, decode_event(data, vpn), data)

@@ -84,7 +84,7 @@ class PromotionStart:
 
 
 _PREPARED = """
-SELECT txid, state, events FROM txn_log
+SELECT txid, state, events, ledger_floor FROM txn_log
 WHERE vpn = %s AND side = 'participant' AND state IN ('prepared', 'applied')
     AND (xid IS NULL OR state = 'applied')
 ORDER BY created_at, txid
@@ -114,6 +114,15 @@ ON CONFLICT DO NOTHING
 #: the highest index a live row holds (groups committed early lie past the applied index)
 _LIVE_TOP = "SELECT coalesce(max(publish_index), 0) FROM live_message WHERE vpn = %s"
 _SETTLE = "UPDATE txn_log SET state = 'committed', updated_at = now() WHERE txid = ANY(%s)"
+# the rows the promotion commits keep the last index their group holds in the
+# live state: `republish` skips a tail message such a row published (it was
+# here, maybe consumed since), and no other (a row settled committed by an
+# outcome only learned how the transaction ended: its group may never have
+# come)
+_SETTLE_HELD = """
+UPDATE txn_log t SET state = 'committed', ledger_last = s.last, updated_at = now()
+FROM unnest(%s::text[], %s::bigint[]) AS s(txid, last) WHERE t.txid = s.txid
+"""
 _LIVE_INDEX = """
 INSERT INTO vpn_live_state (vpn, live_index) VALUES (%s, %s)
 ON CONFLICT (vpn) DO UPDATE SET live_index = EXCLUDED.live_index
@@ -188,7 +197,9 @@ def _resolve_in_doubt(
     committed (its connection dropped during the commit, or its vote came
     after the timeout under ``reject``) is applied too; its client never saw
     ``tx.commit-ok`` and must treat the outcome as unknown anyway. Rows
-    ``applied`` (committed early) are in the live state already.
+    ``applied`` (committed early) are in the live state already. Each row
+    settled keeps the last index of its group here (``ledger_last``): the
+    mark by which ``republish`` knows this site had its messages.
 
     A prepared row's group never reached this standby (else the stream
     would have settled the row), so its events go right after the applied
@@ -203,12 +214,15 @@ def _resolve_in_doubt(
         top = cur.fetchone()
     committed: list[str] = []
     early: list[str] = []
+    lasts: list[int] = []  # per row settled, in committed + early order
+    early_lasts: list[int] = []
     index = max(applied, int(top[0]) if top else 0)
-    for txid, state, events in rows:
-        if state == "applied":
-            early.append(txid)
-            continue
+    for txid, state, events, floor in rows:
         encoded = split_events(bytes(events))
+        if state == "applied":  # its group holds the indexes from its floor on
+            early.append(txid)
+            early_lasts.append(max(int(floor) + len(encoded) - 1, 0))
+            continue
         entries = [
             LedgerEntry(vpn, epoch, index + 1 + i, decode_event(data, vpn), data)
             for i, data in enumerate(encoded)
@@ -217,8 +231,9 @@ def _resolve_in_doubt(
             apply_entries(conn, vpn, entries)
             index += len(entries)
         committed.append(txid)
+        lasts.append(index)
     if committed or early:
-        conn.execute(_SETTLE, (committed + early,))
+        conn.execute(_SETTLE_HELD, (committed + early, lasts + early_lasts))
     return len(committed), len(early), index
 
 

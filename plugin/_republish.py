@@ -16,7 +16,9 @@ message is never doubled; the admin decides about those few.
 A message this site holds already is skipped too (:func:`_held_here`): a
 local transaction the standby had prepared is committed by its promotion
 (presumed commit) while the old active, which committed it as well after
-the take-over point, exports it in its tail.
+the take-over point, exports it in its tail. Only what the promotion
+committed counts: a participant row committed by an outcome alone is no
+proof that its messages ever reached this site.
 """
 
 from __future__ import annotations
@@ -172,9 +174,12 @@ def _claim(cfg: SiteConfig, vpn: str, ids: Iterable[bytes]) -> tuple[set[bytes],
 
 def _held_here(cfg: SiteConfig, vpn: str, ids: Iterable[bytes]) -> set[bytes]:
     """The ``ids`` this site holds already: in its live state, or among the
-    publishes of the transactions it committed as a standby's participant
-    (its promotion commits those it held prepared; their messages may have
-    been consumed since)."""
+    publishes of the transactions its promotion committed as a standby's
+    participant (their messages may have been consumed since). Those rows,
+    and no other committed ones, carry the index their group reached here
+    (``ledger_last``): a row settled committed by the old active's outcome
+    only learned how the transaction ended, and its group may never have
+    reached this site — skipping its messages would lose them."""
     wanted = set(ids)
     with connect(cfg.store_dsn) as conn:
         held = {
@@ -186,7 +191,7 @@ def _held_here(cfg: SiteConfig, vpn: str, ids: Iterable[bytes]) -> set[bytes]:
         }
         for r in conn.execute(
             "SELECT events FROM txn_log WHERE vpn = %s AND side = 'participant'"
-            " AND state = 'committed' AND events IS NOT NULL",
+            " AND state = 'committed' AND ledger_last > 0 AND events IS NOT NULL",
             (vpn,),
         ).fetchall():
             for data in split_events(bytes(r["events"])):

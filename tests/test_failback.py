@@ -19,6 +19,7 @@ from tests.two_sites import (
     VPN,
     Publisher,
     assert_same_state,
+    body as body_of,
     caught_up,
     cli_status,
     live_numbers,
@@ -83,14 +84,16 @@ def test_demote_exports_the_tail_and_the_old_active_follows_the_new_one(
         assert set(got) == {n for n in range(1, 1301) if queue in queues_of(n)}
     # a tail message the new active holds already (a transaction its
     # promotion committed from the prepared row the old active also
-    # committed): skipped, whether live there or consumed since
+    # committed): skipped, whether live there or consumed since; one of a
+    # transaction it only heard had committed (its group never came) is not
     held = held_already(sites, tmp_path)
     assert held.returncode == 0, held.stderr
-    assert "republished 0 messages" in held.stdout
+    assert "republished 1 messages" in held.stdout
     assert "2 this site holds already were skipped" in held.stdout
     for queue in IN_SCOPE:
         got = broker_contents(sites.b.site, queue)
-        assert set(got) == {n for n in range(1, 1301) if queue in queues_of(n)}
+        extra = {NEVER_HERE} if queue == "orders.q1" else set()
+        assert set(got) == {n for n in range(1, 1301) if queue in queues_of(n)} | extra
         assert len(got) == len(set(got))
 
     # the old active is the new one's standby, with the same live state
@@ -100,10 +103,16 @@ def test_demote_exports_the_tail_and_the_old_active_follows_the_new_one(
     assert (status_a["role"], status_a["epoch"], status_a["fenced"]) == ("standby", 2, False)
 
 
+#: the message of a transaction the new active only heard had committed
+NEVER_HERE = 5001
+
+
 def held_already(sites: Sites, tmp: Path) -> Any:  # noqa: F811 - the fixture's type
-    """Republish, on B, a tail of two messages B holds: one in its live
-    state, one only among the publishes of a participant transaction it
-    committed (its message consumed since)."""
+    """Republish, on B, a tail of two messages B holds — one in its live
+    state, one only among the publishes of a participant transaction its
+    promotion committed (its message consumed since) — and one of a
+    participant row settled committed by the old active's outcome alone
+    (its group never reached B)."""
     with psycopg.connect(sites.b.site.pg.dsn(), autocommit=True) as db:
         repl_id, exchange, key, properties, body = db.execute(
             "SELECT repl_id, exchange, routing_key, properties, body FROM live_message"
@@ -111,15 +120,23 @@ def held_already(sites: Sites, tmp: Path) -> Any:  # noqa: F811 - the fixture's 
             (VPN,),
         ).fetchone()
         gone = ReplicationId.from_parts(999, 1)
-        event = Published(VPN, gone, "", "orders.q1", bytes(properties), b"7:", ("orders.q1",))
-        db.execute(
-            "INSERT INTO txn_log (txid, vpn, side, state, events)"
-            " VALUES ('t-held', %s, 'participant', 'committed', %s)",
-            (VPN, encode_events([event])),
-        )
+        never = ReplicationId.from_parts(999, 2)
+        never_body = body_of(NEVER_HERE)
+        # its properties as the live one's, with its own message id
+        own_id = f"m-{number(bytes(body)):06d}".encode()
+        never_props = bytes(properties).replace(own_id, f"m-{NEVER_HERE:06d}".encode())
+        rows = (("t-held", gone, b"7:", 1000), ("t-told", never, never_body, 0))
+        for txid, rid, text, last in rows:
+            event = Published(VPN, rid, "", "orders.q1", bytes(properties), text, ("orders.q1",))
+            db.execute(
+                "INSERT INTO txn_log (txid, vpn, side, state, events, ledger_last)"
+                " VALUES (%s, %s, 'participant', 'committed', %s, %s)",
+                (txid, VPN, encode_events([event]), last),
+            )
     messages = [
         TailMessage(bytes(repl_id), exchange, key, ("orders.q1",), bytes(properties), bytes(body)),
         TailMessage(gone.value, "", "orders.q1", ("orders.q1",), bytes(properties), b"7:"),
+        TailMessage(never.value, "", "orders.q1", ("orders.q1",), never_props, never_body),
     ]
     path = tmp / "held.jsonl"
     write_tail_file(path, VPN, messages)

@@ -119,12 +119,18 @@ def test_in_doubt_transactions_and_the_new_ledger_start_past_groups_committed_ea
             " properties, body FROM live_message WHERE vpn = %s LIMIT 1",
             (VPN,),
         )
+    with psycopg.connect(standby, autocommit=True) as conn:
+        conn.execute("UPDATE txn_log SET ledger_floor = 6 WHERE txid = 't-ahead'")
     prepared_txn(standby, "t-prepared", [pub(VPN, 10, "q1")])
     with connect(standby) as conn:
         start = begin_promotion(conn, VPN, "b")
     assert start.ledger_index == 7  # 6: the early group; 7: the prepared one
     assert one(standby, "SELECT max(publish_index) FROM live_message WHERE vpn = %s", VPN) == (7,)
     assert one(standby, "SELECT live_index FROM vpn_live_state WHERE vpn = %s", VPN) == (7,)
+    # each row committed keeps where its group is here (what republish trusts)
+    with psycopg.connect(standby) as conn:
+        settled = conn.execute("SELECT txid, state, ledger_last FROM txn_log ORDER BY txid")
+        assert settled.fetchall() == [("t-ahead", "committed", 6), ("t-prepared", "committed", 7)]
 
 
 def test_the_new_active_hands_out_incarnations_above_those_it_took_over(standby: str) -> None:

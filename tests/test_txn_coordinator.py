@@ -248,6 +248,78 @@ def test_a_participants_yes_vote_returns_the_events_it_was_for(site_a: LocalSite
     assert states(dsn) == {t1.txid: "prepared", t2.txid: "prepared", "unreadable": "aborted"}
 
 
+def test_a_participant_where_the_vpn_is_not_standby_votes_no(site_a: LocalSite) -> None:
+    """A promoted site still linked to the old active (it serves the VPN
+    until it is fenced) gets its prepares: a yes would let the old active
+    commit, and under sync+reject confirm, a transaction this site holds
+    only as a row its promotion never saw — its messages nowhere here."""
+    dsn = site_a.pg.dsn()
+    migrate(dsn)
+    with connect(dsn) as conn:
+        enable_vpn(conn, VpnSettings.from_args("v", "active"))
+    ids = IdSource(13)
+    t1 = txn(ids, 1)
+
+    async def scenario() -> None:
+        log = TxnLog(dsn)
+        await log.open()
+        p = Participant(log)
+        seen: list[object] = []
+        assert await p.prepare("v", t1.txid, encode_events(t1.events), seen.append) is None
+        assert await p.prepare("unknown", "1.9.9", encode_events(t1.events)) is None
+        await p.close()
+        await log.close()
+
+    asyncio.run(scenario())
+    assert states(dsn) == {}
+
+
+def test_a_prepare_waiting_for_a_promotion_votes_no(site_a: LocalSite) -> None:
+    """A prepare racing the promotion: one that waits for the promotion's
+    locks sees the VPN active and writes nothing (a row written after the
+    promotion read the prepared rows would be resolved by no one)."""
+    import threading
+    import time
+
+    from bridge._vpnstore import become_active, lock_for_promotion
+
+    dsn = site_a.pg.dsn()
+    migrate(dsn)
+    with connect(dsn) as conn:
+        enable_vpn(conn, VpnSettings.from_args("v", "standby"))
+    ids = IdSource(14)
+    t1 = txn(ids, 1)
+    votes: list[object] = []
+
+    def vote() -> None:
+        async def scenario() -> None:
+            log = TxnLog(dsn)
+            await log.open()
+            votes.append(await Participant(log).prepare("v", t1.txid, encode_events(t1.events)))
+            await log.close()
+
+        asyncio.run(scenario())
+
+    with psycopg.connect(dsn) as promoting:
+        assert lock_for_promotion(promoting, "v") is not None
+        become_active(promoting, "v", 2, 0)
+        waiter = threading.Thread(target=vote)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        with psycopg.connect(dsn, autocommit=True) as watch:
+            while not watch.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            ).fetchone()[0]:  # type: ignore[index]
+                assert waiter.is_alive(), f"the prepare did not wait for the promotion: {votes}"
+                assert time.monotonic() < deadline, "the prepare did not wait for the promotion"
+                time.sleep(0.02)
+        promoting.commit()
+    waiter.join(10)
+    assert votes == [None]
+    assert states(dsn) == {}
+
+
 def test_the_participant_records_commits_together_and_aborts_at_once(site_a: LocalSite) -> None:
     """Commit outcomes are gathered and recorded in one statement; until
     then the rows are not asked about again (their outcome is known here);

@@ -94,6 +94,21 @@ DELETE FROM txn_log WHERE txid IN (
     LIMIT %s)
 """
 
+# The gate share-locks the VPN's config row, which a promotion locks first
+# (bridge._roles.begin_promotion): a prepare that waited for a promotion
+# re-reads the role it left and writes nothing; one that went first is
+# committed before the promotion reads the prepared rows, and resolved by it.
+_PREPARE_AS_STANDBY = """
+WITH gate AS (
+    SELECT name FROM vpn_config WHERE name = %s AND role = 'standby' FOR SHARE)
+, written AS (
+    INSERT INTO txn_log (txid, vpn, side, state, events, xid, xa_owner)
+    SELECT %s, name, 'participant', 'prepared', %s, %s, %s FROM gate
+    ON CONFLICT (txid) DO NOTHING
+    RETURNING 1)
+SELECT EXISTS (SELECT FROM gate), EXISTS (SELECT FROM written)
+"""
+
 _SELECT = """
 SELECT txid, vpn, side, state, degraded, ledger_floor, events, xid, heuristic, hazard, acks_held,
     xa_owner
@@ -139,6 +154,27 @@ class TxnLog:
                 (txid, vpn, side, data, ledger_floor, xid, xa_owner),
             )
             return cur.rowcount == 1
+
+    async def prepare_as_standby(
+        self,
+        txid: str,
+        vpn: str,
+        events: bytes,
+        *,
+        xid: str | None = None,
+        xa_owner: str | None = None,
+    ) -> bool | None:
+        """Persist a participant's prepared row while ``vpn`` is a standby
+        here; None (nothing written) when it is not — promoted, or a former
+        active: its stream is not applied here, so a yes vote would let the
+        old active commit what this site never gets. True if written now,
+        False if ``txid`` had a row (a repeated prepare: the first stands)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_PREPARE_AS_STANDBY, (vpn, txid, events, xid, xa_owner))
+            row = await cur.fetchone()
+        if row is None or not row[0]:
+            return None
+        return bool(row[1])
 
     async def move(
         self,

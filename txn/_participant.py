@@ -2,7 +2,11 @@
 
 On ``TxnPrepare`` it writes the transaction's events as a ``prepared``
 ``txn_log`` row in the standby's database and only then votes yes; a vote is
-worth what its row is. The transaction's effects reach the standby's
+worth what its row is. It votes no for a VPN that is not a standby here
+(promoted while the old active still asks): that site applies no stream
+from it, and neither its promotion, which resolved the rows prepared before
+it, nor anything later would give this site the transaction, so a yes would
+let the old active commit and confirm it. The transaction's effects reach the standby's
 ``live_message`` through the ledger stream like every other event (the
 active appends them as one group when it decides to commit), or, in sync
 mode, early, from the prepared row (``TxnCommit``: a yes vote
@@ -73,7 +77,7 @@ class Participant:
         nothing runs between the vote and the active's next step (on one
         machine, the active's node waits for the CPU this one holds)."""
         write = asyncio.ensure_future(
-            self.log.prepare(txid, vpn, PARTICIPANT, events, xid=xid_of_txid(txid), xa_owner=owner)
+            self.log.prepare_as_standby(txid, vpn, events, xid=xid_of_txid(txid), xa_owner=owner)
         )
         try:
             await asyncio.sleep(0)  # the insert is sent
@@ -93,9 +97,14 @@ class Participant:
                 except Exception:  # its own affair: the vote does not depend on it
                     log.exception("VPN %s: transaction %s: not made ready to commit", vpn, txid)
             try:
-                await write
+                written = await write
             except psycopg.Error as e:
                 log.warning("VPN %s: transaction %s not prepared, voting no: %s", vpn, txid, e)
+                return None
+            if written is None:
+                log.warning(
+                    "VPN %s: transaction %s not prepared, voting no: not a standby here", vpn, txid
+                )
                 return None
         finally:
             if not write.done():

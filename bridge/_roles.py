@@ -53,6 +53,7 @@ __all__ = [
     "RoleError",
     "Tail",
     "TailMessage",
+    "TakeoverUnknown",
     "begin_promotion",
     "demote_to_standby",
     "ensure_fenced",
@@ -66,6 +67,13 @@ __all__ = [
 class RoleError(BridgeError):
     """A role change that the VPN's state does not allow (not enabled, not a
     standby, fenced); the text says what to do instead."""
+
+
+class TakeoverUnknown(RoleError):
+    """A fenced former active that does not know yet where the newer epoch
+    took over (its fence came from a standby's report): its tail cannot be
+    told from what the new active holds. The node learns it from the new
+    active's listing; asking again then succeeds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,6 +378,16 @@ def _fenced_here(conn: psycopg.Connection[Any], vpn: str) -> tuple[int, int, int
         )
     if found.epoch is None or found.taken_over_at is None:
         raise RoleError(f"VPN {vpn!r} has no epoch history on this site", vpn)
+    if found.epoch <= found.own_epoch:
+        # the newest epoch recorded is this site's own: the tail would start
+        # where this site took the VPN over, and take in what the new active
+        # holds already
+        raise TakeoverUnknown(
+            f"VPN {vpn!r} is fenced, but where the newer epoch took it over is not known here "
+            "yet (the fence came from a standby's report); the node learns it from the new "
+            "active's listing once its bridge reaches that site: retry then",
+            vpn,
+        )
     return found.ledger_index, found.live_index, found.epoch, found.taken_over_at
 
 

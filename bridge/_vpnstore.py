@@ -358,7 +358,8 @@ INSERT INTO vpn_epoch (vpn, epoch, site) SELECT name, epoch, %s FROM vpn_config
 WHERE name = %s AND role = 'active' ON CONFLICT DO NOTHING
 """
 _LOCK_FENCED = """
-SELECT c.role, c.enabled, s.fenced, s.ledger_index, l.live_index, e.epoch, e.taken_over_at
+SELECT c.role, c.enabled, s.fenced, s.ledger_index, l.live_index, e.epoch, e.taken_over_at,
+       c.epoch
 FROM vpn_config c JOIN vpn_state s ON s.vpn = c.name
 LEFT JOIN vpn_live_state l ON l.vpn = c.name
 LEFT JOIN LATERAL (SELECT epoch, taken_over_at FROM vpn_epoch WHERE vpn = c.name
@@ -395,6 +396,9 @@ class DemotionLock:
     #: the newest epoch recorded, and where it took over (None: no history)
     epoch: int | None
     taken_over_at: int | None
+    #: the epoch this site holds the VPN at (a fence records the newer one
+    #: once it knows where it took over)
+    own_epoch: int = 0
 
 
 def lock_for_promotion(conn: _Conn, vpn: str) -> PromotionLock | None:
@@ -490,7 +494,7 @@ def lock_for_demotion(conn: _Conn, vpn: str) -> DemotionLock | None:
         row = cur.execute(_LOCK_FENCED, (vpn,)).fetchone()
     if row is None:
         return None
-    role, enabled, fenced, ledger, live, epoch, taken_over_at = row
+    role, enabled, fenced, ledger, live, epoch, taken_over_at, own_epoch = row
     return DemotionLock(
         Role(role),
         bool(enabled),
@@ -499,6 +503,7 @@ def lock_for_demotion(conn: _Conn, vpn: str) -> DemotionLock | None:
         int(live or 0),
         _maybe_int(epoch),
         _maybe_int(taken_over_at),
+        int(own_epoch),
     )
 
 

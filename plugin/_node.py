@@ -50,6 +50,7 @@ from bridge import (
     Purged,
     Replicator,
     Role,
+    TakeoverUnknown,
     TlsSetupError,
     TopologyChanged,
     UnknownFailpoint,
@@ -634,7 +635,18 @@ class Node:
             if asyncio.get_running_loop().time() > deadline:
                 raise StateError(f"VPN {vpn!r}: the promoted site's epoch did not arrive here")
             await asyncio.sleep(0.1)
-        tail, path = await asyncio.to_thread(export_tail, self.cfg, vpn)
+        while True:  # fenced by the standby's report: where the epoch took over comes next
+            try:
+                tail, path = await asyncio.to_thread(export_tail, self.cfg, vpn)
+                break
+            except StateError as e:
+                if not isinstance(e.__cause__, TakeoverUnknown):
+                    raise
+                if asyncio.get_running_loop().time() > deadline:
+                    raise StateError(
+                        f"VPN {vpn!r}: where the promoted site's epoch took over did not come"
+                    ) from e
+                await asyncio.sleep(0.1)
         if tail.messages:  # cannot happen after a drain; never dropped silently all the same
             log.error("VPN %s: %d messages left at switchover: %s", vpn, len(tail.messages), path)
         else:

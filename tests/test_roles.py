@@ -10,10 +10,12 @@ import pytest
 
 from bridge._roles import (
     RoleError,
+    TakeoverUnknown,
     begin_promotion,
     demote_to_standby,
     fail_promotion,
     finish_promotion,
+    read_tail,
     record_fenced,
 )
 from bridge._standby import NotStandby, StandbyApplier
@@ -166,6 +168,27 @@ def test_a_fenced_former_active_is_told_to_demote(site_a: LocalSite) -> None:
             begin_promotion(conn, VPN, "a")
     assert one(dsn, "SELECT fenced FROM vpn_state WHERE vpn = %s", VPN) == (True,)
     assert one(dsn, "SELECT site FROM vpn_epoch WHERE vpn = %s AND epoch = 2", VPN) == ("b",)
+
+
+def test_a_site_fenced_by_a_report_exports_no_tail_until_it_knows_where_the_epoch_took_over(
+    site_a: LocalSite,
+) -> None:
+    """Fenced by a standby's report (no epoch recorded), the newest epoch
+    this site knows is its own: a tail read then would start where this
+    site took the VPN over and take in what the new active holds. Demote
+    waits for the new epoch's take-over index instead."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, **{VPN: "active"})
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE vpn_state SET fenced = true WHERE vpn = %s", (VPN,))
+    with connect(dsn) as conn:
+        with pytest.raises(TakeoverUnknown, match="not known here yet"):
+            read_tail(conn, VPN)
+        with pytest.raises(TakeoverUnknown):
+            demote_to_standby(conn, VPN)
+        record_fenced(conn, VPN, 2, "b", 0)  # the listing: epoch 2 took over at 0
+        tail = read_tail(conn, VPN)
+    assert (tail.epoch, tail.taken_over_at) == (2, 0)
 
 
 def test_demotion_retires_the_old_epochs_prepared_transactions(site_a: LocalSite) -> None:

@@ -623,10 +623,17 @@ def _demote_old(run: Run) -> None:
     """The old active is fenced: demote it (its tail exported), so it
     follows the new active."""
     until(lambda: cli_status(run.node_a).get("fenced"), "the old active to be fenced", 60)
-    run.split_brain_seen = bool(cli_status(run.node_a).get("split_brain"))
-    run.history.old_active = read_old_active(run.node_a.site, run.node_b.site)
     tail = run.tmp / "tail.jsonl"
-    done = Vpnrepl(run.node_a.config)("demote", VPN, "--export", str(tail))
+    deadline = time.monotonic() + 60
+    while True:  # as an operator would: again once the new epoch's take-over index is known
+        seen = bool(cli_status(run.node_a).get("split_brain"))
+        run.split_brain_seen = run.split_brain_seen or seen
+        run.history.old_active = read_old_active(run.node_a.site, run.node_b.site)
+        done = Vpnrepl(run.node_a.config)("demote", VPN, "--export", str(tail))
+        if done.returncode == 0 or "not known here yet" not in done.stderr:
+            break
+        assert time.monotonic() < deadline, done.stderr
+        time.sleep(0.5)
     assert done.returncode == 0, done.stderr
     _take_tail(run, tail)
 

@@ -40,6 +40,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,14 @@ class Recorder:
         self.errors: list[tuple[float, str, str]] = []
         #: sender -> when it was answered (:meth:`longest_silence`)
         self.answers: dict[str, list[float]] = {}
+        #: listener port -> its site; sender -> the site it is connected to
+        self.sites: dict[int, str] = {}
+        self.connected_to: dict[str, str] = {}
+
+    def connected(self, url: str) -> None:
+        """The calling client's connection is to the listener of ``url``."""
+        port = urllib.parse.urlsplit(url).port or 0
+        self.connected_to[threading.current_thread().name] = self.sites.get(port, "")
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -122,6 +131,9 @@ class Recorder:
     def told(self, n: int, outcome: str) -> None:
         with self.lock:
             self.history.published[n].outcome = outcome
+            self.history.published[n].answered_by = self.connected_to.get(
+                threading.current_thread().name, ""
+            )
             self.confirmed += outcome == "confirmed"
             self.nacked += outcome == "nacked"
             self._answered()
@@ -168,6 +180,11 @@ class Recorder:
 
 def connect(urls: list[str]) -> pika.BlockingConnection:
     """A connection to the first listener that takes it (the active site)."""
+    return connect_to(urls)[0]
+
+
+def connect_to(urls: list[str]) -> tuple[pika.BlockingConnection, str]:
+    """:func:`connect`, and the URL that took it."""
     last: BaseException | None = None
     for url in urls:
         params = pika.URLParameters(url)
@@ -175,7 +192,7 @@ def connect(urls: list[str]) -> pika.BlockingConnection:
         params.socket_timeout = 5
         params.blocked_connection_timeout = 30
         try:
-            return pika.BlockingConnection(params)
+            return pika.BlockingConnection(params), url
         except CLIENT_ERRORS as e:
             last = e
     raise ConnectionError(f"no listener took the connection: {last!r}")
@@ -195,11 +212,12 @@ class Client(threading.Thread):
     def run(self) -> None:
         while not self.stop_event.is_set():
             try:
-                conn = connect(self.urls)
+                conn, url = connect_to(self.urls)
             except CLIENT_ERRORS as e:
                 self.recorder.error(self.name, e)
                 time.sleep(0.5)
                 continue
+            self.recorder.connected(url)
             try:
                 self.session(conn)
             except CLIENT_ERRORS as e:
@@ -422,6 +440,7 @@ class AioPublisher(threading.Thread):
             conn = aio_pika.Connection(aio_pika.connection.make_url(url))
             try:
                 await conn.connect(timeout=5)
+                self.recorder.connected(url)
                 return conn
             except Exception as e:  # noqa: BLE001 - the next listener
                 await conn.close()
@@ -845,6 +864,9 @@ def _flap(run: Run, times: int) -> None:
     """``times`` switchovers, back and forth, under load."""
     for _ in range(times):
         standby = run.standby_node()
+        # as an operator would: a switchover runs on a standby that follows
+        # the active (the last one's demoted site is still syncing)
+        until(lambda: vpn_status(standby).get("bridge") == "connected", "the standby", 60)
         done = Vpnrepl(standby.config)("switchover", VPN)
         assert done.returncode == 0, done.stderr
         run.active = "b" if run.active == "a" else "a"
@@ -1104,6 +1126,7 @@ class Run:
             "pg-b": FaultProxy(("127.0.0.1", b.pg.port)),
             "rabbit-a": FaultProxy(("127.0.0.1", a.rabbit.amqp_port)),
         }
+        self.recorder.sites = {self.links["client-a"].port: "a", b.amqp_port: "b"}
         for node, site, side in ((self.node_a, a, "a"), (self.node_b, b, "b")):
             store = site.pg.dsn()
             text = node.config.read_text().replace(

@@ -83,6 +83,8 @@ class Publish:
     outcome: str  # confirmed, nacked, uncertain (sent, no answer before the connection died)
     publisher: int = 0  # which publisher (order is checked per publisher)
     attempts: int = 1  # sent more than once: a client retry
+    #: the site whose listener gave the last answer ("a", "b"; "" unknown)
+    answered_by: str = ""
 
 
 @dataclass

@@ -866,7 +866,7 @@ def _flap(run: Run, times: int) -> None:
         standby = run.standby_node()
         # as an operator would: a switchover runs on a standby that follows
         # the active (the last one's demoted site is still syncing)
-        until(lambda: vpn_status(standby).get("bridge") == "connected", "the standby", 60)
+        until(lambda s=standby: vpn_status(s).get("bridge") == "connected", "the standby", 60)
         done = Vpnrepl(standby.config)("switchover", VPN)
         assert done.returncode == 0, done.stderr
         run.active = "b" if run.active == "a" else "a"

@@ -860,13 +860,17 @@ def pg_disk_full(side: str) -> Nemesis:
     )
 
 
+def _follows(standby: NodeProcess) -> bool:
+    return bool(vpn_status(standby).get("bridge") == "connected")
+
+
 def _flap(run: Run, times: int) -> None:
     """``times`` switchovers, back and forth, under load."""
     for _ in range(times):
         standby = run.standby_node()
         # as an operator would: a switchover runs on a standby that follows
         # the active (the last one's demoted site is still syncing)
-        until(lambda s=standby: vpn_status(s).get("bridge") == "connected", "the standby", 60)
+        until(functools.partial(_follows, standby), "the standby to follow the active", 60)
         done = Vpnrepl(standby.config)("switchover", VPN)
         assert done.returncode == 0, done.stderr
         run.active = "b" if run.active == "a" else "a"

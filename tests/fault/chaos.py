@@ -642,19 +642,28 @@ def _demote_old(run: Run) -> None:
     """The old active is fenced: demote it (its tail exported), so it
     follows the new active."""
     until(lambda: cli_status(run.node_a).get("fenced"), "the old active to be fenced", 60)
+    # as an operator would: demote once the site knows where the new epoch
+    # took over (a fence from the standby's report does not say; demote
+    # refuses until the new active's listing did). A split brain is known
+    # from then on too: the listing records both at once.
+    until(lambda: _takeover_known(run.node_a.site), "where the new epoch took over", 60)
+    run.split_brain_seen = bool(cli_status(run.node_a).get("split_brain"))
+    run.history.old_active = read_old_active(run.node_a.site, run.node_b.site)
     tail = run.tmp / "tail.jsonl"
-    deadline = time.monotonic() + 60
-    while True:  # as an operator would: again once the new epoch's take-over index is known
-        seen = bool(cli_status(run.node_a).get("split_brain"))
-        run.split_brain_seen = run.split_brain_seen or seen
-        run.history.old_active = read_old_active(run.node_a.site, run.node_b.site)
-        done = Vpnrepl(run.node_a.config)("demote", VPN, "--export", str(tail))
-        if done.returncode == 0 or "not known here yet" not in done.stderr:
-            break
-        assert time.monotonic() < deadline, done.stderr
-        time.sleep(0.5)
+    done = Vpnrepl(run.node_a.config)("demote", VPN, "--export", str(tail))
     assert done.returncode == 0, done.stderr
     _take_tail(run, tail)
+
+
+def _takeover_known(site: LocalSite) -> bool:
+    """The site recorded an epoch newer than the one it holds the VPN at."""
+    with psycopg.connect(site.pg.dsn(), autocommit=True) as db:
+        row = db.execute(
+            "SELECT (SELECT max(epoch) FROM vpn_epoch WHERE vpn = %s)"
+            " > (SELECT epoch FROM vpn_config WHERE name = %s)",
+            (VPN, VPN),
+        ).fetchone()
+    return bool(row and row[0])
 
 
 def _take_tail(run: Run, tail: Path) -> None:

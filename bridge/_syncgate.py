@@ -119,7 +119,8 @@ class SyncGate:
         self._unrecorded: int | None = None
         #: (index, resolve, held since), in index order
         self._held: list[tuple[int, Resolve, float]] = []
-        #: confirms nacked after :data:`HOLD_BOUND` (``vpnrepl_sync_confirms_nacked_held_total``)
+        #: confirms nacked after :data:`HOLD_BOUND`
+        #: (``vpnrepl_sync_confirms_nacked_unrecorded_total``)
         self.nacked_held = 0
 
     @property
@@ -264,9 +265,9 @@ class SyncGate:
         its window was not recorded in time, and without that record it
         may not be confirmed. Its entry stays in the ledger (a client that
         publishes it again may make a duplicate, as after any nack)."""
-        late = [h for h in self._held if h[2] < since]
-        if not late:
+        if not self._held or self._held[0][2] >= since:  # held in time order
             return
+        late = [h for h in self._held if h[2] < since]
         self._held = [h for h in self._held if h[2] >= since]
         self.nacked_held += len(late)
         log.warning(

@@ -7,7 +7,8 @@ session; ``site_a``/``site_b`` hand a test one site reset to a fresh state
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
@@ -62,3 +63,23 @@ def role_dsn(site: LocalSite, role: str, *grants: str) -> str:
                       *grants):  # fmt: skip
             db.execute(f"GRANT {grant.format(role=role)}")
     return site.pg.dsn().replace("postgres@", f"{role}@")
+
+
+_LOCK_WAITERS = (
+    "SELECT count(*) FROM pg_stat_activity"
+    " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+)
+
+
+def until_a_lock_waits(
+    dsn: str, what: str, alive: Callable[[], bool] | None = None, timeout: float = 10.0
+) -> None:
+    """Until a session of the database waits for a lock: ``what`` (a
+    statement the test started behind a blocker it holds) is held back.
+    ``alive``: false once the waiter ended, so it cannot wait any more."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as watch:
+        while not (row := watch.execute(_LOCK_WAITERS).fetchone()) or not row[0]:
+            assert alive is None or alive(), f"{what} ended without waiting for the lock"
+            assert time.monotonic() < deadline, f"{what} did not wait for the lock"
+            time.sleep(0.02)

@@ -17,6 +17,7 @@ from bridge._ledger_errors import LedgerClosed, UnstorableEvent, VpnNotOpen
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from sql import migrate
+from tests.fix_sites import until_a_lock_waits
 
 
 def prepare(dsn: str, **roles: str) -> None:
@@ -126,20 +127,7 @@ async def _until_blocked(dsn: str) -> None:
     """Wait until a session of the database waits for a lock (the writer
     behind a blocker): what a test then sees not happening is held back."""
 
-    def blocked() -> bool:
-        return bool(
-            scalar(
-                dsn,
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE wait_event_type = 'Lock' AND datname = current_database()",
-            )
-        )
-
-    deadline = time.monotonic() + 10.0
-    while not await asyncio.to_thread(blocked):
-        if time.monotonic() > deadline:
-            raise AssertionError("nothing waited for the blocker's lock")
-        await asyncio.sleep(0.02)
+    await asyncio.to_thread(until_a_lock_waits, dsn, "the writer")
 
 
 async def _hold_vpn_state(dsn: str, vpn: str) -> psycopg.AsyncConnection[Any]:

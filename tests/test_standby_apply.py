@@ -783,10 +783,10 @@ def test_a_gate_waiting_on_a_promotion_reads_the_role_it_left(site_b: LocalSite,
     the state row locked, PostgreSQL re-read that row after the wait but
     kept the role of its first snapshot, 'standby'."""
     import threading
-    import time
 
     from bridge._standby import _SKIP_EARLY_BATCH, _TAKE_GUARD
     from bridge._vpnstore import become_active, lock_for_promotion
+    from tests.fix_sites import until_a_lock_waits
 
     dsn = site_b.pg.dsn()
     prepare(dsn, v="standby")
@@ -808,14 +808,7 @@ def test_a_gate_waiting_on_a_promotion_reads_the_role_it_left(site_b: LocalSite,
 
         waiter = threading.Thread(target=apply)
         waiter.start()
-        deadline = time.monotonic() + 10
-        with psycopg.connect(dsn, autocommit=True) as watch:
-            while not watch.execute(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
-            ).fetchone()[0]:  # type: ignore[index]
-                assert time.monotonic() < deadline, "the gate did not wait for the promotion"
-                time.sleep(0.02)
+        until_a_lock_waits(dsn, "the gate")
         promoting.commit()
     waiter.join(10)
     assert passed == [0], "the gate let an apply into a VPN already active"

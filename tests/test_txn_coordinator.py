@@ -279,9 +279,9 @@ def test_a_prepare_waiting_for_a_promotion_votes_no(site_a: LocalSite) -> None:
     locks sees the VPN active and writes nothing (a row written after the
     promotion read the prepared rows would be resolved by no one)."""
     import threading
-    import time
 
     from bridge._vpnstore import become_active, lock_for_promotion
+    from tests.fix_sites import until_a_lock_waits
 
     dsn = site_a.pg.dsn()
     migrate(dsn)
@@ -305,15 +305,7 @@ def test_a_prepare_waiting_for_a_promotion_votes_no(site_a: LocalSite) -> None:
         become_active(promoting, "v", 2, 0)
         waiter = threading.Thread(target=vote)
         waiter.start()
-        deadline = time.monotonic() + 10
-        with psycopg.connect(dsn, autocommit=True) as watch:
-            while not watch.execute(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
-            ).fetchone()[0]:  # type: ignore[index]
-                assert waiter.is_alive(), f"the prepare did not wait for the promotion: {votes}"
-                assert time.monotonic() < deadline, "the prepare did not wait for the promotion"
-                time.sleep(0.02)
+        until_a_lock_waits(dsn, f"the prepare (votes {votes})", waiter.is_alive)
         promoting.commit()
     waiter.join(10)
     assert votes == [None]

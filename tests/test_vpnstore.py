@@ -5,7 +5,6 @@ it stays inside the caller's transaction."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -54,6 +53,7 @@ from bridge._vpnstore import (
 )
 from plugin._localsites import LocalSite
 from sql import migrate
+from tests.fix_sites import until_a_lock_waits
 
 
 @pytest.fixture
@@ -365,14 +365,7 @@ def test_a_standby_apply_waiting_on_a_promotion_reads_the_role_it_left(dsn: str)
 
         waiter = threading.Thread(target=apply)
         waiter.start()
-        deadline = time.monotonic() + 10
-        while not one(
-            dsn,
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE wait_event_type = 'Lock' AND datname = current_database()",
-        )[0]:
-            assert time.monotonic() < deadline, "the apply did not wait for the promotion"
-            time.sleep(0.02)
+        until_a_lock_waits(dsn, "the apply")
         promoting.commit()
     waiter.join(10)
     assert found == [Role.ACTIVE]

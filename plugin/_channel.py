@@ -62,7 +62,7 @@ from bridge import (
     ReplicationId,
     id_in_header,
 )
-from txn import XA_EXCHANGE
+from txn import XA_EXCHANGE, MarkerKey
 
 from . import _amqp as amqp
 from ._amqp import AMQPError, Frame
@@ -94,6 +94,7 @@ class ChannelContext:
         "connection_id",
         "expose_id",
         "ids",
+        "marker_key",
         "out",
         "replicating",
         "templates",
@@ -101,9 +102,15 @@ class ChannelContext:
     )
 
     def __init__(
-        self, ids: IdSource, connection_id: int, closed: Callable[[Channel, bytes], None]
+        self,
+        ids: IdSource,
+        connection_id: int,
+        closed: Callable[[Channel, bytes], None],
+        marker_key: MarkerKey,
     ) -> None:
         self.ids = ids
+        #: tags the commit markers (the site's key: recovery checks the tags)
+        self.marker_key = marker_key
         self.connection_id = connection_id
         #: a channel's close handshake is over: its number is free, and the
         #: bytes (the client's frames on it meanwhile) are to be relayed now
@@ -616,7 +623,7 @@ class Channel:
         """The frames that commit the prepared ``txn`` at the broker: the
         commit marker, then the client's held tx.commit."""
         self.tx_committing = txn
-        return commit_marker(self.number, txn.txid) + held
+        return self._marker(txn.txid) + held
 
     # -- XA branches (txn._xa drives them through plugin._xa_gateway) --------
 
@@ -681,7 +688,12 @@ class Channel:
         ``txid``'s marker); ``answer`` hears of the commit-ok."""
         self.xa_waiter = answer
         commit = amqp.marshal_method(commands.Tx.Commit(), self.number)
-        return commit if txid is None else commit_marker(self.number, txid) + commit
+        return commit if txid is None else self._marker(txid) + commit
+
+    def _marker(self, txid: str) -> bytes:
+        vpn = self.ctx.vpn
+        assert vpn is not None  # noqa: S101 - only a replicated VPN's transactions have markers
+        return commit_marker(self.number, self.ctx.marker_key.body(vpn.name, txid))
 
     def xa_broker_rollback(self, answer: Callable[[bool], None]) -> bytes:
         """The frame rolling the branch's broker transaction back."""
@@ -823,10 +835,9 @@ def _dead_letter_route(vpn: VpnView, queue: str, routing_key: str) -> tuple[str,
     return tuple(sorted(vpn.scope.in_scope(exchange, key, routed)))
 
 
-def commit_marker(channel: int, txid: str) -> bytes:
-    """A persistent publish of ``txid`` to :data:`~bridge.MARKER_QUEUE`:
-    method, content header and body frames."""
-    body = txid.encode()
+def commit_marker(channel: int, body: bytes) -> bytes:
+    """A persistent publish of a marker's ``body`` to
+    :data:`~bridge.MARKER_QUEUE`: method, content header and body frames."""
     return b"".join(
         (
             amqp.marshal_method(

@@ -42,6 +42,7 @@ from bridge import (
     TransactionRefused,
     describe_tls_error,
 )
+from txn import MarkerKey
 
 from ._config import SiteConfig
 from ._directory import VpnDirectory
@@ -143,7 +144,12 @@ class _ClientSide(asyncio.Protocol):
 
     def __init__(self, listener: Listener) -> None:
         self.listener = listener
-        self.session = Session(listener.directory, listener.ids, peers=listener.sessions)
+        self.session = Session(
+            listener.directory,
+            listener.ids,
+            peers=listener.sessions,
+            marker_key=listener.marker_key,
+        )
         self.transport: asyncio.Transport | None = None
         self.broker: _BrokerSide | None = None
         self.refusal: BrokerUnavailable | None = None
@@ -449,8 +455,11 @@ class Listener:
         sink: ReplicationSink,
         broker_ssl: ssl.SSLContext | None = None,
         max_connections: int = 10_000,
+        marker_key: MarkerKey | None = None,
     ) -> None:
         self.broker = broker
+        #: the site's commit-marker key (``txn/_marker_key.py``)
+        self.marker_key = marker_key or MarkerKey.new()
         #: client connections served at once; past it one is refused (320)
         self.max_connections = max_connections
         self._refused_logged = -LIMIT_LOG_SECONDS

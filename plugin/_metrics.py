@@ -106,6 +106,8 @@ class Metrics:
         self._listener: ListenerStats | None = None
         self._txn: TxnStats | None = None
         self._xa: XaStats | None = None
+        #: vhost -> forged commit markers a sweep removed
+        self._forged_markers: Mapping[str, int] | None = None
         self._bound: Mapping[str, int] | None = None
         self._ledger: WriterStats | None = None
         self._sync_counts: Callable[[], Mapping[str, tuple[int, int]]] | None = None
@@ -125,6 +127,10 @@ class Metrics:
 
     def observe_xa(self, stats: XaStats) -> None:
         self._xa = stats
+
+    def observe_markers(self, forged: Mapping[str, int]) -> None:
+        """VPN -> messages in its commit-marker queue that were no marker."""
+        self._forged_markers = forged
 
     def observe_ledger_bound(self, unacknowledged: Mapping[str, int]) -> None:
         """VPN -> ledger entries pruned before the standby acknowledged them."""
@@ -185,6 +191,14 @@ class _Collector:
                 "transactions the standby committed before their ledger stream copy",
                 ("vpn",),
                 m._txn.committed_early,
+            )
+        if m._forged_markers is not None:
+            yield _counter(
+                "vpnrepl_commit_markers_forged",
+                "messages found in a VPN's commit-marker queue without this site's tag"
+                " (routed there by a client), removed and not believed",
+                ("vpn",),
+                m._forged_markers,
             )
         if m._xa is not None:
             yield _counter(

@@ -65,7 +65,15 @@ from bridge import (
     record_sync_eligible_async,
     redact_url,
 )
-from txn import Coordinator, MarkerError, MarkerStore, Participant, TxnLog, XaCoordinator
+from txn import (
+    Coordinator,
+    MarkerError,
+    MarkerStore,
+    Participant,
+    TxnLog,
+    XaCoordinator,
+    load_marker_key,
+)
 
 from ._admin import AdminCredentials, AdminServer
 from ._config import SiteConfig, load_config
@@ -405,6 +413,7 @@ class Node:
         except LedgerError as e:
             raise PluginError(str(e)) from e
         await self._start_windows()
+        await self._load_marker_key()
         self.replicator.start()
         await self.txn_log.open()
         try:
@@ -465,6 +474,7 @@ class Node:
             self.replicator,
             broker_ssl=self.broker_ssl,
             max_connections=cfg.max_client_connections,
+            marker_key=self.coordinator.markers.key,
         )
         self.listener.xa = XaGateway(self.xa, self.xa_replies)
         self.listener.on_uncertain = self.uncertain.record
@@ -472,6 +482,7 @@ class Node:
         self.metrics.observe_xa(self.xa.stats)
         self.metrics.observe_ledger_bound(self.ledger_bound.unacknowledged)
         self.metrics.observe_txn(self.coordinator.stats)
+        self.metrics.observe_markers(self.coordinator.markers.forged)
         self.metrics.observe_ledger(self.writer.stats)
         self.metrics.observe_sync(self.replicator.sync_counts)
         self._observe_security(cfg)
@@ -524,6 +535,23 @@ class Node:
             cfg.listen_admin,
             ", ".join(f"{v.name} ({v.role})" for v in vpns) or "none",
         )
+
+    async def _load_marker_key(self) -> None:
+        """The site's commit-marker key, before recovery reads a marker."""
+        try:
+            self.coordinator.markers.key = await load_marker_key(self.cfg.store_dsn)
+        except psycopg.errors.UndefinedTable as e:
+            raise StateError(
+                "the site database's schema is older than this release (no table "
+                "marker_key): run `vpnrepl init`, which upgrades it"
+            ) from e
+        except LookupError as e:
+            raise StateError(
+                "the site's commit-marker key is gone (table marker_key is empty): "
+                "restore the table from a backup of this site's database"
+            ) from e
+        except psycopg.Error as e:
+            raise StoreUnavailable(f"marker key: {e.diag.message_primary or e}") from e
 
     async def _start_windows(self) -> None:
         """Close the sync-ineligible windows a crash left open, at each VPN's

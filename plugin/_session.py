@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable
 from pamqp import commands
 
 from bridge import ConfirmKey, IdSource, ReplicationId
+from txn import MarkerKey
 
 from . import _amqp as amqp
 from ._amqp import AMQPError, Frame, FrameSplitter
@@ -94,10 +95,12 @@ class Session:
         directory: VpnDirectory,
         ids: IdSource,
         peers: Callable[[], Iterable[Session]] | None = None,
+        marker_key: MarkerKey | None = None,
     ) -> None:
         """``peers``: every session of the listener (this one included), for
         the deliveries a purge leaves in its queue; without it, only this
-        session's are known."""
+        session's are known. ``marker_key``: the site's, which tags the
+        commit markers (without it, a key of this session alone)."""
         Session._ids_counter += 1
         self.connection_id = Session._ids_counter
         self._directory = directory
@@ -110,7 +113,9 @@ class Session:
         #: our frames for the client while passthrough has relayed only the
         #: start of a broker frame to it: they go once that frame is whole
         self._behind_raw_frame: list[bytes] = []
-        self._ctx = ChannelContext(ids, self.connection_id, self._channel_closed)
+        self._ctx = ChannelContext(
+            ids, self.connection_id, self._channel_closed, marker_key or MarkerKey.new()
+        )
         self._channels: dict[int, Channel] = {}
         self.vhost: str | None = None
         #: the broker user the client logs in as (from its start-ok)

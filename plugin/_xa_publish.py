@@ -173,7 +173,7 @@ class BranchPublisher:
         async with await self._connect(vpn, transactional=True) as publisher:
             for queue, properties, body in messages:
                 await publisher.publish(queue, [(properties, body)], _NO_WINDOW)
-            marked = [(_MARKER_PROPERTIES, marker.encode())]
+            marked = [(_MARKER_PROPERTIES, self.markers.body(vpn, marker))]
             await publisher.publish(MARKER_QUEUE, marked, _NO_WINDOW)
             await publisher.commit()
         return True

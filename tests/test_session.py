@@ -33,6 +33,7 @@ from plugin._output import Output
 from plugin._session import Session
 from plugin._sink import MemorySink, ReplicationSink, append_events
 from plugin._topology import Policy, ReplicationScope, Topology
+from txn import MarkerKey
 
 C = commands
 
@@ -65,13 +66,17 @@ def decode_all(chunks: list[bytes]) -> list[tuple[int, object]]:
     return out
 
 
+#: the site's commit-marker key the sessions of :func:`make_session` tag with
+MARKERS = MarkerKey(bytes(32))
+
+
 def make_session(role: Role = Role.ACTIVE, vhost: str = "orders") -> Session:
     topology = Topology(vhost)
     topology.declare_queue("q", {})
     topology.declare_queue("other", {})
     directory = VpnDirectory()
     directory.put(VpnView(vhost, role, ReplicationScope((r"q",)), topology))
-    return Session(directory, IdSource(1))
+    return Session(directory, IdSource(1), marker_key=MARKERS)
 
 
 def open_session(session: Session, vhost: str = "orders") -> None:
@@ -389,7 +394,8 @@ def test_transactions_hold_commit_until_prepared_and_commit_ok_until_committed()
     assert names == ["Basic.Publish", "ContentHeader", "ContentBody", "Tx.Commit"]
     assert sent[0][1].routing_key == MARKER_QUEUE and sent[0][1].exchange == ""
     assert sent[1][1].properties.delivery_mode == 2
-    assert sent[2][1].value == txn.txid.encode()
+    assert sent[2][1].value == MARKERS.body("orders", txn.txid)  # tagged with the site's key
+    assert MARKERS.name_of("orders", sent[2][1].value) == txn.txid
     assert all(channel == 1 for channel, _ in sent)
     out = s.broker_data(m(C.Tx.CommitOk(), 1))
     assert out.to_client == [] and out.commit == [txn]

@@ -23,6 +23,7 @@ from bridge._window_recorder import WindowRecorder
 from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
 from sql import migrate
+from txn import MarkerKey
 from txn._coordinator import TXN_RETAIN_SECONDS, Coordinator
 from txn._log import _PRUNE, PARTICIPANT, PRUNE_LIMIT, TxnLog, encode_events
 from txn._markers import MARKER_QUEUE, MarkerStore
@@ -80,14 +81,19 @@ async def opened(dsn: str) -> tuple[TxnLog, LedgerWriter]:
 def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
     dsn = active_site(site_a)
     ids = IdSource(9)
-    committed, aborted, in_doubt_marked, in_doubt_bare = (txn(ids, n) for n in range(1, 5))
+    committed, aborted, in_doubt_marked, in_doubt_bare, in_doubt_forged = (
+        txn(ids, n) for n in range(1, 6)
+    )
+    key = MarkerKey.new()
 
     async def scenario() -> dict[str, str]:
         async with LedgerWriter(dsn) as writer:
             await writer.open_vpn("v")
             log = TxnLog(dsn)
             await log.open()
-            c = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, NoStandby())
+            c = Coordinator(
+                log, MarkerStore(site_a.rabbit.amqp_url(), key=key), writer, NoStandby()
+            )
             c.configure(VpnSettings.from_args("v", "active"))
             await c.prepare(committed)
             await c.commit(committed)  # (the broker commit is the listener's part)
@@ -95,20 +101,20 @@ def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
             assert states(dsn)[committed.txid] == "committed"
             await c.prepare(aborted)
             await c.abort(aborted)
-            # two transactions a crash leaves prepared; only one reached the broker
+            # three transactions a crash leaves prepared; only one reached the
+            # broker, and a client routed a message naming another into the queue
             await c.prepare(in_doubt_marked)
             await c.prepare(in_doubt_bare)
+            await c.prepare(in_doubt_forged)
             conn = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("v")))
             ch = conn.channel()
             # the marker publish the listener makes inside the broker transaction
-            ch.basic_publish(
-                "",
-                MARKER_QUEUE,
-                in_doubt_marked.txid.encode(),
-                pika.BasicProperties(delivery_mode=2),
-            )
+            for body in (key.body("v", in_doubt_marked.txid), in_doubt_forged.txid.encode()):
+                ch.basic_publish("", MARKER_QUEUE, body, pika.BasicProperties(delivery_mode=2))
             conn.close()
-            restarted = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, NoStandby())
+            restarted = Coordinator(
+                log, MarkerStore(site_a.rabbit.amqp_url(), key=key), writer, NoStandby()
+            )
             outcomes = await restarted.recover()
             await writer.wait_durable("v", 6)
             # rows end once the standby acknowledged their groups: up to the first
@@ -120,10 +126,15 @@ def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
             return outcomes
 
     outcomes = asyncio.run(scenario())
-    assert outcomes == {in_doubt_marked.txid: "committed", in_doubt_bare.txid: "aborted"}
+    assert outcomes == {
+        in_doubt_marked.txid: "committed",
+        in_doubt_bare.txid: "aborted",
+        in_doubt_forged.txid: "aborted",  # an untagged marker is no marker
+    }
     rows = states(dsn)
     assert rows[committed.txid] == "ended" and rows[aborted.txid] == "aborted"
     assert rows[in_doubt_marked.txid] == "committed" and rows[in_doubt_bare.txid] == "aborted"
+    assert rows[in_doubt_forged.txid] == "aborted"
     with psycopg.connect(dsn) as db:  # two groups of three: the commit and the recovered one
         assert db.execute("SELECT count(*) FROM ledger WHERE vpn = 'v'").fetchone() == (6,)
     # one span per transaction with its outcome, one per phase below it
@@ -134,18 +145,20 @@ def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
         aborted.txid: "aborted",
         in_doubt_marked.txid: "interrupted",  # the node stopped (here: closed) meanwhile
         in_doubt_bare.txid: "interrupted",
+        in_doubt_forged.txid: "interrupted",
     }
     root = roots[committed.txid].context
     phases = [s.name for s in spans if s.parent is not None and s.parent.span_id == root.span_id]
     assert phases == ["txn.prepare", "txn.broker_commit", "txn.decision"]  # async: no standby
     names = [s.name for s in spans]
-    assert names.count("txn.prepare") == 4 and names.count("txn.broker_commit") == 4
-    assert names.count("txn.decision") == 1 and names.count("txn.recover") == 2
+    assert names.count("txn.prepare") == 5 and names.count("txn.broker_commit") == 5
+    assert names.count("txn.decision") == 1 and names.count("txn.recover") == 3
 
 
 def test_markers_are_read_without_removal_and_swept_by_name(site_a: LocalSite) -> None:
     """Recovery reads every marker and removes none; a sweep removes exactly
-    the markers of the transactions it names and leaves the others queued."""
+    the markers of the transactions it names, and every forged one, and
+    leaves the others queued."""
     site_a.rabbit.add_vhost("v")
     store = MarkerStore(site_a.rabbit.amqp_url())
     asyncio.run(store.declare("v"))
@@ -154,13 +167,18 @@ def test_markers_are_read_without_removal_and_swept_by_name(site_a: LocalSite) -
     ch = conn.channel()
     ch.confirm_delivery()
     for txid in txids:
-        ch.basic_publish("", MARKER_QUEUE, txid.encode(), pika.BasicProperties(delivery_mode=2))
+        body = store.body("v", txid)
+        ch.basic_publish("", MARKER_QUEUE, body, pika.BasicProperties(delivery_mode=2))
+    # forged: untagged, another key's tag, another vhost's tag, not text
+    other = MarkerKey.new()
+    for body in (b"tx-1", other.body("v", "tx-2"), store.body("w", "tx-3"), b"\xff tx"):
+        ch.basic_publish("", MARKER_QUEUE, body, pika.BasicProperties(delivery_mode=2))
 
     def depth() -> int:
         return int(ch.queue_declare(MARKER_QUEUE, passive=True).method.message_count)
 
     assert asyncio.run(store.present("v")) == set(txids)
-    assert depth() == 300
+    assert depth() == 304
 
     async def overlapping() -> list[object]:
         # reads and a sweep at once: a marker one of them holds must not be
@@ -169,7 +187,8 @@ def test_markers_are_read_without_removal_and_swept_by_name(site_a: LocalSite) -
         return list(await asyncio.gather(*(store.present("v") for _ in range(4)), sweep))
 
     assert asyncio.run(overlapping()) == [set(txids)] * 4 + [0]
-    assert depth() == 300
+    assert depth() == 300  # the sweep removed the forged ones
+    assert store.forged == {"v": 4}
     gone = set(txids[::3])
     assert asyncio.run(store.remove("v", gone | {"tx-never-published"})) == 100
     assert depth() == 200

@@ -14,6 +14,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from ._machine import TRANSITIONS, Action, Input, Phase, TxnMachine, TxnProtocolError
+from ._marker_key import MarkerKey
 from ._xa_states import BranchState
 from ._xa_wire import (
     XA_EXCHANGE,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from ._markers import (
         MarkerError as MarkerError,
         MarkerStore as MarkerStore,
+        load_marker_key as load_marker_key,
         marker_txid as marker_txid,
         restored_marker as restored_marker,
     )
@@ -67,7 +69,13 @@ if TYPE_CHECKING:
 _IO_BOUND: dict[str, tuple[str, ...]] = {
     "._coordinator": ("Coordinator", "GroupLedger", "StandbyLink", "TxnStats"),
     "._log": ("XA_PENDING", "TxnLog", "TxnRow", "decode_events", "encode_events"),
-    "._markers": ("MarkerError", "MarkerStore", "marker_txid", "restored_marker"),
+    "._markers": (
+        "MarkerError",
+        "MarkerStore",
+        "load_marker_key",
+        "marker_txid",
+        "restored_marker",
+    ),
     "._participant": ("Participant",),
     "._resource": ("XAResource",),
     "._xa": ("BranchChannel", "LogPublisher", "XaCoordinator", "XaStats"),
@@ -89,6 +97,8 @@ __all__ = [
     "Phase",
     "TxnMachine",
     "TxnProtocolError",
+    # commit markers only the site's node can make
+    "MarkerKey",
     # client XA: the id, the wire, the branch states
     "XA_EXCHANGE",
     "Branch",

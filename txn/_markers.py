@@ -26,6 +26,11 @@ same channel, which the queue answers only after it has taken the requeued
 markers back (messages between two Erlang processes keep their order); a
 channel close alone requeues later, asynchronously.
 
+A marker's body is its name and a tag only the site's node can make
+(:class:`~txn._marker_key.MarkerKey`): a message a client routed into the
+queue with a ``CC`` header is not taken for a marker; a sweep removes it
+(:data:`MarkerStore.forged` counts them).
+
 One more kind of marker, ``<txid>#restored`` (:func:`restored_marker`):
 a promoted site that rolls back a client's XA branch whose acks it held
 puts those messages back in the broker with it, in one broker
@@ -38,16 +43,20 @@ import asyncio
 import logging
 import ssl
 import threading
+from collections import Counter
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import pika
 import pika.exceptions
+import psycopg
 
 from bridge import MARKER_QUEUE
 
-__all__ = ["MarkerError", "MarkerStore", "marker_txid", "restored_marker"]
+from ._marker_key import MarkerKey
+
+__all__ = ["MarkerError", "MarkerStore", "load_marker_key", "marker_txid", "restored_marker"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +79,19 @@ def marker_txid(name: str) -> str:
     return name.removesuffix(_RESTORED)
 
 
+async def load_marker_key(dsn: str) -> MarkerKey:
+    """The site's marker key (table ``marker_key``, made by ``vpnrepl init``).
+
+    Raises :class:`psycopg.errors.UndefinedTable` on a schema older than the
+    key, and :class:`LookupError` when its row is gone."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute("SELECT secret, signs_from FROM marker_key")
+        row = await cur.fetchone()
+    if row is None:
+        raise LookupError("table marker_key has no row")
+    return MarkerKey(bytes(row[0]), int(row[1]))
+
+
 class MarkerError(RuntimeError):
     """The broker could not be asked about markers (recovery waits and retries)."""
 
@@ -77,10 +99,21 @@ class MarkerError(RuntimeError):
 class MarkerStore:
     """Markers of every vhost of one broker (``amqp_url`` without a vhost path)."""
 
-    def __init__(self, amqp_url: str, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        amqp_url: str,
+        ssl_context: ssl.SSLContext | None = None,
+        key: MarkerKey | None = None,
+    ) -> None:
         self.amqp_url = amqp_url
         #: verifies an ``amqps://`` broker (None: pika's default, the system's CAs)
         self.ssl_context = ssl_context
+        #: tags and checks the markers (the node sets its site's at start;
+        #: without one, a key of this process alone)
+        self.key = key or MarkerKey.new()
+        #: vhost -> messages in its marker queue that were no marker of this
+        #: site (forged), removed by a sweep
+        self.forged: Counter[str] = Counter()
         self._declared: set[str] = set()
         self._lock = threading.Lock()  # one read of the markers at a time
 
@@ -114,17 +147,37 @@ class MarkerStore:
         await asyncio.to_thread(self._run, vhost, "declare", lambda ch: None)
         self._declared.add(vhost)
 
+    def body(self, vhost: str, name: str) -> bytes:
+        """The message body of marker ``name`` in ``vhost``'s marker queue."""
+        return self.key.body(vhost, name)
+
+    def _reader(self, vhost: str) -> Callable[[bytes], str | None]:
+        return lambda body: self.key.name_of(vhost, body)
+
     async def present(self, vhost: str) -> set[str]:
-        """The transaction ids whose markers are in the queue (nothing removed)."""
-        return await asyncio.to_thread(self._run, vhost, "read", _browse)
+        """The markers in the queue (nothing removed); forged ones are not."""
+        read = self._reader(vhost)
+        return await asyncio.to_thread(self._run, vhost, "read", lambda ch: _browse(ch, read))
 
     async def remove(self, vhost: str, txids: Collection[str]) -> int:
-        """Ack the markers of ``txids``; requeue every other one. Returns how
-        many were removed."""
+        """Ack the markers of ``txids`` and every forged one; requeue every
+        other one. Returns how many markers of ``txids`` were removed."""
         if not txids:
             return 0
-        wanted = set(txids)
-        return await asyncio.to_thread(self._run, vhost, "remove", lambda ch: _sweep(ch, wanted))
+        wanted, read = set(txids), self._reader(vhost)
+        removed, forged = await asyncio.to_thread(
+            self._run, vhost, "remove", lambda ch: _sweep(ch, wanted, read)
+        )
+        if forged:
+            self.forged[vhost] += forged
+            log.warning(
+                "vhost %r: removed %d message(s) from %s that were no commit marker of "
+                "this site (routed there by a client?)",
+                vhost,
+                forged,
+                MARKER_QUEUE,
+            )
+        return removed
 
 
 #: markers one sweep takes at most (the rest wait for the next sweep)
@@ -133,20 +186,20 @@ SWEEP_LIMIT = 10_000
 DRAIN_IDLE_SECONDS = 5.0
 
 
-def _drain(ch: Any, limit: int | None = None) -> list[tuple[int, str]]:
-    """The markers in the queue now (at most ``limit``), delivered and not
-    acked: (delivery tag, txid). A marker another reader holds meanwhile is
+def _drain(ch: Any, limit: int | None = None) -> list[tuple[int, bytes]]:
+    """The messages in the queue now (at most ``limit``), delivered and not
+    acked: (delivery tag, body). A marker another reader holds meanwhile is
     simply not seen (the drain stops when the deliveries pause)."""
     depth = ch.queue_declare(MARKER_QUEUE, passive=True).method.message_count
     wanted = depth if limit is None else min(depth, limit)
-    got: list[tuple[int, str]] = []
+    got: list[tuple[int, bytes]] = []
     if wanted == 0:
         return got
     ch.basic_qos(prefetch_count=0 if limit is None else wanted)
     for method, _props, body in ch.consume(MARKER_QUEUE, inactivity_timeout=DRAIN_IDLE_SECONDS):
         if method is None:
             break
-        got.append((method.delivery_tag, body.decode(errors="replace")))
+        got.append((method.delivery_tag, body))
         if len(got) >= wanted:
             break
     ch.cancel()  # deliveries beyond ``wanted`` go back to the queue
@@ -160,30 +213,33 @@ def _give_back(ch: Any, tag: int) -> None:
     ch.queue_declare(MARKER_QUEUE, passive=True)
 
 
-def _browse(ch: Any) -> set[str]:
+def _browse(ch: Any, read: Callable[[bytes], str | None]) -> set[str]:
     got = _drain(ch)
     if got:
         _give_back(ch, got[-1][0])  # every marker back to the queue
-    return {txid for _, txid in got}
+    return {name for _, body in got if (name := read(body)) is not None}
 
 
-def _sweep(ch: Any, wanted: set[str]) -> int:
-    """Ack the drained markers of ``wanted``, requeue the others: one
+def _sweep(ch: Any, wanted: set[str], read: Callable[[bytes], str | None]) -> tuple[int, int]:
+    """Ack the drained markers of ``wanted`` and the forged ones (``read``
+    gives None), requeue the others: one
     ``multiple`` ack or nack per run of like markers (the drained tags
     ascend and the earlier runs are settled, so ``multiple`` at a run's
     last tag settles exactly that run), not a frame and a flush per marker."""
-    removed = 0
+    removed = forged = 0
     run: tuple[bool, int] | None = None  # (remove?, last tag) of the run unsettled
-    for tag, txid in _drain(ch, SWEEP_LIMIT):
-        remove = txid in wanted
-        removed += remove
+    for tag, body in _drain(ch, SWEEP_LIMIT):
+        name = read(body)
+        remove = name is None or name in wanted
+        removed += name is not None and remove
+        forged += name is None
         if run is not None and run[0] != remove:
             _settle(ch, *run)
         run = (remove, tag)
     if run is not None:
         _settle(ch, *run)
     ch.queue_declare(MARKER_QUEUE, passive=True)  # the requeued ones are back
-    return removed
+    return removed, forged
 
 
 def _settle(ch: Any, remove: bool, tag: int) -> None:

@@ -44,6 +44,20 @@ active that crashed before its ledger commit re-appends the group at start
 (its marker says the broker committed) at whatever index its ledger is at,
 and the standby still applies it exactly once.
 
+**Prepared rows settle with their groups.** A participant's row still
+``prepared`` when the stream brings its group (the early commit declined,
+or not asked) moves to ``committed`` in the transaction that applies the
+group's last entry, keeping that entry's index (``ledger_last``). The
+applier knows each row's events: :meth:`StandbyApplier.expect` records
+them at the participant's yes vote, and a VPN's first batch reads the rows
+prepared before. Nothing else settles a row committed (the participant's
+outcome does not: ``txn/_participant.py``), so a ``prepared`` row is a
+transaction whose group is not here, and a promotion commits exactly those.
+A checkpoint settles the prepared rows whose published messages it holds;
+one whose group it covers with every message consumed before it stays
+prepared and is applied again by a promotion (at-least-once: its
+messages come back rather than go missing).
+
 The applier is blocking (psycopg's synchronous API, one statement stream per
 VPN batch); an asyncio caller runs it with ``asyncio.to_thread``.
 """
@@ -121,6 +135,16 @@ _APPLIED_DONE = """
 UPDATE txn_log SET state = 'committed', updated_at = now()
 WHERE txid = ANY(%s) AND state = 'applied'
 """
+_PREPARED_ROWS = """
+SELECT txid, events FROM txn_log
+WHERE vpn = %s AND side = 'participant' AND state = 'prepared'
+"""
+# the rows whose groups end in the batch being applied (or a checkpoint holds)
+_SETTLE_WITH_GROUP = """
+UPDATE txn_log t SET state = 'committed', ledger_last = s.last, updated_at = now()
+FROM unnest(%s::text[], %s::bigint[]) AS s(txid, last)
+WHERE t.txid = s.txid AND t.side = 'participant' AND t.state = 'prepared'
+"""
 _SETTLE_AHEAD = """
 UPDATE txn_log SET state = 'committed', updated_at = now()
 WHERE vpn = %s AND side = 'participant' AND state = 'applied'
@@ -196,6 +220,68 @@ class StandbyApplier:
         #: vpn -> encoded event -> where it was committed early
         #: (loaded from the ``applied`` rows at a VPN's first batch)
         self._early: dict[str, dict[bytes, _Early]] = {}
+        #: the prepared rows' events: vpn -> encoded event -> (txid, the
+        #: group's last event?); :meth:`expect` adds from the event loop
+        #: while a batch may run in a worker thread, hence the lock
+        self._prepared: dict[str, dict[bytes, tuple[str, bool]]] = {}
+        self._prepared_events: dict[str, tuple[str, tuple[bytes, ...]]] = {}
+        self._prepared_loaded: set[str] = set()
+        self._prepared_lock = threading.Lock()
+
+    def expect(self, vpn: str, txid: str, encoded: Sequence[bytes]) -> None:
+        """The participant votes yes on ``txid`` (its events' encodings):
+        its row settles when the stream brings the group's last event."""
+        if not encoded:
+            return
+        with self._prepared_lock:
+            self._prepared_events[txid] = (vpn, tuple(encoded))
+            events = self._prepared.setdefault(vpn, {})
+            last = len(encoded) - 1
+            for i, data in enumerate(encoded):
+                events[data] = (txid, i == last)
+
+    def forget_prepared(self, txid: str) -> None:
+        """``txid`` will not come (aborted, or the vote was no)."""
+        with self._prepared_lock:
+            found = self._prepared_events.pop(txid, None)
+            if found is None:
+                return
+            events = self._prepared.get(found[0], {})
+            for data in found[1]:
+                if events.get(data, ("",))[0] == txid:
+                    del events[data]
+
+    def _expected(self, conn: psycopg.Connection[Any], vpn: str) -> dict[bytes, tuple[str, bool]]:
+        """The VPN's prepared rows' events (the rows read at first use)."""
+        if vpn not in self._prepared_loaded:
+            rows = conn.execute(_PREPARED_ROWS, (vpn,)).fetchall()
+            for txid, events in rows:
+                if str(txid) not in self._prepared_events:
+                    self.expect(vpn, str(txid), split_events(bytes(events)))
+            self._prepared_loaded.add(vpn)
+        with self._prepared_lock:
+            return self._prepared.setdefault(vpn, {})
+
+    def _settle_groups(
+        self, conn: psycopg.Connection[Any], vpn: str, entries: Sequence[LedgerEntry]
+    ) -> list[str]:
+        """Settle the prepared rows whose groups end among ``entries`` (in
+        the caller's transaction); returns their ids."""
+        expected = self._expected(conn, vpn)
+        if not expected:
+            return []
+        ended = [
+            (found[0], entry.index)
+            for entry in entries
+            if (found := expected.get(entry.encoded)) is not None and found[1]
+        ]
+        if ended:
+            conn.execute(_SETTLE_WITH_GROUP, ([t for t, _ in ended], [i for _, i in ended]))
+        return [t for t, _ in ended]
+
+    def _forget_all(self, txids: Iterable[str]) -> None:
+        for txid in txids:
+            self.forget_prepared(txid)
 
     def close(self) -> None:
         with self._lock:
@@ -284,7 +370,9 @@ class StandbyApplier:
             apply_entries(conn, vpn, rest, keep_topology=True)
             if settled:
                 conn.execute(_APPLIED_DONE, (settled,))
+            arrived = self._settle_groups(conn, vpn, rest)
             set_applied(conn, vpn, fresh[-1].index, epoch)
+        self._forget_all(arrived)
         for key in passed:
             early.pop(key, None)
         if settled:
@@ -462,12 +550,38 @@ class StandbyApplier:
             # the checkpoint, and the replay after it, supersede whatever was
             # committed early: those groups come as usual
             conn.execute(_SETTLE_AHEAD, (vpn,))
+            held: set[bytes] = set()  # the checkpoint's replication ids
             with conn.cursor() as cur, cur.copy(_COPY_CHECKPOINT) as copy:
                 copy.set_types(_CHECKPOINT_TYPES)
                 for row in rows:
-                    copy.write_row((vpn, *_live_row(row)))
+                    live = _live_row(row)
+                    held.add(live[1])
+                    copy.write_row((vpn, *live))
+            covered = self._covered(conn, vpn, held, index)
             set_applied(conn, vpn, index, epoch)
         self._early.pop(vpn, None)
+        self._forget_all(covered)
+
+    def _covered(
+        self, conn: psycopg.Connection[Any], vpn: str, held: set[bytes], index: int
+    ) -> list[str]:
+        """Settle the prepared rows a checkpoint at ``index`` shows came:
+        one of their published messages is in it (see the module docstring)."""
+        self._expected(conn, vpn)
+        with self._prepared_lock:
+            rows = [(t, enc) for t, (v, enc) in self._prepared_events.items() if v == vpn]
+        covered = [
+            txid
+            for txid, encoded in rows
+            if any(
+                isinstance(event := decode_event(data, vpn), Published)
+                and event.repl_id.value in held
+                for data in encoded
+            )
+        ]
+        if covered:
+            conn.execute(_SETTLE_WITH_GROUP, (covered, [index] * len(covered)))
+        return covered
 
     def apply_repair(
         self,

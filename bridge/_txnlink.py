@@ -247,6 +247,8 @@ class StandbyTxnLink:
         if isinstance(frame, TxnOutcome):
             self._ready.pop(frame.txid, None)
             await self.participant.outcome(frame.vpn, frame.txid, frame.commit)
+            if not frame.commit and self.applier is not None:
+                self.applier.forget_prepared(frame.txid)
             return
         voted = await self.participant.prepare(
             frame.vpn,
@@ -257,15 +259,19 @@ class StandbyTxnLink:
         )
         if not voted:
             self._ready.pop(frame.txid, None)
+            if self.applier is not None:
+                self.applier.forget_prepared(frame.txid)
         epoch = link.conn.known_epoch(frame.vpn)
         link.try_send(TxnVote(frame.vpn, epoch, frame.txid, voted is not None))
 
     def _get_ready(self, frame: TxnPrepare, voted: Voted) -> None:
         """The early commit's statement, built while the participant's row
         is written (for a yes vote; a no drops it), so the active's broker
-        commit is not kept waiting for it."""
+        commit is not kept waiting for it; and the applier learns the
+        events by which the stream's copy of the group settles the row."""
         if not voted or self.applier is None:
             return
+        self.applier.expect(frame.vpn, frame.txid, [data for data, _ in voted])
         self._ready[frame.txid] = self.applier.ready_early_commit(frame.vpn, frame.txid, voted)
         if len(self._ready) > READY_KEPT:
             self._ready.popitem(last=False)

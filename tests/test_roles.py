@@ -3,6 +3,7 @@ fencing (bridge/_roles.py), against a real PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import psycopg
@@ -22,7 +23,8 @@ from bridge._standby import NotStandby, StandbyApplier
 from plugin._localsites import LocalSite
 from plugin._store import connect, status
 from tests.test_standby_apply import ack, keys, numbered, prepare, pub
-from txn._log import encode_events
+from txn._log import TxnLog, encode_events
+from txn._participant import Participant
 
 VPN = "orders"
 
@@ -103,6 +105,72 @@ def test_in_doubt_transactions_are_committed_after_what_was_applied(standby: str
     assert keys(standby, VPN) == {("q1", 3, 3), ("q2", 3, 3), ("q2", 4, 5), ("q1", 10, 6)}
     assert one(standby, "SELECT count(*) FROM txn_log WHERE state = 'committed'") == (2,)
     assert one(standby, "SELECT txns_committed FROM promotion WHERE vpn = %s", VPN) == (2,)
+
+
+def _participant_hears(dsn: str, txid: str, events: list[Any], *, outcome: bool | None) -> None:
+    """The participant prepares ``txid`` (a yes vote) and, unless
+    ``outcome`` is None, hears how it ended, as the bridge feeds it."""
+
+    async def run() -> None:
+        log = TxnLog(dsn)
+        await log.open()
+        participant = Participant(log)
+        try:
+            assert await participant.prepare(VPN, txid, encode_events(events)) is not None
+            if outcome is not None:
+                await participant.outcome(VPN, txid, outcome)
+            await participant.close()
+        finally:
+            await log.close()
+
+    asyncio.run(run())
+
+
+def test_a_commit_heard_before_its_group_leaves_the_group_to_the_promotion(standby: str) -> None:
+    """The active committed ``t`` and said so, then was lost before its
+    ledger stream brought the group: the promotion must still commit it
+    here (the client may have been told committed)."""
+    _participant_hears(standby, "t", [pub(VPN, 10, "q1")], outcome=True)
+    with connect(standby) as conn:
+        start = begin_promotion(conn, VPN, "b")
+    assert start.txns_committed == 1
+    assert ("q1", 10, 6) in keys(standby, VPN)
+    assert one(standby, "SELECT state, ledger_last FROM txn_log WHERE txid = 't'") == (
+        "committed",
+        6,
+    )
+
+
+@pytest.mark.parametrize("outcome", [None, True], ids=["outcome-unheard", "outcome-heard"])
+def test_a_group_the_stream_applied_is_not_applied_again_by_the_promotion(
+    standby: str, outcome: bool | None
+) -> None:
+    """The stream brought ``t``'s group, and a consumer then took its
+    message, before the outcome (if any) reached the participant: a
+    promotion must not publish the consumed message again."""
+    _participant_hears(standby, "t", [pub(VPN, 10, "q1")], outcome=None)
+    with StandbyApplier(standby) as applier:
+        applier.apply_batch(VPN, numbered([pub(VPN, 10, "q1"), ack(VPN, 10, "q1")], 6, epoch=3))
+    if outcome is not None:
+        asyncio.run(_outcome(standby, "t", outcome))
+    with connect(standby) as conn:
+        begin_promotion(conn, VPN, "b")
+    assert not {k for k in keys(standby, VPN) if k[1] in (10,)}
+    assert one(standby, "SELECT state, ledger_last FROM txn_log WHERE txid = 't'") == (
+        "committed",
+        6,
+    )
+
+
+async def _outcome(dsn: str, txid: str, commit: bool) -> None:
+    log = TxnLog(dsn)
+    await log.open()
+    participant = Participant(log)
+    try:
+        await participant.outcome(VPN, txid, commit)
+        await participant.close()
+    finally:
+        await log.close()
 
 
 def test_in_doubt_transactions_and_the_new_ledger_start_past_groups_committed_early(

@@ -839,3 +839,48 @@ def test_a_gate_takes_the_config_row_before_the_state_row(site_b: LocalSite) -> 
         promoting.commit()
     waiter.join(10)
     assert done, "the gate did not finish once the promotion committed"
+
+
+def test_a_prepared_row_settles_in_the_transaction_that_applies_its_group(
+    site_b: LocalSite,
+) -> None:
+    """The row of a transaction the stream brings (not committed early)
+    moves to committed, with its group's last index, exactly when the
+    group's last entry is applied; a row whose vote was withdrawn, or whose
+    group has not come, stays prepared."""
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    group = [pub("v", 3, "q"), ack("v", 1, "q")]
+    prepared(dsn, "v", "t1", group)
+    prepared(dsn, "v", "t2", [pub("v", 4, "q")])
+    prepared(dsn, "v", "t3", [pub("v", 9, "q")])
+    with StandbyApplier(dsn) as applier:
+        applier.expect("v", "t1", [encode_event(e) for e in group])
+        applier.expect("v", "t2", [encode_event(pub("v", 4, "q"))])
+        applier.apply_batch("v", numbered([pub("v", 1, "q"), pub("v", 2, "q"), group[0]]))
+        assert txn_state(dsn, "t1") == "prepared"  # half its group is here
+        applier.forget_prepared("t2")
+        applier.apply_batch("v", numbered([group[1], pub("v", 4, "q")], start=4))
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT txid, state, ledger_last FROM txn_log ORDER BY txid")
+        assert rows.fetchall() == [
+            ("t1", "committed", 4),
+            ("t2", "prepared", 0),
+            ("t3", "prepared", 0),
+        ]
+
+
+def test_a_checkpoint_settles_the_prepared_rows_whose_messages_it_holds(
+    site_b: LocalSite,
+) -> None:
+    dsn = site_b.pg.dsn()
+    prepare(dsn, v="standby")
+    prepared(dsn, "v", "held", [pub("v", 3, "q")])
+    prepared(dsn, "v", "later", [pub("v", 4, "q")])
+    row = ("q", rid(3).value, 7, "ex", "rk.3", b"\x80props", b"secret-body")
+    with StandbyApplier(dsn) as applier:
+        applier.install_checkpoint("v", 1, 8, [row])
+        assert txn_state(dsn, "held") == "committed"
+        assert txn_state(dsn, "later") == "prepared"
+        applier.apply_batch("v", numbered([pub("v", 4, "q")], start=9))
+    assert txn_state(dsn, "later") == "committed"

@@ -12,19 +12,23 @@ active appends them as one group when it decides to commit), or, in sync
 mode, early, from the prepared row (``TxnCommit``: a yes vote
 returns the events decoded here, and the bridge builds the commit's
 statement from them while the active commits the broker,
-:meth:`bridge._standby.StandbyApplier.ready_early_commit`); ``TxnOutcome``
-settles the row. After a reconnect the standby asks about every row still
-prepared (``TxnQuery``) and the active answers each once it knows
-(presumed abort: an id the active has no row for was never committed).
+:meth:`bridge._standby.StandbyApplier.ready_early_commit`).
 
-Commit outcomes are recorded in batches, every :data:`OUTCOME_FLUSH_SECONDS`
-(one ``UPDATE`` for all of them, instead of a database commit per
-transaction competing with the next transaction's prepare for the same
-CPU): the row's state is bookkeeping, since the transaction's effects came
-with the ledger stream and its outcome is the active's. A row whose
-outcome a crash or a database error kept from being recorded stays
-``prepared`` and is asked about again (``TxnQuery``) at the next connect;
-until then ``status`` counts it in doubt. Aborts are recorded at once.
+**A row is settled committed with its group, never by an outcome.** The
+standby's applier moves a row to ``committed`` in the same database
+transaction that applies the group's last entry, from the stream or early
+(``bridge/_standby.py``, which knows the rows' events). A commit outcome
+(``TxnOutcome``) writes nothing: settled by the outcome, a row whose group
+had not come yet would be skipped by a promotion if the active were lost
+then (its messages nowhere here), and a row still prepared after its
+group came would be applied a second time by a promotion (a consumed
+message back). So a ``prepared`` row is exactly a transaction whose group
+is not here, which is what the promotion commits (``bridge/_roles.py``).
+An abort outcome is recorded at once. After a reconnect the standby asks
+about every row still prepared (``TxnQuery``) and the active answers each
+once it knows (presumed abort: an id the active has no row for was never
+committed); a commit answer leaves the row to its group, which the
+resync brings.
 """
 
 from __future__ import annotations
@@ -44,16 +48,10 @@ __all__ = ["Participant"]
 
 log = logging.getLogger(__name__)
 
-#: how long commit outcomes gather before they are recorded together
-OUTCOME_FLUSH_SECONDS = 0.05
-
 
 class Participant:
     def __init__(self, txn_log: TxnLog) -> None:
         self.log = txn_log
-        self._committed: dict[str, str] = {}  # txid -> vpn: known, not yet recorded
-        self._flusher: asyncio.Task[None] | None = None
-        self._failing = False  # the last flush did not reach the database
 
     async def prepare(
         self,
@@ -113,10 +111,9 @@ class Participant:
         return voted
 
     async def outcome(self, vpn: str, txid: str, commit: bool) -> None:
+        """How ``txid`` ended at the active. A commit writes nothing: the
+        row is settled with its group (see the module docstring)."""
         if commit:
-            self._committed[txid] = vpn
-            if self._flusher is None or self._flusher.done():
-                self._flusher = asyncio.create_task(self._flush_loop(), name="txn-outcomes")
             return
         try:
             aborted = await self.log.move(txid, "aborted", leaving=("prepared",))
@@ -133,39 +130,10 @@ class Participant:
         if aborted:
             log.info("VPN %s: transaction %s aborted", vpn, txid)
 
-    async def _flush_loop(self) -> None:
-        while self._committed:
-            await asyncio.sleep(1.0 if self._failing else OUTCOME_FLUSH_SECONDS)
-            await self.flush()
-
-    async def flush(self) -> None:
-        """Record the commit outcomes gathered so far (kept for the next
-        flush if the database does not take them)."""
-        batch, self._committed = self._committed, {}
-        if not batch:
-            return
-        try:
-            moved = await self.log.move_many(list(batch), "committed", leaving=("prepared",))
-        except psycopg.Error as e:
-            if not self._failing:
-                log.warning("%d transaction outcomes not recorded yet: %s", len(batch), e)
-            self._failing = True
-            self._committed = {**batch, **self._committed}
-            return
-        if self._failing:
-            log.info("transaction outcomes recorded again")
-        self._failing = False
-        log.debug("%d of %d transactions marked committed", moved, len(batch))
-
     async def close(self) -> None:
-        """Record what is gathered, then stop."""
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-        await self.flush()
+        """Nothing is kept to record: outcomes are written as they come."""
 
     async def in_doubt(self, vpn: str) -> list[str]:
-        """Prepared rows of ``vpn`` whose outcome this site does not know."""
+        """Prepared rows of ``vpn``: their groups are not here."""
         rows = await self.log.prepared_rows(PARTICIPANT, vpn)
-        return [r.txid for r in rows if r.txid not in self._committed]
+        return [r.txid for r in rows]

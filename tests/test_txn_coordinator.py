@@ -4,6 +4,7 @@ its rows, its ledger group, its spans, and recovery by marker."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -431,6 +432,49 @@ def test_a_transaction_committed_early_sends_the_standby_no_outcome(site_a: Loca
     asyncio.run(scenario())
     assert calls == [("answer", ahead.txid), ("answer", streamed.txid), ("outcome", streamed.txid)]
     assert states(dsn) == {ahead.txid: "committed", streamed.txid: "committed"}
+
+
+def test_a_prepare_the_sites_database_does_not_record_in_time_is_refused(
+    site_a: LocalSite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The site's PostgreSQL hangs (here: a lock holds ``txn_log``): the
+    client's commit is refused after the bound, not held for as long as
+    the database hangs; the standby's row is aborted at once, the local
+    row once its write gets through."""
+    from tests.fix_sites import until_a_lock_waits
+    from txn import _coordinator
+
+    monkeypatch.setattr(_coordinator, "PREPARE_BOUND_SECONDS", 0.5)
+    dsn = active_site(site_a)
+    ids = IdSource(18)
+    t1 = txn(ids, 1)
+    calls: list[tuple[str, str]] = []
+
+    async def scenario() -> None:
+        log, writer = await opened(dsn)
+        standby = RecordingStandby(set(), calls)
+        c = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, standby, standby)
+        c.configure(VpnSettings.from_args("v", "active", "sync"))
+        await c.markers.declare("v")
+        with psycopg.connect(dsn) as locker:
+            locker.execute("LOCK TABLE txn_log IN ACCESS EXCLUSIVE MODE")
+            started = time.monotonic()
+            with pytest.raises(TransactionRefused, match="did not record the prepare within 0.5 s"):
+                await c.prepare(t1)
+            assert time.monotonic() - started < 5
+            assert calls == [("outcome", t1.txid)]  # the standby aborts its row
+            await asyncio.to_thread(until_a_lock_waits, dsn, "the late prepare", lambda: True)
+            locker.commit()
+        for _ in range(100):
+            if states(dsn).get(t1.txid) == "aborted":
+                break
+            await asyncio.sleep(0.05)
+        await c.close()
+        await writer.close()
+        await log.close()
+
+    asyncio.run(scenario())
+    assert states(dsn) == {t1.txid: "aborted"}
 
 
 class LateAnswer(RecordingStandby):

@@ -157,6 +157,10 @@ tracer = trace.get_tracer("vpnrepl.txn")
 
 #: how long after a broken connection a transaction is settled by its marker
 RESOLVE_DELAY = 1.0
+#: how long a transaction waits for its prepared row in the site's own
+#: database before it is refused (as long as a plain publish waits for its
+#: ledger entry before its nack)
+PREPARE_BOUND_SECONDS = 10.0
 #: markers of ended transactions are removed in sweeps this often
 SWEEP_SECONDS = 5.0
 #: how long a transaction's row stays in ``txn_log`` after it is over on
@@ -427,20 +431,36 @@ class Coordinator:
         if asked is None:  # the first of its VPN: the standby is asked once the queue exists
             asked = self._ask_standby(live, settings, encoded)
         remote = None if asked is None else asyncio.ensure_future(asked)
-        local = self.log.prepare(
-            txn.txid,
-            txn.vpn,
-            COORDINATOR,
-            encoded,
-            ledger_floor=floor,
-            xid=live.xid,
-            xa_owner=live.owner,
+        local = asyncio.ensure_future(
+            self.log.prepare(
+                txn.txid,
+                txn.vpn,
+                COORDINATOR,
+                encoded,
+                ledger_floor=floor,
+                xid=live.xid,
+                xa_owner=live.owner,
+            )
         )
         try:
-            await local
+            await asyncio.wait((local,), timeout=PREPARE_BOUND_SECONDS)
+            if not local.done():  # the site's database hangs: the client hears now
+                if remote is not None:
+                    remote.cancel()
+                if self.link is not None:  # the standby may have prepared: it aborts
+                    self.link.outcome(txn.vpn, txn.txid, commit=False)
+                self._spawn(self._abort_late(txn, local))
+                raise TransactionRefused(
+                    f"the site database did not record the prepare within "
+                    f"{PREPARE_BOUND_SECONDS:g} s; nothing was applied"
+                )
+            local.result()
+        except TransactionRefused:
+            raise
         except BaseException:
             if remote is not None:
                 remote.cancel()
+            local.cancel()
             raise
         if machine.phase is Phase.ABORTED:  # abort() may have run before the row existed
             await self._forget(txn)
@@ -736,6 +756,17 @@ class Coordinator:
                 self._committing_ids.pop(rid, None)
             live.finish("aborted", "the broker did not commit (no marker)")
             await self._forget(txn)
+
+    async def _abort_late(self, txn: LocalTransaction, local: asyncio.Future[bool]) -> None:
+        """A prepare refused for its slow local row: the row is aborted
+        once its write is done (or, if the node stops first, by recovery: no
+        marker, no commit)."""
+        try:
+            await local
+        except psycopg.Error:
+            return  # never written
+        await self.log.move(txn.txid, "aborted", leaving=("prepared",))
+        log.info("VPN %s: transaction %s: its late prepared row is aborted", txn.vpn, txn.txid)
 
     async def _forget(self, txn: LocalTransaction) -> None:
         await self.forget_branch(txn.vpn, txn.txid)

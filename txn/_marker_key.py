@@ -56,12 +56,13 @@ class MarkerKey:
         """The marker a body found in ``vhost``'s marker queue is (None: a
         forged one, or not a marker)."""
         try:
-            text = body.decode()
+            text = body.decode("ascii")  # every marker we make is ASCII
         except UnicodeDecodeError:
             return None
         name, sep, tag = text.rpartition(_SEP)
         if sep:
-            return name if hmac.compare_digest(tag, self._tag(vhost, name)) else None
+            expected = self._tag(vhost, name).encode()
+            return name if hmac.compare_digest(tag.encode(), expected) else None
         return text if _incarnation(text) < self.signs_from else None
 
 
@@ -70,4 +71,6 @@ def _incarnation(name: str) -> int:
     perhaps with a ``#restored`` suffix); a huge one when there is none."""
     local = name.rpartition("/")[2]
     head = local.partition(".")[0]
-    return int(head) if head.isdigit() and len(head) < 19 else 1 << 63
+    if not (head.isascii() and head.isdecimal() and 0 < len(head) < 19):
+        return 1 << 63
+    return int(head)

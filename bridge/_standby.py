@@ -65,7 +65,8 @@ VPN batch); an asyncio caller runs it with ``asyncio.to_thread``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -138,12 +139,14 @@ WHERE txid = ANY(%s) AND state = 'applied'
 _PREPARED_ROWS = """
 SELECT txid, events FROM txn_log
 WHERE vpn = %s AND side = 'participant' AND state = 'prepared'
+ORDER BY created_at, txid
 """
 # the rows whose groups end in the batch being applied (or a checkpoint holds)
 _SETTLE_WITH_GROUP = """
 UPDATE txn_log t SET state = 'committed', ledger_last = s.last, updated_at = now()
 FROM unnest(%s::text[], %s::bigint[]) AS s(txid, last)
 WHERE t.txid = s.txid AND t.side = 'participant' AND t.state = 'prepared'
+RETURNING t.txid
 """
 _SETTLE_AHEAD = """
 UPDATE txn_log SET state = 'committed', updated_at = now()
@@ -189,6 +192,23 @@ class _Early:
     last: bool  # the group's last event: the row is settled when it passes
 
 
+#: groups applied before their rows were written, remembered for the rows
+ROWLESS_KEPT = 10_000
+
+
+def _settling(events: Sequence[Event]) -> int:
+    """The position of the event whose arrival settles a prepared row: its
+    last publish (a branch committed from its log after its channel closed
+    records its publishes alone, ``txn._log.TxnRow.recorded_events``), or
+    its last event when it publishes nothing. Acks after the last publish
+    that a lost active never streamed bring their messages back, as any ack
+    not in the ledger does."""
+    for i in range(len(events) - 1, -1, -1):
+        if isinstance(events[i], Published):
+            return i
+    return len(events) - 1
+
+
 def _register(early: dict[bytes, _Early], txid: str, first: int, encoded: list[bytes]) -> None:
     """Record ``txid``'s events (its group applied at ``first`` onwards)."""
     last = first + len(encoded) - 1
@@ -226,22 +246,27 @@ class StandbyApplier:
         self._prepared: dict[str, dict[bytes, tuple[str, bool]]] = {}
         self._prepared_events: dict[str, tuple[str, tuple[bytes, ...]]] = {}
         self._prepared_loaded: set[str] = set()
+        #: txid -> the index its group ended at, applied before its row was
+        #: written (:meth:`arrived_before_its_row`)
+        self._rowless: OrderedDict[str, int] = OrderedDict()
         self._prepared_lock = threading.Lock()
 
-    def expect(self, vpn: str, txid: str, encoded: Sequence[bytes]) -> None:
-        """The participant votes yes on ``txid`` (its events' encodings):
-        its row settles when the stream brings the group's last event."""
-        if not encoded:
+    def expect(self, vpn: str, txid: str, voted: Sequence[tuple[bytes, Event]]) -> None:
+        """The participant votes yes on ``txid`` (its events, encoding and
+        event): its row settles when the stream brings the group's last
+        publish (:func:`_settling`)."""
+        if not voted:
             return
+        at = _settling([event for _, event in voted])
         with self._prepared_lock:
-            self._prepared_events[txid] = (vpn, tuple(encoded))
+            self._prepared_events[txid] = (vpn, tuple(data for data, _ in voted))
             events = self._prepared.setdefault(vpn, {})
-            last = len(encoded) - 1
-            for i, data in enumerate(encoded):
-                events[data] = (txid, i == last)
+            for i, (data, _) in enumerate(voted):
+                events[data] = (txid, i == at)
 
     def forget_prepared(self, txid: str) -> None:
-        """``txid`` will not come (aborted, or the vote was no)."""
+        """``txid``'s group will not come through the stream unannounced:
+        aborted, voted no, or committed early (its row settled already)."""
         with self._prepared_lock:
             found = self._prepared_events.pop(txid, None)
             if found is None:
@@ -251,37 +276,60 @@ class StandbyApplier:
                 if events.get(data, ("",))[0] == txid:
                     del events[data]
 
+    def arrived_before_its_row(self, txid: str) -> int | None:
+        """Where ``txid``'s group was applied when its row was not written
+        yet (a late prepare: the active went on without the vote); the
+        participant settles the row with it (None: not so)."""
+        with self._prepared_lock:
+            return self._rowless.pop(txid, None)
+
     def _expected(self, conn: psycopg.Connection[Any], vpn: str) -> dict[bytes, tuple[str, bool]]:
         """The VPN's prepared rows' events (the rows read at first use)."""
         if vpn not in self._prepared_loaded:
-            rows = conn.execute(_PREPARED_ROWS, (vpn,)).fetchall()
-            for txid, events in rows:
-                if str(txid) not in self._prepared_events:
-                    self.expect(vpn, str(txid), split_events(bytes(events)))
+            for txid, events in conn.execute(_PREPARED_ROWS, (vpn,)).fetchall():
+                encoded = split_events(bytes(events))
+                voted = [(data, decode_event(data, vpn)) for data in encoded]
+                with self._prepared_lock:
+                    known = str(txid) in self._prepared_events
+                if not known:
+                    self.expect(vpn, str(txid), voted)
             self._prepared_loaded.add(vpn)
         with self._prepared_lock:
             return self._prepared.setdefault(vpn, {})
 
     def _settle_groups(
         self, conn: psycopg.Connection[Any], vpn: str, entries: Sequence[LedgerEntry]
-    ) -> list[str]:
+    ) -> tuple[list[str], dict[str, int]]:
         """Settle the prepared rows whose groups end among ``entries`` (in
-        the caller's transaction); returns their ids."""
+        the caller's transaction); returns their ids, and the groups that
+        ended with no row prepared (txid -> index: its row comes late)."""
         expected = self._expected(conn, vpn)
         if not expected:
-            return []
-        ended = [
-            (found[0], entry.index)
+            return [], {}
+        ended = {
+            found[0]: entry.index
             for entry in entries
             if (found := expected.get(entry.encoded)) is not None and found[1]
-        ]
-        if ended:
-            conn.execute(_SETTLE_WITH_GROUP, ([t for t, _ in ended], [i for _, i in ended]))
-        return [t for t, _ in ended]
+        }
+        if not ended:
+            return [], {}
+        moved = conn.execute(_SETTLE_WITH_GROUP, (list(ended), list(ended.values()))).fetchall()
+        settled = [str(row[0]) for row in moved]
+        rowless = {t: i for t, i in ended.items() if t not in set(settled)}
+        return settled, rowless
 
-    def _forget_all(self, txids: Iterable[str]) -> None:
-        for txid in txids:
+    def _ended(self, settled: Iterable[str], rowless: Mapping[str, int] | None = None) -> None:
+        """After the commit: forget the settled rows; remember where the
+        groups without a row went (a bounded few)."""
+        for txid in settled:
             self.forget_prepared(txid)
+        if rowless:
+            with self._prepared_lock:
+                self._rowless.update(rowless)
+                while len(self._rowless) > ROWLESS_KEPT:
+                    self._rowless.popitem(last=False)
+            for txid in rowless:
+                self.forget_prepared(txid)
 
     def close(self) -> None:
         with self._lock:
@@ -370,9 +418,9 @@ class StandbyApplier:
             apply_entries(conn, vpn, rest, keep_topology=True)
             if settled:
                 conn.execute(_APPLIED_DONE, (settled,))
-            arrived = self._settle_groups(conn, vpn, rest)
+            arrived, rowless = self._settle_groups(conn, vpn, rest)
             set_applied(conn, vpn, fresh[-1].index, epoch)
-        self._forget_all(arrived)
+        self._ended(arrived, rowless)
         for key in passed:
             early.pop(key, None)
         if settled:
@@ -480,6 +528,7 @@ class StandbyApplier:
             ]
             apply_entries(conn, vpn, entries)
         _register(early, txid, first, encoded)
+        self.forget_prepared(txid)  # settled with the stream's copy of the early group
         return first + len(encoded) - 1
 
     def ready_early_commit(
@@ -516,6 +565,7 @@ class StandbyApplier:
         transaction (its group's copy in the stream is then recognised);
         returns the group's last index."""
         _register(self._early[vpn], ready.txid, first, list(ready.encoded))
+        self.forget_prepared(ready.txid)  # settled with the stream's copy of the early group
         return first + len(ready.encoded) - 1
 
     def forget_early(self, vpn: str) -> None:
@@ -560,7 +610,7 @@ class StandbyApplier:
             covered = self._covered(conn, vpn, held, index)
             set_applied(conn, vpn, index, epoch)
         self._early.pop(vpn, None)
-        self._forget_all(covered)
+        self._ended(covered)
 
     def _covered(
         self, conn: psycopg.Connection[Any], vpn: str, held: set[bytes], index: int
@@ -579,9 +629,10 @@ class StandbyApplier:
                 for data in encoded
             )
         ]
-        if covered:
-            conn.execute(_SETTLE_WITH_GROUP, (covered, [index] * len(covered)))
-        return covered
+        if not covered:
+            return []
+        moved = conn.execute(_SETTLE_WITH_GROUP, (covered, [index] * len(covered))).fetchall()
+        return [str(row[0]) for row in moved]
 
     def apply_repair(
         self,

@@ -85,6 +85,8 @@ class TxnParticipant(Protocol):
 
     async def outcome(self, vpn: str, txid: str, commit: bool) -> None: ...
 
+    async def settle(self, vpn: str, txid: str, last: int) -> None: ...
+
     async def in_doubt(self, vpn: str) -> list[str]: ...
 
 
@@ -261,6 +263,12 @@ class StandbyTxnLink:
             self._ready.pop(frame.txid, None)
             if self.applier is not None:
                 self.applier.forget_prepared(frame.txid)
+        elif self.applier is not None:
+            # a late prepare: the active went on without the vote, and the
+            # stream applied the group before the row was written
+            index = self.applier.arrived_before_its_row(frame.txid)
+            if index is not None:
+                await self.participant.settle(frame.vpn, frame.txid, index)
         epoch = link.conn.known_epoch(frame.vpn)
         link.try_send(TxnVote(frame.vpn, epoch, frame.txid, voted is not None))
 
@@ -271,7 +279,7 @@ class StandbyTxnLink:
         events by which the stream's copy of the group settles the row."""
         if not voted or self.applier is None:
             return
-        self.applier.expect(frame.vpn, frame.txid, [data for data, _ in voted])
+        self.applier.expect(frame.vpn, frame.txid, voted)
         self._ready[frame.txid] = self.applier.ready_early_commit(frame.vpn, frame.txid, voted)
         if len(self._ready) > READY_KEPT:
             self._ready.popitem(last=False)

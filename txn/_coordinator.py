@@ -44,13 +44,12 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
    stream's later acknowledgement is never counted as a sync timeout.)
    Then the
    bookkeeping, in batches rather than a database commit per transaction
-   on the client's path: a participant's row committed early is marked
-   committed with the stream's copy of its group; any other learns its
-   outcome from ``TxnOutcome``, sent after the client's answer (the
-   participant flushes outcomes together,
-   :class:`txn._participant.Participant`); the coordinator's rows end in
-   the sweep once the standby's acknowledged index has passed their
-   groups, and the markers are removed.
+   on the client's path: a participant's row is marked committed in the
+   standby's transaction that applies its group (early, or the stream's
+   copy), never by an outcome (:class:`txn._participant.Participant`);
+   ``TxnOutcome`` aborts rows; the coordinator's rows end in the sweep
+   once the standby's acknowledged index has passed their groups, and the
+   markers are removed.
 
 **Confirmed without the standby.** A transaction degraded — the standby's
 vote late under ``degrade``, or its acknowledgement late after the broker
@@ -68,9 +67,10 @@ after ``ledger_floor`` means the decision was made (mark committed); else
 its marker in the broker means the broker committed (record the decision
 now); else the broker did not commit (abort on both sites). A standby
 resolves its own prepared rows by asking the active when the bridge
-connects (``TxnQuery``): committed or ended → committed, aborted or unknown →
-aborted (presumed abort: the broker commit waits for the coordinator's row
-to be durable, so no row means no commit).
+connects (``TxnQuery``): aborted or unknown → aborted (presumed abort: the
+broker commit waits for the coordinator's row to be durable, so no row
+means no commit); committed or ended → the row waits for its group, which
+the resync brings and which settles it.
 
 **Why a client's confirmed transaction is never lost or half-applied:** the
 client gets ``tx.commit-ok`` only after the group is durable in the active's
@@ -442,26 +442,7 @@ class Coordinator:
                 xa_owner=live.owner,
             )
         )
-        try:
-            await asyncio.wait((local,), timeout=PREPARE_BOUND_SECONDS)
-            if not local.done():  # the site's database hangs: the client hears now
-                if remote is not None:
-                    remote.cancel()
-                if self.link is not None:  # the standby may have prepared: it aborts
-                    self.link.outcome(txn.vpn, txn.txid, commit=False)
-                self._spawn(self._abort_late(txn, local))
-                raise TransactionRefused(
-                    f"the site database did not record the prepare within "
-                    f"{PREPARE_BOUND_SECONDS:g} s; nothing was applied"
-                )
-            local.result()
-        except TransactionRefused:
-            raise
-        except BaseException:
-            if remote is not None:
-                remote.cancel()
-            local.cancel()
-            raise
+        await self._local_prepared(txn, local, remote)
         if machine.phase is Phase.ABORTED:  # abort() may have run before the row existed
             await self._forget(txn)
         _still_wanted(machine)
@@ -687,10 +668,10 @@ class Coordinator:
         self._release(live, action.ok)
 
     def _send_outcome(self, live: _Live, action: SendOutcome) -> None:
-        # After the client's answer: the outcome is bookkeeping. A participant
-        # that committed early needs none (its row left 'prepared' in that
-        # commit, and settles with the stream's copy); one that applied from
-        # the stream, or voted late, does.
+        # After the client's answer: the outcome is bookkeeping. This
+        # release's participant settles a row with its group and ignores a
+        # commit outcome; a standby of the previous release settles the rows
+        # it applied from the stream by it, so it is still sent.
         if self.link is not None:
             self.link.outcome(live.txn.vpn, live.txn.txid, commit=True)
 
@@ -756,6 +737,34 @@ class Coordinator:
                 self._committing_ids.pop(rid, None)
             live.finish("aborted", "the broker did not commit (no marker)")
             await self._forget(txn)
+
+    async def _local_prepared(
+        self,
+        txn: LocalTransaction,
+        local: asyncio.Future[bool],
+        remote: asyncio.Future[bool] | None,
+    ) -> None:
+        """Wait for the local prepared row, at most :data:`PREPARE_BOUND_SECONDS`."""
+        try:
+            await asyncio.wait((local,), timeout=PREPARE_BOUND_SECONDS)
+            if not local.done():  # the site's database hangs: the client hears now
+                if remote is not None:
+                    remote.cancel()
+                if self.link is not None:  # the standby may have prepared: it aborts
+                    self.link.outcome(txn.vpn, txn.txid, commit=False)
+                self._spawn(self._abort_late(txn, local))
+                raise TransactionRefused(
+                    f"the site database did not record the prepare within "
+                    f"{PREPARE_BOUND_SECONDS:g} s; nothing was applied"
+                )
+            local.result()
+        except TransactionRefused:
+            raise
+        except BaseException:
+            if remote is not None:
+                remote.cancel()
+            local.cancel()
+            raise
 
     async def _abort_late(self, txn: LocalTransaction, local: asyncio.Future[bool]) -> None:
         """A prepare refused for its slow local row: the row is aborted

@@ -130,6 +130,15 @@ class Participant:
         if aborted:
             log.info("VPN %s: transaction %s aborted", vpn, txid)
 
+    async def settle(self, vpn: str, txid: str, last: int) -> None:
+        """``txid``'s group was applied here, at ``last``, before its row was
+        written (a late prepare): the row is settled now."""
+        try:
+            if await self.log.move(txid, "committed", leaving=("prepared",), ledger_last=last):
+                log.info("VPN %s: transaction %s: its group came before its prepare", vpn, txid)
+        except psycopg.Error as e:
+            log.warning("VPN %s: transaction %s: not settled (%s): it stays in doubt", vpn, txid, e)
+
     async def close(self) -> None:
         """Nothing is kept to record: outcomes are written as they come."""
 

@@ -240,8 +240,8 @@ class StandbyApplier:
         #: vpn -> encoded event -> where it was committed early
         #: (loaded from the ``applied`` rows at a VPN's first batch)
         self._early: dict[str, dict[bytes, _Early]] = {}
-        #: the prepared rows' events: vpn -> encoded event -> (txid, the
-        #: group's last event?); :meth:`expect` adds from the event loop
+        #: the prepared rows' events: vpn -> encoded event -> (txid, does
+        #: it settle the row? :func:`_settling`); :meth:`expect` adds from the event loop
         #: while a batch may run in a worker thread, hence the lock
         self._prepared: dict[str, dict[bytes, tuple[str, bool]]] = {}
         self._prepared_events: dict[str, tuple[str, tuple[bytes, ...]]] = {}

@@ -16,7 +16,7 @@ statement from them while the active commits the broker,
 
 **A row is settled committed with its group, never by an outcome.** The
 standby's applier moves a row to ``committed`` in the same database
-transaction that applies the group's last entry, from the stream or early
+transaction that applies the group's last publish, from the stream or early
 (``bridge/_standby.py``, which knows the rows' events). A commit outcome
 (``TxnOutcome``) writes nothing: settled by the outcome, a row whose group
 had not come yet would be skipped by a promotion if the active were lost

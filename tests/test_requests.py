@@ -154,6 +154,9 @@ def test_the_peers_role_may_request_only_the_switchover_steps(dsn: str, site_a: 
     with psycopg.connect(peer, autocommit=True) as conn:
         with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied"):
             conn.execute("INSERT INTO operator_request (command, vpn) VALUES ('promote', 'orders')")
+        # nor read the key that makes commit markers (it could forge them)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied"):
+            conn.execute("SELECT secret FROM marker_key")
         for command in ("promote", "demote", "xa-decide", "repair", "retire-uncertain"):
             with pytest.raises(
                 psycopg.errors.InsufficientPrivilege, match="only the switchover steps"

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from alembic import op
 
+from sql._grants import revoke_from_others
+
 revision = "0013"
 down_revision = "0012"
 branch_labels = None
@@ -48,25 +50,12 @@ $$;
 REVOKE ALL ON FUNCTION vpnrepl_request(text, text, jsonb) FROM PUBLIC;
 -- the previous README granted the peer's role INSERT on the table: from now
 -- on only the owner writes it (the function inserts as the owner)
-DO $$
-DECLARE
-    r record;
-BEGIN
-    FOR r IN SELECT DISTINCT grantee FROM information_schema.role_table_grants
-             WHERE table_schema = current_schema() AND table_name = 'operator_request'
-               AND privilege_type IN ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')
-               AND grantee <> current_user
-    LOOP
-        EXECUTE 'REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON operator_request FROM '
-            || CASE WHEN r.grantee = 'PUBLIC' THEN 'PUBLIC' ELSE quote_ident(r.grantee) END;
-    END LOOP;
-END
-$$;
 """
 
 
 def upgrade() -> None:
     op.execute(_UPGRADE)
+    op.execute(revoke_from_others("operator_request", ("INSERT", "UPDATE", "DELETE", "TRUNCATE")))
 
 
 def downgrade() -> None:

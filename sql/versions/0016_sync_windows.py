@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from alembic import op
 
+from sql._grants import revoke_from_others
+
 revision = "0016"
 down_revision = "0015"
 branch_labels = None
@@ -44,24 +46,12 @@ CREATE TABLE sync_window (
 );
 REVOKE ALL ON sync_window FROM PUBLIC;
 -- a role given privileges on new tables (ALTER DEFAULT PRIVILEGES) gets none here
-DO $$
-DECLARE
-    r record;
-BEGIN
-    FOR r IN SELECT DISTINCT grantee FROM information_schema.role_table_grants
-             WHERE table_schema = current_schema() AND table_name = 'sync_window'
-               AND grantee <> current_user
-    LOOP
-        EXECUTE 'REVOKE ALL ON sync_window FROM '
-            || CASE WHEN r.grantee = 'PUBLIC' THEN 'PUBLIC' ELSE quote_ident(r.grantee) END;
-    END LOOP;
-END
-$$;
 """
 
 
 def upgrade() -> None:
     op.execute(_UPGRADE)
+    op.execute(revoke_from_others("sync_window"))
 
 
 def downgrade() -> None:

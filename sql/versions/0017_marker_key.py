@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from alembic import op
 
+from sql._grants import revoke_from_others
+
 revision = "0017"
 down_revision = "0016"
 branch_labels = None
@@ -35,24 +37,12 @@ INSERT INTO marker_key (secret, signs_from)
 SELECT decode(replace(gen_random_uuid()::text || gen_random_uuid()::text, '-', ''), 'hex'),
        coalesce((SELECT max(incarnation) FROM node_incarnation), 0) + 1;
 REVOKE ALL ON marker_key FROM PUBLIC;
-DO $$
-DECLARE
-    r record;
-BEGIN
-    FOR r IN SELECT DISTINCT grantee FROM information_schema.role_table_grants
-             WHERE table_schema = current_schema() AND table_name = 'marker_key'
-               AND grantee <> current_user
-    LOOP
-        EXECUTE 'REVOKE ALL ON marker_key FROM '
-            || CASE WHEN r.grantee = 'PUBLIC' THEN 'PUBLIC' ELSE quote_ident(r.grantee) END;
-    END LOOP;
-END
-$$;
 """
 
 
 def upgrade() -> None:
     op.execute(_UPGRADE)
+    op.execute(revoke_from_others("marker_key"))
 
 
 def downgrade() -> None:

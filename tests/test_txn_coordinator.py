@@ -343,7 +343,7 @@ def test_a_commit_outcome_leaves_the_row_to_its_group_and_an_abort_is_recorded_a
     with connect(dsn) as conn:
         enable_vpn(conn, VpnSettings.from_args("v", "standby"))
     ids = IdSource(11)
-    t1, t2, t3 = (txn(ids, n) for n in range(1, 4))
+    t1, t2, t3, t4 = (txn(ids, n) for n in range(1, 5))
 
     async def scenario() -> None:
         log = TxnLog(dsn)
@@ -355,12 +355,21 @@ def test_a_commit_outcome_leaves_the_row_to_its_group_and_an_abort_is_recorded_a
         await p.outcome("v", t2.txid, commit=False)
         assert states(dsn)[t2.txid] == "aborted"
         assert sorted(await p.in_doubt("v")) == sorted([t1.txid, t3.txid])
+        # an abort handled before its prepare's row is written (they run as
+        # separate tasks): the prepare votes no and its row ends aborted
+        await p.outcome("v", t4.txid, commit=False)
+        assert await p.prepare("v", t4.txid, encode_events(t4.events)) is None
         await p.close()
         await log.close()
 
     asyncio.run(scenario())
     rows = states(dsn)
-    assert [rows[t.txid] for t in (t1, t2, t3)] == ["prepared", "aborted", "prepared"]
+    assert [rows[t.txid] for t in (t1, t2, t3, t4)] == [
+        "prepared",
+        "aborted",
+        "prepared",
+        "aborted",
+    ]
 
 
 class RecordingStandby:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 
 import psycopg
@@ -49,9 +50,17 @@ __all__ = ["Participant"]
 log = logging.getLogger(__name__)
 
 
+#: aborts heard before their prepare's row was written, remembered for it
+ABORTED_EARLY_KEPT = 10_000
+
+
 class Participant:
     def __init__(self, txn_log: TxnLog) -> None:
         self.log = txn_log
+        #: txids whose abort found no row: the prepare and the outcome run
+        #: as separate tasks, so the row may still be on its way; the
+        #: prepare aborts it once written instead of voting yes
+        self._aborted_early: OrderedDict[str, None] = OrderedDict()
 
     async def prepare(
         self,
@@ -104,6 +113,12 @@ class Participant:
                     "VPN %s: transaction %s not prepared, voting no: not a standby here", vpn, txid
                 )
                 return None
+            if txid in self._aborted_early:
+                del self._aborted_early[txid]
+                if written:  # its abort came first: a row no yes vote stands behind
+                    await self.log.move(txid, "aborted", leaving=("prepared",))
+                log.info("VPN %s: transaction %s was aborted before its prepare", vpn, txid)
+                return None
         finally:
             if not write.done():
                 write.cancel()
@@ -129,6 +144,10 @@ class Participant:
             return
         if aborted:
             log.info("VPN %s: transaction %s aborted", vpn, txid)
+        else:  # no row prepared (yet): a prepare still writing it aborts it
+            self._aborted_early[txid] = None
+            while len(self._aborted_early) > ABORTED_EARLY_KEPT:
+                self._aborted_early.popitem(last=False)
 
     async def settle(self, vpn: str, txid: str, last: int) -> None:
         """``txid``'s group was applied here, at ``last``, before its row was

@@ -21,13 +21,16 @@
 with ``[admin]`` credentials every other path needs HTTP basic auth or a
 bearer token (both accepted: a browser and a Prometheus scrape both work),
 and a node whose ``listen.admin`` is off loopback must have them (the
-config refuses it otherwise).
+config refuses it otherwise). Without credentials, a request whose
+``Host`` is not ``localhost`` or a loopback address gets 421 (DNS
+rebinding: a web page must not reach the endpoint as its own origin).
 """
 
 from __future__ import annotations
 
 import base64
 import hmac
+import ipaddress
 import json
 import logging
 import re
@@ -35,6 +38,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -53,6 +57,17 @@ _HINT = (
 _WHO: web.RequestKey[str] = web.RequestKey("vpnrepl_who", str)
 #: paths a load balancer asks, open whatever the credentials
 _OPEN = re.compile(r"^/(health|vpns/.+/active)$")
+
+
+def _loopback_host(host: str) -> bool:
+    """Whether an HTTP ``Host`` names this machine's loopback."""
+    name = urlsplit("//" + host).hostname or ""
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +194,20 @@ class AdminServer:
         request: web.Request,
         handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
     ) -> web.StreamResponse:
-        """With credentials, every path but the load balancers' needs them."""
-        if self._credentials is None or _OPEN.match(request.path):
+        """With credentials, every path but the load balancers' needs them;
+        without (a loopback endpoint), a request must be addressed to a
+        loopback name: a web page that rebound its own name to 127.0.0.1
+        (DNS rebinding) would otherwise reach the endpoint from an
+        operator's browser as its own origin, and could promote."""
+        if _OPEN.match(request.path):
+            return await handler(request)
+        if self._credentials is None:
+            if not _loopback_host(request.host):
+                return web.Response(
+                    status=421,
+                    text="an admin endpoint without credentials answers only requests "
+                    "addressed to localhost or a loopback address\n",
+                )
             return await handler(request)
         who = self._credentials.admits(request.headers.get("Authorization", ""))
         if who is None:

@@ -42,8 +42,12 @@ def test_the_history_keeps_the_window_and_drops_disabled_vpns() -> None:
     assert h.as_json()["vpns"] == {}
 
 
-def _get(port: int, path: str, method: str = "GET") -> tuple[int, str, str]:
+def _get(
+    port: int, path: str, method: str = "GET", host: str | None = None
+) -> tuple[int, str, str]:
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    if host is not None:
+        req.add_header("Host", host)
     try:
         with urllib.request.urlopen(req, timeout=5) as r:  # noqa: S310 - loopback
             return r.status, r.headers["Content-Type"], r.read().decode()
@@ -99,6 +103,47 @@ def test_every_resource_answers_and_errors_say_what_there_is(broken: bool) -> No
     assert other[0] == 503 and "a/b: not active here" in other[2]
     assert missing[0] == 404 and "/status/history" in missing[2]
     assert post[0] == 405 and "POST is not served here" in post[2]
+
+
+def test_without_credentials_only_requests_addressed_to_loopback_are_served() -> None:
+    """A web page that rebinds its own name to 127.0.0.1 (DNS rebinding)
+    reaches a credential-less loopback endpoint as its own origin: its
+    requests carry its name as ``Host``, and get 421 (the load balancers'
+    paths stay open)."""
+
+    async def status() -> dict[str, Any]:
+        return _doc(0, 1)
+
+    async def metrics() -> bytes:
+        return b""
+
+    started: list[str] = []
+
+    async def start(command: str, vpn: str, args: Any) -> int:
+        started.append(command)
+        return 1
+
+    async def run() -> list[int]:
+        server = AdminServer(status, metrics, lambda vpn: True, LagHistory(), start_request=start)
+        await server.start("127.0.0.1", 0)
+        try:
+            asked = [
+                ("/status", "GET", "evil.example:8080"),
+                ("/vpns/orders/promote", "POST", "evil.example"),
+                ("/health", "GET", "evil.example"),
+                ("/status", "GET", "localhost:8080"),
+                ("/status", "GET", "127.0.0.2"),
+                ("/status", "GET", "[::1]:9000"),
+            ]
+            return [
+                (await asyncio.to_thread(_get, server.port, path, method, host))[0]
+                for path, method, host in asked
+            ]
+        finally:
+            await server.close()
+
+    assert asyncio.run(run()) == [421, 421, 200, 200, 200, 200]
+    assert started == []
 
 
 def test_a_taken_port_is_a_clear_error() -> None:

@@ -700,7 +700,7 @@ class SpanCollector:
             ExportTraceServiceRequest,
         )
 
-        from plugin._localsites import OtlpReceiver
+        from plugin.devtools import OtlpReceiver
 
         self.durations: dict[str, list[float]] = {}
 

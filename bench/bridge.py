@@ -131,7 +131,7 @@ from _common import (
     vpnrepl,
 )
 
-from plugin._localsites import HarnessError, LocalNode, LocalSites
+from plugin.devtools import HarnessError, LocalNode, LocalSites
 
 QUEUE = "bench.bridge"
 VPN, SYNC_VPN, EXPOSED_VPN = "orders", "orders-sync", "orders-exposed"

@@ -68,7 +68,7 @@ from _common import (
     vpnrepl,
 )
 
-from plugin._localsites import HarnessError, LocalSites
+from plugin.devtools import HarnessError, LocalSites
 
 VPN = "orders"
 QUEUE = "bench.floor"

@@ -10,7 +10,7 @@ Why it is built the way it is:
 * **The publisher is lean** — raw asyncio protocol, frames encoded once with
   pamqp, acks decoded with ``struct`` — so the proxy's cost is not hidden
   behind client overhead (pika costs more per message than the listener).
-* **One private RabbitMQ node** (``plugin._localsites``) serves all three
+* **One private RabbitMQ node** (``plugin.devtools``) serves all three
   targets, so they see the same broker; each target has its own vhost (its own
   message store) and queue, purged before and after every run, so each run
   starts from an empty queue on an otherwise idle broker.
@@ -69,9 +69,9 @@ from _common import (
 from bridge import ConfirmKey, Event, IdSource, LocalTransaction, Published, Role
 from plugin._directory import VpnDirectory, VpnView
 from plugin._listener import BrokerAddress, Listener
-from plugin._localsites import LocalSites, RabbitNode
 from plugin._sink import ReplicationSink
 from plugin._topology import ReplicationScope, Topology
+from plugin.devtools import LocalSites, RabbitNode
 
 QUEUE = "bench.listener"
 TARGETS = ("direct", "plain", "replicated")

@@ -38,7 +38,7 @@ from pamqp import body, commands, frame, header
 from pamqp.common import FieldTable
 
 from bridge import REPLICATION_HEADER, ReplicationId
-from plugin._localsites import HarnessError, LocalSites, RabbitNode
+from plugin.devtools import HarnessError, LocalSites, RabbitNode
 
 _TYPE = "application/octet-stream"
 _ID = ReplicationId.from_parts(123_456, 7_890_123)

@@ -34,7 +34,7 @@ import pika
 import psycopg
 from _common import BenchError, percentile, vpnrepl
 
-from plugin._localsites import HarnessError, LocalNode, LocalSites
+from plugin.devtools import HarnessError, LocalNode, LocalSites
 from txn import XAResource, Xid
 
 VPN = "orders"

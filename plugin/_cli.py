@@ -84,7 +84,7 @@ def _cmd_node(cfg: SiteConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
-    from ._demo import run_demo
+    from .devtools import run_demo
 
     return run_demo()
 
@@ -92,7 +92,7 @@ def _cmd_demo(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
 def _cmd_sandbox(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ._sandbox import start_sandbox, stop_sandbox
+    from .devtools import start_sandbox, stop_sandbox
 
     where = Path(args.dir)
     if args.action == "start":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin._localsites import LocalSite, LocalSites
+from plugin.devtools import LocalSite, LocalSites
 
 
 @dataclass

@@ -32,7 +32,7 @@ from urllib.parse import quote
 
 import pytest
 
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 
 VHOST = "orders"
 

@@ -19,9 +19,9 @@ import uvloop
 from bridge import IdSource, Role, TlsConfig, TopicFilter
 from plugin._directory import VpnDirectory, VpnView
 from plugin._listener import BrokerAddress, Listener
-from plugin._localsites import LocalSite
 from plugin._sink import MemorySink, ReplicationSink
 from plugin._topology import ReplicationScope, Topology
+from plugin.devtools import LocalSite
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin._localsites import LocalNode, LocalSite
+from plugin.devtools import LocalNode, LocalSite
 from tests.fix_cli import Vpnrepl
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import psycopg
 import pytest
 
-from plugin._localsites import LocalSite, LocalSites
+from plugin.devtools import LocalSite, LocalSites
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,8 @@ from bridge import (
     certificate_names,
 )
 from bridge._frames import MAGIC
-from plugin._localsites import LocalSite
 from plugin._tls_init import init_certificates
+from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.fix_tls import Pki

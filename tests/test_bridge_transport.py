@@ -57,8 +57,8 @@ from bridge import (
 )
 from bridge._entry import LedgerEntry
 from bridge._replicator import Replicator
-from plugin._localsites import LocalSite
 from plugin._store import connect, disable_vpn, enable_vpn, status
+from plugin.devtools import LocalSite
 from sql import migrate
 from tests.fix_tls import Pki
 from txn._log import encode_events

@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 
 CONTRACT_COMMANDS = ["init", "node", "vpn", "status", "promote", "demote", "reconcile", "demo"]

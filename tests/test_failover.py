@@ -24,7 +24,7 @@ import pytest
 
 from bridge import Published
 from bridge._entry import decode_event
-from plugin._localsites import HarnessError, LocalSite
+from plugin.devtools import HarnessError, LocalSite
 from tests.fix_node import NodeProcess, Sites
 from tests.two_sites import (
     IN_SCOPE,

@@ -40,7 +40,7 @@ from bridge import (
     segment_sql,
     touched,
 )
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.test_bridge_versions import frames
 
 R1, R2, R3 = (ReplicationId.from_parts(1, n) for n in (1, 2, 3))

@@ -15,7 +15,7 @@ import pika
 import psycopg
 import pytest
 
-from plugin._localsites import LocalSite, LocalSites, sweep_orphans
+from plugin.devtools import LocalSite, LocalSites, sweep_orphans
 
 
 def _publish_persistent(site: LocalSite, queue: str, body: bytes) -> None:
@@ -102,7 +102,7 @@ def test_reset_removes_vhosts_and_queues(site_a: LocalSite) -> None:
 
 _ORPHAN_MAKER = """
 import sys, time
-from plugin._localsites import LocalSites
+from plugin.devtools import LocalSites
 sites = LocalSites()
 sites.a.pg.start()
 sites.a.rabbit.start()

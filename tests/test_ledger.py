@@ -14,8 +14,8 @@ from bridge import Consumed, DeadLettered, Event, Published, ReplicationId, VpnS
 from bridge._entry import LedgerEntry, decode_event, encode_event
 from bridge._ledger import LedgerWriter
 from bridge._ledger_errors import LedgerClosed, UnstorableEvent, VpnNotOpen
-from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
+from plugin.devtools import LocalSite
 from sql import migrate
 from tests.fix_sites import until_a_lock_waits
 

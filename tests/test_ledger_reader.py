@@ -9,7 +9,7 @@ import pytest
 from bridge._ledger import LedgerWriter
 from bridge._ledger_errors import LedgerClosed, LedgerPruned, VpnNotOpen
 from bridge._ledger_reader import LedgerReader
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.test_ledger import prepare, pub, run
 
 

@@ -17,8 +17,8 @@ from pika.exceptions import (
 )
 
 from bridge import Consumed, LocalTransaction, Published, Purged, Role, TransactionRefused
-from plugin._localsites import LocalSite, free_port
 from plugin._sink import MemorySink
+from plugin.devtools import LocalSite, free_port
 from tests.fix_listener import ListenerThread, enable_vpn
 from tests.two_sites import setup_vpn
 from txn import MarkerStore

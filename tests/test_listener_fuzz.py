@@ -56,8 +56,8 @@ from pamqp.body import ContentBody
 
 from bridge import REPLICATION_HEADER, Consumed, Published
 from plugin._listener import CLOSE_TIMEOUT
-from plugin._localsites import LocalSite
 from plugin._sink import MemorySink
+from plugin.devtools import LocalSite
 from tests.fix_listener import ListenerThread, enable_vpn
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"

@@ -25,9 +25,9 @@ from plugin._config import load_config
 from plugin._directory import VpnDirectory, VpnView
 from plugin._errors import ConfigError
 from plugin._listener import BrokerAddress, Listener, broker_context, site_broker_ssl
-from plugin._localsites import LocalSite, LocalSites, RabbitNode, free_port
 from plugin._sink import MemorySink
 from plugin._topology import ReplicationScope, Topology
+from plugin.devtools import LocalSite, LocalSites, RabbitNode, free_port
 from tests.fix_cli import Vpnrepl
 from tests.fix_listener import ListenerThread, enable_vpn
 from tests.fix_node import NodeProcess

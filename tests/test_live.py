@@ -12,7 +12,7 @@ import psycopg
 from bridge import Event
 from bridge._apply import apply_entries_async
 from bridge._ledger import LedgerWriter
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.test_ledger import Durable, _until_blocked, ack, live_keys, prepare, pub, run, scalar
 
 

@@ -28,8 +28,8 @@ from pamqp import base, body as body_frame, commands, frame, header
 
 from bridge import MaterialiseError, MaterialiseResult, VpnSettings, materialise
 from bridge._amqp_wire import persistent_properties
-from plugin._localsites import LocalSite, LocalSites, RabbitNode
 from plugin._store import connect, enable_vpn
+from plugin.devtools import LocalSite, LocalSites, RabbitNode
 from sql import migrate
 from tests.fix_tls import Pki
 

@@ -11,7 +11,7 @@ from pika.exceptions import NackError
 
 from bridge import EVENT_KINDS
 from bridge._ids import INCARNATION_LIMIT
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.prometheus import value

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin._localsites import LocalSite, LocalSites, RabbitNode, free_port
+from plugin.devtools import LocalSite, LocalSites, RabbitNode, free_port
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.fix_tls import Pki

@@ -12,7 +12,7 @@ import pika
 import psycopg
 import pytest
 
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.fix_sites import role_dsn

@@ -8,8 +8,8 @@ import pika
 
 from bridge import ManagementAPI, Role, VpnSettings
 from plugin._directory import VpnDirectory, VpnView
-from plugin._localsites import LocalSite
 from plugin._refresher import DirectoryRefresher
+from plugin.devtools import LocalSite
 
 
 def _declare(site: LocalSite, vhost: str, queue: str, exchange: str = "events") -> None:

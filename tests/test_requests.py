@@ -13,8 +13,8 @@ from psycopg.rows import dict_row
 
 from plugin._audit import audit_rows, render_audit
 from plugin._errors import PluginError, StateError
-from plugin._localsites import LocalSite
 from plugin._requests import SITE_LOCK, Progress, RequestServer, run_command
+from plugin.devtools import LocalSite
 from sql import migrate
 from tests.fix_sites import role_dsn
 

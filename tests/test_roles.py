@@ -20,8 +20,8 @@ from bridge._roles import (
     record_fenced,
 )
 from bridge._standby import NotStandby, StandbyApplier
-from plugin._localsites import LocalSite
 from plugin._store import connect, status
+from plugin.devtools import LocalSite
 from tests.test_standby_apply import ack, keys, numbered, prepare, pub
 from txn._log import TxnLog, encode_events
 from txn._participant import Participant

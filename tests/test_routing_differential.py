@@ -28,9 +28,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings, strategies as st
 from pamqp import decode
 
-from plugin._localsites import LocalSite
 from plugin._routing import tagged
 from plugin._topology import Topology
+from plugin.devtools import LocalSite
 from tests.test_topology import HEADERS_CASES, TOPIC_CASES, VALUE_CASES
 
 EXCHANGES = ["x0", "x1", "x2", "x3"]

@@ -16,9 +16,9 @@ import sqlalchemy as sa
 from alembic import command
 
 from bridge import anchored, unanchored
-from plugin._localsites import LocalSite
 from plugin._scope_report import out_of_scope, scope_report
 from plugin._topology import ReplicationScope
+from plugin.devtools import LocalSite
 from sql import _alembic_config, sqlalchemy_url
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess

@@ -30,8 +30,8 @@ from bridge._entry import LedgerEntry, encode_event
 from bridge._errors import Gap, StaleEpoch, UnknownVpn
 from bridge._ledger import LedgerWriter
 from bridge._standby import NotStandby, StandbyApplier, StandbyUnavailable
-from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
+from plugin.devtools import LocalSite
 from sql import migrate
 from txn._log import encode_events
 

@@ -12,7 +12,7 @@ from subprocess import CompletedProcess
 from typing import Any
 from urllib.parse import quote
 
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.test_failover import Sites, admin_active, broker_contents, sites  # noqa: F401
 from tests.two_sites import (
     IN_SCOPE,

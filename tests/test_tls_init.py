@@ -18,7 +18,7 @@ from cryptography.x509.oid import NameOID
 
 from bridge import TlsConfig, make_client_context, make_server_context
 from plugin._cli import main
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.prometheus import value

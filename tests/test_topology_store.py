@@ -20,7 +20,7 @@ from bridge import (
     queue_item,
     stored_topology,
 )
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from sql import migrate
 from tests.test_vpnstore import enable, on_loop
 

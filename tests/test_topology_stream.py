@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import pika
 
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.fix_node import Sites
 from tests.test_failover import sites  # noqa: F401 - the fixture
 from tests.two_sites import SCOPE, VPN, amqp_url, queue_numbers, scalar, until, vpn_status

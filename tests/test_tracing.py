@@ -14,7 +14,7 @@ import pika
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from plugin._localsites import LocalSite, OtlpReceiver
+from plugin.devtools import LocalSite, OtlpReceiver
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pika
 
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import (

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from bridge import ManagementAPI, reimport
-from plugin._localsites import HarnessError, LocalSite
+from plugin.devtools import HarnessError, LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import SCOPE, VPN, enable, scalar, setup_vpn, until

@@ -18,7 +18,7 @@ import pytest
 
 from bridge import Published
 from bridge._entry import decode_event
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.fix_tls import Pki

@@ -21,8 +21,8 @@ from bridge._entry import encode_event
 from bridge._ledger import LedgerWriter
 from bridge._replicator import Replicator
 from bridge._window_recorder import WindowRecorder
-from plugin._localsites import LocalSite
 from plugin._store import connect, enable_vpn
+from plugin.devtools import LocalSite
 from sql import migrate
 from txn import MarkerKey
 from txn._coordinator import TXN_RETAIN_SECONDS, Coordinator

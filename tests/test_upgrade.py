@@ -22,7 +22,7 @@ import pika
 import pytest
 
 from bridge import PREVIOUS_PROTOCOL_VERSION, PROTOCOL_VERSION
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.prometheus import value

@@ -51,7 +51,7 @@ from bridge._vpnstore import (
     set_bridge_state_async,
     vpn_status_rows,
 )
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from sql import migrate
 from tests.fix_sites import until_a_lock_waits
 

@@ -24,7 +24,7 @@ from bridge._window_store import (
     open_window_async,
     windows_by_vpn,
 )
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from sql import migrate
 from tests.fix_sites import role_dsn
 

@@ -16,7 +16,7 @@ import pika.exceptions
 import psycopg
 import pytest
 
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.two_sites import (

@@ -27,7 +27,7 @@ import pika.exceptions
 import psycopg
 from pika.spec import Basic
 
-from plugin._localsites import LocalSite
+from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 

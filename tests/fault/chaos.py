@@ -52,7 +52,7 @@ import psycopg
 import psycopg.sql
 
 from bridge import Published, decode_event
-from plugin._localsites import LocalSite, process_tree
+from plugin.devtools import LocalSite, process_tree
 from tests.fault.checker import (
     Fault,
     Final,

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ._errors import PluginError
+from .._errors import PluginError
 from ._localsites import LocalNode, LocalSite, LocalSites
 
 __all__ = ["run_demo"]

@@ -39,8 +39,8 @@ import psycopg
 
 from bridge import TlsConfig
 
-from ._errors import PluginError
-from ._tls_init import init_certificates
+from .._errors import PluginError
+from .._tls_init import init_certificates
 
 __all__ = [
     "HarnessError",

@@ -150,7 +150,6 @@ from ._ids import (
     id_in_header,
 )
 from ._protocol import CLOSED, NEED_DATA, TRANSITIONS, BridgeConnection, Phase, Sentinel, VpnState
-from ._scope_semantics import anchored, unanchored
 from ._settings import (
     DEFAULT_SYNC_TIMEOUT_MS,
     HostPort,
@@ -523,8 +522,6 @@ __all__ = [
     "UnexpectedFrame",
     "UnknownVpn",
     "VersionMismatch",
-    "anchored",
-    "unanchored",
     "CLOSED",
     "CAP_PURGE_POINT",
     "CAP_TAKEOVER",

@@ -91,7 +91,7 @@ MAGIC: Final = 0xBD
 #: 2: TxnCommit / TxnApplied; 3: TxnApplied answers every TxnCommit;
 #: 4: VpnResource carries expose_id and the index its epoch took over at;
 #: 5: VpnResource's queue patterns are searched in a queue name, not
-#: matched against all of it (see :mod:`bridge._scope_semantics`);
+#: matched against all of it (schema revision 0008 rewrote stored ones);
 #: 6: capability flags in the Hello (:data:`CAPABILITIES`), and the index a
 #: VpnResource's definitions were read at. Later features of this protocol
 #: are capabilities, not versions.

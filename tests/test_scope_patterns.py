@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import re
 from pathlib import Path
+from typing import Any
 
 import pika
 import psycopg
@@ -15,7 +16,6 @@ import pytest
 import sqlalchemy as sa
 from alembic import command
 
-from bridge import anchored, unanchored
 from plugin._scope_report import out_of_scope, scope_report
 from plugin._topology import ReplicationScope
 from plugin.devtools import LocalSite
@@ -56,6 +56,21 @@ PATTERNS = [
 ]
 
 
+def _migration() -> Any:
+    """Schema revision 0008, whose rewrite of stored patterns (whole-name to
+    searched, and back for its downgrade) is tested here."""
+    path = Path(__file__).parent.parent / "sql" / "versions" / "0008_scope_search.py"
+    spec = importlib.util.spec_from_file_location("scope_search_0008", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MIGRATION = _migration()
+anchored, unanchored = MIGRATION.anchored, MIGRATION.unanchored
+
+
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_anchored_searches_exactly_what_the_pattern_matched_whole(pattern: str) -> None:
     for name in NAMES:
@@ -77,20 +92,9 @@ def test_inline_flags_stay_in_front_and_a_verbose_comment_cannot_swallow_the_wra
         re.compile("\\A(?:(?i)orders)\\Z")
 
 
-def _migration() -> object:
-    path = Path(__file__).parent.parent / "sql" / "versions" / "0008_scope_search.py"
-    spec = importlib.util.spec_from_file_location("scope_search_0008", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_the_migrations_frozen_rewrite_agrees_and_its_downgrade_undoes_it(pattern: str) -> None:
-    migration = _migration()
-    assert migration.anchored(pattern) == anchored(pattern)  # type: ignore[attr-defined]
-    assert migration.unanchored(anchored(pattern)) == pattern  # type: ignore[attr-defined]
+def test_the_migrations_downgrade_undoes_its_rewrite(pattern: str) -> None:
+    assert unanchored(anchored(pattern)) == pattern
 
 
 def test_a_pattern_is_searched_as_a_rabbitmq_policy_pattern() -> None:

@@ -13,8 +13,10 @@ The downgrade undoes the wrapping where it is this revision's, and otherwise
 rewrites a searched pattern as the whole-name pattern that matches the same
 names (``(?s:.*?)(?:P)(?s:.*)``).
 
-The rewrites are a frozen copy of :mod:`bridge._scope_semantics` (the schema
-package stands alone, and a migration keeps what it did when it was written).
+The rewrites live here alone (the schema package stands alone, and a
+migration keeps what it did when it was written); version 4 of the bridge
+protocol, which needed them too, is gone. ``tests/test_scope_patterns.py``
+tests them.
 
 Revision ID: 0008
 Revises: 0007

@@ -27,15 +27,13 @@ state it already has, nor one from a fenced active. Concretely, a
   complete :class:`Checkpoint` at ``from_index - 1`` is accepted before
   events, and no acknowledgement either.
 
-The conversation follows the FIX Antenna synchronisation procedure (seed
-000/003): the standby dials and sends ``Hello``, the active answers ``Hello``;
-``GetAllResources`` / ``ResourceList`` (GET_ALL_RESOURCES / RESOURCE_LIST:
-VPNs, their epochs, replication settings and RabbitMQ definitions); then per
-VPN ``SyncRequest`` with the last applied index (SYNC_REQ), ``SyncAccepted``
-(SYNC_REQ_ACCEPTED), an optional ``Checkpoint`` (seed 002: checkpoint install
-for a follower behind the retained log), ``Events`` replayed in index order,
-``SyncFinished`` (SYNC_FINISHED), then live ``Events``, while the standby
-returns cumulative ``Ack`` frames ("durably applied up to index").
+The conversation: the standby dials and sends ``Hello``, the active
+answers ``Hello``; ``GetAllResources`` / ``ResourceList`` (VPNs, their
+epochs, replication settings and RabbitMQ definitions); then per VPN
+``SyncRequest`` with the last applied index, ``SyncAccepted``, an optional
+``Checkpoint`` (for a standby behind the retained ledger), ``Events``
+replayed in index order, ``SyncFinished``, then live ``Events``, while the
+standby returns cumulative ``Ack`` frames ("durably applied up to index").
 
 An ``Error`` frame with an empty ``vpn`` ends the connection. One with a VPN
 ends that VPN's stream only: the active sends one solely to refuse a

@@ -1,5 +1,5 @@
 """The bridge wire protocol without sockets: codec, malformed frames, and the
-connection state machine driven through the seed's synchronisation procedure.
+connection state machine driven through the synchronisation procedure.
 
 Frames are fed whole, byte by byte and in chunks that cut across frame
 boundaries; malformed frames are built by hand with ``struct.pack``.

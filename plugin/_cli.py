@@ -191,7 +191,7 @@ def _cmd_vpn_disable(cfg: SiteConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(cfg: SiteConfig, args: argparse.Namespace) -> int:
-    from ._audit import audit_rows, render_audit
+    from .ops import audit_rows, render_audit
 
     if args.limit < 1:
         raise UsageError(f"--limit {args.limit}: expected a number >= 1")
@@ -326,8 +326,7 @@ def _cmd_promote(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
 
     from ._listener import site_broker_ssl
-    from ._promote import PromotionSummary, promote
-    from ._requests import Progress, run_command
+    from .ops import Progress, PromotionSummary, promote, run_command
 
     async def here(progress: Progress) -> dict[str, Any]:
         summary = await promote(cfg, args.vpn, progress, site_broker_ssl(cfg))
@@ -349,8 +348,7 @@ def _cmd_demote(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from ._demote import DemotionSummary, demote, export_tail
-    from ._requests import Progress, run_command
+    from .ops import DemotionSummary, Progress, demote, export_tail, run_command
 
     tail, path = export_tail(cfg, args.vpn, Path(args.export) if args.export else None)
     print(
@@ -383,7 +381,7 @@ def _cmd_republish(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from ._republish import read_tail_file, republish
+    from .ops import read_tail_file, republish
 
     records = read_tail_file(Path(args.file))
     print(asyncio.run(republish(cfg, records)).line())
@@ -394,8 +392,7 @@ def _cmd_xa(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from ._requests import Progress, run_command
-    from ._xa_admin import list_branches
+    from .ops import Progress, list_branches, run_command
 
     if args.xa_command == "list":
         branches = list_branches(cfg.store_dsn, args.vpn)
@@ -435,7 +432,7 @@ def _cmd_xa(cfg: SiteConfig, args: argparse.Namespace) -> int:
 def _cmd_switchover(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
 
-    from ._switchover import switchover
+    from .ops import switchover
 
     bar = _ProgressBar(f"switching {args.vpn} over")
     try:

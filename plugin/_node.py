@@ -77,22 +77,29 @@ from txn import (
 
 from ._admin import AdminCredentials, AdminServer
 from ._config import SiteConfig, load_config
-from ._demote import DemotionSummary, demote, export_tail
 from ._directory import VpnDirectory, VpnView
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
 from ._lag_history import SAMPLE_SECONDS, LagHistory
 from ._listener import BrokerAddress, Listener, site_broker_ssl
 from ._metrics import Metrics
-from ._promote import promote
 from ._refresher import DirectoryRefresher
-from ._requests import Progress, RequestServer, read_request, start_request
 from ._store import add_broker_depths, connect, status
-from ._switchover import switchover
 from ._tracing import Tracing
 from ._uncertain import UncertainLog, retire
-from ._xa_admin import decide_branch
 from ._xa_gateway import XaGateway
 from ._xa_publish import BranchPublisher, ReplyPublisher
+from .ops import (
+    DemotionSummary,
+    Progress,
+    RequestServer,
+    decide_branch,
+    demote,
+    export_tail,
+    promote,
+    read_request,
+    start_request,
+    switchover,
+)
 
 __all__ = ["run_node"]
 
@@ -603,7 +610,7 @@ class Node:
         self, vpn: str, args: Mapping[str, Any], progress: Progress
     ) -> dict[str, Any]:
         """``POST /vpns/VPN/switchover`` on the standby: this node runs the
-        switchover's steps (plugin/_switchover.py), promoting with its own
+        switchover's steps (plugin/ops/_switchover.py), promoting with its own
         handler."""
 
         async def promote_here(p: Progress) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 
 from bridge import Published, ReplicationId, TailMessage
-from plugin._republish import write_tail_file
+from plugin.ops import write_tail_file
 from tests.test_failover import Sites, broker_contents, sites  # noqa: F401 - the fixture
 from tests.two_sites import (
     IN_SCOPE,

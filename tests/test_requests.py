@@ -1,5 +1,5 @@
 """Operator commands reach the site's node through its database
-(plugin/_requests.py), against a real PostgreSQL."""
+(plugin/ops/_requests.py), against a real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from plugin._audit import audit_rows, render_audit
 from plugin._errors import PluginError, StateError
-from plugin._requests import SITE_LOCK, Progress, RequestServer, run_command
 from plugin.devtools import LocalSite
+from plugin.ops import SITE_LOCK, Progress, RequestServer, audit_rows, render_audit, run_command
 from sql import migrate
 from tests.fix_sites import role_dsn
 

@@ -1,4 +1,4 @@
-"""The exported tail (``plugin/_republish.py``): message bodies in a file
+"""The exported tail (``plugin/ops/_republish.py``): message bodies in a file
 only its owner reads, read back as written, a bad line named."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from bridge import TailMessage
 from plugin._errors import UsageError
-from plugin._republish import read_tail_file, write_tail_file
+from plugin.ops import read_tail_file, write_tail_file
 
 
 def test_a_tail_file_is_0600_and_reads_back(tmp_path: Path) -> None:

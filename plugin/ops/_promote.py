@@ -46,10 +46,10 @@ from bridge import (
     reimport,
 )
 
-from ._config import SiteConfig
-from ._errors import StateError
+from .._config import SiteConfig
+from .._errors import StateError
+from .._store import connect
 from ._requests import Progress
-from ._store import connect
 
 __all__ = ["PromotionSummary", "promote"]
 

@@ -44,12 +44,12 @@ from bridge import (
     read_vpn_settings,
 )
 
-from ._config import SiteConfig
-from ._errors import StateError
-from ._listener import site_broker_ssl
+from .._config import SiteConfig
+from .._errors import StateError
+from .._listener import site_broker_ssl
+from .._store import connect
+from .._topology import ReplicationScope
 from ._republish import write_tail_file
-from ._store import connect
-from ._topology import ReplicationScope
 
 __all__ = ["DemotionSummary", "demote", "export_tail"]
 

@@ -43,9 +43,9 @@ from bridge import (
     split_events,
 )
 
-from ._config import SiteConfig
-from ._errors import StateError, UsageError
-from ._store import connect
+from .._config import SiteConfig
+from .._errors import StateError, UsageError
+from .._store import connect
 
 __all__ = ["RepublishSummary", "TailRecord", "read_tail_file", "republish", "write_tail_file"]
 

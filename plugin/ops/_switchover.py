@@ -28,11 +28,11 @@ from typing import Any
 
 from bridge import role_state
 
-from ._config import SiteConfig
-from ._errors import PluginError, StateError, UsageError
+from .._config import SiteConfig
+from .._errors import PluginError, StateError, UsageError
+from .._store import connect
 from ._promote import PromotionSummary, promote
 from ._requests import Local, Progress, run_command
-from ._store import connect
 
 __all__ = ["switchover"]
 

@@ -2,7 +2,7 @@
 manager is gone.
 
 ``list`` reads the site's database (no node needed); ``commit`` and
-``rollback`` are requests to the running node (``plugin._requests``),
+``rollback`` are requests to the running node (``plugin.ops._requests``),
 which resolves the branch as its transaction manager would — from its
 prepared row, through the broker — and records the decision as
 heuristic, so the transaction manager, if it comes back, hears
@@ -16,8 +16,8 @@ from typing import Any
 
 from txn import XA_PENDING, XaCoordinator, Xid, XidError
 
-from ._errors import StateError, UsageError
-from ._store import connect
+from .._errors import StateError, UsageError
+from .._store import connect
 
 __all__ = ["decide_branch", "list_branches"]
 

@@ -1,0 +1,54 @@
+"""The operator's runbook: what ``vpnrepl`` commands and the node's operator
+requests do — promote, demote (and its tail export), switchover,
+republish, deciding XA branches — and the request table they run through
+(one at a time per site, recorded in the audit trail). The CLI calls these
+directly or through the node (``run_command``); the node serves the
+requests (``RequestServer``).
+"""
+
+from __future__ import annotations
+
+from ._audit import audit_rows, render_audit
+from ._demote import DemotionSummary, demote, export_tail
+from ._promote import PromotionSummary, promote
+from ._republish import RepublishSummary, TailRecord, read_tail_file, republish, write_tail_file
+from ._requests import (
+    ANSWERS,
+    REQUESTS,
+    SITE_LOCK,
+    Local,
+    Progress,
+    RequestServer,
+    read_request,
+    run_command,
+    start_request,
+)
+from ._switchover import switchover
+from ._xa_admin import decide_branch, list_branches
+
+__all__ = [
+    "ANSWERS",
+    "REQUESTS",
+    "SITE_LOCK",
+    "DemotionSummary",
+    "Local",
+    "Progress",
+    "PromotionSummary",
+    "RepublishSummary",
+    "RequestServer",
+    "TailRecord",
+    "audit_rows",
+    "decide_branch",
+    "demote",
+    "export_tail",
+    "list_branches",
+    "promote",
+    "read_request",
+    "read_tail_file",
+    "render_audit",
+    "republish",
+    "run_command",
+    "start_request",
+    "switchover",
+    "write_tail_file",
+]

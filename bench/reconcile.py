@@ -51,10 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge import VpnSettings, live_rows_query  # noqa: E402
 from plugin._config import DEFAULT_JDBC_JAR, ReconcileConfig, SiteConfig  # noqa: E402
-from plugin._reconcile import Reconciler, ReconcileResult  # noqa: E402
-from plugin._spark import SiteSnapshot, SparkRun  # noqa: E402
 from plugin._store import connect, enable_vpn  # noqa: E402
 from plugin.devtools import LocalSites  # noqa: E402
+from plugin.reconcile import Reconciler, ReconcileResult, SiteSnapshot, SparkRun  # noqa: E402
 from sql import migrate  # noqa: E402
 
 VPN = "bench"

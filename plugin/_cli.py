@@ -245,8 +245,7 @@ def _cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
 def _cmd_reconcile(cfg: SiteConfig, args: argparse.Namespace) -> int:
     from datetime import UTC, datetime
 
-    from ._reconcile import Reconciler, repair_through_node, store_failed_run, store_run
-    from ._reconcile_report import render
+    from .reconcile import Reconciler, render, repair_through_node, store_failed_run, store_run
 
     rc = cfg.reconcile
     method = args.method or rc.method

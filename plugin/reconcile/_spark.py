@@ -34,7 +34,7 @@ import psycopg
 
 from bridge import REFLECTED_INDEX, redact_url
 
-from ._errors import PluginError
+from .._errors import PluginError
 
 __all__ = ["SiteSnapshot", "SparkRun", "SparkUnavailable", "jdbc_url"]
 
@@ -143,7 +143,7 @@ class SparkRun:
             )
         if self.master.startswith("local"):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        log4j = resources.files(__package__).joinpath("_static/log4j2.properties")
+        log4j = resources.files("plugin").joinpath("_static/log4j2.properties")
         fd, name = tempfile.mkstemp(prefix="vpnrepl-spark-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)

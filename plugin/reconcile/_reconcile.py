@@ -71,10 +71,10 @@ from bridge import (
     touched,
 )
 
-from ._config import SiteConfig
-from ._errors import ConfigError, PluginError
+from .._config import SiteConfig
+from .._errors import ConfigError, PluginError
+from .._topology import ReplicationScope
 from ._spark import SiteSnapshot, SparkRun
-from ._topology import ReplicationScope
 
 __all__ = ["ReconcileResult", "Reconciler", "store_failed_run"]
 
@@ -543,7 +543,7 @@ def store_failed_run(dsn: str, vpn: str, method: str, started: datetime, error: 
 def repair_through_node(dsn: str, request: str = "repair") -> Repairer:
     """A :data:`Repairer` that hands the keys to the site's running node
     (``request``: ``repair``, or ``retire-uncertain`` for phantoms)."""
-    from .ops import Progress, run_command
+    from ..ops import Progress, run_command
 
     def repair(vpn: str, keys: list[LiveKey]) -> dict[str, Any]:
         async def here(progress: Progress) -> dict[str, Any]:

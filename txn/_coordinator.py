@@ -161,6 +161,11 @@ RESOLVE_DELAY = 1.0
 #: database before it is refused (as long as a plain publish waits for its
 #: ledger entry before its nack)
 PREPARE_BOUND_SECONDS = 10.0
+#: how long a client waits for its commit decision to be durable in the
+#: site's own database after the broker committed; then its connection is
+#: closed, the outcome unknown to it (the decision still commits once the
+#: database answers)
+DECISION_BOUND_SECONDS = 10.0
 #: markers of ended transactions are removed in sweeps this often
 SWEEP_SECONDS = 5.0
 #: how long a transaction's row stays in ``txn_log`` after it is over on
@@ -259,6 +264,10 @@ class _Live:
     #: a degraded transaction's group was handed over to be recorded as a
     #: sync-ineligible window (its answer waits for that)
     window_asked: bool = False
+    #: closes the client's wait if the decision is not durable in time
+    late_answer: asyncio.TimerHandle | None = None
+    #: the client was told the outcome is unknown (the decision was late)
+    answered_late: bool = False
 
     def enter(self, phase: str | None) -> None:
         """End the phase under way and start ``phase`` (None: no next phase)."""
@@ -554,7 +563,13 @@ class Coordinator:
             live.done.set_result(ok)
         done, live.on_done = live.on_done, None
         if done is None:
-            return  # no commit-ok came for it yet (resolve() awaits live.done)
+            if live.answered_late:  # the client was told already: only the books
+                self._live.pop(live.txn.txid, None)
+                if ok:
+                    live.finish("degraded" if live.machine.degraded else "committed")
+                else:
+                    live.finish("unrecorded", "the commit decision could not be recorded")
+            return  # else no commit-ok came for it yet (resolve() awaits live.done)
         self._live.pop(live.txn.txid, None)
         if not ok:
             live.finish("unrecorded", "the commit decision could not be recorded")
@@ -689,10 +704,44 @@ class Coordinator:
             log.error("VPN %s: transaction %s: decision not recorded: %s", txn.vpn, txn.txid, e)
             self._feed(live, Input.APPEND_FAILED)
             return
+        live.late_answer = asyncio.get_running_loop().call_later(
+            DECISION_BOUND_SECONDS, self._decision_late, live
+        )
         self._perform(live, live.machine.appended(last - len(txn.events) + 1, last))
 
     def _decision_durable(self, live: _Live, ok: bool) -> None:
+        if live.late_answer is not None:
+            live.late_answer.cancel()
+            live.late_answer = None
         self._feed(live, Input.DECISION_DURABLE if ok else Input.DECISION_LOST)
+
+    def _decision_late(self, live: _Live) -> None:
+        """The site's database has not made the decision durable in
+        :data:`DECISION_BOUND_SECONDS`: the client stops waiting, told the
+        outcome is unknown (the broker committed; the decision commits once
+        the database answers, and recovery settles it if the node stops)."""
+        live.late_answer = None
+        done, live.on_done = live.on_done, None
+        if done is None:
+            return
+        live.answered_late = True
+        txn = live.txn
+        log.warning(
+            "VPN %s: transaction %s: its commit decision is not durable after %g s; "
+            "the client is told the outcome is unknown",
+            txn.vpn,
+            txn.txid,
+            DECISION_BOUND_SECONDS,
+        )
+        try:
+            done(
+                TransactionRefused(
+                    f"the site database did not record the commit decision within "
+                    f"{DECISION_BOUND_SECONDS:g} s"
+                )
+            )
+        except Exception:
+            log.exception("transaction %s: answering the client failed", txn.txid)
 
     def _committed_early(self, live: _Live) -> None:
         """The standby committed the transaction early (ahead of the stream)."""

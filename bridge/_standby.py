@@ -313,9 +313,9 @@ class StandbyApplier:
         }
         if not ended:
             return [], {}
-        moved = conn.execute(_SETTLE_WITH_GROUP, (list(ended), list(ended.values()))).fetchall()
-        settled = [str(row[0]) for row in moved]
-        rowless = {t: i for t, i in ended.items() if t not in set(settled)}
+        settled = _settle(conn, list(ended), list(ended.values()))
+        moved = set(settled)
+        rowless = {t: i for t, i in ended.items() if t not in moved}
         return settled, rowless
 
     def _ended(self, settled: Iterable[str], rowless: Mapping[str, int] | None = None) -> None:
@@ -629,10 +629,7 @@ class StandbyApplier:
                 for data in encoded
             )
         ]
-        if not covered:
-            return []
-        moved = conn.execute(_SETTLE_WITH_GROUP, (covered, [index] * len(covered))).fetchall()
-        return [str(row[0]) for row in moved]
+        return _settle(conn, covered, [index] * len(covered)) if covered else []
 
     def apply_repair(
         self,
@@ -699,6 +696,13 @@ def _skip_early(
             params = (entry.index, vpn, queues, event.repl_id.value, found.index)
             conn.execute(_REINDEX, params)
     return rest, passed, settled
+
+
+def _settle(conn: psycopg.Connection[Any], txids: list[str], lasts: list[int]) -> list[str]:
+    """Move the prepared rows of ``txids`` to committed at ``lasts``; the
+    ids of the rows that moved (a row not written yet does not)."""
+    moved = conn.execute(_SETTLE_WITH_GROUP, (txids, lasts)).fetchall()
+    return [str(row[0]) for row in moved]
 
 
 def _live_row(row: LiveRow | CheckpointRow) -> LiveRow:

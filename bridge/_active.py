@@ -8,7 +8,7 @@ management API), and per ``SyncRequest`` runs the VPN's stream
 feed). Acknowledgements release sync-mode confirms
 (:meth:`Replicator.standby_acked`), are recorded in ``vpn_state`` and let
 the ledger be pruned behind them once older than ``retain_seconds``; the
-transaction frames go to :class:`~bridge._txnlink.ActiveTxnLink`.
+transaction frames go to :class:`~bridge._txnlink_active.ActiveTxnLink`.
 
 Invariant: nothing confirmed on the active is lost or applied twice on a
 standby, whatever the link does — the streams' own invariant
@@ -83,7 +83,7 @@ from ._outbound import OutboundStream, RepairSent, StandbyPeer, StreamLimits
 from ._protocol import BridgeConnection, Phase
 from ._replicator import Replicator
 from ._settings import HostPort, InvalidSettings, Role, TlsConfig, VpnSettings
-from ._txnlink import ActiveTxnLink
+from ._txnlink_active import ActiveTxnLink
 from ._vpnstore import active_vpns_async
 
 __all__ = ["PRUNE_INTERVAL", "BridgeServer"]

@@ -94,7 +94,7 @@ from ._protocol import BridgeConnection
 from ._settings import HostPort, InvalidSettings, Role, TlsConfig
 from ._standby import NotStandby, StandbyApplier, StandbyError
 from ._tls import make_client_context
-from ._txnlink import StandbyTxnLink
+from ._txnlink_standby import StandbyTxnLink
 from ._vpnstore import applied_position_async, epoch_taken_async, known_epochs_async
 
 __all__ = ["BridgeClient"]

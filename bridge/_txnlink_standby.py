@@ -1,12 +1,8 @@
-"""The transaction link: local transactions' frames between the two sites.
+"""The transaction link's standby end: local transactions' frames from the active.
 
-On the active, :class:`ActiveTxnLink` is the coordinator's ``StandbyLink``
-(``txn``): it asks the standby to prepare (``TxnPrepare`` → ``TxnVote``),
-to commit early (``TxnCommit`` → ``TxnApplied``), tells it outcomes
-(``TxnOutcome``) and answers its questions about prepared transactions
-(``TxnQuery``). On the standby, :class:`StandbyTxnLink` hands prepares and
-outcomes to the participant, commits transactions early when asked, and
-settles the stream's copies of groups committed early.
+:class:`StandbyTxnLink` hands prepares and outcomes to the participant,
+commits transactions early when asked, and settles the stream's copies of
+groups committed early (the active's end: :mod:`bridge._txnlink_active`).
 
 *Early commit*: for a sync-mode VPN the standby commits a transaction from
 its prepared row when the coordinator's ``TxnCommit`` arrives, before the
@@ -36,10 +32,12 @@ import contextlib
 import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import psycopg
+
+from bridge._tasks import BackgroundTasks
 
 from ._apply import GuardedApply, run_guarded_async
 from ._entry import LedgerEntry
@@ -49,25 +47,18 @@ from ._failpoints import failpoint
 from ._frames import TxnApplied, TxnCommit, TxnOutcome, TxnPrepare, TxnQuery, TxnVote
 from ._inbound import InboundStream
 from ._link import Link, describe_error
-from ._outbound import StandbyPeer
 from ._standby import ReadyEarlyCommit, StandbyApplier, StandbyUnavailable
 
-__all__ = ["ActiveTxnLink", "StandbyTxnLink", "TxnOutcomes", "TxnParticipant"]
-
 log = logging.getLogger(__name__)
+
+__all__ = ["StandbyTxnLink", "TxnParticipant"]
+
 
 _T = TypeVar("_T")
 
 #: voted transactions kept ready to commit early on the standby (the oldest go
 #: first; one whose commit comes later takes the checked path, reading its row)
 READY_KEPT = 1024
-
-
-class TxnOutcomes(Protocol):
-    """How the active answers a standby's question about its prepared
-    transactions: ``txn``'s coordinator."""
-
-    async def outcomes_for(self, txids: Sequence[str]) -> dict[str, bool | None]: ...
 
 
 class TxnParticipant(Protocol):
@@ -90,135 +81,6 @@ class TxnParticipant(Protocol):
     async def in_doubt(self, vpn: str) -> list[str]: ...
 
 
-def _nothing() -> None:
-    """An ``on_applied`` that no one waits for any more."""
-
-
-class _Tasks:
-    """Fire-and-forget tasks, kept referenced until they end."""
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Future[None]] = set()
-
-    def spawn(self, work: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-
-class ActiveTxnLink:
-    """The active's end: the coordinator's ``StandbyLink``.
-
-    ``standby_of(vpn)`` is the connected standby that the VPN is listed to
-    (None: none is); the server owns the connections."""
-
-    def __init__(self, standby_of: Callable[[str], StandbyPeer | None]) -> None:
-        self._standby_of = standby_of
-        #: answers standbys' questions about transactions (set by the node)
-        self.coordinator: TxnOutcomes | None = None
-        self._votes: dict[str, asyncio.Future[bool]] = {}
-        #: txid -> (called if the standby committed it early, the answer the
-        #: live feed holds the group for)
-        self._early: dict[str, tuple[Callable[[], None], asyncio.Future[bool]]] = {}
-        self._tasks = _Tasks()
-
-    def prepare(
-        self, vpn: str, txid: str, events: bytes, within: float, owner: str | None = None
-    ) -> Awaitable[bool]:
-        """Ask the standby to prepare ``txid`` (``owner``: an XA branch's
-        broker user, kept in its row there): the request is sent before
-        this returns (so the caller's own prepare starts after it, the
-        standby's round being the longer); the awaitable is True once it
-        voted yes within ``within`` seconds. A standby that is not connected
-        cannot prepare: False at once (the VPN's on-sync-timeout policy then
-        applies). The awaitable is a plain future, resolved by the vote or
-        the timer: the caller wakes one event-loop turn after the vote, not
-        two (as behind a task of its own)."""
-        peer = self._standby_of(vpn)
-        loop = asyncio.get_running_loop()
-        vote: asyncio.Future[bool] = loop.create_future()
-        ask = TxnPrepare(vpn, peer.epochs[vpn], txid, events, owner or "") if peer else None
-        if peer is None or ask is None or not peer.link.try_send(ask):
-            vote.set_result(False)
-            return vote
-        self._votes[txid] = vote
-        timer = loop.call_later(within, self._no_vote, txid, vote)
-        vote.add_done_callback(lambda _: timer.cancel())
-        return vote
-
-    def _no_vote(self, txid: str, vote: asyncio.Future[bool]) -> None:
-        """The standby did not vote in time: the vote counts as no."""
-        if self._votes.get(txid) is vote:
-            del self._votes[txid]
-        if not vote.done():
-            vote.set_result(False)
-
-    def commit_early(self, vpn: str, txid: str, first: int, on_applied: Callable[[], None]) -> bool:
-        """Tell the standby the broker committed ``txid`` (its group at
-        ``first`` onwards) so it may commit it early; ``on_applied()`` runs
-        if it says it did. The group's copy in the live feed waits for the
-        answer (``bridge._outbound``). False when no standby streams the
-        VPN live (nothing sent)."""
-        peer = self._standby_of(vpn)
-        out = peer.stream_live(vpn) if peer is not None else None
-        if peer is None or out is None or first < out.next_index:
-            return False
-        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._early[txid] = (on_applied, answer)
-        out.answers[first] = answer
-        if not peer.link.try_send(TxnCommit(vpn, peer.epochs[vpn], txid, first)):
-            self._early.pop(txid, None)
-            del out.answers[first]
-            return False
-        return True
-
-    def outcome(self, vpn: str, txid: str, commit: bool) -> None:
-        """Tell the standby how ``txid`` ended (if one is connected: else it
-        asks when it reconnects)."""
-        early = self._early.pop(txid, None)
-        if early is not None and not early[1].done():
-            # settled without the answer (timed out): the live feed still waits for it
-            self._early[txid] = (_nothing, early[1])
-        self._votes.pop(txid, None)  # a vote no one waits for any more
-        peer = self._standby_of(vpn)
-        if peer is not None:
-            peer.link.try_send(TxnOutcome(vpn, peer.epochs[vpn], txid, commit))
-
-    def received(self, peer: StandbyPeer, frame: TxnVote | TxnApplied | TxnQuery) -> None:
-        """A vote, an answer to an early commit, or a question from ``peer``."""
-        if isinstance(frame, TxnVote):
-            vote = self._votes.pop(frame.txid, None)
-            if vote is not None and not vote.done():
-                vote.set_result(frame.ok)
-        elif isinstance(frame, TxnApplied):
-            early = self._early.pop(frame.txid, None)
-            if early is not None:
-                on_applied, answer = early
-                if not answer.done():
-                    answer.set_result(frame.applied)
-                if frame.applied:
-                    on_applied()
-        else:
-            self._tasks.spawn(self._answer(peer, frame))
-
-    async def _answer(self, peer: StandbyPeer, query: TxnQuery) -> None:
-        if self.coordinator is None:
-            return
-        outcomes = await self.coordinator.outcomes_for(query.txids)
-        epoch = peer.epochs.get(query.vpn)
-        if epoch is None:
-            return
-        for txid, commit in outcomes.items():
-            if commit is not None:  # in flight here: its outcome follows when decided
-                peer.link.try_send(TxnOutcome(query.vpn, epoch, txid, commit))
-
-    def gone(self, peer: StandbyPeer) -> None:
-        """``peer`` is gone: its early commits will not be answered."""
-        for out in peer.streams.values():
-            out.unanswered()
-        self._early = {t: e for t, e in self._early.items() if not e[1].done()}
-
-
 class StandbyTxnLink:
     """The standby's end: the participant's prepares and outcomes, and early
     commits with the applier."""
@@ -232,7 +94,7 @@ class StandbyTxnLink:
         self._ready: OrderedDict[str, ReadyEarlyCommit] = OrderedDict()
         #: the connection early commits (and the stream's copies of them) run on
         self._conn: psycopg.AsyncConnection[Any] | None = None
-        self._tasks = _Tasks()
+        self._tasks = BackgroundTasks()
 
     def spawn(self, work: Awaitable[None]) -> None:
         self._tasks.spawn(work)

@@ -183,8 +183,8 @@ def writer_main(
     remove rows with the apply step's own statement and packed arrays."""
     # this script's directory holds bench/bridge.py, which shadows the package
     sys.path.remove(str(Path(__file__).resolve().parent))
-    from bridge._apply import _DELETE
-    from bridge._arrays import bytea_array, text_array
+    from bridge.ledger import bytea_array, text_array
+    from bridge.ledger._apply import _DELETE
 
     batches = _batches(site, phase, first, ids_from, messages, size, batch)
     deletes = [(VPN, text_array([QUEUE] * len(b.ids)), bytea_array(b.ids)) for b in batches]

@@ -64,7 +64,7 @@ from sql import migrate
 # bench/ is first on sys.path when this runs as a script, and bench/bridge.py
 # (the bridge benchmark) would shadow the bridge package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from bridge import materialise  # noqa: E402
+from bridge.roles import materialise  # noqa: E402
 
 VPN = "orders"
 EPOCH = 2

@@ -49,7 +49,10 @@ import psycopg
 # (the bridge benchmark) would shadow the bridge package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bridge import VpnSettings, live_rows_query  # noqa: E402
+from bridge import (
+    VpnSettings,  # noqa: E402
+    live_rows_query,  # noqa: E402
+)
 from plugin._config import DEFAULT_JDBC_JAR, ReconcileConfig, SiteConfig  # noqa: E402
 from plugin._store import connect, enable_vpn  # noqa: E402
 from plugin.devtools import LocalSites  # noqa: E402

@@ -2,7 +2,7 @@
 and the topology changes streamed after it.
 
 The listing (``GET /api/definitions/{vhost}`` plus users and permissions,
-:mod:`bridge._configsync`) comes with the active's durable ledger index at
+:mod:`bridge.broker._configsync`) comes with the active's durable ledger index at
 the moment it was read, ``L``. Every change the listener made before ``L``
 is in it; every change after ``L`` comes as a :class:`~bridge.TopologyChanged`
 entry at an index above ``L``. So the VPN's topology is the listing with the
@@ -17,8 +17,8 @@ drops its bindings, as RabbitMQ does), so an object's final state is the
 one its last change gave it, and an object no change touched is as the
 listing had it.
 
-No I/O here: the store reads the rows (:mod:`bridge._vpnstore`), config-sync
-imports the result (:mod:`bridge._configsync`).
+No I/O here: the store reads the rows (:mod:`bridge.store._vpnstore`), config-sync
+imports the result (:mod:`bridge.broker._configsync`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ length-prefixed and versionless on purpose: the bridge handshake carries the
 protocol version, and a schema migration rewrites stored entries if the
 encoding ever changes. A purge's ``sent_at`` is an optional trailing field
 instead: entries stored without it decode as before, and a standby whose
-release lacks it is sent the purge without it (``bridge._protocol``).
+release lacks it is sent the purge without it (``bridge.wire._protocol``).
 
     PUBLISHED: b"P" id(16) exchange(str16) routing_key(str16) nqueues(u16)
                queue(str16)* properties(bytes32) body(bytes32)

@@ -148,7 +148,7 @@ class IdSource:
     so both sites can hold the same incarnation number. That is safe while a
     VPN's ids are made only on its active site; a promotion first moves the
     site's ``node_incarnation`` sequence past every incarnation in that
-    VPN's replicated state (``bridge._roles``), so the new active never
+    VPN's replicated state (``bridge.roles._roles``), so the new active never
     repeats an id the old one handed out.
     """
 

@@ -19,14 +19,13 @@ from bridge import (
     MAX_SEGMENTS,
     BridgeError,
     InvalidSettings,
-    ManagementAPI,
-    ManagementUnavailable,
     Mode,
     Role,
     SyncTimeoutPolicy,
     VpnSettings,
-    read_vpn_settings,
 )
+from bridge.broker import ManagementAPI, ManagementUnavailable
+from bridge.store import read_vpn_settings
 
 from ._config import SiteConfig, load_config
 from ._errors import PluginError, UsageError
@@ -78,7 +77,7 @@ def _cmd_node(cfg: SiteConfig, args: argparse.Namespace) -> int:
     from ._node import run_node  # imports the bridge; only the node needs it
 
     # TLS servers take their sockets before any transport reads from them
-    # (bridge._acceptor), so TLS works on uvloop as on asyncio's loop
+    # (bridge.link._acceptor), so TLS works on uvloop as on asyncio's loop
     uvloop.run(run_node(cfg))
     return EXIT_OK
 

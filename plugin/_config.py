@@ -77,7 +77,7 @@ class SiteConfig:
     #: standby that reconnects within it catches up by replay, not checkpoint
     ledger_retain_seconds: int = 300
     #: past this many bytes of events the ledger is pruned even where the
-    #: standby has not acknowledged it (0: no bound; ``bridge._ledger_bound``)
+    #: standby has not acknowledged it (0: no bound; ``bridge.ledger._bound``)
     ledger_max_bytes: int = 8 << 30
     #: how often that bound is checked
     ledger_check_seconds: int = 30

@@ -31,17 +31,15 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from bridge import (
-    TLS_SHUTDOWN_TIMEOUT,
     ConfirmKey,
     Event,
     IdSource,
     LocalTransaction,
     Published,
     TlsConfig,
-    TlsServer,
     TransactionRefused,
-    describe_tls_error,
 )
+from bridge.link import TLS_SHUTDOWN_TIMEOUT, TlsServer, describe_tls_error
 from txn import MarkerKey
 
 from ._config import SiteConfig

@@ -28,7 +28,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from bridge import TlsConfig, WriterStats
+from bridge import TlsConfig
+from bridge.ledger import WriterStats
 from txn import TxnStats, XaStats
 
 from ._tls_init import not_after

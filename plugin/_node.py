@@ -39,32 +39,24 @@ from tenacity import (
 
 from bridge import (
     INCARNATION_LIMIT,
-    BridgeClient,
     BridgeError,
-    BridgeServer,
     IdSource,
-    LedgerBound,
-    LedgerError,
-    LedgerWriter,
-    ManagementAPI,
     Purged,
-    Replicator,
     Role,
-    TakeoverUnknown,
-    TlsSetupError,
     TopologyChanged,
     UnknownFailpoint,
     VpnSettings,
-    WindowRecorder,
     armed,
-    enabled_vpns_async,
-    ledger_progress_async,
-    make_client_context,
-    make_server_context,
     name_item,
-    record_sync_eligible_async,
     redact_url,
 )
+from bridge.active import BridgeServer, Replicator, WindowRecorder
+from bridge.broker import ManagementAPI
+from bridge.ledger import LedgerBound, LedgerError, LedgerWriter
+from bridge.link import TlsSetupError, make_client_context, make_server_context
+from bridge.roles import TakeoverUnknown
+from bridge.standby import BridgeClient
+from bridge.store import enabled_vpns_async, ledger_progress_async, record_sync_eligible_async
 from txn import (
     Coordinator,
     MarkerError,

@@ -33,7 +33,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from bridge import ManagementAPI, ManagementUnavailable, Role, VpnSettings
+from bridge import Role, VpnSettings
+from bridge.broker import ManagementAPI, ManagementUnavailable
 
 from ._directory import VpnDirectory, VpnView
 from ._errors import PluginError

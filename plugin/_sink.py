@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bridge import ConfirmKey, Event, LocalTransaction, commit_in_task
+from bridge import ConfirmKey, Event, LocalTransaction
+from bridge.active import commit_in_task
 
 from ._output import Output
 

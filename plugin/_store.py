@@ -20,14 +20,12 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.rows import dict_row
 
-from bridge import (
-    Role,
-    VpnSettings,
+from bridge import Role, VpnSettings, redact_url
+from bridge.store import (
     add_vpn_state,
     disable_replication,
     lock_vpn_config,
     record_first_epoch,
-    redact_url,
     save_vpn_settings,
     vpn_status_rows,
     windows_by_vpn,
@@ -91,7 +89,8 @@ def add_broker_depths(doc: dict[str, Any], api: Any) -> None:
     """
     from urllib.parse import quote
 
-    from bridge import ManagementUnavailable, TopicFilter
+    from bridge import TopicFilter
+    from bridge.broker import ManagementUnavailable
 
     from ._scope_report import out_of_scope
     from ._topology import ReplicationScope
@@ -154,7 +153,7 @@ def _has_column(conn: psycopg.Connection[dict[str, Any]], table: str, column: st
 
 
 # a standby's definitions: the listing's index, and the topology changes
-# streamed above it (bridge._topology_store)
+# streamed above it (bridge.store._topology)
 _DEFINITIONS = """
 SELECT c.name AS vpn, c.definitions_index, c.definitions IS NOT NULL AS listed,
        (SELECT count(*) FROM topology_change t

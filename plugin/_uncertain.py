@@ -32,7 +32,8 @@ from typing import Any
 
 import psycopg
 
-from bridge import Consumed, LedgerWriter, Published, ReplicationId, future_callback
+from bridge import Consumed, Published, ReplicationId, future_callback
+from bridge.ledger import LedgerWriter
 
 __all__ = ["UncertainLog", "retire"]
 

@@ -28,16 +28,9 @@ import psycopg
 from pamqp import commands
 from psycopg.rows import tuple_row
 
-from bridge import (
-    MARKER_QUEUE,
-    AmqpEndpoint,
-    BrokerError,
-    BrokerPublisher,
-    Consumed,
-    DeadLettered,
-    Published,
-    persistent_properties,
-)
+from bridge import MARKER_QUEUE, Consumed, DeadLettered, Published
+from bridge.amqp import AmqpEndpoint, BrokerError, persistent_properties
+from bridge.broker import BrokerPublisher
 from txn import MarkerStore, restored_marker
 
 __all__ = ["BranchPublisher", "ReplyPublisher"]

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 from pamqp import body, commands, frame, header
 
-from bridge._amqp_wire import (
+from bridge.amqp import (
     HEARTBEAT_FRAME,
     AccessRefused,
     AmqpEndpoint,

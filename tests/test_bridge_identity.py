@@ -1,4 +1,4 @@
-"""Only the named peer site reaches the bridge (``bridge/_identity.py``):
+"""Only the named peer site reaches the bridge (``bridge/wire/_identity.py``):
 rogue peers against a real active (its ledger on PostgreSQL) and a real
 standby. Each rogue is refused before one byte of replication data leaves,
 both ends say why in one line, and a crafted frame from a peer that fails
@@ -18,19 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from bridge import (
+from bridge import Role, Unauthorised
+from bridge.wire import (
+    MAGIC,
     PROTOCOL_VERSION,
     Ack,
     Error,
     FrameReader,
     Hello,
     PeerCheck,
-    Role,
     SyncRequest,
-    Unauthorised,
     certificate_names,
 )
-from bridge._frames import MAGIC
 from plugin._tls_init import init_certificates
 from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
@@ -124,7 +123,7 @@ def test_a_rogue_standby_gets_nothing(
 
 def _client_as(site: str) -> type:
     """A BridgeClient that calls itself ``site`` (the rogue's own name)."""
-    from bridge import BridgeClient
+    from bridge.standby import BridgeClient
 
     class Rogue(BridgeClient):
         def __init__(self, _site: str, *args: object, **kwargs: object) -> None:

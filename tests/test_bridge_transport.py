@@ -22,41 +22,38 @@ import psycopg
 import pytest
 
 from bridge import (
+    Consumed,
+    Event,
+    HostPort,
+    LedgerEntry,
+    Published,
+    ReplicationId,
+    Role,
+    StaleEpoch,
+    TlsConfig,
+    VpnSettings,
+)
+from bridge.active import BridgeServer, Replicator, _stream as _outbound
+from bridge.ledger import LedgerWriter
+from bridge.link import TlsSetupError, make_client_context, make_server_context
+from bridge.standby import BridgeClient, StandbyApplier
+from bridge.wire import (
     NEED_DATA,
     PROTOCOL_VERSION,
     Ack,
-    BridgeClient,
     BridgeConnection,
-    BridgeServer,
-    Consumed,
     Error,
-    Event,
     Events,
     Frame,
     GetAllResources,
     Heartbeat,
     Hello,
-    HostPort,
-    LedgerWriter,
-    Published,
-    ReplicationId,
     ResourceList,
-    Role,
-    StaleEpoch,
-    StandbyApplier,
     SyncAccepted,
     SyncFinished,
     SyncRequest,
-    TlsConfig,
-    TlsSetupError,
     VpnResource,
-    VpnSettings,
-    _outbound,
-    make_client_context,
-    make_server_context,
 )
-from bridge._entry import LedgerEntry
-from bridge._replicator import Replicator
 from plugin._store import connect, disable_vpn, enable_vpn, status
 from plugin.devtools import LocalSite
 from sql import migrate
@@ -558,7 +555,7 @@ def test_a_fenced_active_is_refused_and_the_standby_waits(
         assert applied(b_dsn) == 0 and live(b_dsn) == []
 
     run(scenario)
-    bridge_ends = ("bridge._active", "bridge._receiver")  # the two ends of the link
+    bridge_ends = ("bridge.active._server", "bridge.standby._client")  # the two ends of the link
     fenced = [r for r in caplog.records if r.name in bridge_ends and "fenced" in r.message]
     assert any("refuses its publishes" in r.message for r in fenced), fenced
     assert [r.levelno for r in fenced if "not replicating from it" in r.message] == [logging.ERROR]

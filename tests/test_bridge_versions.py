@@ -11,8 +11,22 @@ from dataclasses import replace
 import pytest
 
 from bridge import (
+    LedgerEntry,
+    Mode,
+    Published,
+    Purged,
+    ReplicationId,
+    Role,
+    SyncTimeoutPolicy,
+    TopologyChanged,
+    VersionMismatch,
+    encode_event,
+    name_item,
+)
+from bridge.wire import (
     CAP_TOPOLOGY,
     CAP_XA_OWNER,
+    MAGIC,
     OUR_CAPABILITIES,
     PREVIOUS_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
@@ -22,27 +36,15 @@ from bridge import (
     Frame,
     GetAllResources,
     Hello,
-    LedgerEntry,
-    Mode,
-    Published,
-    Purged,
-    ReplicationId,
     ResourceList,
-    Role,
     Sentinel,
     SyncAccepted,
     SyncFinished,
     SyncRequest,
-    SyncTimeoutPolicy,
-    TopologyChanged,
     TxnPrepare,
-    VersionMismatch,
     VpnResource,
     decode_frame,
-    name_item,
 )
-from bridge._entry import encode_event
-from bridge._frames import MAGIC
 
 #: what the release before take-over and purge points offers in version 6
 PREDECESSOR_CAPABILITIES = CAP_TOPOLOGY | CAP_XA_OWNER

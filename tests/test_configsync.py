@@ -16,15 +16,16 @@ from urllib.parse import unquote
 
 import pytest
 
-from bridge import (
+from bridge.broker import (
     SYNCED_TAG,
     ConfigSyncError,
     ManagementAPI,
     ManagementUnavailable,
     import_vpn_definitions,
+    shape_vpn_definitions,
+    split_vpn_definitions,
     vpn_definitions,
 )
-from bridge._configsync import shape_vpn_definitions, split_vpn_definitions
 
 VPN = "orders"
 HASH_A = "aGFzaC1vZi1hbGljZS1vbi10aGUtYWN0aXZl"

@@ -14,7 +14,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from bridge import CLOSED, NEED_DATA, BridgeConnection, BridgeError, Role
+from bridge import BridgeError, Role
+from bridge.wire import CLOSED, NEED_DATA, BridgeConnection
 from plugin import ConfigError, load_config
 from plugin._admin import AdminServer
 from plugin._lag_history import LagHistory

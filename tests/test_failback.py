@@ -11,7 +11,8 @@ from typing import Any
 
 import psycopg
 
-from bridge import Published, ReplicationId, TailMessage
+from bridge import Published, ReplicationId
+from bridge.roles import TailMessage
 from plugin.ops import write_tail_file
 from tests.test_failover import Sites, broker_contents, sites  # noqa: F401 - the fixture
 from tests.two_sites import (

@@ -22,8 +22,7 @@ import pika.exceptions
 import psycopg
 import pytest
 
-from bridge import Published
-from bridge._entry import decode_event
+from bridge import Published, decode_event
 from plugin.devtools import HarnessError, LocalSite
 from tests.fix_node import NodeProcess, Sites
 from tests.two_sites import (

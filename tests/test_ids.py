@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from bridge import IdsExhausted, IdSource, ReplicationId
-from bridge._ids import COUNTER_LIMIT, INCARNATION_LIMIT, RENEW_MARGIN
+from bridge import (
+    COUNTER_LIMIT,
+    INCARNATION_LIMIT,
+    RENEW_MARGIN,
+    IdsExhausted,
+    IdSource,
+    ReplicationId,
+)
 
 incarnations = st.integers(1, INCARNATION_LIMIT - 1)
 counters = st.integers(0, COUNTER_LIMIT - 1)

@@ -1,4 +1,4 @@
-"""The standby worker's view of a VPN's stream (bridge._inbound), without I/O.
+"""The standby worker's view of a VPN's stream (bridge.standby._stream), without I/O.
 
 The worker drops what is queued of a stream it left until the next stream
 is accepted, makes a stream live only when it follows it, and asks for a
@@ -11,22 +11,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from bridge import (
-    Checkpoint,
-    Consumed,
-    Events,
-    LedgerEntry,
-    ReplicationId,
-    SyncAccepted,
-    SyncFinished,
-    TxnCommit,
-)
-from bridge._inbound import (
-    INBOUND_TRANSITIONS,
-    InboundInput,
-    InboundPhase,
-    InboundStream,
-)
+from bridge import Consumed, LedgerEntry, ReplicationId
+from bridge.standby import INBOUND_TRANSITIONS, InboundInput, InboundPhase, InboundStream
+from bridge.wire import Checkpoint, Events, SyncAccepted, SyncFinished, TxnCommit
 
 P, In = InboundPhase, InboundInput
 VPN = "orders"

@@ -37,11 +37,9 @@ SANS_IO = (
     "plugin._topology",
     "plugin._amqp",
     "plugin._routing",
-    "bridge._protocol",
-    "bridge._frames",
-    "bridge._inbound",
+    "bridge.wire",
+    "bridge.amqp",
     "bridge._entry",
-    "bridge._syncgate",
     "txn._machine",
 )
 
@@ -61,7 +59,7 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
 def test_the_import_contracts_hold() -> None:
     result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 kept, 0 broken" in result.stdout
+    assert "6 kept, 0 broken" in result.stdout
 
 
 @pytest.fixture
@@ -78,12 +76,20 @@ def tree_copy(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     ("module", "line", "contract"),
     [
-        ("bridge/_ids.py", "import plugin", "a lower layer never imports a higher one"),
-        ("bridge/_protocol.py", "from txn import TxnMachine", "a lower layer never imports"),
-        ("txn/_machine.py", "from plugin import load_config", "a lower layer never imports"),
-        ("plugin/_cli.py", "from bridge._ledger import LedgerWriter", "private modules"),
+        ("bridge/_ids.py", "from txn import Xid", "a lower layer never imports a higher one"),
+        ("bridge/wire/_protocol.py", "from txn import TxnMachine", "a lower layer never imports"),
+        ("txn/_coordinator.py", "from plugin import load_config", "a lower layer never imports"),
+        ("plugin/_cli.py", "from bridge.ledger._writer import LedgerWriter", "private modules"),
         ("sql/env.py", "import bridge", "sql stands alone"),
         ("plugin/_node.py", "from plugin.devtools import LocalSites", "reaches plugin.devtools"),
+        (
+            "bridge/store/_vpnstore.py",
+            "from bridge.ledger import LedgerWriter",
+            "import downward only",
+        ),
+        ("bridge/active/_syncgate.py", "import asyncio", "sans-IO modules load no"),
+        ("bridge/wire/_frames.py", "import psycopg", "sans-IO modules load no"),
+        ("plugin/_session.py", "import socket", "sans-IO modules load no"),
     ],
 )
 def test_a_deliberate_breach_fails_the_contracts(
@@ -95,7 +101,7 @@ def test_a_deliberate_breach_fails_the_contracts(
     assert result.returncode == 1, result.stdout + result.stderr
     broken = [row for row in result.stdout.splitlines() if row.endswith(" BROKEN")]
     assert len(broken) == 1 and contract in broken[0], result.stdout
-    assert "3 kept, 1 broken" in result.stdout
+    assert "5 kept, 1 broken" in result.stdout
 
 
 def _loaded_after(statement: str) -> list[str]:
@@ -114,7 +120,7 @@ def _loaded_after(statement: str) -> list[str]:
 
 def test_the_probe_sees_an_io_import() -> None:
     assert _loaded_after("pass") == []
-    assert _loaded_after("import bridge._ledger") == ["asyncio", "psycopg", "socket", "ssl"]
+    assert _loaded_after("import bridge.ledger._writer") == ["asyncio", "psycopg", "socket", "ssl"]
 
 
 @pytest.mark.parametrize("module", SANS_IO)

@@ -10,10 +10,18 @@ from typing import Any
 import psycopg
 import pytest
 
-from bridge import Consumed, DeadLettered, Event, Published, ReplicationId, VpnSettings
-from bridge._entry import LedgerEntry, decode_event, encode_event
-from bridge._ledger import LedgerWriter
-from bridge._ledger_errors import LedgerClosed, UnstorableEvent, VpnNotOpen
+from bridge import (
+    Consumed,
+    DeadLettered,
+    Event,
+    LedgerEntry,
+    Published,
+    ReplicationId,
+    VpnSettings,
+    decode_event,
+    encode_event,
+)
+from bridge.ledger import LedgerClosed, LedgerWriter, UnstorableEvent, VpnNotOpen
 from plugin._store import connect, enable_vpn
 from plugin.devtools import LocalSite
 from sql import migrate

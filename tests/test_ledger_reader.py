@@ -1,4 +1,4 @@
-"""Replay and retention of the committed ledger (bridge/_ledger_reader.py),
+"""Replay and retention of the committed ledger (bridge/ledger/_reader.py),
 against a real PostgreSQL."""
 
 from __future__ import annotations
@@ -6,9 +6,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from bridge._ledger import LedgerWriter
-from bridge._ledger_errors import LedgerClosed, LedgerPruned, VpnNotOpen
-from bridge._ledger_reader import LedgerReader
+from bridge.ledger import LedgerClosed, LedgerPruned, LedgerReader, LedgerWriter, VpnNotOpen
 from plugin.devtools import LocalSite
 from tests.test_ledger import prepare, pub, run
 

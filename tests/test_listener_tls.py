@@ -19,8 +19,8 @@ import pytest
 import uvloop
 from pika.exceptions import AMQPConnectionError, ProbableAuthenticationError
 
-from bridge import Consumed, IdSource, Published, Role, TlsConfig, TlsServer
-from bridge._tls import TlsSetupError
+from bridge import Consumed, IdSource, Published, Role, TlsConfig
+from bridge.link import TlsServer, TlsSetupError
 from plugin._config import load_config
 from plugin._directory import VpnDirectory, VpnView
 from plugin._errors import ConfigError

@@ -1,4 +1,4 @@
-"""The active's live state (bridge/_live.py) kept in step with the ledger
+"""The active's live state (bridge/ledger/_live.py) kept in step with the ledger
 its writer commits, against a real PostgreSQL, including crashes between
 the two."""
 
@@ -10,8 +10,7 @@ from typing import Any
 import psycopg
 
 from bridge import Event
-from bridge._apply import apply_entries_async
-from bridge._ledger import LedgerWriter
+from bridge.ledger import LedgerWriter, apply_entries_async
 from plugin.devtools import LocalSite
 from tests.test_ledger import Durable, _until_blocked, ack, live_keys, prepare, pub, run, scalar
 

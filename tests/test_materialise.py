@@ -26,8 +26,9 @@ import pytest
 import uvloop
 from pamqp import base, body as body_frame, commands, frame, header
 
-from bridge import MaterialiseError, MaterialiseResult, VpnSettings, materialise
-from bridge._amqp_wire import persistent_properties
+from bridge import VpnSettings
+from bridge.amqp import persistent_properties
+from bridge.roles import MaterialiseError, MaterialiseResult, materialise
 from plugin._store import connect, enable_vpn
 from plugin.devtools import LocalSite, LocalSites, RabbitNode
 from sql import migrate

@@ -9,8 +9,7 @@ import psycopg
 import pytest
 from pika.exceptions import NackError
 
-from bridge import EVENT_KINDS
-from bridge._ids import INCARNATION_LIMIT
+from bridge import EVENT_KINDS, INCARNATION_LIMIT
 from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess

@@ -6,7 +6,8 @@ import asyncio
 
 import pika
 
-from bridge import ManagementAPI, Role, VpnSettings
+from bridge import Role, VpnSettings
+from bridge.broker import ManagementAPI
 from plugin._directory import VpnDirectory, VpnView
 from plugin._refresher import DirectoryRefresher
 from plugin.devtools import LocalSite

@@ -1,5 +1,5 @@
 """A VPN's role changes in the site database: the promotion's first step and
-fencing (bridge/_roles.py), against a real PostgreSQL."""
+fencing (bridge/roles/_roles.py), against a real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from bridge._roles import (
+from bridge.roles import (
     RoleError,
     TakeoverUnknown,
     begin_promotion,
@@ -19,7 +19,7 @@ from bridge._roles import (
     read_tail,
     record_fenced,
 )
-from bridge._standby import NotStandby, StandbyApplier
+from bridge.standby import NotStandby, StandbyApplier
 from plugin._store import connect, status
 from plugin.devtools import LocalSite
 from tests.test_standby_apply import ack, keys, numbered, prepare, pub

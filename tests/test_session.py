@@ -10,10 +10,13 @@ from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
 from bridge import (
+    COUNTER_LIMIT,
+    INCARNATION_LIMIT,
     MARKER_QUEUE,
     Consumed,
     DeadLettered,
     IdSource,
+    LedgerEntry,
     Published,
     Purged,
     ReplicationId,
@@ -24,9 +27,7 @@ from bridge import (
     name_item,
     queue_item,
 )
-from bridge._apply import _PURGE, _apply_steps
-from bridge._entry import LedgerEntry
-from bridge._ids import COUNTER_LIMIT, INCARNATION_LIMIT
+from bridge.ledger._apply import _PURGE, _apply_steps
 from plugin import _amqp as amqp
 from plugin._directory import VpnDirectory, VpnView
 from plugin._output import Output

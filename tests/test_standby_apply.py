@@ -15,21 +15,31 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from psycopg_pool import ConnectionPool
 
 from bridge import (
-    CheckpointRow,
     Consumed,
     DeadLettered,
     Event,
+    Gap,
+    LedgerEntry,
     Published,
     Purged,
     ReplicationId,
+    StaleEpoch,
+    UnknownVpn,
     VpnSettings,
+    encode_event,
 )
-from bridge._apply import _DELETE, apply_entries, guarded_apply, run_guarded, run_guarded_async
-from bridge._arrays import bytea_array, text_array
-from bridge._entry import LedgerEntry, encode_event
-from bridge._errors import Gap, StaleEpoch, UnknownVpn
-from bridge._ledger import LedgerWriter
-from bridge._standby import NotStandby, StandbyApplier, StandbyUnavailable
+from bridge.ledger import (
+    LedgerWriter,
+    apply_entries,
+    bytea_array,
+    guarded_apply,
+    run_guarded,
+    run_guarded_async,
+    text_array,
+)
+from bridge.ledger._apply import _DELETE
+from bridge.standby import NotStandby, StandbyApplier, StandbyUnavailable
+from bridge.wire import CheckpointRow
 from plugin._store import connect, enable_vpn
 from plugin.devtools import LocalSite
 from sql import migrate
@@ -191,7 +201,7 @@ def test_unknown_ack_is_counted_and_logged_not_raised(
 ) -> None:
     dsn = site_b.pg.dsn()
     prepare(dsn, orders="standby")
-    with StandbyApplier(dsn) as applier, caplog.at_level(logging.WARNING, "bridge._apply"):
+    with StandbyApplier(dsn) as applier, caplog.at_level(logging.WARNING, "bridge.ledger._apply"):
         applier.apply_batch("orders", numbered([pub("orders", 1, "q1"), ack("orders", 77, "q1")]))
         applier.apply_batch("orders", numbered([ack("orders", 78, "q9")], start=3))
     assert state(dsn, "orders")[3] == 2
@@ -208,10 +218,10 @@ def test_many_unknown_acks_are_summarised(
 ) -> None:
     dsn = site_b.pg.dsn()
     prepare(dsn, v="standby")
-    with StandbyApplier(dsn) as applier, caplog.at_level(logging.WARNING, "bridge._apply"):
+    with StandbyApplier(dsn) as applier, caplog.at_level(logging.WARNING, "bridge.ledger._apply"):
         applier.apply_batch("v", numbered([ack("v", n, "q") for n in range(100)]))
     assert state(dsn, "v")[3] == 100
-    warnings = [r.getMessage() for r in caplog.records if r.name == "bridge._apply"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "bridge.ledger._apply"]
     assert len(warnings) == 21
     assert "80 more" in warnings[-1]
 
@@ -252,7 +262,7 @@ def two_fresh_vpns(dsn: str, *prefixes: str) -> tuple[str, ...]:
 def test_a_batch_leaves_the_state_one_by_one_apply_leaves(
     site_b: LocalSite, ops: list[tuple[str, int, list[str]]], cuts: list[int], replay: bool
 ) -> None:
-    """The invariant of bridge._apply: batching never changes the outcome,
+    """The invariant of bridge.ledger._apply: batching never changes the outcome,
     including replays of entries already applied."""
     dsn = site_b.pg.dsn()
     batched, single = two_fresh_vpns(dsn, "b", "s")
@@ -287,7 +297,7 @@ def test_a_batch_leaves_the_state_one_by_one_apply_leaves(
 def test_one_guarded_statement_leaves_what_the_transaction_leaves(
     site_b: LocalSite, ops: list[tuple[str, int, list[str]]], cut: int, guard: bool
 ) -> None:
-    """bridge._apply.guarded_apply against apply_entries, after a first
+    """bridge.ledger._apply.guarded_apply against apply_entries, after a first
     batch the same on both VPNs: the same live rows and unknown ACKs when
     the guard lets it apply, nothing at all when it does not, and a
     refusal (None) exactly for runs one statement cannot hold."""
@@ -784,8 +794,8 @@ def test_a_gate_waiting_on_a_promotion_reads_the_role_it_left(site_b: LocalSite,
     kept the role of its first snapshot, 'standby'."""
     import threading
 
-    from bridge._standby import _SKIP_EARLY_BATCH, _TAKE_GUARD
-    from bridge._vpnstore import become_active, lock_for_promotion
+    from bridge.standby._applier import _SKIP_EARLY_BATCH, _TAKE_GUARD
+    from bridge.store import become_active, lock_for_promotion
     from tests.fix_sites import until_a_lock_waits
 
     dsn = site_b.pg.dsn()
@@ -819,7 +829,7 @@ def test_a_gate_takes_the_config_row_before_the_state_row(site_b: LocalSite) -> 
     took them the other way round would deadlock with it."""
     import threading
 
-    from bridge._standby import _TAKE_GUARD
+    from bridge.standby._applier import _TAKE_GUARD
 
     dsn = site_b.pg.dsn()
     prepare(dsn, v="standby")

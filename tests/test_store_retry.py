@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from bridge._store_retry import retry_log_level, retry_store
+from bridge.ledger import retry_log_level, retry_store
 
 
 def test_a_failing_write_is_tried_again_until_it_succeeds_and_each_failure_reported() -> None:

@@ -6,10 +6,8 @@ import asyncio
 from typing import Any, cast
 
 from bridge import SyncTimeoutPolicy, VpnSettings
-from bridge._ledger import LedgerWriter
-from bridge._replicator import Replicator
-from bridge._syncgate import SyncGate, WindowClosed, WindowOpened
-from bridge._window_recorder import WindowRecorder
+from bridge.active import Replicator, SyncGate, WindowClosed, WindowOpened, WindowRecorder
+from bridge.ledger import LedgerWriter
 
 DEGRADE, REJECT = SyncTimeoutPolicy.DEGRADE, SyncTimeoutPolicy.REJECT
 
@@ -153,7 +151,7 @@ def test_a_confirm_held_past_the_bound_for_its_windows_record_is_nacked() -> Non
     """The store does not record the window's opening (it hangs): a held
     confirm may not go out, and after HOLD_BOUND its client gets a nack,
     not silence. One the store records in time still goes out."""
-    from bridge._syncgate import HOLD_BOUND
+    from bridge.active import HOLD_BOUND
 
     gate, out = SyncGate("v", 500, DEGRADE, recording=True), Outcomes()
     gate.wait(1, 0.0, out.resolver(1))

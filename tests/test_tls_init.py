@@ -16,7 +16,8 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from bridge import TlsConfig, make_client_context, make_server_context
+from bridge import TlsConfig
+from bridge.link import make_client_context, make_server_context
 from plugin._cli import main
 from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl

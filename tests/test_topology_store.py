@@ -1,4 +1,4 @@
-"""A standby's stored definitions (bridge/_topology_store.py) against a
+"""A standby's stored definitions (bridge/store/_topology.py) against a
 real PostgreSQL: the apply step keeps streamed topology changes, a listing
 forgets those at or below its index (never a newer listing for an older
 one), and what a promotion imports is the listing with the rest applied."""
@@ -11,15 +11,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from bridge import (
-    LedgerEntry,
-    TopologyChanged,
-    apply_entries,
-    keep_definitions_async,
-    name_item,
-    queue_item,
-    stored_topology,
-)
+from bridge import LedgerEntry, TopologyChanged, name_item, queue_item
+from bridge.ledger import apply_entries
+from bridge.store import keep_definitions_async, stored_topology
 from plugin.devtools import LocalSite
 from sql import migrate
 from tests.test_vpnstore import enable, on_loop

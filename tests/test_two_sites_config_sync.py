@@ -19,7 +19,7 @@ import pika.exceptions
 import psycopg
 import pytest
 
-from bridge import ManagementAPI, reimport
+from bridge.broker import ManagementAPI, reimport
 from plugin.devtools import HarnessError, LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess

@@ -16,8 +16,7 @@ import pika.exceptions
 import psycopg
 import pytest
 
-from bridge import Published
-from bridge._entry import decode_event
+from bridge import Published, decode_event
 from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess

@@ -16,11 +16,16 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bridge import IdSource, LocalTransaction, Published, TransactionRefused, VpnSettings
-from bridge._entry import encode_event
-from bridge._ledger import LedgerWriter
-from bridge._replicator import Replicator
-from bridge._window_recorder import WindowRecorder
+from bridge import (
+    IdSource,
+    LocalTransaction,
+    Published,
+    TransactionRefused,
+    VpnSettings,
+    encode_event,
+)
+from bridge.active import Replicator, WindowRecorder
+from bridge.ledger import LedgerWriter
 from plugin._store import connect, enable_vpn
 from plugin.devtools import LocalSite
 from sql import migrate
@@ -300,7 +305,7 @@ def test_a_prepare_waiting_for_a_promotion_votes_no(site_a: LocalSite) -> None:
     promotion read the prepared rows would be resolved by no one)."""
     import threading
 
-    from bridge._vpnstore import become_active, lock_for_promotion
+    from bridge.store import become_active, lock_for_promotion
     from tests.fix_sites import until_a_lock_waits
 
     dsn = site_a.pg.dsn()
@@ -336,7 +341,7 @@ def test_a_commit_outcome_leaves_the_row_to_its_group_and_an_abort_is_recorded_a
     site_a: LocalSite,
 ) -> None:
     """A commit outcome settles nothing (the row settles with its group,
-    ``bridge/_standby.py``), so it stays in doubt until the group comes; an
+    ``bridge/standby/_applier.py``), so it stays in doubt until the group comes; an
     abort is recorded at once."""
     dsn = site_a.pg.dsn()
     migrate(dsn)

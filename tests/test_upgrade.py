@@ -21,7 +21,7 @@ from pathlib import Path
 import pika
 import pytest
 
-from bridge import PREVIOUS_PROTOCOL_VERSION, PROTOCOL_VERSION
+from bridge.wire import PREVIOUS_PROTOCOL_VERSION, PROTOCOL_VERSION
 from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess

@@ -1,4 +1,4 @@
-"""The statements on ``vpn_config`` / ``vpn_state`` (bridge/_vpnstore.py)
+"""The statements on ``vpn_config`` / ``vpn_state`` (bridge/store/_vpnstore.py)
 against a real PostgreSQL: what each function reads and writes, and that
 it stays inside the caller's transaction."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from bridge import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnResource, VpnSettings
-from bridge._vpnstore import (
+from bridge import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnSettings
+from bridge.store import (
     ConfigLock,
     FollowedSettings,
     active_ledgers_async,
@@ -51,6 +51,7 @@ from bridge._vpnstore import (
     set_bridge_state_async,
     vpn_status_rows,
 )
+from bridge.wire import VpnResource
 from plugin.devtools import LocalSite
 from sql import migrate
 from tests.fix_sites import until_a_lock_waits

@@ -1,5 +1,5 @@
-"""Sync-ineligible windows in a real PostgreSQL (bridge/_window_store.py,
-bridge/_window_recorder.py): the statements, the restart rule, the
+"""Sync-ineligible windows in a real PostgreSQL (bridge/store/_windows.py,
+bridge/active/_window_recorder.py): the statements, the restart rule, the
 recorder's order and retries, who may read the table, and the sink
 holding a window's confirms until its opening is durable."""
 
@@ -13,15 +13,16 @@ import psycopg
 import pytest
 
 from bridge import VpnSettings
-from bridge._ledger import LedgerWriter
-from bridge._replicator import Replicator
-from bridge._vpnstore import add_vpn_state, record_first_epoch, save_vpn_settings
-from bridge._window_recorder import WindowRecorder
-from bridge._window_store import (
+from bridge.active import Replicator, WindowRecorder
+from bridge.ledger import LedgerWriter
+from bridge.store import (
+    add_vpn_state,
     add_window_async,
     close_left_open,
     close_window_async,
     open_window_async,
+    record_first_epoch,
+    save_vpn_settings,
     windows_by_vpn,
 )
 from plugin.devtools import LocalSite

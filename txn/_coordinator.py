@@ -36,7 +36,7 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
    the answer), like any ledger entries (messages inserted, acked ones
    removed, applied index in the same database transaction), and
    acknowledges. A group committed early is skipped when the stream brings
-   it, recognised by its events, not by its index (``bridge._standby``).
+   it, recognised by its events, not by its index (``bridge.standby._applier``).
    The client's ``tx.commit-ok`` waits for the durable group here and for
    ``TxnApplied`` or the acknowledgement, so it is sent only when prepare
    and commit are durable on both sites. (A group durable here before the
@@ -116,7 +116,6 @@ from bridge import (
     Consumed,
     DeadLettered,
     Event,
-    LedgerError,
     LocalTransaction,
     Mode,
     Published,
@@ -126,6 +125,7 @@ from bridge import (
     failpoint,
     future_callback,
 )
+from bridge.ledger import LedgerError
 
 from ._log import COORDINATOR, TxnLog, TxnRow, encode_events
 from ._machine import (

@@ -95,7 +95,7 @@ DELETE FROM txn_log WHERE txid IN (
 """
 
 # The gate share-locks the VPN's config row, which a promotion locks first
-# (bridge._roles.begin_promotion): a prepare that waited for a promotion
+# (bridge.roles._roles.begin_promotion): a prepare that waited for a promotion
 # re-reads the role it left and writes nothing; one that went first is
 # committed before the promotion reads the prepared rows, and resolved by it.
 _PREPARE_AS_STANDBY = """

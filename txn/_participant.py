@@ -12,18 +12,18 @@ active appends them as one group when it decides to commit), or, in sync
 mode, early, from the prepared row (``TxnCommit``: a yes vote
 returns the events decoded here, and the bridge builds the commit's
 statement from them while the active commits the broker,
-:meth:`bridge._standby.StandbyApplier.ready_early_commit`).
+:meth:`bridge.standby._applier.StandbyApplier.ready_early_commit`).
 
 **A row is settled committed with its group, never by an outcome.** The
 standby's applier moves a row to ``committed`` in the same database
 transaction that applies the group's last publish, from the stream or early
-(``bridge/_standby.py``, which knows the rows' events). A commit outcome
+(``bridge/standby/_applier.py``, which knows the rows' events). A commit outcome
 (``TxnOutcome``) writes nothing: settled by the outcome, a row whose group
 had not come yet would be skipped by a promotion if the active were lost
 then (its messages nowhere here), and a row still prepared after its
 group came would be applied a second time by a promotion (a consumed
 message back). So a ``prepared`` row is exactly a transaction whose group
-is not here, which is what the promotion commits (``bridge/_roles.py``).
+is not here, which is what the promotion commits (``bridge/roles/_roles.py``).
 An abort outcome is recorded at once. After a reconnect the standby asks
 about every row still prepared (``TxnQuery``) and the active answers each
 once it knows (presumed abort: an id the active has no row for was never

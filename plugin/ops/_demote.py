@@ -14,7 +14,7 @@ silently, so demotion goes:
    (they are the old epoch's; the new active's checkpoint refills the
    standby's state), counts what out-of-scope queues hold (left for the
    admin), and makes the VPN a standby with nothing applied
-   (:func:`bridge._roles.demote_to_standby`): the new active sends it a
+   (:func:`bridge.roles._roles.demote_to_standby`): the new active sends it a
    checkpoint, then the live stream.
 
 Both steps can be repeated: a crash between them leaves a fenced active,
@@ -30,19 +30,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from bridge import (
-    AmqpEndpoint,
-    BridgeError,
-    BrokerPublisher,
-    ManagementAPI,
-    ManagementUnavailable,
-    Tail,
-    VpnSettings,
-    demote_to_standby,
-    ensure_fenced,
-    read_tail,
-    read_vpn_settings,
-)
+from bridge import BridgeError, VpnSettings
+from bridge.amqp import AmqpEndpoint
+from bridge.broker import BrokerPublisher, ManagementAPI, ManagementUnavailable
+from bridge.roles import Tail, demote_to_standby, ensure_fenced, read_tail
+from bridge.store import read_vpn_settings
 
 from .._config import SiteConfig
 from .._errors import StateError

@@ -5,14 +5,14 @@ then a re-run, loses nothing and duplicates nothing):
 
 1. The epoch is raised and the role made ``active`` in one transaction, the
    in-doubt local transactions resolved in the same one
-   (:func:`bridge._roles.begin_promotion`): from then on the old active's
+   (:func:`bridge.roles._roles.begin_promotion`): from then on the old active's
    stream is refused here, and the old active is fenced once it hears of
    the new epoch. A re-run finds the promotion ``running`` and resumes it.
 2. The newest definitions the active sent (topology, users, permissions)
    are imported into this site's broker again, so the queues exist as the
    active last had them.
 3. Every live message is published into its queues
-   (:mod:`bridge._materialise`: per queue, in publish order, with its
+   (:mod:`bridge.roles._materialise`: per queue, in publish order, with its
    original properties and the replication id header, confirmed; a queue
    an interrupted run left half done is emptied and done again).
 4. The promotion is recorded ``done``; the node then admits the VPN's
@@ -33,17 +33,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from bridge import (
-    BridgeError,
-    ManagementAPI,
-    ManagementUnavailable,
+from bridge import BridgeError, failpoint
+from bridge.broker import ManagementAPI, ManagementUnavailable, reimport
+from bridge.roles import (
     PromotionStart,
     begin_promotion,
     fail_promotion,
-    failpoint,
     finish_promotion,
     materialise,
-    reimport,
 )
 
 from .._config import SiteConfig

@@ -31,17 +31,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge import (
-    AmqpEndpoint,
-    BridgeError,
-    BrokerPublisher,
-    Published,
-    Role,
-    TailMessage,
-    decode_event,
-    role_state,
-    split_events,
-)
+from bridge import BridgeError, Published, Role, decode_event, split_events
+from bridge.amqp import AmqpEndpoint
+from bridge.broker import BrokerPublisher
+from bridge.roles import TailMessage
+from bridge.store import role_state
 
 from .._config import SiteConfig
 from .._errors import StateError, UsageError

@@ -26,7 +26,7 @@ import asyncio
 import time
 from typing import Any
 
-from bridge import role_state
+from bridge.store import role_state
 
 from .._config import SiteConfig
 from .._errors import PluginError, StateError, UsageError

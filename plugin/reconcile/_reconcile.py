@@ -57,19 +57,17 @@ from bridge import (
     ROWS_OF_KEYS,
     Difference,
     LiveKey,
-    ManagementAPI,
-    ManagementUnavailable,
     TopicFilter,
-    applied_position,
     compare_rows,
     decode_event,
     live_rows_query,
     redact_url,
     segment_hashes_query,
     segment_rows_query,
-    stored_ledger_index,
     touched,
 )
+from bridge.broker import ManagementAPI, ManagementUnavailable
+from bridge.store import applied_position, stored_ledger_index
 
 from .._config import SiteConfig
 from .._errors import ConfigError, PluginError

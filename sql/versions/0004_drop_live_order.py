@@ -1,7 +1,7 @@
 """Drop ``live_message_order``: acks must find their row by the primary key.
 
 The apply step removes an acknowledged message's row by one primary-key
-probe per ``(queue, repl_id)`` (``bridge/_apply.py``). With no statistics
+probe per ``(queue, repl_id)`` (``bridge/ledger/_apply.py``). With no statistics
 for ``live_message`` (never analysed, or analysed while empty — a queue
 whose consumers keep up is empty most of the time, and that is when
 autovacuum analyses it) PostgreSQL 15 estimated both indexes on

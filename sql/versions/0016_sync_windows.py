@@ -5,7 +5,7 @@ from the first ledger index the node confirmed without the standby's
 acknowledgement (the sync timeout under ``--on-sync-timeout degrade``, or
 a local transaction the coordinator degraded) to the last such index.
 The row is written with ``last_index`` and ``closed_at`` NULL *before*
-the first of those confirms goes out (``bridge/_syncgate.py`` holds them
+the first of those confirms goes out (``bridge/active/_syncgate.py`` holds them
 until then), and closed when the standby has caught up; a window a crash
 left open is closed at the VPN's ledger index by the next node start (the
 node confirms nothing past its durable ledger). A confirmed message

@@ -1,0 +1,159 @@
+"""The sync-ineligible windows of the site database (``sync_window``).
+
+A window is a range of an active VPN's ledger indexes that this site
+confirmed without its standby's acknowledgement (``sql/versions/0016``):
+opened before the first such confirm goes out, closed at the highest one.
+Like :mod:`bridge.store._vpnstore`, every function runs on the caller's
+connection and transaction and never commits; each statement is
+idempotent, so a writer that lost a reply runs it again.
+
+Windows carry the epoch ``vpn_config`` holds when they are written: the
+epoch the VPN's ledger entries are written with (the ledger writer reads
+it from there), which changes only when the VPN changes role, never while
+it confirms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+
+__all__ = [
+    "NEWEST_WINDOWS",
+    "SyncWindow",
+    "WindowCount",
+    "add_window_async",
+    "close_left_open",
+    "close_left_open_async",
+    "close_window_async",
+    "open_window_async",
+    "windows_by_vpn",
+]
+
+_Conn = psycopg.Connection[Any]
+_AsyncConn = psycopg.AsyncConnection[Any]
+
+#: how many windows per VPN the status document lists
+NEWEST_WINDOWS = 10
+
+_OPEN = """
+INSERT INTO sync_window (vpn, epoch, first_index)
+SELECT name, epoch, %(first)s FROM vpn_config WHERE name = %(vpn)s
+ON CONFLICT (vpn, epoch, first_index) DO NOTHING
+"""
+# at most one window of a VPN is open: the sync gate's (a crash's is
+# closed at the next start, a demotion's by the demotion)
+_CLOSE = """
+UPDATE sync_window SET last_index = %(last)s, closed_at = now()
+WHERE vpn = %(vpn)s AND first_index = %(first)s AND last_index IS NULL
+"""
+# a degraded transaction: its group, opened and closed at once
+_ADD = """
+INSERT INTO sync_window (vpn, epoch, first_index, last_index, closed_at)
+SELECT name, epoch, %(first)s, %(last)s, now() FROM vpn_config WHERE name = %(vpn)s
+ON CONFLICT (vpn, epoch, first_index) DO NOTHING
+"""
+# The restart rule: a window still open was left by a crash (or a stop
+# that could not record its end); nothing was confirmed past the VPN's
+# durable ledger index, so it ends there. (Never below its first index: a
+# ledger index reset to 0 by a demotion of an older release is no bound.)
+_CLOSE_LEFT_OPEN = """
+UPDATE sync_window w SET last_index = GREATEST(s.ledger_index, w.first_index), closed_at = now()
+FROM vpn_state s
+WHERE s.vpn = w.vpn AND w.last_index IS NULL AND (%(vpn)s::text IS NULL OR w.vpn = %(vpn)s)
+RETURNING w.vpn, w.epoch, w.first_index, w.last_index, w.opened_at, w.closed_at
+"""
+_NEWEST = """
+SELECT vpn, epoch, first_index, last_index, opened_at, closed_at, total FROM (
+    SELECT w.*, count(*) OVER (PARTITION BY vpn) AS total,
+           row_number() OVER (PARTITION BY vpn ORDER BY epoch DESC, first_index DESC) AS n
+    FROM sync_window w) t
+WHERE n <= %s
+ORDER BY vpn, epoch DESC, first_index DESC
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncWindow:
+    """Ledger indexes ``first``..``last`` of ``vpn`` at ``epoch`` were
+    confirmed without the standby (``last`` None: still open)."""
+
+    vpn: str
+    epoch: int
+    first: int
+    last: int | None
+    opened_at: datetime
+    closed_at: datetime | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The window in the ``status --json`` document."""
+        return {
+            "epoch": self.epoch,
+            "first_index": self.first,
+            "last_index": self.last,
+            "opened_at": self.opened_at.isoformat(),
+            "closed_at": None if self.closed_at is None else self.closed_at.isoformat(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class WindowCount:
+    """A VPN's windows: how many were recorded, and the newest."""
+
+    total: int
+    newest: tuple[SyncWindow, ...]
+
+
+def _window(row: tuple[Any, ...]) -> SyncWindow:
+    vpn, epoch, first, last, opened_at, closed_at = row[:6]
+    return SyncWindow(
+        vpn, int(epoch), int(first), None if last is None else int(last), opened_at, closed_at
+    )
+
+
+async def open_window_async(conn: _AsyncConn, vpn: str, first: int) -> None:
+    """Record that ``vpn`` confirms without the standby from ``first`` on."""
+    await conn.execute(_OPEN, {"vpn": vpn, "first": first})
+
+
+async def close_window_async(conn: _AsyncConn, vpn: str, first: int, last: int) -> None:
+    """End ``vpn``'s open window from ``first`` at ``last`` (a window already
+    closed is left as it is)."""
+    await conn.execute(_CLOSE, {"vpn": vpn, "first": first, "last": last})
+
+
+async def add_window_async(conn: _AsyncConn, vpn: str, first: int, last: int) -> None:
+    """Record ``first``..``last`` as confirmed without the standby at once
+    (a degraded transaction's group)."""
+    await conn.execute(_ADD, {"vpn": vpn, "first": first, "last": last})
+
+
+async def close_left_open_async(conn: _AsyncConn) -> list[SyncWindow]:
+    """Close every window left open at the VPN's ledger index (the node's
+    start, before it confirms anything); the windows closed."""
+    async with conn.cursor(row_factory=tuple_row) as cur:
+        await cur.execute(_CLOSE_LEFT_OPEN, {"vpn": None})
+        return [_window(row) for row in await cur.fetchall()]
+
+
+def close_left_open(conn: _Conn, vpn: str) -> list[SyncWindow]:
+    """:func:`close_left_open_async` for ``vpn`` alone (a demotion, before
+    its ledger index is reset)."""
+    with conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(_CLOSE_LEFT_OPEN, {"vpn": vpn})
+        return [_window(row) for row in cur.fetchall()]
+
+
+def windows_by_vpn(conn: _Conn, newest: int = NEWEST_WINDOWS) -> dict[str, WindowCount]:
+    """Per VPN with windows: their number and the ``newest`` of them, the
+    latest first (by epoch, then first index)."""
+    out: dict[str, tuple[int, list[SyncWindow]]] = {}
+    with conn.cursor(row_factory=tuple_row) as cur:
+        for row in cur.execute(_NEWEST, (newest,)):
+            total, windows = out.setdefault(row[0], (int(row[6]), []))
+            windows.append(_window(row))
+    return {vpn: WindowCount(total, tuple(windows)) for vpn, (total, windows) in out.items()}

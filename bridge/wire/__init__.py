@@ -1,0 +1,87 @@
+"""The bridge's wire protocol, without I/O.
+
+The frames and their encoding, the connection's state machine
+(:class:`BridgeConnection`) and the named-site rule (who may use the
+bridge).
+"""
+
+from __future__ import annotations
+
+from ._frames import (
+    CAP_TOPOLOGY,
+    CAP_XA_OWNER,
+    CAPABILITIES,
+    FRAME_TYPES,
+    MAGIC,
+    OUR_CAPABILITIES,
+    PREVIOUS_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
+    Ack,
+    Checkpoint,
+    CheckpointRow,
+    Error,
+    Events,
+    Frame,
+    FrameReader,
+    GetAllResources,
+    Heartbeat,
+    Hello,
+    Repair,
+    ResourceList,
+    SyncAccepted,
+    SyncFinished,
+    SyncRequest,
+    TxnApplied,
+    TxnCommit,
+    TxnOutcome,
+    TxnPrepare,
+    TxnQuery,
+    TxnVote,
+    VpnResource,
+    decode_frame,
+)
+from ._identity import PeerCheck, certificate_names
+from ._protocol import CLOSED, NEED_DATA, TRANSITIONS, BridgeConnection, Phase, Sentinel, VpnState
+
+__all__ = [
+    "Ack",
+    "BridgeConnection",
+    "CAPABILITIES",
+    "CAP_TOPOLOGY",
+    "CAP_XA_OWNER",
+    "CLOSED",
+    "Checkpoint",
+    "CheckpointRow",
+    "Error",
+    "Events",
+    "FRAME_TYPES",
+    "Frame",
+    "FrameReader",
+    "GetAllResources",
+    "Heartbeat",
+    "Hello",
+    "MAGIC",
+    "NEED_DATA",
+    "OUR_CAPABILITIES",
+    "PREVIOUS_PROTOCOL_VERSION",
+    "PROTOCOL_VERSION",
+    "PeerCheck",
+    "Phase",
+    "Repair",
+    "ResourceList",
+    "Sentinel",
+    "SyncAccepted",
+    "SyncFinished",
+    "SyncRequest",
+    "TRANSITIONS",
+    "TxnApplied",
+    "TxnCommit",
+    "TxnOutcome",
+    "TxnPrepare",
+    "TxnQuery",
+    "TxnVote",
+    "VpnResource",
+    "VpnState",
+    "certificate_names",
+    "decode_frame",
+]

@@ -67,11 +67,9 @@ from _common import (
 )
 
 from bridge import ConfirmKey, Event, IdSource, LocalTransaction, Published, Role
-from plugin._directory import VpnDirectory, VpnView
-from plugin._listener import BrokerAddress, Listener
-from plugin._sink import ReplicationSink
-from plugin._topology import ReplicationScope, Topology
 from plugin.devtools import LocalSites, RabbitNode
+from plugin.listener import BrokerAddress, Listener, ReplicationSink
+from plugin.topology import ReplicationScope, Topology, VpnDirectory, VpnView
 
 QUEUE = "bench.listener"
 TARGETS = ("direct", "plain", "replicated")

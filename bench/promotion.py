@@ -57,8 +57,8 @@ import uvloop
 from _common import BenchError, LeanPublisher, beam_pid, tree_cpu
 
 from bridge import VpnSettings
-from plugin._store import connect, enable_vpn
 from plugin.devtools import HarnessError, LocalSite, LocalSites, sweep_orphans
+from plugin.ops import connect, enable_vpn
 from sql import migrate
 
 # bench/ is first on sys.path when this runs as a script, and bench/bridge.py

@@ -53,9 +53,9 @@ from bridge import (
     VpnSettings,  # noqa: E402
     live_rows_query,  # noqa: E402
 )
-from plugin._config import DEFAULT_JDBC_JAR, ReconcileConfig, SiteConfig  # noqa: E402
-from plugin._store import connect, enable_vpn  # noqa: E402
+from plugin import DEFAULT_JDBC_JAR, ReconcileConfig, SiteConfig  # noqa: E402
 from plugin.devtools import LocalSites  # noqa: E402
+from plugin.ops import connect, enable_vpn  # noqa: E402
 from plugin.reconcile import Reconciler, ReconcileResult, SiteSnapshot, SparkRun  # noqa: E402
 from sql import migrate  # noqa: E402
 

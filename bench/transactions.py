@@ -74,8 +74,8 @@ from _common import (
 )
 
 from bridge import VpnSettings
-from plugin._store import connect, enable_vpn
 from plugin.devtools import HarnessError, LocalNode, LocalSite, LocalSites
+from plugin.ops import connect, enable_vpn
 from sql import migrate
 
 VPN = "orders"

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._config import SiteConfig, load_config
+from ._config import DEFAULT_JDBC_JAR, PeerConfig, ReconcileConfig, SiteConfig, load_config
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
 
 __all__ = [
+    "DEFAULT_JDBC_JAR",
+    "PeerConfig",
+    "ReconcileConfig",
     "ConfigError",
     "PluginError",
     "SiteConfig",
@@ -28,7 +31,7 @@ __all__ = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``vpnrepl``: run the admin's command line (see ``plugin._cli``)."""
-    from ._cli import main as run
+    """``vpnrepl``: run the admin's command line (see ``plugin.cli._cli``)."""
+    from .cli import main as run
 
     return run(argv)

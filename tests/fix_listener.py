@@ -17,11 +17,9 @@ import pytest
 import uvloop
 
 from bridge import IdSource, Role, TlsConfig, TopicFilter
-from plugin._directory import VpnDirectory, VpnView
-from plugin._listener import BrokerAddress, Listener
-from plugin._sink import MemorySink, ReplicationSink
-from plugin._topology import ReplicationScope, Topology
 from plugin.devtools import LocalSite
+from plugin.listener import BrokerAddress, Listener, MemorySink, ReplicationSink
+from plugin.topology import ReplicationScope, Topology, VpnDirectory, VpnView
 
 T = TypeVar("T")
 

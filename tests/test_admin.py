@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from plugin._admin import AdminCredentials, AdminServer
-from plugin._lag_history import LagHistory
+from plugin.admin import AdminCredentials, AdminServer, LagHistory
 from tests.two_sites import admin_call
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 from pamqp import commands, frame, header
 
-from plugin import _amqp as amqp
+from plugin.session import _amqp as amqp
 
 short_str = st.text(
     alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40

@@ -30,8 +30,8 @@ from bridge.wire import (
     SyncRequest,
     certificate_names,
 )
-from plugin._tls_init import init_certificates
 from plugin.devtools import LocalSite
+from plugin.tls import init_certificates
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.fix_tls import Pki

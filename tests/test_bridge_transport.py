@@ -54,8 +54,8 @@ from bridge.wire import (
     SyncRequest,
     VpnResource,
 )
-from plugin._store import connect, disable_vpn, enable_vpn, status
 from plugin.devtools import LocalSite
+from plugin.ops import connect, disable_vpn, enable_vpn, status
 from sql import migrate
 from tests.fix_tls import Pki
 from txn._log import encode_events

@@ -14,14 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: wall-clock reads and why each only shows a time
 ALLOWED = {
-    ("plugin/_metrics.py", "time.time"): "a certificate's seconds to expiry, as a gauge",
-    ("plugin/_lag_history.py", "time.time"): "the time axis of the status page's lag chart",
+    ("plugin/admin/_metrics.py", "time.time"): "a certificate's seconds to expiry, as a gauge",
+    ("plugin/admin/_lag_history.py", "time.time"): "the time axis of the status page's lag chart",
     (
         "plugin/reconcile/_reconcile.py",
         "datetime.now",
     ): "when a reconciliation run finished, in its report",
-    ("plugin/_cli.py", "datetime.now"): "when a reconciliation run started, in its report",
-    ("plugin/_tls_init.py", "datetime.datetime.now"): "the validity of a certificate it makes",
+    ("plugin/cli/_cli.py", "datetime.now"): "when a reconciliation run started, in its report",
+    ("plugin/_certificates.py", "datetime.datetime.now"): "the validity of a certificate it makes",
 }
 
 WALL_CLOCK = {"time", "time_ns", "now", "utcnow", "today", "localtime", "gmtime", "ctime"}

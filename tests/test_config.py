@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from bridge import HostPort, redact_url
-from plugin import ConfigError, load_config
-from plugin._config import PeerConfig
+from plugin import ConfigError, PeerConfig, load_config
 
 GOOD = """
 [site]

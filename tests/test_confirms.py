@@ -1,4 +1,4 @@
-"""Held publisher confirms (``plugin._confirms``), without a session or servers.
+"""Held publisher confirms (``plugin.session._confirms``), without a session or servers.
 
 The client's view is modelled as AMQP defines it: a confirm with
 ``multiple`` settles every outstanding tag up to its own. Every frame the
@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from pamqp import commands, frame
 
 from bridge import ConfirmKey, Consumed, Event, Published, ReplicationId
-from plugin._confirms import ConfirmTracker
+from plugin.session import ConfirmTracker
 
 CHANNEL = 3
 

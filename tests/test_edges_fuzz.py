@@ -17,8 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from bridge import BridgeError, Role
 from bridge.wire import CLOSED, NEED_DATA, BridgeConnection
 from plugin import ConfigError, load_config
-from plugin._admin import AdminServer
-from plugin._lag_history import LagHistory
+from plugin.admin import AdminServer, LagHistory
 from tests.test_config import GOOD
 from tests.test_session import make_session, open_session
 

@@ -16,10 +16,8 @@ from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
 from bridge import REPLICATION_HEADER, IdSource, Published, ReplicationId, Role
-from plugin import _amqp as amqp
-from plugin._directory import VpnDirectory, VpnView
-from plugin._session import Session
-from plugin._topology import ReplicationScope, Topology
+from plugin.session import Session, _amqp as amqp
+from plugin.topology import ReplicationScope, Topology, VpnDirectory, VpnView
 from tests.test_session import decode_all, m, open_session
 
 C = commands

@@ -22,8 +22,8 @@ from bridge import (
     encode_event,
 )
 from bridge.ledger import LedgerClosed, LedgerWriter, UnstorableEvent, VpnNotOpen
-from plugin._store import connect, enable_vpn
 from plugin.devtools import LocalSite
+from plugin.ops import connect, enable_vpn
 from sql import migrate
 from tests.fix_sites import until_a_lock_waits
 

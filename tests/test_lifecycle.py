@@ -1,4 +1,4 @@
-"""The connection lifecycle's transition table (``plugin._lifecycle``), alone.
+"""The connection lifecycle's transition table (``plugin.session._lifecycle``), alone.
 
 A client must never make the listener raise: every trigger the session can
 produce while reading a side is in the table for every state that side's
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from plugin._lifecycle import (
+from plugin.session import (
     BROKER_DONE,
     BROKER_READS,
     CLIENT_DONE,

@@ -17,8 +17,8 @@ from pika.exceptions import (
 )
 
 from bridge import Consumed, LocalTransaction, Published, Purged, Role, TransactionRefused
-from plugin._sink import MemorySink
 from plugin.devtools import LocalSite, free_port
+from plugin.listener import MemorySink
 from tests.fix_listener import ListenerThread, enable_vpn
 from tests.two_sites import setup_vpn
 from txn import MarkerStore
@@ -377,7 +377,7 @@ def test_metrics_count_connections_and_protocol_closes(
     import socket
     import struct
 
-    from plugin._metrics import Metrics
+    from plugin.admin import Metrics
     from tests.prometheus import value
 
     setup_vpn(site_a)
@@ -425,7 +425,7 @@ def test_a_transaction_settling_that_fails_is_logged_not_left_unretrieved(
     "Task exception was never retrieved" traceback; recovery settles it."""
     from types import SimpleNamespace
 
-    from plugin._listener import _ClientSide
+    from plugin.listener._server import _ClientSide
 
     async def failing() -> None:
         raise OSError("the site database went away")

@@ -55,9 +55,8 @@ from pamqp import commands as C, frame, header
 from pamqp.body import ContentBody
 
 from bridge import REPLICATION_HEADER, Consumed, Published
-from plugin._listener import CLOSE_TIMEOUT
-from plugin._sink import MemorySink
 from plugin.devtools import LocalSite
+from plugin.listener import CLOSE_TIMEOUT, MemorySink
 from tests.fix_listener import ListenerThread, enable_vpn
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
@@ -423,7 +422,7 @@ class _CloseLog(logging.Handler):
 def listener_closes() -> Iterator[ListenerCloses]:
     closes = ListenerCloses()
     handler = _CloseLog(closes)
-    logger = logging.getLogger("plugin._session")
+    logger = logging.getLogger("plugin.session._session")
     logger.addHandler(handler)
     try:
         yield closes

@@ -21,13 +21,10 @@ from pika.exceptions import AMQPConnectionError, ProbableAuthenticationError
 
 from bridge import Consumed, IdSource, Published, Role, TlsConfig
 from bridge.link import TlsServer, TlsSetupError
-from plugin._config import load_config
-from plugin._directory import VpnDirectory, VpnView
-from plugin._errors import ConfigError
-from plugin._listener import BrokerAddress, Listener, broker_context, site_broker_ssl
-from plugin._sink import MemorySink
-from plugin._topology import ReplicationScope, Topology
+from plugin import ConfigError, load_config
 from plugin.devtools import LocalSite, LocalSites, RabbitNode, free_port
+from plugin.listener import BrokerAddress, Listener, MemorySink, broker_context, site_broker_ssl
+from plugin.topology import ReplicationScope, Topology, VpnDirectory, VpnView
 from tests.fix_cli import Vpnrepl
 from tests.fix_listener import ListenerThread, enable_vpn
 from tests.fix_node import NodeProcess

@@ -29,8 +29,8 @@ from pamqp import base, body as body_frame, commands, frame, header
 from bridge import VpnSettings
 from bridge.amqp import persistent_properties
 from bridge.roles import MaterialiseError, MaterialiseResult, materialise
-from plugin._store import connect, enable_vpn
 from plugin.devtools import LocalSite, LocalSites, RabbitNode
+from plugin.ops import connect, enable_vpn
 from sql import migrate
 from tests.fix_tls import Pki
 

@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-from plugin._metrics import Buckets, Metrics
+from plugin.admin import Buckets, Metrics
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.prometheus import families, sample_names, value

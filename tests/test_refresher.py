@@ -8,9 +8,9 @@ import pika
 
 from bridge import Role, VpnSettings
 from bridge.broker import ManagementAPI
-from plugin._directory import VpnDirectory, VpnView
-from plugin._refresher import DirectoryRefresher
 from plugin.devtools import LocalSite
+from plugin.listener import DirectoryRefresher
+from plugin.topology import VpnDirectory, VpnView
 
 
 def _declare(site: LocalSite, vhost: str, queue: str, exchange: str = "events") -> None:

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from plugin._errors import PluginError, StateError
+from plugin import PluginError, StateError
 from plugin.devtools import LocalSite
 from plugin.ops import SITE_LOCK, Progress, RequestServer, audit_rows, render_audit, run_command
 from sql import migrate

@@ -20,8 +20,8 @@ from bridge.roles import (
     record_fenced,
 )
 from bridge.standby import NotStandby, StandbyApplier
-from plugin._store import connect, status
 from plugin.devtools import LocalSite
+from plugin.ops import connect, status
 from tests.test_standby_apply import ack, keys, numbered, prepare, pub
 from txn._log import TxnLog, encode_events
 from txn._participant import Participant

@@ -28,9 +28,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings, strategies as st
 from pamqp import decode
 
-from plugin._routing import tagged
-from plugin._topology import Topology
 from plugin.devtools import LocalSite
+from plugin.topology import Topology, tagged
 from tests.test_topology import HEADERS_CASES, TOPIC_CASES, VALUE_CASES
 
 EXCHANGES = ["x0", "x1", "x2", "x3"]

@@ -16,9 +16,8 @@ import pytest
 import sqlalchemy as sa
 from alembic import command
 
-from plugin._scope_report import out_of_scope, scope_report
-from plugin._topology import ReplicationScope
 from plugin.devtools import LocalSite
+from plugin.topology import ReplicationScope, out_of_scope, scope_report
 from sql import _alembic_config, sqlalchemy_url
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess

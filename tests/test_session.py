@@ -28,12 +28,9 @@ from bridge import (
     queue_item,
 )
 from bridge.ledger._apply import _PURGE, _apply_steps
-from plugin import _amqp as amqp
-from plugin._directory import VpnDirectory, VpnView
-from plugin._output import Output
-from plugin._session import Session
-from plugin._sink import MemorySink, ReplicationSink, append_events
-from plugin._topology import Policy, ReplicationScope, Topology
+from plugin.listener import MemorySink, ReplicationSink, append_events
+from plugin.session import Output, Session, _amqp as amqp
+from plugin.topology import Policy, ReplicationScope, Topology, VpnDirectory, VpnView
 from txn import MarkerKey
 
 C = commands

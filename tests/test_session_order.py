@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings, strategies as st
 from pamqp import commands, frame
 
-from plugin._session import Session
+from plugin.session import Session
 from tests.test_session import acks, content, decode_all, m, make_session, open_session, publish
 
 C = commands

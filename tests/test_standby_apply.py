@@ -40,8 +40,8 @@ from bridge.ledger import (
 from bridge.ledger._apply import _DELETE
 from bridge.standby import NotStandby, StandbyApplier, StandbyUnavailable
 from bridge.wire import CheckpointRow
-from plugin._store import connect, enable_vpn
 from plugin.devtools import LocalSite
+from plugin.ops import connect, enable_vpn
 from sql import migrate
 from txn._log import encode_events
 

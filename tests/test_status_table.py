@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from plugin._status_table import render
+from plugin.cli import render
 from tests.fix_cli import Vpnrepl
 
 

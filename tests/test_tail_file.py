@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bridge.roles import TailMessage
-from plugin._errors import UsageError
+from plugin import UsageError
 from plugin.ops import read_tail_file, write_tail_file
 
 

@@ -18,7 +18,7 @@ from cryptography.x509.oid import NameOID
 
 from bridge import TlsConfig
 from bridge.link import make_client_context, make_server_context
-from plugin._cli import main
+from plugin.cli import main
 from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess

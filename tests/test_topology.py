@@ -1,5 +1,5 @@
 """Unit tests of the topology model, the routing engine and the replication
-scope: no servers. The rules are RabbitMQ 3.10.8's (see plugin/_topology.py);
+scope: no servers. The rules are RabbitMQ 3.10.8's (see plugin/topology/_topology.py);
 tests/test_routing_differential.py checks the same engine against a broker."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from bridge import TopicFilter, VpnSettings
-from plugin._errors import UsageError
-from plugin._topology import (
+from plugin import UsageError
+from plugin.topology import (
     Binding,
     DefinitionsError,
     DestinationKind,

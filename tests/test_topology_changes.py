@@ -1,4 +1,4 @@
-"""Topology requests as typed values (``plugin._topology_changes``), alone.
+"""Topology requests as typed values (``plugin.session._topology_changes``), alone.
 
 How the session holds them until the broker's -ok, and what a purge or a
 delete sends to the sink, is in ``tests/test_session.py``.
@@ -11,8 +11,7 @@ import dataclasses
 import pytest
 from pamqp import commands as C
 
-from plugin._topology import Topology
-from plugin._topology_changes import (
+from plugin.session import (
     NAMES_A_QUEUE,
     REFUSABLE,
     BindExchange,
@@ -26,6 +25,7 @@ from plugin._topology_changes import (
     UnbindQueue,
     change_of,
 )
+from plugin.topology import Topology
 
 ARGS = {"x-match": "any", "k": 1}
 

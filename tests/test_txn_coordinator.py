@@ -26,8 +26,8 @@ from bridge import (
 )
 from bridge.active import Replicator, WindowRecorder
 from bridge.ledger import LedgerWriter
-from plugin._store import connect, enable_vpn
 from plugin.devtools import LocalSite
+from plugin.ops import connect, enable_vpn
 from sql import migrate
 from txn import MarkerKey
 from txn._coordinator import TXN_RETAIN_SECONDS, Coordinator

@@ -11,8 +11,7 @@ from pamqp import commands as C, frame, header
 from pamqp.body import ContentBody
 
 from bridge import MARKER_QUEUE, ReplicationId
-from plugin._output import Output
-from plugin._session import Session
+from plugin.session import Output, Session
 from tests.test_session import (
     content,
     decode_all,

@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .._errors import PluginError
+from plugin._errors import PluginError
+
 from ._localsites import LocalNode, LocalSite, LocalSites
 
 __all__ = ["run_demo"]

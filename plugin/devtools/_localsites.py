@@ -38,9 +38,8 @@ from urllib.parse import quote
 import psycopg
 
 from bridge import TlsConfig
-
-from .._errors import PluginError
-from .._tls_init import init_certificates
+from plugin._errors import PluginError
+from plugin.tls import init_certificates
 
 __all__ = [
     "HarnessError",

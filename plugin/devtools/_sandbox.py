@@ -17,7 +17,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .._errors import UsageError
+from plugin._errors import UsageError
+
 from ._localsites import HarnessError, LocalSites, kill_servers_in
 
 __all__ = ["start_sandbox", "stop_sandbox"]

@@ -23,10 +23,16 @@ from ._requests import (
     run_command,
     start_request,
 )
+from ._store import add_broker_depths, connect, disable_vpn, enable_vpn, status
 from ._switchover import switchover
 from ._xa_admin import decide_branch, list_branches
 
 __all__ = [
+    "add_broker_depths",
+    "connect",
+    "disable_vpn",
+    "enable_vpn",
+    "status",
     "ANSWERS",
     "REQUESTS",
     "SITE_LOCK",

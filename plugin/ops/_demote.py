@@ -35,13 +35,13 @@ from bridge.amqp import AmqpEndpoint
 from bridge.broker import BrokerPublisher, ManagementAPI, ManagementUnavailable
 from bridge.roles import Tail, demote_to_standby, ensure_fenced, read_tail
 from bridge.store import read_vpn_settings
+from plugin._config import SiteConfig
+from plugin._errors import StateError
+from plugin.listener import site_broker_ssl
+from plugin.topology import ReplicationScope
 
-from .._config import SiteConfig
-from .._errors import StateError
-from .._listener import site_broker_ssl
-from .._store import connect
-from .._topology import ReplicationScope
 from ._republish import write_tail_file
+from ._store import connect
 
 __all__ = ["DemotionSummary", "demote", "export_tail"]
 

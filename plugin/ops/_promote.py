@@ -42,11 +42,11 @@ from bridge.roles import (
     finish_promotion,
     materialise,
 )
+from plugin._config import SiteConfig
+from plugin._errors import StateError
 
-from .._config import SiteConfig
-from .._errors import StateError
-from .._store import connect
 from ._requests import Progress
+from ._store import connect
 
 __all__ = ["PromotionSummary", "promote"]
 

@@ -36,10 +36,10 @@ from bridge.amqp import AmqpEndpoint
 from bridge.broker import BrokerPublisher
 from bridge.roles import TailMessage
 from bridge.store import role_state
+from plugin._config import SiteConfig
+from plugin._errors import StateError, UsageError
 
-from .._config import SiteConfig
-from .._errors import StateError, UsageError
-from .._store import connect
+from ._store import connect
 
 __all__ = ["RepublishSummary", "TailRecord", "read_tail_file", "republish", "write_tail_file"]
 

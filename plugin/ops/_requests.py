@@ -46,7 +46,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from .._errors import PluginError, StateError, StoreUnavailable
+from plugin._errors import PluginError, StateError, StoreUnavailable
 
 __all__ = [
     "ANSWERS",

@@ -27,12 +27,12 @@ import time
 from typing import Any
 
 from bridge.store import role_state
+from plugin._config import SiteConfig
+from plugin._errors import PluginError, StateError, UsageError
 
-from .._config import SiteConfig
-from .._errors import PluginError, StateError, UsageError
-from .._store import connect
 from ._promote import PromotionSummary, promote
 from ._requests import Local, Progress, run_command
+from ._store import connect
 
 __all__ = ["switchover"]
 

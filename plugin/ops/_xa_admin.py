@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from plugin._errors import StateError, UsageError
 from txn import XA_PENDING, XaCoordinator, Xid, XidError
 
-from .._errors import StateError, UsageError
-from .._store import connect
+from ._store import connect
 
 __all__ = ["decide_branch", "list_branches"]
 

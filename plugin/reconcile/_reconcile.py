@@ -25,7 +25,7 @@ differs from the active's. Runs on the active site.
    twice ``[reconcile] drift_interval`` apart (more than the broker's
    statistics interval); a difference in the same direction
    both times is reported (publishes that bypassed the listener), never
-   part of the exit status. Uncertain publishes (``plugin._uncertain``)
+   part of the exit status. Uncertain publishes (``plugin.node._uncertain``)
    still live in the queue are counted beside it: where the live state
    holds exactly that many more than the broker in both readings, they are
    the phantoms, and ``--repair`` retires them through the node.
@@ -68,10 +68,10 @@ from bridge import (
 )
 from bridge.broker import ManagementAPI, ManagementUnavailable
 from bridge.store import applied_position, stored_ledger_index
+from plugin._config import SiteConfig
+from plugin._errors import ConfigError, PluginError
+from plugin.topology import ReplicationScope
 
-from .._config import SiteConfig
-from .._errors import ConfigError, PluginError
-from .._topology import ReplicationScope
 from ._spark import SiteSnapshot, SparkRun
 
 __all__ = ["ReconcileResult", "Reconciler", "store_failed_run"]
@@ -459,7 +459,7 @@ class Reconciler:
         return out
 
 
-#: uncertain publishes still live, by queue (plugin._uncertain)
+#: uncertain publishes still live, by queue (plugin.node._uncertain)
 _UNCERTAIN_LIVE = """
 SELECT u.queue, u.repl_id FROM uncertain_publish u
 JOIN live_message m ON m.vpn = u.vpn AND m.queue = u.queue AND m.repl_id = u.repl_id
@@ -541,7 +541,7 @@ def store_failed_run(dsn: str, vpn: str, method: str, started: datetime, error: 
 def repair_through_node(dsn: str, request: str = "repair") -> Repairer:
     """A :data:`Repairer` that hands the keys to the site's running node
     (``request``: ``repair``, or ``retire-uncertain`` for phantoms)."""
-    from ..ops import Progress, run_command
+    from plugin.ops import Progress, run_command
 
     def repair(vpn: str, keys: list[LiveKey]) -> dict[str, Any]:
         async def here(progress: Progress) -> dict[str, Any]:

@@ -5,7 +5,7 @@ bar on a terminal.
 Spark's JVM writes its own lines (log4j, "Setting default log level", a
 console progress bar) to the terminal it inherits. The job launches the JVM
 itself with its output going to a log file of the run (warnings and errors
-only: ``_static/log4j2.properties``), whose path an error names, and draws
+only: ``log4j2.properties`` beside this module), whose path an error names, and draws
 its own progress bar from Spark's status tracker when stderr is a terminal.
 
 A site's live state is read in one snapshot even when Spark reads it over
@@ -33,8 +33,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import psycopg
 
 from bridge import REFLECTED_INDEX, redact_url
-
-from .._errors import PluginError
+from plugin._errors import PluginError
 
 __all__ = ["SiteSnapshot", "SparkRun", "SparkUnavailable", "jdbc_url"]
 
@@ -143,7 +142,7 @@ class SparkRun:
             )
         if self.master.startswith("local"):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        log4j = resources.files("plugin").joinpath("_static/log4j2.properties")
+        log4j = resources.files(__package__).joinpath("log4j2.properties")
         fd, name = tempfile.mkstemp(prefix="vpnrepl-spark-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)

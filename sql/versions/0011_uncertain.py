@@ -2,7 +2,7 @@
 
 ``uncertain_publish``: a replicated publish (per queue) whose broker
 confirm never came because the client's broker connection died without a
-close (``plugin._uncertain``). The broker may not hold it; ``status``
+close (``plugin.node._uncertain``). The broker may not hold it; ``status``
 counts the ones still live, and ``vpnrepl reconcile --repair`` retires
 those the broker's drift shows it does not hold.
 

@@ -1,11 +1,11 @@
 """Where the listener meets client XA: requests in, answers out.
 
 A client's XA request is a publish to ``vpnrepl.xa`` that the session takes
-out of the stream (:class:`~plugin._output.XaCall`); this module checks
+out of the stream (:class:`~plugin.session._actions.XaCall`); this module checks
 where the answer may go, hands the request to ``txn``'s
 :class:`~txn.XaCoordinator` with the channel it came on
 (:class:`ChannelBranch`), and publishes the answer through the node's own
-broker connection (:class:`~plugin._xa_publish.ReplyPublisher`).
+broker connection (:class:`~plugin.node._xa_publish.ReplyPublisher`).
 
 Why an answer may only go to an exclusive queue the requesting connection
 declared: the node publishes it with its own broker user, which may write
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from bridge import LocalTransaction
+from plugin.session import PRECONDITION_FAILED, Channel, Output, Session, XaCall
 from txn import (
     BranchChannel,
     XaCoordinator,
@@ -32,11 +33,6 @@ from txn import (
     XaResourceError,
     XaResourceFailure,
 )
-
-from . import _amqp as amqp
-from ._channel import Channel
-from ._output import Output, XaCall
-from ._session import Session
 
 __all__ = ["ChannelBranch", "Connection", "ReplySender", "XaGateway"]
 
@@ -128,7 +124,7 @@ class XaGateway:
                 conn.apply(
                     session.refuse_channel(
                         ch,
-                        amqp.PRECONDITION_FAILED,
+                        PRECONDITION_FAILED,
                         "an XA request's reply_to must name an exclusive queue this"
                         f" connection declared (got {(call.reply_to or '')[:60]!r})",
                     )

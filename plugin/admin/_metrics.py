@@ -30,9 +30,8 @@ from prometheus_client.core import (
 
 from bridge import TlsConfig
 from bridge.ledger import WriterStats
+from plugin.tls import not_after
 from txn import TxnStats, XaStats
-
-from ._tls_init import not_after
 
 __all__ = ["CONTENT_TYPE", "Buckets", "ListenerStats", "Metrics"]
 

@@ -35,10 +35,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from bridge import Role, VpnSettings
 from bridge.broker import ManagementAPI, ManagementUnavailable
-
-from ._directory import VpnDirectory, VpnView
-from ._errors import PluginError
-from ._topology import DestinationKind, ReplicationScope, Topology
+from plugin._errors import PluginError
+from plugin.topology import DestinationKind, ReplicationScope, Topology, VpnDirectory, VpnView
 
 __all__ = ["DirectoryRefresher"]
 

@@ -1,6 +1,6 @@
 """The admin HTTP endpoint on ``listen.admin`` (aiohttp).
 
-* ``/``: the status page (``_static/status.html``), which polls the two
+* ``/``: the status page (``status.html`` beside this module), which polls the two
   JSON resources below and draws the lag of the last minutes;
 * ``/health``: ``ok`` while the node runs;
 * ``/status``: the ``status --json`` document, with broker depths;
@@ -126,7 +126,7 @@ class AdminServer:
         self._credentials = credentials
         self._start_request = start_request
         self._read_request = read_request
-        self._page = resources.files(__package__).joinpath("_static/status.html").read_bytes()
+        self._page = resources.files(__package__).joinpath("status.html").read_bytes()
         app = web.Application(middlewares=[_plain_errors, self._authenticated])
         app.router.add_get("/", self._index)
         app.router.add_get("/health", self._health)

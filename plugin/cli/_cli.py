@@ -26,10 +26,9 @@ from bridge import (
 )
 from bridge.broker import ManagementAPI, ManagementUnavailable
 from bridge.store import read_vpn_settings
-
-from ._config import SiteConfig, load_config
-from ._errors import PluginError, UsageError
-from ._store import add_broker_depths, connect, disable_vpn, enable_vpn, status
+from plugin._config import SiteConfig, load_config
+from plugin._errors import PluginError, UsageError
+from plugin.ops import add_broker_depths, connect, disable_vpn, enable_vpn, status
 
 __all__ = ["main"]
 
@@ -74,7 +73,7 @@ def _cmd_init(cfg: SiteConfig, args: argparse.Namespace) -> int:
 def _cmd_node(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import uvloop  # the relay's round trips are about half as long on uvloop
 
-    from ._node import run_node  # imports the bridge; only the node needs it
+    from plugin.node import run_node  # imports the bridge; only the node needs it
 
     # TLS servers take their sockets before any transport reads from them
     # (bridge.link._acceptor), so TLS works on uvloop as on asyncio's loop
@@ -83,7 +82,7 @@ def _cmd_node(cfg: SiteConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
-    from .devtools import run_demo
+    from plugin.devtools import run_demo
 
     return run_demo()
 
@@ -91,7 +90,7 @@ def _cmd_demo(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
 def _cmd_sandbox(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .devtools import start_sandbox, stop_sandbox
+    from plugin.devtools import start_sandbox, stop_sandbox
 
     where = Path(args.dir)
     if args.action == "start":
@@ -106,7 +105,7 @@ def _cmd_sandbox(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
 def _cmd_tls_init(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ._tls_init import init_certificates
+    from plugin.tls import init_certificates
 
     where = Path(args.dir).resolve()
     sites = [s.strip() for s in args.sites.split(",")]
@@ -158,8 +157,7 @@ def _print_scope(cfg: SiteConfig, settings: VpnSettings) -> None:
     the broker cannot be asked: the report is advice."""
     from urllib.parse import quote
 
-    from ._scope_report import scope_report
-    from ._topology import ReplicationScope
+    from plugin.topology import ReplicationScope, scope_report
 
     scope = ReplicationScope.of(settings)
     if scope.everything:
@@ -190,7 +188,7 @@ def _cmd_vpn_disable(cfg: SiteConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(cfg: SiteConfig, args: argparse.Namespace) -> int:
-    from .ops import audit_rows, render_audit
+    from plugin.ops import audit_rows, render_audit
 
     if args.limit < 1:
         raise UsageError(f"--limit {args.limit}: expected a number >= 1")
@@ -244,7 +242,13 @@ def _cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
 def _cmd_reconcile(cfg: SiteConfig, args: argparse.Namespace) -> int:
     from datetime import UTC, datetime
 
-    from .reconcile import Reconciler, render, repair_through_node, store_failed_run, store_run
+    from plugin.reconcile import (
+        Reconciler,
+        render,
+        repair_through_node,
+        store_failed_run,
+        store_run,
+    )
 
     rc = cfg.reconcile
     method = args.method or rc.method
@@ -323,8 +327,8 @@ class _ProgressBar:
 def _cmd_promote(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
 
-    from ._listener import site_broker_ssl
-    from .ops import Progress, PromotionSummary, promote, run_command
+    from plugin.listener import site_broker_ssl
+    from plugin.ops import Progress, PromotionSummary, promote, run_command
 
     async def here(progress: Progress) -> dict[str, Any]:
         summary = await promote(cfg, args.vpn, progress, site_broker_ssl(cfg))
@@ -346,7 +350,7 @@ def _cmd_demote(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from .ops import DemotionSummary, Progress, demote, export_tail, run_command
+    from plugin.ops import DemotionSummary, Progress, demote, export_tail, run_command
 
     tail, path = export_tail(cfg, args.vpn, Path(args.export) if args.export else None)
     print(
@@ -379,7 +383,7 @@ def _cmd_republish(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from .ops import read_tail_file, republish
+    from plugin.ops import read_tail_file, republish
 
     records = read_tail_file(Path(args.file))
     print(asyncio.run(republish(cfg, records)).line())
@@ -390,7 +394,7 @@ def _cmd_xa(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from .ops import Progress, list_branches, run_command
+    from plugin.ops import Progress, list_branches, run_command
 
     if args.xa_command == "list":
         branches = list_branches(cfg.store_dsn, args.vpn)
@@ -430,7 +434,7 @@ def _cmd_xa(cfg: SiteConfig, args: argparse.Namespace) -> int:
 def _cmd_switchover(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
 
-    from .ops import switchover
+    from plugin.ops import switchover
 
     bar = _ProgressBar(f"switching {args.vpn} over")
     try:

@@ -30,8 +30,7 @@ from bridge.store import (
     vpn_status_rows,
     windows_by_vpn,
 )
-
-from ._errors import StateError, StoreUnavailable
+from plugin._errors import StateError, StoreUnavailable
 
 __all__ = ["add_broker_depths", "connect", "disable_vpn", "enable_vpn", "status"]
 
@@ -82,7 +81,7 @@ def add_broker_depths(doc: dict[str, Any], api: Any) -> None:
     Publishes that bypass the listener (management UI, direct clients) are
     not replicated; a broker depth above the replicated live count shows
     them. ``out_of_scope`` names the queues holding persistent messages that
-    the VPN's scope does not take (see :func:`~plugin._scope_report.out_of_scope`).
+    the VPN's scope does not take (see :func:`~plugin.topology._scope_report.out_of_scope`).
     ``api`` is a :class:`bridge.ManagementAPI`; when the broker cannot be
     asked, ``broker_queues`` and ``out_of_scope`` are null and
     ``broker_error`` says why, and the rest of the status stands.
@@ -91,9 +90,7 @@ def add_broker_depths(doc: dict[str, Any], api: Any) -> None:
 
     from bridge import TopicFilter
     from bridge.broker import ManagementUnavailable
-
-    from ._scope_report import out_of_scope
-    from ._topology import ReplicationScope
+    from plugin.topology import ReplicationScope, out_of_scope
 
     for vpn in doc["vpns"]:
         path = f"queues/{quote(vpn['name'], safe='')}?columns=name,messages,messages_persistent"
@@ -131,7 +128,7 @@ FROM txn_log WHERE side = 'coordinator' AND xid IS NOT NULL GROUP BY vpn
 """
 
 
-# replicated publishes a dead broker never confirmed, still live (plugin._uncertain)
+# replicated publishes a dead broker never confirmed, still live (plugin.node._uncertain)
 _UNCERTAIN = """
 SELECT u.vpn, count(*) AS n FROM uncertain_publish u
 JOIN live_message m ON m.vpn = u.vpn AND m.queue = u.queue AND m.repl_id = u.repl_id

@@ -1,12 +1,12 @@
 """One AMQP channel of a client connection through the listener.
 
-The session (``plugin._session``) is the connection's reader: it splits the
+The session (``plugin.session._session``) is the connection's reader: it splits the
 byte streams, keeps the connection's lifecycle and hands each method on a
 channel to that channel's :class:`Channel`, as RabbitMQ's ``rabbit_reader``
 hands frames to ``rabbit_channel``. A channel decodes the methods it must
 see and remembers what the listener needs per channel: the publish whose
 content is on its way, the confirms it holds
-(:class:`~plugin._confirms.ConfirmTracker`), the consumers and gets whose
+(:class:`~plugin.session._confirms.ConfirmTracker`), the consumers and gets whose
 deliveries it maps to replication ids, the deliveries not settled yet, the
 transaction buffer, and the topology requests awaiting the broker's answer.
 A handler returns what replaces the frame (None: relay it as it is, b"":
@@ -62,13 +62,13 @@ from bridge import (
     ReplicationId,
     id_in_header,
 )
+from plugin.session import _amqp as amqp
+from plugin.topology import VpnView
 from txn import XA_EXCHANGE, MarkerKey
 
-from . import _amqp as amqp
+from ._actions import Output, XaCall
 from ._amqp import AMQPError, Frame
 from ._confirms import ConfirmTracker
-from ._directory import VpnView
-from ._output import Output, XaCall
 from ._publish import HeaderTemplate, HeaderTemplates, header_frame, in_scope_queues, stamped
 from ._topology_changes import TopologyChange
 
@@ -246,7 +246,7 @@ class Channel:
         #: wait for the broker's verdict on it
         self.held: list[bytes] | None = None
 
-    # -- publishes from the client (the fused path is plugin._fused) --------
+    # -- publishes from the client (the fused path is plugin.session._fused) --------
 
     def on_publish(self, buf: bytes, f: Frame) -> bytes | None:
         exchange, key, _ = amqp.decode_publish(buf, f)
@@ -625,7 +625,7 @@ class Channel:
         self.tx_committing = txn
         return self._marker(txn.txid) + held
 
-    # -- XA branches (txn._xa drives them through plugin._xa_gateway) --------
+    # -- XA branches (txn._xa drives them through plugin.listener._xa_gateway) --------
 
     def refuse_reserved(self, what: str) -> bytes:
         """A client's method on a name the product reserves (its commit

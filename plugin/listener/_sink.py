@@ -18,8 +18,7 @@ from typing import Protocol
 
 from bridge import ConfirmKey, Event, LocalTransaction
 from bridge.active import commit_in_task
-
-from ._output import Output
+from plugin.session import Output
 
 __all__ = ["MemorySink", "ReplicationSink", "append_events"]
 

@@ -83,8 +83,8 @@ from types import MappingProxyType
 from typing import Any
 
 from bridge import TopicFilter, VpnSettings
+from plugin._errors import PluginError, UsageError
 
-from ._errors import PluginError, UsageError
 from ._routing import (
     Refused,
     Router,

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from ._errors import UsageError
+from plugin._errors import UsageError
 
 __all__ = ["CA_DAYS", "SITE_DAYS", "SiteFiles", "init_certificates", "not_after"]
 

@@ -1,7 +1,7 @@
 """A client's publish on a replicated connection: its queues and our id header.
 
 Both publish paths of the session use these: the frame-by-frame one and the
-fused one (``plugin._fused``). A publish is replicated when it is persistent
+fused one (``plugin.session._fused``). A publish is replicated when it is persistent
 and reaches a queue in the VPN's replication scope
 (:func:`in_scope_queues`); it then carries our id header
 (:data:`~bridge.REPLICATION_HEADER`), spliced into the client's content
@@ -10,7 +10,7 @@ header (:func:`stamped`) from a :class:`HeaderTemplate`.
 The invariant: **the client's properties reach the broker byte for byte,
 with only our entry added at the end of the headers table** (a client's own
 entry of that name is replaced). A template is made with
-:func:`~plugin._amqp.splice_header` once per distinct property bytes and
+:func:`~plugin.session._amqp.splice_header` once per distinct property bytes and
 split around the id's eight bytes, so each message gets exactly the bytes
 splicing it would give; its headers table is checked when the template is
 made, for every publish, persistent or not (RabbitMQ 3.10 crashes the
@@ -23,10 +23,8 @@ import struct
 from typing import NamedTuple
 
 from bridge import REPLICATION_HEADER, RESERVED_PREFIX
-
-from . import _amqp as amqp
-from ._directory import VpnView
-from ._routing import Refused, header_routes
+from plugin.session import _amqp as amqp
+from plugin.topology import Refused, VpnView, header_routes
 
 __all__ = ["HeaderTemplate", "HeaderTemplates", "header_frame", "in_scope_queues", "stamped"]
 

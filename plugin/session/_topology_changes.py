@@ -3,7 +3,7 @@
 A client's ``exchange.*`` and ``queue.*`` request becomes one of these
 frozen values when it passes the listener (:func:`change_of`), and its
 connection's :class:`TopologyRequests` keeps it until the broker's ``-ok``
-before applying it to the VPN's :class:`~plugin._topology.Topology`. The
+before applying it to the VPN's :class:`~plugin.topology._topology.Topology`. The
 invariant: **a change applies once the broker has carried the request
 out**, so the model never routes by a binding or a queue the broker
 refused: at the request's ``-ok``; at once for a ``nowait`` request, which
@@ -16,7 +16,7 @@ Three changes reach beyond the topology, and :class:`TopologyRequests`
 carries those out too: a declared queue may be the connection's exclusive
 one, and a deleted or purged queue's messages are gone on both sites (a
 ``Purged`` event; a purge's says where its request went to the broker in
-the ledger's order, a :class:`~plugin._output.LedgerMark` the driver fills,
+the ledger's order, a :class:`~plugin.session._actions.LedgerMark` the driver fills,
 so a message published after that is not taken for purged). On a
 replicated VPN every declare, delete, bind and unbind that applies also
 becomes a ``TopologyChanged`` event, in the connection's events where the
@@ -48,11 +48,11 @@ from bridge import (
     name_item,
     queue_item,
 )
+from plugin.session import _amqp as amqp
+from plugin.topology import Topology
 
-from . import _amqp as amqp
+from ._actions import LedgerMark
 from ._amqp import Frame
-from ._output import LedgerMark
-from ._topology import Topology
 
 if TYPE_CHECKING:  # the channel keeps the requests: only typed here
     from ._channel import Channel, ChannelContext

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import _amqp as amqp
+from plugin.session import _amqp as amqp
+
 from ._amqp import Frame
 
 __all__ = ["FrameChecks"]

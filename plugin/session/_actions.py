@@ -1,7 +1,7 @@
 """What the listener's driver must do after feeding a session.
 
-Plain data: the session (``plugin._session``) and the channels it keeps
-fill one :class:`Output` per call; the asyncio shell (``plugin._listener``)
+Plain data: the session (``plugin.session._session``) and the channels it keeps
+fill one :class:`Output` per call; the asyncio shell (``plugin.listener._server``)
 carries it out. Its invariant: **each list is in the order the session made
 it**, which is the order the frames came in, so writing ``to_broker`` and
 ``to_client`` as they are keeps every frame behind the ones read before it,
@@ -21,7 +21,7 @@ __all__ = ["LedgerMark", "Output", "XaCall"]
 class LedgerMark:
     """Where a request went to the broker in its VPN's ledger order: the
     index the VPN's next event took when the request's bytes were written.
-    The driver fills it (:func:`plugin._sink.append_events`) before the
+    The driver fills it (:func:`plugin.listener._sink.append_events`) before the
     broker's answer can come; 0 until then, or when the sink cannot say."""
 
     index: int = 0
@@ -49,7 +49,7 @@ class Output:
     events: list[tuple[Event, ConfirmKey | None]] = field(default_factory=list)
     #: (how many of ``events`` came before it, mark): a request in
     #: ``to_broker`` whose place in the ledger order is to be recorded
-    #: (a purge: ``plugin._topology_changes``); in the order of ``events``
+    #: (a purge: ``plugin.session._topology_changes``); in the order of ``events``
     marks: list[tuple[int, LedgerMark]] = field(default_factory=list)
     #: transactions to prepare (sink.prepare, then ``transaction_prepared``).
     prepare: list[LocalTransaction] = field(default_factory=list)
@@ -60,9 +60,9 @@ class Output:
     #: transactions whose tx.commit went to the broker but whose commit-ok
     #: will never be seen: the outcome is the marker's (sink.resolve).
     unresolved: list[LocalTransaction] = field(default_factory=list)
-    #: replicated publishes the broker never answered: it died (``plugin._uncertain``).
+    #: replicated publishes the broker never answered: it died (``plugin.node._uncertain``).
     uncertain: list[Published] = field(default_factory=list)
-    #: XA requests to answer (``plugin._xa_gateway``).
+    #: XA requests to answer (``plugin.listener._xa_gateway``).
     xa_calls: list[XaCall] = field(default_factory=list)
     #: channels holding an XA branch that closed (the broker rolled it back).
     xa_gone: list[int] = field(default_factory=list)

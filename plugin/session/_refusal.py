@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pamqp import commands
 
-from . import _amqp as amqp
+from plugin.session import _amqp as amqp
+
 from ._amqp import AMQPError, FrameSplitter
 
 __all__ = ["HANDSHAKE_FRAME_MAX", "BrokerUnavailable", "TooManyConnections"]

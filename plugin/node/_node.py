@@ -57,6 +57,26 @@ from bridge.link import TlsSetupError, make_client_context, make_server_context
 from bridge.roles import TakeoverUnknown
 from bridge.standby import BridgeClient
 from bridge.store import enabled_vpns_async, ledger_progress_async, record_sync_eligible_async
+from plugin._config import SiteConfig, load_config
+from plugin._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
+from plugin.admin import SAMPLE_SECONDS, AdminCredentials, AdminServer, LagHistory, Metrics
+from plugin.listener import BrokerAddress, DirectoryRefresher, Listener, XaGateway, site_broker_ssl
+from plugin.ops import (
+    DemotionSummary,
+    Progress,
+    RequestServer,
+    add_broker_depths,
+    connect,
+    decide_branch,
+    demote,
+    export_tail,
+    promote,
+    read_request,
+    start_request,
+    status,
+    switchover,
+)
+from plugin.topology import VpnDirectory, VpnView
 from txn import (
     Coordinator,
     MarkerError,
@@ -67,31 +87,9 @@ from txn import (
     load_marker_key,
 )
 
-from ._admin import AdminCredentials, AdminServer
-from ._config import SiteConfig, load_config
-from ._directory import VpnDirectory, VpnView
-from ._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
-from ._lag_history import SAMPLE_SECONDS, LagHistory
-from ._listener import BrokerAddress, Listener, site_broker_ssl
-from ._metrics import Metrics
-from ._refresher import DirectoryRefresher
-from ._store import add_broker_depths, connect, status
 from ._tracing import Tracing
 from ._uncertain import UncertainLog, retire
-from ._xa_gateway import XaGateway
 from ._xa_publish import BranchPublisher, ReplyPublisher
-from .ops import (
-    DemotionSummary,
-    Progress,
-    RequestServer,
-    decide_branch,
-    demote,
-    export_tail,
-    promote,
-    read_request,
-    start_request,
-    switchover,
-)
 
 __all__ = ["run_node"]
 
@@ -354,7 +352,7 @@ class Node:
         self, vpn: str, args: Mapping[str, Any], progress: Progress
     ) -> dict[str, Any]:
         """``reconcile --repair``: uncertain publishes the broker does not hold
-        are consumed through the ledger (``plugin._uncertain``)."""
+        are consumed through the ledger (``plugin.node._uncertain``)."""
         try:
             keys = [(str(q), bytes.fromhex(str(r))) for q, r in args["keys"]]
         except (KeyError, TypeError, ValueError) as e:

@@ -40,14 +40,13 @@ from bridge import (
     TransactionRefused,
 )
 from bridge.link import TLS_SHUTDOWN_TIMEOUT, TlsServer, describe_tls_error
+from plugin._config import SiteConfig
+from plugin._errors import ConfigError
+from plugin.admin import ListenerStats
+from plugin.session import BrokerUnavailable, Output, Session, TooManyConnections
+from plugin.topology import VpnDirectory
 from txn import MarkerKey
 
-from ._config import SiteConfig
-from ._directory import VpnDirectory
-from ._errors import ConfigError
-from ._metrics import ListenerStats
-from ._refusal import BrokerUnavailable, TooManyConnections
-from ._session import Output, Session
 from ._sink import ReplicationSink, append_events
 from ._xa_gateway import XaGateway
 
@@ -468,7 +467,7 @@ class Listener:
         self.connections: set[_ClientSide] = set()
         self.stats = ListenerStats()
         #: told of replicated publishes left unconfirmed by a dead broker
-        #: connection (the node records them: ``plugin._uncertain``)
+        #: connection (the node records them: ``plugin.node._uncertain``)
         self.on_uncertain: Callable[[list[Published]], None] = lambda events: None
         #: answers clients' XA requests (the node sets one with a resource manager)
         self.xa = XaGateway(None, _NoReplies())

@@ -22,8 +22,8 @@ import enum
 import struct
 
 from bridge import RESERVED_PREFIX, Published
+from plugin.session import _amqp as amqp
 
-from . import _amqp as amqp
 from ._amqp import AMQPError, Frame
 from ._channel import Channel, ChannelContext
 from ._publish import in_scope_queues, stamped
@@ -159,7 +159,7 @@ class FusedPublish:
 
 class FusedCheck:
     """Whole publishes of a connection on a vhost that is not replicated:
-    the checks of :class:`~plugin._checks.FrameChecks` at once.
+    the checks of :class:`~plugin.session._checks.FrameChecks` at once.
 
     ``content``: the frame checker's channels inside content (read only).
     """

@@ -1,15 +1,15 @@
 """One client connection through the listener, as a sans-IO state machine.
 
 ``Session`` is fed the bytes each side sent and returns what to send on, plus
-the replication events it saw (an :class:`~plugin._output.Output`). It never
+the replication events it saw (an :class:`~plugin.session._actions.Output`). It never
 opens a socket; ``_listener`` drives it. It is the connection's reader, as
 RabbitMQ's ``rabbit_reader``: it splits both byte streams into frames,
-relays them, keeps the connection's lifecycle (``plugin._lifecycle``) and
+relays them, keeps the connection's lifecycle (``plugin.session._lifecycle``) and
 its channels' open and close handshakes, and hands every other method on a
-channel to that :class:`~plugin._channel.Channel`. Whole publishes take the
-fused path (``plugin._fused``); a vhost that is not replicated only has its
-frames checked (``plugin._checks``); topology requests go to
-:class:`~plugin._topology_changes.TopologyRequests`.
+channel to that :class:`~plugin.session._channel.Channel`. Whole publishes take the
+fused path (``plugin.session._fused``); a vhost that is not replicated only has its
+frames checked (``plugin.session._checks``); topology requests go to
+:class:`~plugin.session._topology_changes.TopologyRequests`.
 
 Invariants, and why the code keeps them:
 
@@ -40,13 +40,14 @@ from collections.abc import Callable, Iterable
 from pamqp import commands
 
 from bridge import ConfirmKey, IdSource, ReplicationId
+from plugin.session import _amqp as amqp
+from plugin.topology import VpnDirectory, VpnView
 from txn import MarkerKey
 
-from . import _amqp as amqp
+from ._actions import Output
 from ._amqp import AMQPError, Frame, FrameSplitter
 from ._channel import Channel, ChannelContext
 from ._checks import FrameChecks
-from ._directory import VpnDirectory, VpnView
 from ._fused import DECLINED, PUBLISH_IDS, Declined, FusedCheck, FusedPublish
 from ._lifecycle import (
     BROKER_DONE,
@@ -63,7 +64,6 @@ from ._lifecycle import (
     Upstream,
     advance,
 )
-from ._output import Output
 from ._publish import HeaderTemplates
 from ._refusal import HANDSHAKE_FRAME_MAX
 from ._topology_changes import OK_METHODS, REQUEST_METHODS, TopologyRequests
@@ -81,7 +81,7 @@ _RAW, _BROKER_NOTHING = BrokerReads.RAW, BrokerReads.NOTHING
 
 _Handler = Callable[["Session", int, bytes, Frame], bytes | None]
 _OnChannel = Callable[[Channel, bytes, Frame], bytes | None]
-#: a whole-publish step of :meth:`Session._relay` (see ``plugin._fused``)
+#: a whole-publish step of :meth:`Session._relay` (see ``plugin.session._fused``)
 _Fused = Callable[[bytes, Frame, Frame, Frame], "bytes | None | Declined"]
 
 

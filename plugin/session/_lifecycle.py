@@ -2,7 +2,7 @@
 
 Everything that decides how a connection's bytes are read, whether a close
 of ours may still go upstream, and when both sides are finished lives here;
-:class:`~plugin._session.Session` only feeds it what it saw (a
+:class:`~plugin.session._session.Session` only feeds it what it saw (a
 :class:`Trigger`) and reads the answer. The invariant: **the state changes
 only through** :data:`TRANSITIONS`, and a trigger the table does not list for
 the current state raises :class:`LifecycleError` instead of being guessed at.
@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import enum
 
-from ._errors import PluginError
+from plugin._errors import PluginError
 
 __all__ = [
     "BROKER_DONE",

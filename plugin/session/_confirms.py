@@ -37,8 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from bridge import ConfirmKey, Consumed, Event, Published
-
-from . import _amqp as amqp
+from plugin.session import _amqp as amqp
 
 __all__ = ["ConfirmTracker", "HeldConfirm"]
 

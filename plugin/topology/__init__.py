@@ -1,0 +1,39 @@
+"""A VPN's topology and RabbitMQ's routing, reproduced without I/O, and the
+listener's view of the site's VPNs (role, scope, topology per vhost).
+"""
+
+from __future__ import annotations
+
+from ._directory import VpnDirectory, VpnView
+from ._routing import Refused, header_routes, tagged
+from ._scope_report import out_of_scope, scope_report
+from ._topology import (
+    Binding,
+    DefinitionsError,
+    DestinationKind,
+    Exchange,
+    Policy,
+    Queue,
+    ReplicationScope,
+    Topology,
+    topic_matches,
+)
+
+__all__ = [
+    "Binding",
+    "DefinitionsError",
+    "DestinationKind",
+    "Exchange",
+    "Policy",
+    "Queue",
+    "Refused",
+    "ReplicationScope",
+    "Topology",
+    "VpnDirectory",
+    "VpnView",
+    "header_routes",
+    "out_of_scope",
+    "scope_report",
+    "tagged",
+    "topic_matches",
+]

@@ -79,7 +79,7 @@ from plugin.ops import connect, enable_vpn
 from sql import migrate
 
 VPN = "orders"
-#: the coordinator's spans (txn/_coordinator.py): the whole, then its phases
+#: the coordinator's spans (txn/local/_coordinator.py): the whole, then its phases
 PHASES = ("txn", "txn.prepare", "txn.broker_commit", "txn.decision", "txn.standby_commit")
 QUEUE = "bench.txn"
 MARKERS = "bench.txn-floor-markers"

@@ -35,7 +35,8 @@ import psycopg
 from _common import BenchError, percentile, vpnrepl
 
 from plugin.devtools import HarnessError, LocalNode, LocalSites
-from txn import XAResource, Xid
+from txn.client import XAResource
+from txn.xa import Xid
 
 VPN = "orders"
 QUEUE = "bench.xa"

@@ -1,16 +1,19 @@
 """What the broker admin and clients touch: the ``vpnrepl`` command line, the
 site configuration, the AMQP listener and the node that wires a site.
 
-The top layer (``plugin`` → ``txn`` → ``bridge``). Its public API: the site
-configuration (:func:`load_config`), the admin CLI (:func:`main`), and the
-error taxonomy rooted at :class:`PluginError`. The listener's sans-IO
-session and the topology are private modules; importing this package loads
-none of the node's I/O (the CLI is imported when :func:`main` runs).
+The top layer (``plugin`` → ``txn`` → ``bridge``). This package's own names
+are the site configuration (:func:`load_config`) and the error taxonomy
+rooted at :class:`PluginError`; everything else is in a subpackage with its
+names in its own ``__init__``: ``cli`` (``vpnrepl``), ``node`` (the site
+process), ``ops`` (the operator's commands), ``listener`` and ``session``
+(the AMQP listener and its sans-IO connection), ``topology`` (sans-IO),
+``admin`` (endpoint and metrics), ``reconcile`` (the Spark job), ``tls``
+(the bridge's certificates) and, apart from the product, ``devtools`` (the
+local servers of ``vpnrepl demo`` and ``sandbox``, the tests and the
+benchmarks).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from ._config import DEFAULT_JDBC_JAR, PeerConfig, ReconcileConfig, SiteConfig, load_config
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
@@ -26,12 +29,4 @@ __all__ = [
     "StoreUnavailable",
     "UsageError",
     "load_config",
-    "main",
 ]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``vpnrepl``: run the admin's command line (see ``plugin.cli._cli``)."""
-    from .cli import main as run
-
-    return run(argv)

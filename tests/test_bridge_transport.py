@@ -58,7 +58,7 @@ from plugin.devtools import LocalSite
 from plugin.ops import connect, disable_vpn, enable_vpn, status
 from sql import migrate
 from tests.fix_tls import Pki
-from txn._log import encode_events
+from txn.local import encode_events
 
 VPN = "orders"
 QUEUES = ("orders.q1", "orders.q2")

@@ -30,7 +30,7 @@ from tests.two_sites import (
     until,
     vpn_status,
 )
-from txn._log import encode_events
+from txn.local import encode_events
 
 
 def number_of(record: dict[str, Any]) -> int:

@@ -42,7 +42,7 @@ SANS_IO = (
     "bridge.wire",
     "bridge.amqp",
     "bridge._entry",
-    "txn._machine",
+    "txn.xa",
 )
 
 
@@ -82,10 +82,14 @@ def tree_copy(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     ("module", "line", "contract"),
     [
-        ("bridge/_ids.py", "from txn import Xid", "a lower layer never imports a higher one"),
-        ("bridge/wire/_protocol.py", "from txn import TxnMachine", "a lower layer never imports"),
-        ("txn/_coordinator.py", "from plugin import load_config", "a lower layer never imports"),
-        ("plugin/cli/_cli.py", "from bridge.ledger._writer import LedgerWriter", "private modules"),
+        ("bridge/standby/_adoption.py", "from txn.xa import Xid", "a lower layer never imports"),
+        ("bridge/wire/_protocol.py", "from txn import MarkerKey", "a lower layer never imports"),
+        (
+            "txn/client/_resource.py",
+            "from plugin import load_config",
+            "a lower layer never imports",
+        ),
+        ("plugin/cli/_cli.py", "from bridge.ledger._writer import LedgerWriter", "private"),
         ("sql/env.py", "import bridge", "sql stands alone"),
         (
             "plugin/node/_node.py",

@@ -21,7 +21,7 @@ from plugin.devtools import LocalSite, free_port
 from plugin.listener import MemorySink
 from tests.fix_listener import ListenerThread, enable_vpn
 from tests.two_sites import setup_vpn
-from txn import MarkerStore
+from txn.local import MarkerStore
 
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
 TRANSIENT = pika.BasicProperties(delivery_mode=1)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from txn import MarkerKey, restored_marker
+from txn import MarkerKey
+from txn.local import restored_marker
 
 KEY = MarkerKey(bytes(range(32)), signs_from=5)
 

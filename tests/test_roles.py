@@ -23,8 +23,7 @@ from bridge.standby import NotStandby, StandbyApplier
 from plugin.devtools import LocalSite
 from plugin.ops import connect, status
 from tests.test_standby_apply import ack, keys, numbered, prepare, pub
-from txn._log import TxnLog, encode_events
-from txn._participant import Participant
+from txn.local import Participant, TxnLog, encode_events
 
 VPN = "orders"
 

@@ -43,7 +43,7 @@ from bridge.wire import CheckpointRow
 from plugin.devtools import LocalSite
 from plugin.ops import connect, enable_vpn
 from sql import migrate
-from txn._log import encode_events
+from txn.local import encode_events
 
 LIVE_SQL = (
     "SELECT queue, repl_id, publish_index, exchange, routing_key, properties, body"

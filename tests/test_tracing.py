@@ -139,7 +139,8 @@ def test_an_xa_branch_exports_a_span_per_verb_and_its_phases(
     node_b: NodeProcess,
     collector: Collector,
 ) -> None:
-    from txn import XAResource, Xid
+    from txn.client import XAResource
+    from txn.xa import Xid
 
     setup_vpn(site_a)
     enable(vpnrepl_a, "--mode", "sync", "--sync-timeout-ms", "10000")

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bridge import (
+    MARKER_QUEUE,
     IdSource,
     LocalTransaction,
     Published,
@@ -30,10 +31,17 @@ from plugin.devtools import LocalSite
 from plugin.ops import connect, enable_vpn
 from sql import migrate
 from txn import MarkerKey
-from txn._coordinator import TXN_RETAIN_SECONDS, Coordinator
-from txn._log import _PRUNE, PARTICIPANT, PRUNE_LIMIT, TxnLog, encode_events
-from txn._markers import MARKER_QUEUE, MarkerStore
-from txn._participant import Participant
+from txn.local import (
+    PARTICIPANT,
+    PRUNE_LIMIT,
+    TXN_RETAIN_SECONDS,
+    Coordinator,
+    MarkerStore,
+    Participant,
+    TxnLog,
+    encode_events,
+)
+from txn.local._log import _PRUNE
 
 SPANS = InMemorySpanExporter()
 _provider = TracerProvider()
@@ -456,7 +464,7 @@ def test_a_prepare_the_sites_database_does_not_record_in_time_is_refused(
     the database hangs; the standby's row is aborted at once, the local
     row once its write gets through."""
     from tests.fix_sites import until_a_lock_waits
-    from txn import _coordinator
+    from txn.local import _coordinator
 
     monkeypatch.setattr(_coordinator, "PREPARE_BOUND_SECONDS", 0.5)
     dsn = active_site(site_a)
@@ -499,7 +507,7 @@ def test_a_decision_the_sites_database_does_not_record_in_time_ends_the_clients_
     outcome is unknown, not kept waiting as long as the database hangs; the
     decision still commits once the database answers."""
     from tests.fix_sites import until_a_lock_waits
-    from txn import _coordinator
+    from txn.local import _coordinator
 
     monkeypatch.setattr(_coordinator, "DECISION_BOUND_SECONDS", 0.5)
     dsn = active_site(site_a)

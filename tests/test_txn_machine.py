@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from bridge import FAILPOINTS
-from txn._machine import (
+from txn.local import (
     TRANSITIONS,
     Answer,
     AwaitStandbyAck,

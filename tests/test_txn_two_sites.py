@@ -18,7 +18,7 @@ import pika
 import pika.exceptions
 import pytest
 
-from bridge import FAILPOINTS
+from bridge import FAILPOINTS, MARKER_QUEUE
 from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
@@ -43,7 +43,6 @@ from tests.two_sites import (
     until,
     vpn_status,
 )
-from txn._markers import MARKER_QUEUE
 
 SEEDED = [n for n in range(1, 61) if n % 5]  # 48 messages in orders.q1 and orders.q2
 

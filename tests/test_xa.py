@@ -45,12 +45,12 @@ from tests.xa_clients import (
     start_sites,
     take,
 )
-from txn import (
+from txn.client import XAResource
+from txn.xa import (
     Verb,
     XaHeuristic,
     XaNotFound,
     XaProtocolError,
-    XAResource,
     XaResourceError,
     XaRolledBack,
     Xid,
@@ -169,7 +169,7 @@ def test_verbs_out_of_order_unknown_branches_and_other_users_branches_get_xa_err
         xid = Xid.from_parts(7, "g", "b")
         xa.start(xid, work)
         publish(work, (110,))
-        from txn import XaProtocolError
+        from txn.xa import XaProtocolError
 
         with pytest.raises(XaProtocolError, match="not allowed when active"):
             xa.prepare(xid)

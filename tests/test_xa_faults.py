@@ -40,7 +40,7 @@ from tests.xa_clients import (
     resource,
     start_sites,
 )
-from txn import XaHeuristic, Xid
+from txn.xa import XaHeuristic, Xid
 
 
 def prepared_rows(site: LocalSite, side: str) -> list[str]:

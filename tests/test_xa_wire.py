@@ -8,7 +8,8 @@ import json
 import pytest
 from hypothesis import given, strategies as st
 
-from txn import (
+from txn.xa import (
+    TRANSITIONS,
     BranchState,
     Verb,
     XaHeuristic,
@@ -21,8 +22,9 @@ from txn import (
     XaRolledBack,
     Xid,
     XidError,
+    begin,
+    settle,
 )
-from txn._xa_states import TRANSITIONS, begin, settle
 
 parts = st.binary(min_size=1, max_size=64)
 

@@ -33,7 +33,8 @@ from tests.two_sites import (
     until,
     vpn_status,
 )
-from txn import XAResource, Xid
+from txn.client import XAResource
+from txn.xa import Xid
 
 APP_DB = "app"
 #: messages the XA tests' branches ack: not multiples of five (orders.q1 and .q2)

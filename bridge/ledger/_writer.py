@@ -482,7 +482,7 @@ class LedgerWriter:
     ) -> int:
         """:meth:`append_many`, and the events are committed in one database
         transaction: all of them are in the ledger or none is (a local
-        transaction's commit decision, txn/_coordinator.py). With
+        transaction's commit decision, txn/local/_coordinator.py). With
         ``decision`` (a transaction id), that transaction's ``txn_log`` row
         moves from ``prepared`` to ``committed`` (with ``ledger_last``) in
         the same transaction as the group. Returns the last index."""

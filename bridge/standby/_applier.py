@@ -51,7 +51,7 @@ group's last entry, keeping that entry's index (``ledger_last``). The
 applier knows each row's events: :meth:`StandbyApplier.expect` records
 them at the participant's yes vote, and a VPN's first batch reads the rows
 prepared before. Nothing else settles a row committed (the participant's
-outcome does not: ``txn/_participant.py``), so a ``prepared`` row is a
+outcome does not: ``txn/local/_participant.py``), so a ``prepared`` row is a
 transaction whose group is not here, and a promotion commits exactly those.
 A checkpoint settles the prepared rows whose published messages it holds;
 one whose group it covers with every message consumed before it stays
@@ -205,7 +205,7 @@ ROWLESS_KEPT = 10_000
 def _settling(events: Sequence[Event]) -> int:
     """The position of the event whose arrival settles a prepared row: its
     last publish (a branch committed from its log after its channel closed
-    records its publishes alone, ``txn._log.TxnRow.recorded_events``), or
+    records its publishes alone, ``txn.local._log.TxnRow.recorded_events``), or
     its last event when it publishes nothing. Acks after the last publish
     that a lost active never streamed bring their messages back, as any ack
     not in the ledger does."""

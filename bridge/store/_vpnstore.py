@@ -24,7 +24,7 @@ point: the ledger writer's batch (``bridge/ledger/_writer.py``: the rows and
 ``ledger_index`` in one statement), the standby's guarded statements
 (``bridge/standby/_applier.py``, ``bridge/ledger/_apply.py``: gate, row move and apply in
 one), the ledger's oldest retained index (``bridge/ledger/_reader.py``) and
-the ending of acknowledged transactions (``txn/_log.py``).
+the ending of acknowledged transactions (``txn/local/_log.py``).
 
 The vpn_epoch history (which site took which epoch, where) is written here
 too: it is always written with the epoch it records.

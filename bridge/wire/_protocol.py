@@ -264,7 +264,7 @@ TRANSITIONS: Final[Mapping[tuple[Role, type[Frame], State], State | _Drop]] = Ma
         (_A, Events, _V.RESYNC_REQUESTED): DROP,
         # or the end of the old replay; all dropped until SyncAccepted.
         (_A, SyncFinished, _V.RESYNC_REQUESTED): DROP,
-        # --- transactions (txn/_coordinator.py): independent of the event
+        # --- transactions (txn/local/_coordinator.py): independent of the event
         # stream, so legal in every state of a listed VPN and changing none.
         # The active asks the standby to prepare,
         **{(_A, TxnPrepare, state): state for state in VpnState},

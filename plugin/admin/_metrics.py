@@ -31,7 +31,8 @@ from prometheus_client.core import (
 from bridge import TlsConfig
 from bridge.ledger import WriterStats
 from plugin.tls import not_after
-from txn import TxnStats, XaStats
+from txn.branches import XaStats
+from txn.local import TxnStats
 
 __all__ = ["CONTENT_TYPE", "Buckets", "ListenerStats", "Metrics"]
 

@@ -408,7 +408,7 @@ def _cmd_xa(cfg: SiteConfig, args: argparse.Namespace) -> int:
             hazard = f": {b['hazard']}" if b["hazard"] else ""
             print(f"{b['xid']}  {b['state']}{how}  since {b['prepared_at']}{hazard}")
         return EXIT_OK
-    from txn import Xid, XidError
+    from txn.xa import Xid, XidError
 
     try:
         xid = str(Xid.from_string(args.xid))

@@ -24,15 +24,8 @@ from typing import Protocol
 
 from bridge import LocalTransaction
 from plugin.session import PRECONDITION_FAILED, Channel, Output, Session, XaCall
-from txn import (
-    BranchChannel,
-    XaCoordinator,
-    XaError,
-    XaReply,
-    XaRequest,
-    XaResourceError,
-    XaResourceFailure,
-)
+from txn.branches import BranchChannel, XaCoordinator
+from txn.xa import XaError, XaReply, XaRequest, XaResourceError, XaResourceFailure
 
 __all__ = ["ChannelBranch", "Connection", "ReplySender", "XaGateway"]
 

@@ -6,7 +6,7 @@ sync-ineligible windows' recorder (which first closes those a crash left
 open), the replication sink with the transaction coordinator, the VPN directory
 (settings from the database, topology from the management API, refreshed
 every ``[broker] topology_refresh_seconds``), the recovery of transactions a
-crash left in doubt (txn/_coordinator.py; before any client is accepted), the AMQP
+crash left in doubt (txn/local/_coordinator.py; before any client is accepted), the AMQP
 listener on ``listen.amqp`` (and ``listen.amqps`` over TLS) and the admin endpoint
 on ``listen.admin``. It
 stops on SIGTERM or SIGINT in reverse order: clients first, then the ledger
@@ -77,15 +77,8 @@ from plugin.ops import (
     switchover,
 )
 from plugin.topology import VpnDirectory, VpnView
-from txn import (
-    Coordinator,
-    MarkerError,
-    MarkerStore,
-    Participant,
-    TxnLog,
-    XaCoordinator,
-    load_marker_key,
-)
+from txn.branches import XaCoordinator
+from txn.local import Coordinator, MarkerError, MarkerStore, Participant, TxnLog, load_marker_key
 
 from ._tracing import Tracing
 from ._uncertain import UncertainLog, retire
@@ -780,7 +773,7 @@ class Node:
 
     async def _recover_transactions(self) -> None:
         """Resolve what a crash left in doubt before any client is let in
-        (txn/_coordinator.py); the broker must answer for its markers."""
+        (txn/local/_coordinator.py); the broker must answer for its markers."""
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(MarkerError),

@@ -1,4 +1,4 @@
-"""Traces: the transaction spans of :mod:`txn._coordinator`, exported over OTLP.
+"""Traces: the transaction spans of :mod:`txn.local._coordinator`, exported over OTLP.
 
 Off unless ``[telemetry] otlp_traces_url`` is set (an OTLP/HTTP traces
 endpoint, e.g. ``http://collector:4318/v1/traces``). Then the node installs

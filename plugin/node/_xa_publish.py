@@ -31,7 +31,7 @@ from psycopg.rows import tuple_row
 from bridge import MARKER_QUEUE, Consumed, DeadLettered, Published
 from bridge.amqp import AmqpEndpoint, BrokerError, persistent_properties
 from bridge.broker import BrokerPublisher
-from txn import MarkerStore, restored_marker
+from txn.local import MarkerStore, restored_marker
 
 __all__ = ["BranchPublisher", "ReplyPublisher"]
 

@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from plugin._errors import StateError, UsageError
-from txn import XA_PENDING, XaCoordinator, Xid, XidError
+from txn.branches import XaCoordinator
+from txn.local import XA_PENDING
+from txn.xa import Xid, XidError
 
 from ._store import connect
 

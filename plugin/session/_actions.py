@@ -29,7 +29,7 @@ class LedgerMark:
 
 @dataclass(frozen=True, slots=True)
 class XaCall:
-    """An XA request a client published on ``channel`` (``txn._xa_wire``),
+    """An XA request a client published on ``channel`` (``txn.xa._wire``),
     taken out of the stream: the node answers it."""
 
     channel: int

@@ -64,7 +64,8 @@ from bridge import (
 )
 from plugin.session import _amqp as amqp
 from plugin.topology import VpnView
-from txn import XA_EXCHANGE, MarkerKey
+from txn import MarkerKey
+from txn.xa import XA_EXCHANGE
 
 from ._actions import Output, XaCall
 from ._amqp import AMQPError, Frame
@@ -625,7 +626,7 @@ class Channel:
         self.tx_committing = txn
         return self._marker(txn.txid) + held
 
-    # -- XA branches (txn._xa drives them through plugin.listener._xa_gateway) --------
+    # -- XA branches (txn.branches drives them through plugin.listener._xa_gateway) --
 
     def refuse_reserved(self, what: str) -> bytes:
         """A client's method on a name the product reserves (its commit

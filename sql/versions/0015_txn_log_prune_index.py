@@ -1,6 +1,6 @@
 """``txn_log``'s prune finds the rows past their retention through an index.
 
-The sweep (``txn/_log.py``, every few minutes) deletes the rows of
+The sweep (``txn/local/_log.py``, every few minutes) deletes the rows of
 transactions over on both sites once their ``updated_at`` is older than the
 retention (an hour). Without an index on ``updated_at`` each sweep read the
 whole table: every transaction of the last hour. ``txn_log_prunable`` is

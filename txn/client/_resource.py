@@ -1,6 +1,6 @@
 """The client's XA resource: replicated broker work in a global transaction.
 
-:class:`XAResource` speaks :mod:`txn._xa_wire` over a pika
+:class:`XAResource` speaks :mod:`txn.xa._wire` over a pika
 ``BlockingConnection`` opened through the listener, with the verbs of
 X/Open XA and DB-API's TPC (the ones psycopg's connection has), so a
 transaction manager can drive it next to a database::
@@ -15,7 +15,7 @@ transaction manager can drive it next to a database::
         xa.commit(xid)             # survives the death of this process
 
 An answer that does not come within ``timeout`` raises
-:class:`~txn._xa_wire.XaResourceFailure`: the transaction manager then
+:class:`~txn.xa._wire.XaResourceFailure`: the transaction manager then
 treats the branch as in doubt and asks :meth:`XAResource.recover` later,
 from any connection to the VPN.
 """
@@ -30,8 +30,7 @@ import pika
 import pika.channel
 from pika.adapters.blocking_connection import BlockingChannel
 
-from ._xa_wire import XA_EXCHANGE, Verb, XaReply, XaRequest, XaResourceFailure
-from ._xid import Xid
+from txn.xa import XA_EXCHANGE, Verb, XaReply, XaRequest, XaResourceFailure, Xid
 
 __all__ = ["XA_OK", "XA_RDONLY", "XAResource"]
 
@@ -105,7 +104,7 @@ class XAResource:
     def prepare(self, xid: Xid) -> int:
         """Persist ``xid`` on both sites: :data:`XA_OK`, or :data:`XA_RDONLY`
         when it replicated nothing (then it is over: no commit follows).
-        A no vote raises :class:`~txn._xa_wire.XaRolledBack`."""
+        A no vote raises :class:`~txn.xa._wire.XaRolledBack`."""
         reply = self._call(Verb.PREPARE, xid)
         if reply.code == "XA_RDONLY":
             self._channels.pop(xid, None)

@@ -10,7 +10,7 @@ an exclusive queue the requesting connection declared, so an answer goes
 to that connection alone. The README's "XA transactions" section is the
 specification for other languages; this module is its one implementation.
 
-Request body, by verb (``xid``: :class:`~txn._xid.Xid`'s text form)::
+Request body, by verb (``xid``: :class:`~txn.xa._xid.Xid`'s text form)::
 
     start     {"xid": X}                  the channel's transaction becomes branch X
     end       {"xid": X, "fail": false}   no more work in X (fail: roll it back)

@@ -1,7 +1,7 @@
 """Local transactions as an internal two-phase commit over both sites.
 
 A client's ``tx.commit`` on a channel that published or acked replicated
-messages runs this protocol (the steps are :mod:`txn._machine`'s table):
+messages runs this protocol (the steps are :mod:`txn.local._machine`'s table):
 
 1. **Prepare.** The transaction's events are written as a ``prepared``
    ``txn_log`` row on the active site (coordinator) and — for a sync-mode
@@ -46,7 +46,7 @@ messages runs this protocol (the steps are :mod:`txn._machine`'s table):
    bookkeeping, in batches rather than a database commit per transaction
    on the client's path: a participant's row is marked committed in the
    standby's transaction that applies its group (early, or the stream's
-   copy), never by an outcome (:class:`txn._participant.Participant`);
+   copy), never by an outcome (:class:`txn.local._participant.Participant`);
    ``TxnOutcome`` aborts rows; the coordinator's rows end in the sweep
    once the standby's acknowledged index has passed their groups, and the
    markers are removed.
@@ -201,7 +201,7 @@ class StandbyLink(Protocol):
         """Send the standby ``txid``'s prepare now (``owner``: an XA
         branch's broker user, for its row there); the awaitable is True
         once its participant voted yes within ``within`` seconds. ``events``
-        in :func:`txn._log.encode_events` form."""
+        in :func:`txn.local._log.encode_events` form."""
 
     def commit_early(self, vpn: str, txid: str, first: int, on_applied: Callable[[], None]) -> bool:
         """Tell the standby the broker committed ``txid`` (its group at
@@ -282,7 +282,7 @@ class _Live:
         if self.finished:
             return
         self.finished = True
-        if self.xid is None:  # a client's XA branch is counted as such (txn._xa)
+        if self.xid is None:  # a client's XA branch is counted as such (txn.branches._manager)
             self.stats.outcomes[(self.txn.vpn, outcome)] += 1
         self.enter(None)
         self.span.set_attribute("txn.outcome", outcome)
@@ -292,7 +292,7 @@ class _Live:
 
 
 class Coordinator:
-    """Drives :class:`~txn._machine.TxnMachine` with the database, the
+    """Drives :class:`~txn.local._machine.TxnMachine` with the database, the
     ledger, the bridge and the broker's markers (see the module docstring)."""
 
     def __init__(

@@ -60,13 +60,10 @@ from bridge import (
     TransactionRefused,
     failpoint,
 )
-
-from ._coordinator import RESOLVE_DELAY, Coordinator
-from ._log import TxnRow
-from ._markers import MarkerError, restored_marker
-from ._xa_states import BranchState, begin, settle
-from ._xa_wire import (
+from txn.local import RESOLVE_DELAY, Coordinator, MarkerError, TxnRow, restored_marker
+from txn.xa import (
     Branch,
+    BranchState,
     Verb,
     XaDuplicate,
     XaError,
@@ -78,8 +75,10 @@ from ._xa_wire import (
     XaRequest,
     XaResourceError,
     XaRolledBack,
+    Xid,
+    begin,
+    settle,
 )
-from ._xid import Xid
 
 __all__ = ["OPERATOR", "BranchChannel", "LogPublisher", "XaCoordinator", "XaStats"]
 

@@ -2,9 +2,9 @@
 
 One table (:data:`TRANSITIONS`) says which verb a branch in a given state
 takes and the state it is in while the verb runs; the state after the verb
-depends on its outcome and is set by the driver (:mod:`txn._xa`) through
+depends on its outcome and is set by the driver (:mod:`txn.branches._manager`) through
 :func:`settle`. A verb the state does not allow is an
-:class:`~txn._xa_wire.XaProtocolError` for the client, never a silent skip.
+:class:`~txn.xa._wire.XaProtocolError` for the client, never a silent skip.
 
 A branch is *bound* to the client channel whose broker transaction holds
 its work from ``start`` until it is prepared and committed or rolled back;
@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from typing import Final
 
-from ._xa_wire import Verb, XaProtocolError
+from ._wire import Verb, XaProtocolError
 
 __all__ = ["TRANSITIONS", "BranchState", "begin", "settle"]
 

@@ -53,8 +53,7 @@ import pika.exceptions
 import psycopg
 
 from bridge import MARKER_QUEUE
-
-from ._marker_key import MarkerKey
+from txn._marker_key import MarkerKey
 
 __all__ = ["MarkerError", "MarkerStore", "load_marker_key", "marker_txid", "restored_marker"]
 

@@ -1,0 +1,69 @@
+"""Local transactions as an internal two-phase commit over both sites.
+
+The step table (sans-IO), the coordinator on the active and its recovery,
+the participant on the standby, ``txn_log``, and the commit markers
+recovery reads in the broker.
+"""
+
+from __future__ import annotations
+
+from ._coordinator import RESOLVE_DELAY, TXN_RETAIN_SECONDS, Coordinator, TxnStats
+from ._log import PARTICIPANT, PRUNE_LIMIT, XA_PENDING, TxnLog, TxnRow, encode_events
+from ._machine import (
+    TRANSITIONS,
+    Answer,
+    AwaitStandbyAck,
+    CommitEarly,
+    Forget,
+    Input,
+    MarkDegraded,
+    OpenStandbyPhase,
+    Phase,
+    RecordDecision,
+    Refuse,
+    RetireMarker,
+    SendBrokerCommit,
+    SendOutcome,
+    StandbySettled,
+    TxnMachine,
+    TxnProtocolError,
+    WithdrawStandbyWait,
+)
+from ._markers import MarkerError, MarkerStore, load_marker_key, restored_marker
+from ._participant import Participant
+
+__all__ = [
+    "Answer",
+    "AwaitStandbyAck",
+    "CommitEarly",
+    "Coordinator",
+    "Forget",
+    "Input",
+    "MarkDegraded",
+    "MarkerError",
+    "MarkerStore",
+    "OpenStandbyPhase",
+    "PARTICIPANT",
+    "PRUNE_LIMIT",
+    "Participant",
+    "Phase",
+    "RESOLVE_DELAY",
+    "RecordDecision",
+    "Refuse",
+    "RetireMarker",
+    "SendBrokerCommit",
+    "SendOutcome",
+    "StandbySettled",
+    "TRANSITIONS",
+    "TXN_RETAIN_SECONDS",
+    "TxnLog",
+    "TxnMachine",
+    "TxnProtocolError",
+    "TxnRow",
+    "TxnStats",
+    "WithdrawStandbyWait",
+    "XA_PENDING",
+    "encode_events",
+    "load_marker_key",
+    "restored_marker",
+]

@@ -1,6 +1,6 @@
 """The AMQP endpoint a client-compatibility test talks to.
 
-A scenario in ``tests/test_clients.py`` takes the ``amqp_endpoint`` fixture and
+A scenario in ``tests/interop/test_clients.py`` takes the ``amqp_endpoint`` fixture and
 never asks what is behind it, so the same scenario runs against every kind of
 endpoint listed in ``ENDPOINT_KINDS``:
 

@@ -12,7 +12,7 @@ anything unusual (a frame of another type or channel, a body size that does
 not match, a channel that is closing, holding frames or inside content, a
 frame that does not decode) returns :data:`DECLINED` with every state
 untouched, and the general path then takes the frames and reports any fault
-at the exact frame. ``tests/test_session.py`` checks the two paths against
+at the exact frame. ``tests/unit/plugin/session/test_session.py`` checks the two paths against
 each other on whole and split reads.
 """
 

@@ -10,7 +10,7 @@ the current state raises :class:`LifecycleError` instead of being guessed at.
 Every trigger a client can cause, in any order, is listed for every state
 its frames can meet, including the states reached earlier in the same read
 (frames behind a close-ok still pass the handlers of that read): a client
-never makes the listener raise (``tests/test_lifecycle.py`` walks them).
+never makes the listener raise (``tests/unit/plugin/session/test_lifecycle.py`` walks them).
 What is left out is what RabbitMQ never sends (an ``open-ok`` after the
 connection opened, a frame before the protocol header), and triggers the
 session does not produce in a state (no read starts on a finished side).

@@ -7,7 +7,7 @@ destinations. The invariant is the topology's: a router answers what the
 broker's own exchange type would (``rabbit_exchange_type_direct``,
 ``_fanout``, ``_topic``, ``_headers``; the rules are listed in
 :mod:`plugin.topology._topology`'s docstring and checked against a live node by
-``tests/test_routing_differential.py``). Header values are compared as
+``tests/site/test_routing_differential.py``). Header values are compared as
 Erlang's ``==`` compares what pamqp decoded (:func:`value`).
 """
 

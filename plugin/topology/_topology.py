@@ -7,7 +7,7 @@ the invariant is: **route() answers what RabbitMQ 3.10.8 itself would
 answer** for the topology the model holds — never a guess. Every rule below
 was read from the broker's own code (decompiled from the ``debug_info`` of
 the 3.10.8 ``.beam`` files installed here) and is checked against a live
-node by ``tests/test_routing_differential.py``:
+node by ``tests/site/test_routing_differential.py``:
 
 ``rabbit_exchange:route/2`` and ``route1/3``
     The default exchange maps each routing key (CC/BCC included) to the queue

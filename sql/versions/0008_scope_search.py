@@ -15,7 +15,7 @@ names (``(?s:.*?)(?:P)(?s:.*)``).
 
 The rewrites live here alone (the schema package stands alone, and a
 migration keeps what it did when it was written); version 4 of the bridge
-protocol, which needed them too, is gone. ``tests/test_scope_patterns.py``
+protocol, which needed them too, is gone. ``tests/two_sites/test_scope_patterns.py``
 tests them.
 
 Revision ID: 0008

@@ -67,7 +67,7 @@ from tests.fault.checker import (
 )
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
-from tests.two_sites import VPN, cli_status, setup_vpn, until, vpn_status
+from tests.support.two_sites import VPN, cli_status, setup_vpn, until, vpn_status
 
 Q1, Q2 = "orders.q1", "orders.q2"
 #: the VPN's sync timeout (seconds)
@@ -797,7 +797,7 @@ def clock_jump(side: str, seconds: int, hold: float = 10.0) -> Nemesis:
     steps back after ``hold``: as an NTP step would. It moves the site's
     PostgreSQL ``now()``, which drives the ledger's retention, replication
     lag, sync windows and the ``txn_log`` prune; the node reads no wall
-    clock for a decision (tests/test_clocks.py), and libfaketime cannot step
+    clock for a decision (tests/unit/test_clocks.py), and libfaketime cannot step
     a Python process's wall clock without breaking its sleeps, so the node
     keeps the real one."""
 

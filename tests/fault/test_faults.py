@@ -256,7 +256,7 @@ def test_soak_mixed_load_with_a_fault_every_minute(
 ) -> None:
     """``VPNREPL_SOAK_MINUTES`` (30) of the workload with a fault a minute:
     nothing broken, and both nodes' RSS and the ledger stay bounded."""
-    from tests.two_sites import scalar
+    from tests.support.two_sites import scalar
 
     minutes = int(os.environ.get("VPNREPL_SOAK_MINUTES", "30"))
     samples: list[tuple[float, int, int, int]] = []  # (t, rss a, rss b, ledger rows)

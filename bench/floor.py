@@ -183,8 +183,7 @@ def writer_main(
     remove rows with the apply step's own statement and packed arrays."""
     # this script's directory holds bench/bridge.py, which shadows the package
     sys.path.remove(str(Path(__file__).resolve().parent))
-    from bridge.ledger import bytea_array, text_array
-    from bridge.ledger._apply import _DELETE
+    from bridge.ledger import DELETE_ACKED, bytea_array, text_array
 
     batches = _batches(site, phase, first, ids_from, messages, size, batch)
     deletes = [(VPN, text_array([QUEUE] * len(b.ids)), bytea_array(b.ids)) for b in batches]
@@ -200,7 +199,7 @@ def writer_main(
                     with cur.copy(_LIVE_COPY) as copy:
                         copy.write(b.live)
                 else:
-                    cur.execute(_DELETE, delete)
+                    cur.execute(DELETE_ACKED, delete)
                     if cur.rowcount != len(b.ids):  # the floor must do the whole work
                         print(f"removed {cur.rowcount} of {len(b.ids)} rows", flush=True)
                         return 1

@@ -20,7 +20,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-__all__ = ["head_revision", "migrate", "sqlalchemy_url"]
+__all__ = ["alembic_config", "head_revision", "migrate", "sqlalchemy_url"]
 
 _HERE = Path(__file__).resolve().parent
 _LOCK_KEY = 0x7670_6E72  # "vpnr": serialises concurrent `vpnrepl init`
@@ -34,14 +34,14 @@ def sqlalchemy_url(dsn: str) -> str:
     return f"postgresql+psycopg://{rest}"
 
 
-def _alembic_config() -> Config:
+def alembic_config() -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(_HERE))
     return cfg
 
 
 def head_revision() -> str:
-    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     assert head is not None  # noqa: S101 - the package ships its migrations
     return head
 
@@ -57,7 +57,7 @@ def migrate(dsn: str, target: str = "head") -> tuple[str | None, str]:
         with engine.begin() as conn:
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
             before = MigrationContext.configure(conn).get_current_revision()
-            cfg = _alembic_config()
+            cfg = alembic_config()
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, target)
             after = MigrationContext.configure(conn).get_current_revision()

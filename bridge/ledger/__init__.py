@@ -9,6 +9,7 @@ into ``live_message`` rows on either site.
 from __future__ import annotations
 
 from ._apply import (
+    DELETE_ACKED,
     GuardedApply,
     GuardedTemplate,
     apply_entries,
@@ -33,6 +34,7 @@ from ._retry import retry_log_level, retry_store
 from ._writer import LedgerWriter, WriterStats
 
 __all__ = [
+    "DELETE_ACKED",
     "GuardedApply",
     "GuardedTemplate",
     "LedgerBound",

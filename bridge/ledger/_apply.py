@@ -99,6 +99,9 @@ FROM unnest(%b::text[], %b::bytea[], %b::int8[], %b::text[], %b::text[], %b::byt
 ON CONFLICT DO NOTHING{returning}
 """
 _DELETE = _DELETE_KEYS.format(guard="")
+#: the apply step's removal of acknowledged rows, on its own (the write-floor
+#: benchmark times it)
+DELETE_ACKED = _DELETE
 _INSERT = _INSERT_ROWS.format(base="", guard="", returning="")
 # A purge removes the queue's rows published before it (a replay of the purge
 # must not remove rows published after it), or before its request went to the

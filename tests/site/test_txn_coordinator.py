@@ -4,7 +4,6 @@ its rows, its ledger group, its spans, and recovery by marker."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +32,6 @@ from sql import migrate
 from txn import MarkerKey
 from txn.local import (
     PARTICIPANT,
-    PRUNE_LIMIT,
     TXN_RETAIN_SECONDS,
     Coordinator,
     MarkerStore,
@@ -41,7 +39,6 @@ from txn.local import (
     TxnLog,
     encode_events,
 )
-from txn.local._log import _PRUNE
 
 SPANS = InMemorySpanExporter()
 _provider = TracerProvider()
@@ -456,94 +453,6 @@ def test_a_transaction_committed_early_sends_the_standby_no_outcome(site_a: Loca
     assert states(dsn) == {ahead.txid: "committed", streamed.txid: "committed"}
 
 
-def test_a_prepare_the_sites_database_does_not_record_in_time_is_refused(
-    site_a: LocalSite, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The site's PostgreSQL hangs (here: a lock holds ``txn_log``): the
-    client's commit is refused after the bound, not held for as long as
-    the database hangs; the standby's row is aborted at once, the local
-    row once its write gets through."""
-    from tests.fix_sites import until_a_lock_waits
-    from txn.local import _coordinator
-
-    monkeypatch.setattr(_coordinator, "PREPARE_BOUND_SECONDS", 0.5)
-    dsn = active_site(site_a)
-    ids = IdSource(18)
-    t1 = txn(ids, 1)
-    calls: list[tuple[str, str]] = []
-
-    async def scenario() -> None:
-        log, writer = await opened(dsn)
-        standby = RecordingStandby(set(), calls)
-        c = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, standby, standby)
-        c.configure(VpnSettings.from_args("v", "active", "sync"))
-        await c.markers.declare("v")
-        with psycopg.connect(dsn) as locker:
-            locker.execute("LOCK TABLE txn_log IN ACCESS EXCLUSIVE MODE")
-            started = time.monotonic()
-            with pytest.raises(TransactionRefused, match="did not record the prepare within 0.5 s"):
-                await c.prepare(t1)
-            assert time.monotonic() - started < 5
-            assert calls == [("outcome", t1.txid)]  # the standby aborts its row
-            await asyncio.to_thread(until_a_lock_waits, dsn, "the late prepare", lambda: True)
-            locker.commit()
-        for _ in range(100):
-            if states(dsn).get(t1.txid) == "aborted":
-                break
-            await asyncio.sleep(0.05)
-        await c.close()
-        await writer.close()
-        await log.close()
-
-    asyncio.run(scenario())
-    assert states(dsn) == {t1.txid: "aborted"}
-
-
-def test_a_decision_the_sites_database_does_not_record_in_time_ends_the_clients_wait(
-    site_a: LocalSite, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The broker committed, then the site's PostgreSQL hangs (here: a lock
-    holds the ledger): the client is told, after the bound, that the
-    outcome is unknown, not kept waiting as long as the database hangs; the
-    decision still commits once the database answers."""
-    from tests.fix_sites import until_a_lock_waits
-    from txn.local import _coordinator
-
-    monkeypatch.setattr(_coordinator, "DECISION_BOUND_SECONDS", 0.5)
-    dsn = active_site(site_a)
-    ids = IdSource(19)
-    t1 = txn(ids, 1)
-
-    async def scenario() -> None:
-        log, writer = await opened(dsn)
-        c = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url()), writer, NoStandby())
-        c.configure(VpnSettings.from_args("v", "active"))
-        await c.prepare(t1)
-        answered: asyncio.Future[BaseException | None] = asyncio.Future()
-        with psycopg.connect(dsn) as locker:
-            locker.execute("LOCK TABLE ledger IN ACCESS EXCLUSIVE MODE")
-            started = time.monotonic()
-            c.commit_soon(t1, answered.set_result)
-            error = await asyncio.wait_for(answered, 10)
-            assert isinstance(error, TransactionRefused)
-            assert "did not record the commit decision within 0.5 s" in str(error)
-            assert time.monotonic() - started < 5
-            await asyncio.to_thread(until_a_lock_waits, dsn, "the decision", lambda: True)
-            locker.commit()
-        await asyncio.wait_for(writer.wait_durable("v", 3), 10)
-        for _ in range(100):
-            if not c._live:
-                break
-            await asyncio.sleep(0.05)
-        assert not c._live  # its books closed once the decision was durable
-        await c.close()
-        await writer.close()
-        await log.close()
-
-    asyncio.run(scenario())
-    assert states(dsn) == {t1.txid: "committed"}
-
-
 class LateAnswer(RecordingStandby):
     """A standby that commits every transaction ahead, answering ``after``
     seconds after ``TxnCommit`` — once the active's ledger group is durable
@@ -781,43 +690,6 @@ def test_rows_of_transactions_over_on_both_sites_are_pruned_after_their_retentio
         "p-applied",
         "p-prepared",
     ]
-
-
-def test_the_prune_reaches_old_rows_through_an_index_not_a_scan_of_the_log(
-    site_a: LocalSite,
-) -> None:
-    """The sweep runs every few minutes against a log of every transaction
-    of the last hour: it must find the few rows past their retention
-    through an index on ``updated_at`` (schema 0015), not read the whole
-    table each time."""
-    dsn = active_site(site_a)
-    with psycopg.connect(dsn) as db:
-        db.execute(
-            "INSERT INTO txn_log (txid, vpn, side, state, events, updated_at)"
-            " SELECT 'r-' || n, 'v', 'coordinator', 'ended', '', now() - n * interval '100 ms'"
-            " FROM generate_series(1, 20000) AS n"
-        )
-        db.execute(
-            "INSERT INTO txn_log (txid, vpn, side, state, events, updated_at)"
-            " SELECT 'old-' || n, 'v', 'participant', 'committed', '', now() - interval '2 hours'"
-            " FROM generate_series(1, 20) AS n"
-        )
-        db.execute("ANALYZE txn_log")
-        plan = db.execute(
-            "EXPLAIN (FORMAT JSON) " + _PRUNE, (TXN_RETAIN_SECONDS, PRUNE_LIMIT)
-        ).fetchone()
-    assert plan is not None
-    scans = list(_scans_of_txn_log(plan[0][0]["Plan"]))
-    assert ("Seq Scan", None) not in scans, scans
-    assert any(index == "txn_log_prunable" for _, index in scans), scans
-
-    async def scenario() -> None:
-        log = TxnLog(dsn)
-        await log.open()
-        assert await log.prune(TXN_RETAIN_SECONDS) == 20
-        await log.close()
-
-    asyncio.run(scenario())
 
 
 def _scans_of_txn_log(node: dict[str, Any]) -> Iterator[tuple[str, str | None]]:

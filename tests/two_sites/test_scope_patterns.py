@@ -17,7 +17,7 @@ from alembic import command
 
 from plugin.devtools import LocalSite
 from plugin.topology import ReplicationScope, out_of_scope, scope_report
-from sql import _alembic_config, sqlalchemy_url
+from sql import alembic_config, sqlalchemy_url
 from tests import REPO
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
@@ -131,7 +131,7 @@ def _migrate(dsn: str, revision: str, *, down: bool = False) -> None:
     engine = sa.create_engine(sqlalchemy_url(dsn), poolclass=sa.pool.NullPool)
     try:
         with engine.begin() as conn:
-            cfg = _alembic_config()
+            cfg = alembic_config()
             cfg.attributes["connection"] = conn
             (command.downgrade if down else command.upgrade)(cfg, revision)
     finally:

@@ -31,13 +31,10 @@ from bridge import (
 from bridge.ledger import (
     LedgerWriter,
     apply_entries,
-    bytea_array,
     guarded_apply,
     run_guarded,
     run_guarded_async,
-    text_array,
 )
-from bridge.ledger._apply import _DELETE
 from bridge.standby import NotStandby, StandbyApplier, StandbyUnavailable
 from bridge.wire import CheckpointRow
 from plugin.devtools import LocalSite
@@ -161,31 +158,6 @@ def test_order_within_a_batch_is_kept_for_the_same_key(site_b: LocalSite) -> Non
     assert keys(dsn, "v") == {("q", 2, 4), ("q", 3, 7)}
     assert (result.inserted, result.unknown_acks) == (2, 3)
     assert state(dsn, "v")[3] == 3
-
-
-def test_acks_find_their_rows_by_primary_key_without_statistics(site_b: LocalSite) -> None:
-    """A queue whose consumers keep up is empty when autovacuum analyses it;
-    when a backlog builds up later, each ack must still be one primary-key
-    probe, not a read of the whole queue (what PostgreSQL chose while a
-    second index on ``(vpn, queue, ...)`` existed: 0.5-1 s per 500 acks of a
-    10,000-message queue)."""
-    dsn = site_b.pg.dsn()
-    prepare(dsn, v="standby")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("ANALYZE live_message")  # the statistics of an empty table
-        conn.autocommit = False
-        apply_entries(conn, "v", numbered([pub("v", n, "q") for n in range(1, 2001)]))
-        conn.commit()
-        ids = bytea_array([rid(n).value for n in range(1, 501)])
-        plan = conn.execute(
-            "EXPLAIN (FORMAT JSON) " + _DELETE, ("v", text_array(["q"] * 500), ids)
-        ).fetchone()
-    assert plan is not None
-    lookups = [index for node, index in _scans(plan[0][0]["Plan"]) if "Index" in node]
-    # one probe per acknowledged key, through the primary key only (the row
-    # removal itself may scan the table once per batch while the statistics
-    # say it is empty; autovacuum's next analysis ends that)
-    assert lookups == ["live_message_pkey"], lookups
 
 
 def _scans(node: dict[str, Any]) -> Iterator[tuple[str, str | None]]:
@@ -783,72 +755,6 @@ def test_a_checkpoint_supersedes_what_was_committed_early(site_b: LocalSite) -> 
         # the replay after the checkpoint brings the group: applied as usual
         assert applier.apply_batch("v", numbered([pub("v", 1, "q")])) == 1
     assert keys(dsn, "v") == {("q", 1, 1)}
-
-
-@pytest.mark.parametrize("gate", ["take-prepared", "skip-early"])
-def test_a_gate_waiting_on_a_promotion_reads_the_role_it_left(site_b: LocalSite, gate: str) -> None:
-    """The one-statement paths (a transaction committed early, the stream's
-    copy of one skipped) gate on the VPN being standby here. One that waits
-    for a promotion's locks must then see it active and decline: with only
-    the state row locked, PostgreSQL re-read that row after the wait but
-    kept the role of its first snapshot, 'standby'."""
-    import threading
-
-    from bridge.standby._applier import _SKIP_EARLY_BATCH, _TAKE_GUARD
-    from bridge.store import become_active, lock_for_promotion
-    from tests.fix_sites import until_a_lock_waits
-
-    dsn = site_b.pg.dsn()
-    prepare(dsn, v="standby")
-    if gate == "take-prepared":
-        sql = _TAKE_GUARD + "SELECT count(*) FROM gate"  # noqa: S608 - constant text
-        params: tuple[Any, ...] = ("v", 0, 0, 0, 0, 0, "t1", "v")
-    else:
-        sql = _SKIP_EARLY_BATCH.replace("RETURNING 1", "RETURNING applied_index")
-        params = ("v", 0, 1, [], 1, 1, "v")
-    passed: list[Any] = []
-    with psycopg.connect(dsn) as promoting:
-        assert lock_for_promotion(promoting, "v") is not None
-        become_active(promoting, "v", 2, 0)
-
-        def apply() -> None:
-            with psycopg.connect(dsn) as conn:
-                row = conn.execute(sql, params).fetchone()
-                passed.append(row[0] if row else 0)
-
-        waiter = threading.Thread(target=apply)
-        waiter.start()
-        until_a_lock_waits(dsn, "the gate")
-        promoting.commit()
-    waiter.join(10)
-    assert passed == [0], "the gate let an apply into a VPN already active"
-
-
-def test_a_gate_takes_the_config_row_before_the_state_row(site_b: LocalSite) -> None:
-    """A promotion locks the config row, then the state row; a gate that
-    took them the other way round would deadlock with it."""
-    import threading
-
-    from bridge.standby._applier import _TAKE_GUARD
-
-    dsn = site_b.pg.dsn()
-    prepare(dsn, v="standby")
-    done: list[Any] = []
-    with psycopg.connect(dsn) as promoting:
-        promoting.execute("SELECT FROM vpn_config WHERE name = 'v' FOR UPDATE")
-
-        def gate() -> None:
-            with psycopg.connect(dsn) as conn:
-                done.append(conn.execute(_TAKE_GUARD + "SELECT 1", ("v", 0, 0, 0, 0, 0, "t", "v")))
-
-        waiter = threading.Thread(target=gate)
-        waiter.start()
-        waiter.join(1.0)  # waiting on the config row, holding nothing
-        promoting.execute("SET lock_timeout = '5s'")
-        promoting.execute("SELECT FROM vpn_state WHERE vpn = 'v' FOR UPDATE")  # free
-        promoting.commit()
-    waiter.join(10)
-    assert done, "the gate did not finish once the promotion committed"
 
 
 def test_a_prepared_row_settles_in_the_transaction_that_applies_its_group(

@@ -22,7 +22,10 @@ ALLOWED = {
         "datetime.now",
     ): "when a reconciliation run finished, in its report",
     ("plugin/cli/_cli.py", "datetime.now"): "when a reconciliation run started, in its report",
-    ("plugin/tls/_certificates.py", "datetime.datetime.now"): "the validity of a certificate it makes",
+    (
+        "plugin/tls/_certificates.py",
+        "datetime.datetime.now",
+    ): "the validity of a certificate it makes",
 }
 
 WALL_CLOCK = {"time", "time_ns", "now", "utcnow", "today", "localtime", "gmtime", "ctime"}

@@ -39,11 +39,11 @@ from bridge import (
     SyncTimeoutPolicy,
     TopicFilter,
     TopologyChanged,
+    Unauthorised,
     UnexpectedFrame,
     UnknownVpn,
     VersionMismatch,
     VpnSettings,
-    _errors as codes,
     decode_event,
     encode_event,
 )
@@ -152,8 +152,8 @@ SAMPLES: list[Frame] = [
     Ack(VPN, 3, 0),
     Ack(VPN, 3, 2**64 - 1),
     Heartbeat(),
-    Error(codes.STALE_EPOCH, VPN, "epoch 2 is stale"),
-    Error(codes.BAD_FRAME, "", ""),
+    Error(StaleEpoch.code, VPN, "epoch 2 is stale"),
+    Error(BadFrame.code, "", ""),
     TxnPrepare(VPN, 3, "7.1.1.1", b"\x00\x00\x00\x01P"),
     TxnVote(VPN, 3, "7.1.1.1", True),
     TxnOutcome(VPN, 3, "7.1.1.1", False),
@@ -887,7 +887,7 @@ def test_a_standby_knowing_a_higher_epoch_fences_the_active() -> None:
     [refusal] = pair.at_standby()
     assert isinstance(refusal, Error)
     assert refusal == Error(
-        codes.STALE_EPOCH, VPN, "SyncAccepted carries epoch 3, but epoch 4 is known"
+        StaleEpoch.code, VPN, "SyncAccepted carries epoch 3, but epoch 4 is known"
     )
     assert not refusal.closes_connection
     assert isinstance(refusal.exception(), StaleEpoch)
@@ -905,7 +905,7 @@ def test_a_stale_frame_is_rejected_and_the_stream_abandoned() -> None:
     assert pair.standby.vpn_state(VPN) is VpnState.DRAINING
     pair.s(Error.from_exception(info.value))
     assert pair.at_active() == [
-        Error(codes.STALE_EPOCH, VPN, "Events carries epoch 2, but epoch 3 is known")
+        Error(StaleEpoch.code, VPN, "Events carries epoch 2, but epoch 3 is known")
     ]
     assert pair.states() == (VpnState.DRAINING, VpnState.DRAINING)
     with pytest.raises(LocalProtocolError):
@@ -944,7 +944,7 @@ def test_a_stale_sync_request_must_be_refused() -> None:
     assert pair.active.vpn_state(VPN) is VpnState.SYNC_REQUESTED
     with pytest.raises(LocalProtocolError, match="rejected request"):
         pair.active.send(SyncAccepted(VPN, 3, 1))
-    pair.active.send(Error(codes.STALE_EPOCH, VPN, "resend with epoch 3"))
+    pair.active.send(Error(StaleEpoch.code, VPN, "resend with epoch 3"))
     assert pair.active.vpn_state(VPN) is VpnState.LISTED
 
 
@@ -1007,9 +1007,9 @@ ILLEGAL_SENDS = [
     ("listed", "standby", SyncRequest("billing", 3, 0, 0), "not listed"),
     ("listed", "active", SyncAccepted(VPN, 3, 1), "in state listed"),
     ("listed", "active", batch(1, 1), "in state listed"),
-    ("listed", "active", Error(codes.PEER_FAILURE, VPN, "spontaneous"), "in state listed"),
+    ("listed", "active", Error(PeerFailure.code, VPN, "spontaneous"), "in state listed"),
     ("requested", "standby", SyncRequest(VPN, 3, 0, 0), "in state sync-requested"),
-    ("requested", "standby", Error(codes.PEER_FAILURE, VPN, "x"), "in state sync-requested"),
+    ("requested", "standby", Error(PeerFailure.code, VPN, "x"), "in state sync-requested"),
     ("requested", "standby", Ack(VPN, 3, 0), "in state sync-requested"),
     ("requested", "active", batch(1, 1), "in state sync-requested"),
     ("requested", "active", SyncFinished(VPN, 3, 0), "in state sync-requested"),
@@ -1019,7 +1019,7 @@ ILLEGAL_SENDS = [
     ("catching-up", "standby", batch(1, 1), "in state catching-up"),
     ("live", "active", SyncFinished(VPN, 3, 3), "in state live"),
     ("live", "active", Checkpoint(VPN, 3, 0, (), True), "in state live"),
-    ("live", "active", Error(codes.PEER_FAILURE, VPN, "ledger read failed"), "in state live"),
+    ("live", "active", Error(PeerFailure.code, VPN, "ledger read failed"), "in state live"),
     ("live", "standby", Ack(VPN, 3, 4), "outside 0..3"),
 ]
 
@@ -1057,7 +1057,7 @@ ILLEGAL_RECEIPTS = [
     ("catching-up", "standby", SyncFinished(VPN, 3, 7), UnexpectedFrame),
     ("catching-up", "standby", Ack(VPN, 3, 0), UnexpectedFrame),
     ("live", "active", Ack(VPN, 3, 9), UnexpectedFrame),
-    ("live", "standby", Error(codes.PEER_FAILURE, VPN, "spontaneous"), UnexpectedFrame),
+    ("live", "standby", Error(PeerFailure.code, VPN, "spontaneous"), UnexpectedFrame),
 ]
 
 
@@ -1160,10 +1160,10 @@ def test_error_text_is_truncated_to_fit() -> None:
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_connection_level_error_closes_both_ends(stage) -> None:
     pair = at_stage(stage)
-    pair.s(Error(codes.UNAUTHORISED, "", "certificate does not name ldn"))
+    pair.s(Error(Unauthorised.code, "", "certificate does not name ldn"))
     [frame] = pair.at_active()
     assert isinstance(frame, Error)
-    assert type(frame.exception()) is codes.Unauthorised
+    assert type(frame.exception()) is Unauthorised
     for conn in (pair.standby, pair.active):
         assert phase(conn) is Phase.CLOSED
         assert conn.next_event() is CLOSED
@@ -1173,7 +1173,7 @@ def test_a_connection_level_error_closes_both_ends(stage) -> None:
 
 def test_the_active_refuses_a_sync_request_with_a_vpn_error() -> None:
     pair = at_stage("requested")
-    pair.a(Error(codes.UNKNOWN_VPN, VPN, "replication disabled here"))
+    pair.a(Error(UnknownVpn.code, VPN, "replication disabled here"))
     [frame] = pair.at_standby()
     assert isinstance(frame, Error)
     assert isinstance(frame.exception(), UnknownVpn)
@@ -1185,10 +1185,10 @@ def test_the_active_refuses_a_sync_request_with_a_vpn_error() -> None:
 
 def test_the_standby_abandons_a_stream_and_resyncs_later() -> None:
     pair = at_stage("live")
-    pair.s(Error(codes.PEER_FAILURE, VPN, "apply failed"))
+    pair.s(Error(PeerFailure.code, VPN, "apply failed"))
     pair.a(batch(4, 5))  # in flight when the active sees the Error
     assert pair.at_standby() == []
-    assert pair.at_active() == [Error(codes.PEER_FAILURE, VPN, "apply failed")]
+    assert pair.at_active() == [Error(PeerFailure.code, VPN, "apply failed")]
     assert pair.states() == (VpnState.DRAINING, VpnState.DRAINING)
     pair.s(SyncRequest(VPN, 3, 5, 3))
     pair.at_active()

@@ -43,8 +43,8 @@ from packaging.utils import canonicalize_name
 
 from plugin.devtools import LocalSite, LocalSites
 from sql import head_revision
+from tests import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 PACKAGES = {"bridge", "plugin", "sql", "txn"}
 #: what the build must not see: the checkout's own build output, caches, VCS
 #: and virtualenv

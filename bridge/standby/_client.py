@@ -371,13 +371,15 @@ class BridgeClient:
             tasks = [heartbeats, relists, *(w.task for w in session.workers.values() if w.task)]
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for vpn in session.workers:
-                self._set_state(vpn, DISCONNECTED)
-            self._link = None
-            if session.established:  # the active may have been upgraded since
-                self.version = PROTOCOL_VERSION
-            await link.close()
+            try:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:  # a second cancellation here must not leave the link open
+                for vpn in session.workers:
+                    self._set_state(vpn, DISCONNECTED)
+                self._link = None
+                if session.established:  # the active may have been upgraded since
+                    self.version = PROTOCOL_VERSION
+                await link.close()
 
     async def _connect(self) -> Link:
         failure: LinkError | None = None
@@ -396,8 +398,17 @@ class BridgeClient:
         if why is not None:  # before this site says anything
             writer.transport.abort()
             raise Unauthorised(f"refused the active at {self.peer}: {why}")
-        epochs = await self._known_epochs()
-        conn = BridgeConnection(Role.STANDBY, self.site, known_epochs=epochs, version=self.version)
+        try:
+            epochs = await self._known_epochs()
+            conn = BridgeConnection(
+                Role.STANDBY, self.site, known_epochs=epochs, version=self.version
+            )
+        except BaseException:
+            # No Link owns the connection yet (its close() is the session's
+            # finally): a database error, or close() cancelling the session
+            # here, would leave it to the garbage collector.
+            writer.transport.abort()
+            raise
         return Link(conn, reader, writer, str(self.peer), self.heartbeat_timeout)
 
     async def _dial(self, address: HostPort) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

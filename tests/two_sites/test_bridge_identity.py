@@ -164,16 +164,17 @@ async def _raw_rogue(port: int, pki: Pki, cert: str, frames: bytes) -> bytes:
     ctx.load_verify_locations(pki.dir / "ca.crt")
     ctx.load_cert_chain(pki.dir / f"{cert}.crt", pki.dir / f"{cert}.key")
     reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx)
-    writer.write(frames)
-    await writer.drain()
     received = b""
     try:
+        writer.write(frames)
+        await writer.drain()  # raises if the active hung up already
         async with asyncio.timeout(10):
             while chunk := await reader.read(65536):
                 received += chunk
     except (ConnectionError, ssl.SSLError):
         pass
-    writer.close()
+    finally:
+        writer.close()
     return received
 
 

@@ -231,22 +231,29 @@ class Proxy:
         self.port = self.server.sockets[0].getsockname()[1]
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Both sides are aborted however this ends: asyncio.run() cancels a
+        # handler still dialling, or still piping a frozen pair.
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
         except OSError:
             writer.transport.abort()
             return
+        except BaseException:
+            writer.transport.abort()
+            raise
         self.pairs.append((writer, up_writer))
         flowing = asyncio.Event()
         flowing.set()
         self.flowing.append(flowing)
-        await asyncio.gather(
-            self._pipe(reader, up_writer, flowing),
-            self._pipe(up_reader, writer, flowing),
-            return_exceptions=True,
-        )
-        for w in (writer, up_writer):
-            w.transport.abort()
+        try:
+            await asyncio.gather(
+                self._pipe(reader, up_writer, flowing),
+                self._pipe(up_reader, writer, flowing),
+                return_exceptions=True,
+            )
+        finally:
+            for w in (writer, up_writer):
+                w.transport.abort()
 
     @staticmethod
     async def _pipe(
@@ -851,3 +858,60 @@ def test_a_plaintext_standby_is_refused_by_a_tls_active(
     run(scenario)
     assert applied(b_dsn) == -1
     assert all("; retrying in" in line for line in refused()[:2]), refused()
+
+
+class StallsAfterConnect(BridgeClient):
+    """A standby whose database fails (``fails``) or stalls right after its
+    TCP connect to the active, keeping every connection it dialled."""
+
+    def __init__(self, *args: Any, fails: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fails = fails
+        self.writers: list[asyncio.StreamWriter] = []
+        self.stalled = asyncio.Event()
+
+    async def _dial(self, address: HostPort) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await super()._dial(address)
+        self.writers.append(writer)
+        return reader, writer
+
+    async def _known_epochs(self) -> dict[str, int]:
+        if self.fails:
+            raise psycopg.OperationalError("the database went away")
+        self.stalled.set()
+        await asyncio.Event().wait()  # until close() cancels the session
+        raise AssertionError("not reached")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["cancelled", "database fails"])
+def test_a_dial_that_ends_before_the_link_is_made_closes_its_connection(
+    site_b: LocalSite, fails: bool
+) -> None:
+    """The standby is stopped (or its database fails) between the TCP
+    connect and the Hello: the connection is closed, not left to the
+    garbage collector (an "unclosed StreamWriter" ResourceWarning)."""
+    prepare(site_b)
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read()
+        finally:
+            writer.transport.abort()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(hold, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with standby(site_b, port, cls=StallsAfterConnect, fails=fails) as b:
+                assert isinstance(b, StallsAfterConnect)
+                if fails:
+                    await until(lambda: len(b.writers) >= 2, "two dials")
+                else:
+                    await asyncio.wait_for(b.stalled.wait(), 10)
+            assert b.sessions == 0 and b.writers
+            assert all(w.is_closing() for w in b.writers)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    run(scenario)

@@ -17,7 +17,7 @@ drops its bindings, as RabbitMQ does), so an object's final state is the
 one its last change gave it, and an object no change touched is as the
 listing had it.
 
-No I/O here: the store reads the rows (:mod:`bridge.store._vpnstore`), config-sync
+No I/O here: the store reads the rows (:mod:`bridge.store._topology`), config-sync
 imports the result (:mod:`bridge.broker._configsync`).
 """
 

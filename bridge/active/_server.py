@@ -52,7 +52,7 @@ from bridge.store import (
     SYNCING,
     BridgeStateWriter,
     Pool,
-    active_vpns_async,
+    active_vpns,
     open_pool,
     reset_states,
 )
@@ -580,7 +580,7 @@ class BridgeServer:
         assert self._pool is not None  # noqa: S101 - started
         try:
             async with self._pool.connection() as conn:
-                rows = await active_vpns_async(conn)
+                rows = await active_vpns().run_async(conn)
         except psycopg.OperationalError as e:
             raise LedgerError(f"the site database is unavailable: {describe_error(e)}") from e
         out = []

@@ -20,7 +20,7 @@ of the groups released by the timeout, above what the standby had
 acknowledged — to ``last``, the catch-up index (the highest of them).
 :meth:`expire` returns :class:`WindowOpened` when one opens and
 :meth:`acked` (or :meth:`release`) :class:`WindowClosed` when it closes;
-the owner records them (``bridge/store/_windows.py``). A gate told it is
+the owner records them (``bridge/store/_sync_window.py``). A gate told it is
 ``recording`` holds every confirm of a window — those the timeout released
 and those that :meth:`wait` while the window is open — until the owner
 reports the opening durable (:meth:`window_recorded`), so no confirm given

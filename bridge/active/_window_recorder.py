@@ -3,7 +3,7 @@
 The replication sink (:class:`~bridge.active._replicator.Replicator`) hands over
 what its sync gates report — a window opened, a window closed — and the
 ledger ranges of transactions confirmed without the standby; this writes
-them with :mod:`bridge.store._windows` on one connection of its own.
+them with :mod:`bridge.store._sync_window` on one connection of its own.
 
 Invariant: ``then()`` of a write runs only after its statement committed,
 and writes run one at a time in the order they were given, so a window is
@@ -31,10 +31,10 @@ import psycopg
 from bridge.ledger import describe_error, retry_log_level, retry_store
 from bridge.store import (
     SyncWindow,
-    add_window_async,
-    close_left_open_async,
-    close_window_async,
-    open_window_async,
+    add_window,
+    close_left_open,
+    close_window,
+    open_window,
 )
 
 __all__ = ["WindowRecorder"]
@@ -83,7 +83,7 @@ class WindowRecorder:
         """Close the windows a crash left open (the restart rule, before the
         node confirms anything) and start writing; the windows closed."""
         self._conn = await self._connect()
-        closed = await close_left_open_async(self._conn)
+        closed = await close_left_open().run_async(self._conn)
         for w in closed:
             log.warning(
                 "VPN %s: sync-ineligible window from index %d (epoch %d) was left open by a "
@@ -100,7 +100,7 @@ class WindowRecorder:
         """Record ``vpn``'s window from ``first``; ``then()`` once durable."""
 
         async def statement(conn: _AsyncConn) -> None:
-            await open_window_async(conn, vpn, first)
+            await open_window(vpn, first).run_async(conn)
 
         self._add(_Write(f"VPN {vpn}: opening of window {first}", statement, then))
 
@@ -108,7 +108,7 @@ class WindowRecorder:
         """End ``vpn``'s window from ``first`` at ``last`` (nothing waits)."""
 
         async def statement(conn: _AsyncConn) -> None:
-            await close_window_async(conn, vpn, first, last)
+            await close_window(vpn, first, last).run_async(conn)
 
         self._add(_Write(f"VPN {vpn}: end of window {first}..{last}", statement, None))
 
@@ -116,7 +116,7 @@ class WindowRecorder:
         """Record ``first``..``last`` as a closed window; ``then()`` once durable."""
 
         async def statement(conn: _AsyncConn) -> None:
-            await add_window_async(conn, vpn, first, last)
+            await add_window(vpn, first, last).run_async(conn)
 
         self._add(_Write(f"VPN {vpn}: window {first}..{last}", statement, then))
 

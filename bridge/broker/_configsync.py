@@ -405,7 +405,7 @@ def reimport(api: ManagementAPI, vpn: str, dsn: str) -> bool:
     when this site holds no definitions at all."""
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
-            stored = stored_topology(conn, vpn)
+            stored = stored_topology(vpn).run(conn)
     except psycopg.Error as e:
         text = e.diag.message_primary or (str(e).strip().splitlines() or [""])[0]
         raise ConfigSyncError(f"the stored definitions cannot be read: database: {text}") from e

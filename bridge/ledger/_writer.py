@@ -77,10 +77,10 @@ from psycopg.rows import tuple_row
 from bridge._entry import LedgerEntry, encode_event, entries_by_vpn
 from bridge._events import DeadLettered, Event, Published, TopologyChanged
 from bridge.store import (
-    active_ledgers_async,
-    advance_ledger_indexes_async,
-    ledger_start_async,
-    lock_ledger_indexes_async,
+    active_ledgers,
+    advance_ledger_indexes,
+    ledger_start,
+    lock_ledger_indexes,
 )
 
 from ._arrays import bytea_array, int8_array, text_array
@@ -308,7 +308,7 @@ class LedgerWriter:
         self._loop = asyncio.get_running_loop()
         try:
             self._conn = await self._connect()
-            starts = await active_ledgers_async(self._conn)
+            starts = await active_ledgers().run_async(self._conn)
             await add_live_rows(self._conn, [v.vpn for v in starts])
             for v in starts:
                 live = await self._applier.catch_up(self._conn, v.vpn, v.live_index, v.ledger_index)
@@ -370,7 +370,7 @@ class LedgerWriter:
                 raise LedgerClosed("entries of its earlier ledger did not complete", vpn)
             await self._durable_changed.wait()
         async with self.reader.connection() as conn:
-            found = await ledger_start_async(conn, vpn)
+            found = await ledger_start(vpn).run_async(conn)
             if found is None:
                 raise VpnNotOpen("not configured on this site", vpn)
             known = self._vpns.get(vpn)
@@ -707,7 +707,7 @@ class LedgerWriter:
         the decisions it holds are recorded, unless a lost-reply attempt
         recorded them already)."""
         async with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
-            stored = await lock_ledger_indexes_async(conn, by_vpn)
+            stored = await lock_ledger_indexes(by_vpn).run_async(conn)
             todo: dict[str, list[LedgerEntry]] = {}
             for vpn, items in by_vpn.items():
                 if vpn not in stored:
@@ -717,7 +717,7 @@ class LedgerWriter:
             if rows:
                 await cur.execute(_INSERT, _columns(rows))
                 advanced = {vpn: items[-1].index for vpn, items in todo.items() if items}
-                await advance_ledger_indexes_async(conn, advanced)
+                await advance_ledger_indexes(advanced).run_async(conn)
             if decided is not None:
                 await cur.execute(_DECIDE, decided)
 

@@ -156,7 +156,7 @@ def begin_promotion(conn: psycopg.Connection[Any], vpn: str, site: str) -> Promo
     """Make ``vpn`` active here with its epoch raised by one (or find the
     promotion an interrupted run began), in one transaction."""
     with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
-        found = lock_for_promotion(conn, vpn)
+        found = lock_for_promotion(vpn).run(conn)
         if found is None:
             raise RoleError(f"VPN {vpn!r} is not known on this site", vpn)
         epoch = found.epoch
@@ -164,7 +164,7 @@ def begin_promotion(conn: psycopg.Connection[Any], vpn: str, site: str) -> Promo
             raise RoleError(f"replication of VPN {vpn!r} is disabled on this site", vpn)
         if found.role is Role.ACTIVE:
             if found.promotion in ("running", "failed") and found.promotion_epoch == epoch:
-                ledger_index = stored_ledger_index(conn, vpn)
+                ledger_index = stored_ledger_index(vpn).run(conn)
                 return PromotionStart(vpn, epoch, True, 0, 0, ledger_index)
             if found.fenced:
                 raise RoleError(
@@ -176,12 +176,12 @@ def begin_promotion(conn: psycopg.Connection[Any], vpn: str, site: str) -> Promo
         new_epoch = epoch + 1
         applied = found.applied_index
         committed, early, ledger_index = _resolve_in_doubt(conn, vpn, new_epoch, applied)
-        become_active(conn, vpn, new_epoch, ledger_index)
+        become_active(vpn, new_epoch, ledger_index).run(conn)
         cur.execute(_LIVE_INDEX, (vpn, ledger_index))
         # a standby keeps no ledger; rows left from an earlier time as active
         # would collide with the indexes the new ledger hands out
         cur.execute("DELETE FROM ledger WHERE vpn = %s", (vpn,))
-        record_epoch(conn, vpn, new_epoch, site, applied)
+        record_epoch(vpn, new_epoch, site, applied).run(conn)
         cur.execute(_INCARNATIONS_PAST)
         cur.execute(_RUNNING, (vpn, new_epoch, committed + early))
         cur.execute("DELETE FROM promotion_queue WHERE vpn = %s", (vpn,))
@@ -318,7 +318,7 @@ def record_fenced(
     over at ``taken_over_at`` of this site's ledger): this site's active VPN
     is fenced. True when it was not fenced before."""
     with conn.transaction():
-        return fence_vpn(conn, vpn, epoch, site, taken_over_at)
+        return fence_vpn(vpn, epoch, site, taken_over_at).run(conn)
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,7 +364,7 @@ ORDER BY 2
 def _fenced_here(conn: psycopg.Connection[Any], vpn: str) -> tuple[int, int, int, int]:
     """(ledger index, live index, newest epoch, its takeover index) of a
     fenced former active, its rows locked; RoleError for anything else."""
-    found = lock_for_demotion(conn, vpn)
+    found = lock_for_demotion(vpn).run(conn)
     if found is None:
         raise RoleError(f"VPN {vpn!r} is not known on this site", vpn)
     if not found.enabled:
@@ -456,8 +456,8 @@ def demote_to_standby(conn: psycopg.Connection[Any], vpn: str) -> int:
     ledger index first, as a node's start would: the index goes to 0."""
     with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
         _, _, epoch, _ = _fenced_here(conn, vpn)
-        close_left_open(conn, vpn)
-        become_standby(conn, vpn, epoch)
+        close_left_open(vpn).run(conn)
+        become_standby(vpn, epoch).run(conn)
         cur.execute(_RETIRE_PREPARED, (vpn,))
         cur.execute("DELETE FROM xa_held WHERE vpn = %s", (vpn,))
         cur.execute("DELETE FROM ledger WHERE vpn = %s", (vpn,))

@@ -41,14 +41,14 @@ from bridge.store import (
     ConfigLock,
     FollowedSettings,
     Pool,
-    add_standby_vpn_async,
-    add_vpn_state_async,
-    fence_vpn_async,
-    follow_settings_async,
-    followed_settings_async,
-    keep_definitions_async,
-    lock_vpn_config_async,
-    raise_epoch_async,
+    add_standby_vpn,
+    add_vpn_state,
+    fence_vpn,
+    keep_definitions,
+    lock_vpn_config,
+    raise_epoch,
+    read_followed_settings,
+    save_followed_settings,
 )
 from bridge.wire import VpnResource
 
@@ -137,12 +137,11 @@ class VpnAdoption:
         returns why the VPN is not replicated from it (None: it is)."""
         vpn = resource.name
         async with self._pool.connection() as conn, conn.transaction():
-            found = await lock_vpn_config_async(conn, vpn)
+            found = await lock_vpn_config(vpn).run_async(conn)
             if found is None:
-                await add_standby_vpn_async(
-                    conn, vpn, resource.epoch, FollowedSettings.of(resource)
-                )
-                await add_vpn_state_async(conn, vpn)
+                listed = FollowedSettings.of(resource)
+                await add_standby_vpn(vpn, resource.epoch, listed).run_async(conn)
+                await add_vpn_state(vpn).run_async(conn)
                 log.info("bridge: VPN %s enabled here as standby (epoch %d)", vpn, resource.epoch)
                 await self._follow_active(conn, resource)
             else:
@@ -159,15 +158,15 @@ class VpnAdoption:
         so a promotion can import them again with the active gone."""
         vpn = resource.name
         listed = FollowedSettings.of(resource)
-        stored = await followed_settings_async(conn, vpn)
+        stored = await read_followed_settings(vpn).run_async(conn)
         changes = (stored or listed).changes(listed)
         if changes:
-            await follow_settings_async(conn, vpn, listed)
+            await save_followed_settings(vpn, listed).run_async(conn)
             log.info("bridge: VPN %s: settings follow the active: %s", vpn, ", ".join(changes))
         if resource.definitions_json:
-            superseded = await keep_definitions_async(
-                conn, vpn, resource.definitions_json, resource.definitions_index
-            )
+            superseded = await keep_definitions(
+                vpn, resource.definitions_json, resource.definitions_index
+            ).run_async(conn)
             if superseded and self._api is not None:
                 self._superseded.setdefault(vpn, []).extend(superseded)
 
@@ -183,7 +182,7 @@ class VpnAdoption:
             return await self._active_here(conn, resource, found.epoch, site)
         if not found.enabled:
             return "replication of it is disabled on this site"
-        await raise_epoch_async(conn, resource.name, resource.epoch)
+        await raise_epoch(resource.name, resource.epoch).run_async(conn)
         await self._follow_active(conn, resource)
         return None
 
@@ -195,7 +194,8 @@ class VpnAdoption:
         from the peer."""
         vpn = resource.name
         if resource.epoch > epoch:
-            fenced = await fence_vpn_async(conn, vpn, resource.epoch, site, resource.taken_over_at)
+            fence = fence_vpn(vpn, resource.epoch, site, resource.taken_over_at)
+            fenced = await fence.run_async(conn)
             if fenced and self._on_fenced is not None:
                 asyncio.get_running_loop().call_soon(self._on_fenced, vpn, resource.epoch, site)
             return (

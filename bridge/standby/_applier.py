@@ -380,7 +380,7 @@ class StandbyApplier:
             yield conn
 
     def _lock_state(self, conn: psycopg.Connection[Any], vpn: str) -> tuple[int, int]:
-        found = lock_applied(conn, vpn)
+        found = lock_applied(vpn).run(conn)
         if found is None:
             raise UnknownVpn("not enabled on this site", vpn)
         if found.role is not Role.STANDBY:
@@ -425,7 +425,7 @@ class StandbyApplier:
             if settled:
                 conn.execute(_APPLIED_DONE, (settled,))
             arrived, rowless = self._settle_groups(conn, vpn, rest)
-            set_applied(conn, vpn, fresh[-1].index, epoch)
+            set_applied(vpn, fresh[-1].index, epoch).run(conn)
         self._ended(arrived, rowless)
         for key in passed:
             early.pop(key, None)
@@ -614,7 +614,7 @@ class StandbyApplier:
                     held.add(live[1])
                     copy.write_row((vpn, *live))
             covered = self._covered(conn, vpn, held, index)
-            set_applied(conn, vpn, index, epoch)
+            set_applied(vpn, index, epoch).run(conn)
         self._early.pop(vpn, None)
         self._ended(covered)
 
@@ -666,7 +666,7 @@ class StandbyApplier:
 
     def applied_index(self, vpn: str) -> int:
         with self._transaction() as conn:
-            found = applied_position(conn, vpn)
+            found = applied_position(vpn).run(conn)
         if found is None:
             raise UnknownVpn("not enabled on this site", vpn)
         return found[0]

@@ -65,9 +65,9 @@ from bridge.store import (
     SYNCING,
     BridgeStateWriter,
     Pool,
-    applied_position_async,
-    epoch_taken_async,
-    known_epochs_async,
+    applied_position,
+    epoch_taken,
+    known_epochs,
     open_pool,
     reset_states,
 )
@@ -424,7 +424,7 @@ class BridgeClient:
     async def _known_epochs(self) -> dict[str, int]:
         assert self._pool is not None  # noqa: S101 - run() opened it
         async with self._pool.connection() as conn:
-            return await known_epochs_async(conn)
+            return await known_epochs().run_async(conn)
 
     async def _greet(self, link: Link) -> None:
         try:
@@ -659,13 +659,13 @@ class BridgeClient:
         assert self._pool is not None  # noqa: S101 - run() opened it
         vpn = worker.vpn
         async with self._pool.connection() as conn:
-            found = await applied_position_async(conn, vpn)
+            found = await applied_position(vpn).run_async(conn)
             applied, applied_epoch = found if found is not None else (0, 0)
             if applied == 0:
                 applied_epoch = 0
             epoch = max(session.link.conn.known_epoch(vpn), applied_epoch, 1)
             # who took the epoch and where: an active it fences records them
-            taken = await epoch_taken_async(conn, vpn, epoch)
+            taken = await epoch_taken(vpn, epoch).run_async(conn)
         by, at = taken if taken is not None else ("", 0)
         try:
             session.link.send(SyncRequest(vpn, epoch, applied, applied_epoch, by, at))

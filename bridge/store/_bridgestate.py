@@ -25,13 +25,8 @@ from psycopg_pool import AsyncConnectionPool
 from bridge._settings import Role
 from bridge.link import describe_error
 
-from ._vpnstore import (
-    fence_vpn_async,
-    mark_fenced_async,
-    reset_bridge_states_async,
-    set_applied_async,
-    set_bridge_state_async,
-)
+from ._vpn_role import fence_vpn
+from ._vpn_state import mark_fenced, reset_bridge_states, set_applied, set_bridge_state
 
 __all__ = [
     "CONNECTED",
@@ -71,7 +66,7 @@ async def reset_states(pool: Pool, role: Role) -> None:
     """A previous process may have died while connected: start from the truth."""
     try:
         async with pool.connection() as conn:
-            await reset_bridge_states_async(conn, role)
+            await reset_bridge_states(role).run_async(conn)
     except psycopg.Error as e:
         log.warning("bridge: cannot reset bridge_state (%s)", describe_error(e))
 
@@ -168,12 +163,12 @@ class BridgeStateWriter:
     ) -> None:
         async with self._pool.connection() as conn, conn.transaction():
             for vpn, state in states.items():
-                await set_bridge_state_async(conn, vpn, state)
+                await set_bridge_state(vpn, state).run_async(conn)
             for vpn, (index, epoch) in acks.items():
-                await set_applied_async(conn, vpn, index, epoch)
+                await set_applied(vpn, index, epoch).run_async(conn)
             for vpn, newer in fenced.items():
-                if newer is None or not await fence_vpn_async(conn, vpn, *newer):
-                    await mark_fenced_async(conn, vpn)
+                if newer is None or not await fence_vpn(vpn, *newer).run_async(conn):
+                    await mark_fenced(vpn).run_async(conn)
 
     async def close(self) -> None:
         if self._task is not None:

@@ -2,8 +2,9 @@
 (``vpn_config.definitions`` and ``definitions_index``) and the topology
 changes streamed after it (``topology_change``, written by the apply step).
 
-Like :mod:`bridge.store._vpnstore`, these functions run on the caller's
-connection and transaction and never commit. A listing older than the one
+Each function returns a script of statements (see
+:mod:`bridge.store._statement`: run blocking or on asyncio, on the caller's
+connection and transaction, never committing). A listing older than the one
 stored (a lower index) is not kept: it could only undo changes the stored
 one already shows.
 """
@@ -12,18 +13,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
-
-import psycopg
-from psycopg.rows import tuple_row
 
 from bridge._definitions import DefinitionsError, merge_definitions
 from bridge._entry import EventDecodeError, decode_event
 from bridge._events import TopologyChanged
 
-__all__ = ["StoredTopology", "keep_definitions_async", "stored_topology"]
+from ._statement import Result, Row, Statement, Steps, changed, script
 
-_AsyncConn = psycopg.AsyncConnection[Any]
+__all__ = ["StoredTopology", "keep_definitions", "stored_topology"]
 
 # kept when newer than (or as new as) the stored listing; the index is NULL
 # when the active did not say it (protocol 5), and such a listing replaces
@@ -70,7 +67,7 @@ class StoredTopology:
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _decode(vpn: str, rows: list[tuple[Any, ...]]) -> tuple[TopologyChanged, ...]:
+def _decode(vpn: str, rows: list[Row]) -> tuple[TopologyChanged, ...]:
     out = []
     for index, data in rows:
         try:
@@ -83,27 +80,31 @@ def _decode(vpn: str, rows: list[tuple[Any, ...]]) -> tuple[TopologyChanged, ...
     return tuple(out)
 
 
-async def keep_definitions_async(
-    conn: _AsyncConn, vpn: str, definitions: bytes, index: int | None
-) -> tuple[TopologyChanged, ...] | None:
+def _rows(result: Result) -> list[Row]:
+    return result.rows
+
+
+@script
+def keep_definitions(
+    vpn: str, definitions: bytes, index: int | None
+) -> Steps[tuple[TopologyChanged, ...] | None]:
     """Keep a listing the active read at ledger ``index`` and forget the
     changes it shows; returns those changes (in index order), or None when
     a newer listing is stored already (nothing changed)."""
     params = {"doc": definitions, "index": index, "vpn": vpn}
-    kept = await conn.execute(_KEEP, params)
-    if kept.rowcount == 0:
+    kept: int = yield changed(_KEEP, params)
+    if kept == 0:
         return None
-    async with conn.cursor(row_factory=tuple_row) as cur:
-        await cur.execute(_PRUNE, params)
-        rows = sorted(await cur.fetchall())
-    return _decode(vpn, rows)
+    pruned: list[Row] = yield Statement(_PRUNE, params, _rows)
+    return _decode(vpn, sorted(pruned))
 
 
-def stored_topology(conn: psycopg.Connection[Any], vpn: str) -> StoredTopology:
-    """The listing and the changes above its index (blocking: promotion)."""
-    with conn.cursor(row_factory=tuple_row) as cur:
-        row = cur.execute(_LISTING, (vpn,)).fetchone()
-        listing = bytes(row[0]) if row is not None and row[0] else None
-        index = int(row[1]) if row is not None and row[1] is not None else None
-        rows = cur.execute(_CHANGES, (vpn, index or 0)).fetchall()
+@script
+def stored_topology(vpn: str) -> Steps[StoredTopology]:
+    """The listing and the changes above its index (a promotion imports them)."""
+    found: list[Row] = yield Statement(_LISTING, (vpn,), _rows)
+    row = found[0] if found else None
+    listing = bytes(row[0]) if row is not None and row[0] else None
+    index = int(row[1]) if row is not None and row[1] is not None else None
+    rows: list[Row] = yield Statement(_CHANGES, (vpn, index or 0), _rows)
     return StoredTopology(vpn, listing, index, _decode(vpn, rows))

@@ -141,7 +141,7 @@ def _cmd_vpn_enable(cfg: SiteConfig, args: argparse.Namespace) -> int:
     settings = _enable_settings(args, VpnSettings.from_args(args.vpn, args.role))
     with connect(cfg.store_dsn) as conn:
         # an option left out keeps the VPN's stored value
-        stored = read_vpn_settings(conn, args.vpn)
+        stored = read_vpn_settings(args.vpn).run(conn)
         if stored is not None:
             settings = _enable_settings(args, stored)
         created = enable_vpn(conn, settings, cfg.site_name)

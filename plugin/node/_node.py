@@ -56,7 +56,7 @@ from bridge.ledger import LedgerBound, LedgerError, LedgerWriter
 from bridge.link import TlsSetupError, make_client_context, make_server_context
 from bridge.roles import TakeoverUnknown
 from bridge.standby import BridgeClient
-from bridge.store import enabled_vpns_async, ledger_progress_async, record_sync_eligible_async
+from bridge.store import enabled_vpns, ledger_progress, record_sync_eligible
 from plugin._config import SiteConfig, load_config
 from plugin._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
 from plugin.admin import SAMPLE_SECONDS, AdminCredentials, AdminServer, LagHistory, Metrics
@@ -226,7 +226,7 @@ class Node:
         async with await psycopg.AsyncConnection.connect(
             self.cfg.store_dsn, autocommit=True, connect_timeout=10
         ) as conn:
-            rows = await enabled_vpns_async(conn)
+            rows = await enabled_vpns().run_async(conn)
         out = []
         for r in rows:
             s = r.settings
@@ -631,7 +631,7 @@ class Node:
             async with await psycopg.AsyncConnection.connect(
                 self.cfg.store_dsn, autocommit=True, connect_timeout=10
             ) as conn:
-                found = await ledger_progress_async(conn, vpn)
+                found = await ledger_progress(vpn).run_async(conn)
             ledger, applied = found if found is not None else (0, -1)
             steady = steady + 1 if ledger == applied and not self.writer.pending else 0
             if steady >= 2:
@@ -855,7 +855,7 @@ class Node:
                     self.cfg.store_dsn, autocommit=True, connect_timeout=10
                 ) as conn:
                     for vpn, eligible in changed.items():
-                        await record_sync_eligible_async(conn, vpn, eligible)
+                        await record_sync_eligible(vpn, eligible).run_async(conn)
             except psycopg.Error as e:
                 log.warning("sync eligibility not recorded: %s", e)
                 continue

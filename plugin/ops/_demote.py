@@ -91,7 +91,7 @@ class DemotionSummary:
 
 def _settings(cfg: SiteConfig, vpn: str) -> tuple[VpnSettings, set[str]]:
     with connect(cfg.store_dsn) as conn:
-        settings = read_vpn_settings(conn, vpn)
+        settings = read_vpn_settings(vpn).run(conn)
         held = {
             r["queue"]
             for r in conn.execute(

@@ -142,7 +142,7 @@ def _claim(cfg: SiteConfig, vpn: str, ids: Iterable[bytes]) -> tuple[set[bytes],
     """Record ``ids`` as being sent; returns the ones this run sends, how
     many were sent before, and the ones an interrupted run left."""
     with connect(cfg.store_dsn) as conn:
-        found = role_state(conn, vpn)
+        found = role_state(vpn).run(conn)
         if found is None or found.role is not Role.ACTIVE or found.fenced:
             raise StateError(
                 f"VPN {vpn!r} is not active on this site: republish through the active site"

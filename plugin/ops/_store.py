@@ -57,21 +57,21 @@ def enable_vpn(conn: psycopg.Connection[dict[str, Any]], s: VpnSettings, site: s
     role is not changed here: a role change moves the fencing epoch and must go
     through ``promote``/``demote``.
     """
-    found = lock_vpn_config(conn, s.name)
+    found = lock_vpn_config(s.name).run(conn)
     if found is not None and found.enabled and found.role != s.role:
         raise StateError(
             f"VPN {s.name!r} is already enabled as {found.role.value}; "
             "use `vpnrepl promote` or `vpnrepl demote` to change its role"
         )
-    save_vpn_settings(conn, s)
-    add_vpn_state(conn, s.name)
-    record_first_epoch(conn, s.name, site)  # the epoch history starts with this site active
+    save_vpn_settings(s).run(conn)
+    add_vpn_state(s.name).run(conn)
+    record_first_epoch(s.name, site).run(conn)  # the epoch history starts with this site active
     return found is None or not found.enabled
 
 
 def disable_vpn(conn: psycopg.Connection[dict[str, Any]], name: str) -> None:
     """Stop replicating ``name``; its replicated state is kept for a later enable."""
-    if not disable_replication(conn, name):
+    if not disable_replication(name).run(conn):
         raise StateError(f"VPN {name!r} is not enabled for replication")
 
 
@@ -245,14 +245,14 @@ def status(
         _SPLIT_BRAIN,
         itemgetter("split_brain"),
     )
-    windows = windows_by_vpn(conn) if _has_table(conn, "sync_window") else {}
+    windows = windows_by_vpn().run(conn) if _has_table(conn, "sync_window") else {}
     epochs: dict[str, list[dict[str, Any]]] = {}
     for row in conn.execute("SELECT vpn, epoch, site, since FROM vpn_epoch ORDER BY vpn, epoch"):
         epochs.setdefault(row["vpn"], []).append(
             {"epoch": row["epoch"], "site": row["site"], "since": row["since"].isoformat()}
         )
     vpns = []
-    for r in vpn_status_rows(conn):
+    for r in vpn_status_rows().run(conn):
         lag = max(r.ledger_index - r.applied_index, 0) if r.role is Role.ACTIVE else 0
         vpns.append(
             {

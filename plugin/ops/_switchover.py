@@ -49,7 +49,7 @@ async def _no_node(progress: Progress) -> dict[str, Any]:
 
 def _standby_state(cfg: SiteConfig, vpn: str) -> tuple[str, str, int]:
     with connect(cfg.store_dsn) as conn:
-        found = role_state(conn, vpn)
+        found = role_state(vpn).run(conn)
     if found is None:
         raise StateError(f"VPN {vpn!r} is not enabled on this site")
     return found.role.value, found.bridge_state, found.applied_index

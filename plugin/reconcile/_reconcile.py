@@ -374,7 +374,7 @@ class Reconciler:
         deadline = time.monotonic() + CATCH_UP_SECONDS
         with psycopg.connect(self.peer_dsn, connect_timeout=10, autocommit=True) as conn:
             while True:
-                found = applied_position(conn, self.vpn)
+                found = applied_position(self.vpn).run(conn)
                 if found is not None and found[0] >= index:
                     return
                 if time.monotonic() > deadline:
@@ -389,7 +389,7 @@ class Reconciler:
 
     def _active_ledger_index(self) -> int:
         with psycopg.connect(self.cfg.store_dsn, connect_timeout=10) as conn:
-            return stored_ledger_index(conn, self.vpn)
+            return stored_ledger_index(self.vpn).run(conn)
 
     # -- 4. broker drift --------------------------------------------------------------
 

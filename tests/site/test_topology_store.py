@@ -13,7 +13,7 @@ import pytest
 
 from bridge import LedgerEntry, TopologyChanged, name_item, queue_item
 from bridge.ledger import apply_entries
-from bridge.store import keep_definitions_async, stored_topology
+from bridge.store import keep_definitions, stored_topology
 from plugin.devtools import LocalSite
 from sql import migrate
 from tests.site.test_vpnstore import enable, on_loop
@@ -47,7 +47,7 @@ def queues(doc: bytes | None) -> list[str]:
 
 def keep(dsn: str, listing: dict[str, Any], index: int | None) -> Any:
     async def work(conn: psycopg.AsyncConnection[Any]) -> Any:
-        return await keep_definitions_async(conn, VPN, json.dumps(listing).encode(), index)
+        return await keep_definitions(VPN, json.dumps(listing).encode(), index).run_async(conn)
 
     return on_loop(dsn, work)
 
@@ -55,10 +55,10 @@ def keep(dsn: str, listing: dict[str, Any], index: int | None) -> Any:
 def test_a_standby_keeps_changes_until_a_listing_after_them(dsn: str) -> None:
     enable(dsn, VPN, "standby")
     with psycopg.connect(dsn) as conn:
-        assert stored_topology(conn, VPN).merged() is None  # nothing yet
+        assert stored_topology(VPN).run(conn).merged() is None  # nothing yet
     apply(dsn, [(1, declare("q1")), (2, declare("q2")), (2, declare("q2"))])  # a replay
     with psycopg.connect(dsn) as conn:
-        stored = stored_topology(conn, VPN)
+        stored = stored_topology(VPN).run(conn)
     assert stored.listing is None and [c.op for c in stored.changes] == ["queue.declare"] * 2
     assert queues(stored.merged()) == ["q1", "q2"]
 
@@ -67,7 +67,7 @@ def test_a_standby_keeps_changes_until_a_listing_after_them(dsn: str) -> None:
     assert superseded == (declare("q1"),)
     apply(dsn, [(3, TopologyChanged(VPN, "queue.delete", name_item("q1")))])
     with psycopg.connect(dsn) as conn:
-        stored = stored_topology(conn, VPN)
+        stored = stored_topology(VPN).run(conn)
     assert stored.index == 1 and [c.op for c in stored.changes] == ["queue.declare", "queue.delete"]
     assert queues(stored.merged()) == ["q2"]
     assert json.loads(stored.merged() or b"")["users"] == []  # the rest of the listing stays
@@ -75,11 +75,11 @@ def test_a_standby_keeps_changes_until_a_listing_after_them(dsn: str) -> None:
     # an older listing (a slow answer) does not replace the newer one
     assert keep(dsn, {"queues": []}, 0) is None
     with psycopg.connect(dsn) as conn:
-        assert stored_topology(conn, VPN).index == 1
+        assert stored_topology(VPN).run(conn).index == 1
     # a listing of a protocol-5 active (no index) replaces it, and every change
     keep(dsn, {"queues": []}, None)
     with psycopg.connect(dsn) as conn:
-        stored = stored_topology(conn, VPN)
+        stored = stored_topology(VPN).run(conn)
     assert stored.index is None and stored.changes == () and queues(stored.merged()) == []
 
 
@@ -87,7 +87,7 @@ def test_the_active_does_not_keep_its_own_topology_changes(dsn: str) -> None:
     enable(dsn, VPN, "active")
     apply(dsn, [(1, declare("q1"))], keep=False)
     with psycopg.connect(dsn) as conn:
-        assert stored_topology(conn, VPN).changes == ()
+        assert stored_topology(VPN).run(conn).changes == ()
 
 
 def test_an_unreadable_stored_change_is_a_clear_error(dsn: str) -> None:
@@ -98,4 +98,4 @@ def test_an_unreadable_stored_change_is_a_clear_error(dsn: str) -> None:
             (VPN, b"T\x09"),
         )
     with psycopg.connect(dsn) as conn, pytest.raises(Exception, match="topology change 1"):
-        stored_topology(conn, VPN)
+        stored_topology(VPN).run(conn)

@@ -331,8 +331,8 @@ def test_a_prepare_waiting_for_a_promotion_votes_no(site_a: LocalSite) -> None:
         asyncio.run(scenario())
 
     with psycopg.connect(dsn) as promoting:
-        assert lock_for_promotion(promoting, "v") is not None
-        become_active(promoting, "v", 2, 0)
+        assert lock_for_promotion("v").run(promoting) is not None
+        become_active("v", 2, 0).run(promoting)
         waiter = threading.Thread(target=vote)
         waiter.start()
         until_a_lock_waits(dsn, f"the prepare (votes {votes})", waiter.is_alive)

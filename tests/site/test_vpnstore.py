@@ -1,6 +1,7 @@
-"""The statements on ``vpn_config`` / ``vpn_state`` (bridge/store/_vpnstore.py)
-against a real PostgreSQL: what each function reads and writes, and that
-it stays inside the caller's transaction."""
+"""The statements on ``vpn_config``, ``vpn_state`` and ``vpn_epoch``
+(bridge/store/_vpn_*.py) against a real PostgreSQL: what each reads and
+writes, run blocking and on asyncio, and that it stays inside the caller's
+transaction."""
 
 from __future__ import annotations
 
@@ -15,40 +16,35 @@ from bridge import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnSettings
 from bridge.store import (
     ConfigLock,
     FollowedSettings,
-    active_ledgers_async,
-    active_vpns_async,
-    add_standby_vpn_async,
+    active_ledgers,
+    active_vpns,
+    add_standby_vpn,
     add_vpn_state,
-    add_vpn_state_async,
-    advance_ledger_indexes_async,
+    advance_ledger_indexes,
     applied_position,
-    applied_position_async,
     become_active,
     disable_replication,
-    enabled_vpns_async,
+    enabled_vpns,
     fence_vpn,
-    fence_vpn_async,
-    follow_settings_async,
-    followed_settings_async,
-    known_epochs_async,
-    ledger_progress_async,
-    ledger_start_async,
+    known_epochs,
+    ledger_progress,
+    ledger_start,
     lock_applied,
     lock_for_promotion,
-    lock_ledger_indexes_async,
+    lock_ledger_indexes,
     lock_vpn_config,
-    lock_vpn_config_async,
-    mark_fenced_async,
-    raise_epoch_async,
+    mark_fenced,
+    raise_epoch,
+    read_followed_settings,
     read_vpn_settings,
     record_first_epoch,
-    record_sync_eligible_async,
-    reset_bridge_states_async,
+    record_sync_eligible,
+    reset_bridge_states,
     role_state,
+    save_followed_settings,
     save_vpn_settings,
     set_applied,
-    set_applied_async,
-    set_bridge_state_async,
+    set_bridge_state,
     vpn_status_rows,
 )
 from bridge.wire import VpnResource
@@ -67,9 +63,9 @@ def dsn(site_a: LocalSite) -> str:
 def enable(dsn: str, name: str, role: str, **options: Any) -> VpnSettings:
     settings = VpnSettings.from_args(name, role, **options)
     with psycopg.connect(dsn) as conn:
-        save_vpn_settings(conn, settings)
-        add_vpn_state(conn, settings.name)
-        record_first_epoch(conn, settings.name, "a")
+        save_vpn_settings(settings).run(conn)
+        add_vpn_state(settings.name).run(conn)
+        record_first_epoch(settings.name, "a").run(conn)
     return settings
 
 
@@ -110,34 +106,34 @@ def resource(name: str, epoch: int, **changes: Any) -> VpnResource:
 def test_settings_are_saved_locked_read_and_disabled(dsn: str) -> None:
     settings = enable(dsn, "orders", "active", mode="sync", queues=("q.*",), expose_id=True)
     with psycopg.connect(dsn) as conn:
-        assert lock_vpn_config(conn, "orders") == ConfigLock(Role.ACTIVE, True, 1)
-        assert lock_vpn_config(conn, "nowhere") is None
-        assert read_vpn_settings(conn, "orders") == settings
-        assert read_vpn_settings(conn, "nowhere") is None
-        found = role_state(conn, "orders")
+        assert lock_vpn_config("orders").run(conn) == ConfigLock(Role.ACTIVE, True, 1)
+        assert lock_vpn_config("nowhere").run(conn) is None
+        assert read_vpn_settings("orders").run(conn) == settings
+        assert read_vpn_settings("nowhere").run(conn) is None
+        found = role_state("orders").run(conn)
         assert found is not None
         assert (found.role, found.fenced) == (Role.ACTIVE, False)
         assert found.bridge_state == "disconnected"
     assert one(dsn, "SELECT epoch, site FROM vpn_epoch WHERE vpn = 'orders'") == (1, "a")
     with psycopg.connect(dsn) as conn:
-        assert disable_replication(conn, "orders")
-        assert not disable_replication(conn, "orders")
-        assert role_state(conn, "orders") is None  # only enabled VPNs have one
-        assert lock_vpn_config(conn, "orders") == ConfigLock(Role.ACTIVE, False, 1)
+        assert disable_replication("orders").run(conn)
+        assert not disable_replication("orders").run(conn)
+        assert role_state("orders").run(conn) is None  # only enabled VPNs have one
+        assert lock_vpn_config("orders").run(conn) == ConfigLock(Role.ACTIVE, False, 1)
     with psycopg.connect(dsn) as conn:
-        status = vpn_status_rows(conn)
+        status = vpn_status_rows().run(conn)
     assert status == []
 
 
 def test_the_functions_run_in_the_callers_transaction(dsn: str) -> None:
     enable(dsn, "orders", "active")
     with psycopg.connect(dsn) as conn:
-        disable_replication(conn, "orders")
-        set_applied(conn, "orders", 7, 2)
+        disable_replication("orders").run(conn)
+        set_applied("orders", 7, 2).run(conn)
         conn.rollback()
     assert one(dsn, "SELECT enabled FROM vpn_config WHERE name = 'orders'") == (True,)
     with psycopg.connect(dsn) as conn:
-        assert applied_position(conn, "orders") == (0, 0)
+        assert applied_position("orders").run(conn) == (0, 0)
 
 
 def test_status_rows_carry_progress_and_transactions(dsn: str) -> None:
@@ -145,13 +141,13 @@ def test_status_rows_carry_progress_and_transactions(dsn: str) -> None:
     enable(dsn, "audit", "standby")
     with psycopg.connect(dsn) as conn:
         conn.execute("UPDATE vpn_state SET ledger_index = 9 WHERE vpn = 'orders'")
-        set_applied(conn, "orders", 4, 1)
+        set_applied("orders", 4, 1).run(conn)
         conn.execute(
             "INSERT INTO txn_log (txid, vpn, side, state, events)"
             " VALUES ('t1', 'orders', 'coordinator', 'prepared', '')"
         )
     with psycopg.connect(dsn) as conn:
-        audit, orders = vpn_status_rows(conn)
+        audit, orders = vpn_status_rows().run(conn)
     assert (audit.name, audit.role, orders.name, orders.role) == (
         "audit",
         Role.STANDBY,
@@ -171,25 +167,26 @@ def test_a_listed_vpn_is_added_as_standby_and_follows_the_active(dsn: str) -> No
 
     async def adopt(conn: psycopg.AsyncConnection[Any]) -> None:
         async with conn.transaction():
-            assert await lock_vpn_config_async(conn, "orders") is None
-            await add_standby_vpn_async(conn, "orders", 3, FollowedSettings.of(listed))
-            await add_vpn_state_async(conn, "orders")
-            await add_vpn_state_async(conn, "orders")  # once only
-        assert await lock_vpn_config_async(conn, "orders") == ConfigLock(Role.STANDBY, True, 3)
-        assert await followed_settings_async(conn, "orders") == FollowedSettings.of(listed)
-        assert await followed_settings_async(conn, "nowhere") is None
+            assert await lock_vpn_config("orders").run_async(conn) is None
+            await add_standby_vpn("orders", 3, FollowedSettings.of(listed)).run_async(conn)
+            await add_vpn_state("orders").run_async(conn)
+            await add_vpn_state("orders").run_async(conn)  # once only
+        assert await lock_vpn_config("orders").run_async(conn) == ConfigLock(Role.STANDBY, True, 3)
+        assert await read_followed_settings("orders").run_async(conn) == FollowedSettings.of(listed)
+        assert await read_followed_settings("nowhere").run_async(conn) is None
 
     on_loop(dsn, adopt)
     changed = resource("orders", 4, mode=Mode.SYNC, queue_patterns=("billing",), expose_id=True)
 
     async def follow(conn: psycopg.AsyncConnection[Any]) -> list[str]:
-        stored = await followed_settings_async(conn, "orders")
+        stored = await read_followed_settings("orders").run_async(conn)
         assert stored is not None
         changes = stored.changes(FollowedSettings.of(changed))
-        await follow_settings_async(conn, "orders", FollowedSettings.of(changed))
-        assert await followed_settings_async(conn, "orders") == FollowedSettings.of(changed)
-        await raise_epoch_async(conn, "orders", 4)
-        await raise_epoch_async(conn, "orders", 2)  # an epoch never falls
+        following = FollowedSettings.of(changed)
+        await save_followed_settings("orders", following).run_async(conn)
+        assert await read_followed_settings("orders").run_async(conn) == following
+        await raise_epoch("orders", 4).run_async(conn)
+        await raise_epoch("orders", 2).run_async(conn)  # an epoch never falls
         return changes
 
     assert on_loop(dsn, follow) == [
@@ -198,7 +195,7 @@ def test_a_listed_vpn_is_added_as_standby_and_follows_the_active(dsn: str) -> No
         "expose_id False -> True",
     ]
     with psycopg.connect(dsn) as conn:
-        found = read_vpn_settings(conn, "orders")
+        found = read_vpn_settings("orders").run(conn)
     assert found is not None
     assert (found.role, found.mode, found.queue_patterns, found.expose_id) == (
         Role.STANDBY,
@@ -206,7 +203,7 @@ def test_a_listed_vpn_is_added_as_standby_and_follows_the_active(dsn: str) -> No
         ("billing",),
         True,
     )
-    assert on_loop(dsn, known_epochs_async) == {"orders": 4}
+    assert on_loop(dsn, known_epochs().run_async) == {"orders": 4}
 
 
 def test_the_bridge_records_its_progress_in_vpn_state(dsn: str) -> None:
@@ -216,15 +213,15 @@ def test_the_bridge_records_its_progress_in_vpn_state(dsn: str) -> None:
 
     async def record(conn: psycopg.AsyncConnection[Any]) -> None:
         async with conn.transaction():
-            await set_bridge_state_async(conn, "orders", "connected")
-            await set_bridge_state_async(conn, "mirror", "syncing")
-            await set_applied_async(conn, "orders", 12, 2)
-            await mark_fenced_async(conn, "audit")
-            await record_sync_eligible_async(conn, "orders", False)
-        assert await applied_position_async(conn, "orders") == (12, 2)
-        assert await applied_position_async(conn, "nowhere") is None
-        assert await ledger_progress_async(conn, "orders") == (0, 12)
-        assert await ledger_progress_async(conn, "nowhere") is None
+            await set_bridge_state("orders", "connected").run_async(conn)
+            await set_bridge_state("mirror", "syncing").run_async(conn)
+            await set_applied("orders", 12, 2).run_async(conn)
+            await mark_fenced("audit").run_async(conn)
+            await record_sync_eligible("orders", False).run_async(conn)
+        assert await applied_position("orders").run_async(conn) == (12, 2)
+        assert await applied_position("nowhere").run_async(conn) is None
+        assert await ledger_progress("orders").run_async(conn) == (0, 12)
+        assert await ledger_progress("nowhere").run_async(conn) is None
 
     on_loop(dsn, record)
     row = "SELECT bridge_state, fenced, sync_eligible, applied_at IS NOT NULL FROM vpn_state"
@@ -232,7 +229,7 @@ def test_the_bridge_records_its_progress_in_vpn_state(dsn: str) -> None:
     assert one(dsn, row + " WHERE vpn = 'audit'") == ("disconnected", True, True, False)
 
     async def reset(conn: psycopg.AsyncConnection[Any]) -> None:
-        await reset_bridge_states_async(conn, Role.ACTIVE)
+        await reset_bridge_states(Role.ACTIVE).run_async(conn)
 
     on_loop(dsn, reset)  # a restarting active: its links are all down
     assert one(dsn, row + " WHERE vpn = 'orders'")[0] == "disconnected"
@@ -247,15 +244,15 @@ def test_fencing_marks_an_active_vpn_once_and_records_the_epoch(dsn: str) -> Non
     async def fence(conn: psycopg.AsyncConnection[Any]) -> list[bool]:
         async with conn.transaction():
             return [
-                await fence_vpn_async(conn, "orders", 2, "b", 7),
-                await fence_vpn_async(conn, "orders", 2, "b", 7),
-                await fence_vpn_async(conn, "mirror", 2, "b"),  # not active here
-                await fence_vpn_async(conn, "audit", 1, "b"),  # not a higher epoch
+                await fence_vpn("orders", 2, "b", 7).run_async(conn),
+                await fence_vpn("orders", 2, "b", 7).run_async(conn),
+                await fence_vpn("mirror", 2, "b").run_async(conn),  # not active here
+                await fence_vpn("audit", 1, "b").run_async(conn),  # not a higher epoch
             ]
 
     assert on_loop(dsn, fence) == [True, False, False, False]
     with psycopg.connect(dsn) as conn:
-        assert fence_vpn(conn, "audit", 3, "c")
+        assert fence_vpn("audit", 3, "c").run(conn)
     assert one(dsn, "SELECT fenced FROM vpn_state WHERE vpn = 'orders'") == (True,)
     epochs = "SELECT site, taken_over_at FROM vpn_epoch WHERE vpn = %s AND epoch = %s"
     assert one(dsn, epochs, "orders", 2) == ("b", 7)
@@ -271,10 +268,10 @@ def test_a_fence_without_the_take_over_index_then_with_it_records_the_split_brai
     enable(dsn, "orders", "active")
     with psycopg.connect(dsn) as conn:
         conn.execute("UPDATE vpn_state SET ledger_index = 40 WHERE vpn = 'orders'")
-        assert fence_vpn(conn, "orders", 2, "b")  # no index: nothing claimed
+        assert fence_vpn("orders", 2, "b").run(conn)  # no index: nothing claimed
         assert one(dsn, "SELECT split_brain FROM vpn_state WHERE vpn = 'orders'") == (False,)
         conn.commit()
-        assert not fence_vpn(conn, "orders", 2, "b", 10)  # fenced already
+        assert not fence_vpn("orders", 2, "b", 10).run(conn)  # fenced already
     assert one(dsn, "SELECT fenced, split_brain FROM vpn_state WHERE vpn = 'orders'") == (
         True,
         True,
@@ -293,11 +290,11 @@ def test_the_active_listing_leaves_out_fenced_promoting_and_standby_vpns(dsn: st
         )
         conn.execute("UPDATE vpn_state SET fenced = true WHERE vpn = 'fenced'")
         conn.execute("INSERT INTO promotion (vpn, epoch, state) VALUES ('promoting', 1, 'running')")
-        disable_replication(conn, "disabled")
-    listed = on_loop(dsn, active_vpns_async)
+        disable_replication("disabled").run(conn)
+    listed = on_loop(dsn, active_vpns().run_async)
     assert [(v.settings, v.epoch, v.taken_over_at) for v in listed] == [(served, 2, 5)]
 
-    enabled = on_loop(dsn, enabled_vpns_async)
+    enabled = on_loop(dsn, enabled_vpns().run_async)
     assert [v.settings.name for v in enabled] == ["fenced", "mirror", "orders", "promoting"]
     by_name = {v.settings.name: v for v in enabled}
     assert by_name["fenced"].fenced and not by_name["orders"].fenced
@@ -317,19 +314,19 @@ def test_the_ledger_indexes_are_loaded_locked_and_advanced(dsn: str) -> None:
         conn.execute("INSERT INTO vpn_live_state (vpn, live_index) VALUES ('orders', 3)")
 
     async def ledger(conn: psycopg.AsyncConnection[Any]) -> None:
-        starts = await active_ledgers_async(conn)  # in no particular order
+        starts = await active_ledgers().run_async(conn)  # in no particular order
         assert sorted((s.vpn, s.epoch, s.ledger_index, s.live_index) for s in starts) == [
             ("audit", 1, 0, 0),
             ("orders", 1, 0, 3),
         ]
-        mirror = await ledger_start_async(conn, "mirror")  # any role
+        mirror = await ledger_start("mirror").run_async(conn)  # any role
         assert mirror is not None and mirror.ledger_index == 0
-        assert await ledger_start_async(conn, "nowhere") is None
+        assert await ledger_start("nowhere").run_async(conn) is None
         async with conn.transaction():
-            locked = await lock_ledger_indexes_async(conn, {"orders", "audit", "nowhere"})
+            locked = await lock_ledger_indexes({"orders", "audit", "nowhere"}).run_async(conn)
             assert locked == {"audit": 0, "orders": 0}
-            await advance_ledger_indexes_async(conn, {"orders": 10, "audit": 4})
-        orders = await ledger_start_async(conn, "orders")
+            await advance_ledger_indexes({"orders": 10, "audit": 4}).run_async(conn)
+        orders = await ledger_start("orders").run_async(conn)
         assert orders is not None and (orders.ledger_index, orders.live_index) == (10, 3)
 
     on_loop(dsn, ledger)
@@ -338,11 +335,11 @@ def test_the_ledger_indexes_are_loaded_locked_and_advanced(dsn: str) -> None:
 def test_a_standby_apply_locks_its_row_and_reads_its_role(dsn: str) -> None:
     enable(dsn, "mirror", "standby")
     with psycopg.connect(dsn) as conn:
-        set_applied(conn, "mirror", 5, 2)
-        found = lock_applied(conn, "mirror")
+        set_applied("mirror", 5, 2).run(conn)
+        found = lock_applied("mirror").run(conn)
         assert found is not None
         assert (found.applied_index, found.applied_epoch, found.role) == (5, 2, Role.STANDBY)
-        assert lock_applied(conn, "nowhere") is None
+        assert lock_applied("nowhere").run(conn) is None
 
 
 def test_a_standby_apply_waiting_on_a_promotion_reads_the_role_it_left(dsn: str) -> None:
@@ -355,12 +352,12 @@ def test_a_standby_apply_waiting_on_a_promotion_reads_the_role_it_left(dsn: str)
     enable(dsn, "mirror", "standby")
     found: list[Role] = []
     with psycopg.connect(dsn) as promoting:
-        assert lock_for_promotion(promoting, "mirror") is not None
-        become_active(promoting, "mirror", 2, 0)
+        assert lock_for_promotion("mirror").run(promoting) is not None
+        become_active("mirror", 2, 0).run(promoting)
 
         def apply() -> None:
             with psycopg.connect(dsn) as conn:
-                lock = lock_applied(conn, "mirror")
+                lock = lock_applied("mirror").run(conn)
                 assert lock is not None
                 found.append(lock.role)
 

@@ -1,4 +1,4 @@
-"""Sync-ineligible windows in a real PostgreSQL (bridge/store/_windows.py,
+"""Sync-ineligible windows in a real PostgreSQL (bridge/store/_sync_window.py,
 bridge/active/_window_recorder.py): the statements, the restart rule, the
 recorder's order and retries, who may read the table, and the sink
 holding a window's confirms until its opening is durable."""
@@ -17,10 +17,10 @@ from bridge.active import Replicator, WindowRecorder
 from bridge.ledger import LedgerWriter
 from bridge.store import (
     add_vpn_state,
-    add_window_async,
+    add_window,
     close_left_open,
-    close_window_async,
-    open_window_async,
+    close_window,
+    open_window,
     record_first_epoch,
     save_vpn_settings,
     windows_by_vpn,
@@ -50,9 +50,9 @@ def dsn(site_a: LocalSite) -> str:
 def enable(dsn: str, name: str) -> None:
     settings = VpnSettings.from_args(name, "active", "sync")
     with psycopg.connect(dsn) as conn:
-        save_vpn_settings(conn, settings)
-        add_vpn_state(conn, name)
-        record_first_epoch(conn, name, "a")
+        save_vpn_settings(settings).run(conn)
+        add_vpn_state(name).run(conn)
+        record_first_epoch(name, "a").run(conn)
 
 
 def on_loop(dsn: str, work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[Any]]) -> Any:
@@ -79,19 +79,19 @@ def set_ledger_index(dsn: str, vpn: str, index: int) -> None:
 
 def test_windows_are_opened_closed_added_and_listed_newest_first(dsn: str) -> None:
     async def work(conn: psycopg.AsyncConnection[Any]) -> None:
-        await open_window_async(conn, "orders", 5)
-        await open_window_async(conn, "orders", 5)  # a retry after a lost reply: one row
-        await close_window_async(conn, "orders", 5, 9)
-        await close_window_async(conn, "orders", 5, 12)  # closed already: kept as it was
-        await add_window_async(conn, "orders", 20, 22)  # a degraded transaction's group
-        await add_window_async(conn, "orders", 20, 22)
+        await open_window("orders", 5).run_async(conn)
+        await open_window("orders", 5).run_async(conn)  # a retry after a lost reply: one row
+        await close_window("orders", 5, 9).run_async(conn)
+        await close_window("orders", 5, 12).run_async(conn)  # closed already: kept as it was
+        await add_window("orders", 20, 22).run_async(conn)  # a degraded transaction's group
+        await add_window("orders", 20, 22).run_async(conn)
         for first in range(30, 42):
-            await add_window_async(conn, "billing", first, first)
+            await add_window("billing", first, first).run_async(conn)
 
     on_loop(dsn, work)
     assert rows(dsn) == [(1, 5, 9, True), (1, 20, 22, True)]
     with psycopg.connect(dsn) as conn:
-        found = windows_by_vpn(conn)
+        found = windows_by_vpn().run(conn)
         with pytest.raises(psycopg.errors.CheckViolation):
             conn.execute(
                 "INSERT INTO sync_window (vpn, epoch, first_index, last_index, closed_at)"
@@ -111,9 +111,9 @@ def test_a_window_a_crash_left_open_is_closed_at_the_ledger_index_by_the_next_st
 ) -> None:
     """Nothing is confirmed past the durable ledger index (the index is
     written with the entries), so an open window ends there at most."""
-    on_loop(dsn, lambda conn: open_window_async(conn, "orders", 40))
-    on_loop(dsn, lambda conn: add_window_async(conn, "orders", 10, 12))  # closed: untouched
-    on_loop(dsn, lambda conn: open_window_async(conn, "billing", 3))
+    on_loop(dsn, lambda conn: open_window("orders", 40).run_async(conn))
+    on_loop(dsn, lambda conn: add_window("orders", 10, 12).run_async(conn))  # closed: untouched
+    on_loop(dsn, lambda conn: open_window("billing", 3).run_async(conn))
     set_ledger_index(dsn, "orders", 57)
     set_ledger_index(dsn, "billing", 8)
     with psycopg.connect(dsn) as conn:
@@ -136,11 +136,11 @@ def test_a_window_a_crash_left_open_is_closed_at_the_ledger_index_by_the_next_st
 def test_a_demotion_closes_the_vpns_open_window_before_its_ledger_index_is_reset(
     dsn: str,
 ) -> None:
-    on_loop(dsn, lambda conn: open_window_async(conn, "orders", 40))
-    on_loop(dsn, lambda conn: open_window_async(conn, "billing", 3))
+    on_loop(dsn, lambda conn: open_window("orders", 40).run_async(conn))
+    on_loop(dsn, lambda conn: open_window("billing", 3).run_async(conn))
     set_ledger_index(dsn, "orders", 44)
     with psycopg.connect(dsn) as conn:
-        closed = close_left_open(conn, "orders")
+        closed = close_left_open("orders").run(conn)
     assert [(w.vpn, w.first, w.last) for w in closed] == [("orders", 40, 44)]
     assert rows(dsn, "billing") == [(1, 3, None, False)]  # another VPN's: still open
 

@@ -99,7 +99,7 @@ def tree_copy(tmp_path: Path) -> Path:
             "reaches plugin.devtools",
         ),
         (
-            "bridge/store/_vpnstore.py",
+            "bridge/store/_vpn_state.py",
             "from bridge.ledger import LedgerWriter",
             "import downward only",
         ),

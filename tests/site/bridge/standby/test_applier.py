@@ -34,8 +34,8 @@ def test_a_gate_waiting_on_a_promotion_reads_the_role_it_left(site_b: LocalSite,
         params = ("v", 0, 1, [], 1, 1, "v")
     passed: list[Any] = []
     with psycopg.connect(dsn) as promoting:
-        assert lock_for_promotion(promoting, "v") is not None
-        become_active(promoting, "v", 2, 0)
+        assert lock_for_promotion("v").run(promoting) is not None
+        become_active("v", 2, 0).run(promoting)
 
         def apply() -> None:
             with psycopg.connect(dsn) as conn:

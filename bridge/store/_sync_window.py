@@ -3,9 +3,10 @@
 A window is a range of an active VPN's ledger indexes that this site
 confirmed without its standby's acknowledgement (``sql/versions/0016``):
 opened before the first such confirm goes out, closed at the highest one.
-Like :mod:`bridge.store._vpnstore`, every function runs on the caller's
-connection and transaction and never commits; each statement is
-idempotent, so a writer that lost a reply runs it again.
+Each function returns its statement (see :mod:`bridge.store._statement`:
+run blocking or on asyncio, on the caller's connection and transaction,
+never committing); each statement is idempotent, so a writer that lost a
+reply runs it again.
 
 Windows carry the epoch ``vpn_config`` holds when they are written: the
 epoch the VPN's ledger entries are written with (the ledger writer reads
@@ -19,23 +20,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import psycopg
-from psycopg.rows import tuple_row
+from ._statement import Result, Row, Statement, fetch_all, write
 
 __all__ = [
     "NEWEST_WINDOWS",
     "SyncWindow",
     "WindowCount",
-    "add_window_async",
+    "add_window",
     "close_left_open",
-    "close_left_open_async",
-    "close_window_async",
-    "open_window_async",
+    "close_window",
+    "open_window",
     "windows_by_vpn",
 ]
-
-_Conn = psycopg.Connection[Any]
-_AsyncConn = psycopg.AsyncConnection[Any]
 
 #: how many windows per VPN the status document lists
 NEWEST_WINDOWS = 10
@@ -108,52 +104,46 @@ class WindowCount:
     newest: tuple[SyncWindow, ...]
 
 
-def _window(row: tuple[Any, ...]) -> SyncWindow:
+def _window(row: Row) -> SyncWindow:
     vpn, epoch, first, last, opened_at, closed_at = row[:6]
     return SyncWindow(
         vpn, int(epoch), int(first), None if last is None else int(last), opened_at, closed_at
     )
 
 
-async def open_window_async(conn: _AsyncConn, vpn: str, first: int) -> None:
+def open_window(vpn: str, first: int) -> Statement[None]:
     """Record that ``vpn`` confirms without the standby from ``first`` on."""
-    await conn.execute(_OPEN, {"vpn": vpn, "first": first})
+    return write(_OPEN, {"vpn": vpn, "first": first})
 
 
-async def close_window_async(conn: _AsyncConn, vpn: str, first: int, last: int) -> None:
+def close_window(vpn: str, first: int, last: int) -> Statement[None]:
     """End ``vpn``'s open window from ``first`` at ``last`` (a window already
     closed is left as it is)."""
-    await conn.execute(_CLOSE, {"vpn": vpn, "first": first, "last": last})
+    return write(_CLOSE, {"vpn": vpn, "first": first, "last": last})
 
 
-async def add_window_async(conn: _AsyncConn, vpn: str, first: int, last: int) -> None:
+def add_window(vpn: str, first: int, last: int) -> Statement[None]:
     """Record ``first``..``last`` as confirmed without the standby at once
     (a degraded transaction's group)."""
-    await conn.execute(_ADD, {"vpn": vpn, "first": first, "last": last})
+    return write(_ADD, {"vpn": vpn, "first": first, "last": last})
 
 
-async def close_left_open_async(conn: _AsyncConn) -> list[SyncWindow]:
-    """Close every window left open at the VPN's ledger index (the node's
-    start, before it confirms anything); the windows closed."""
-    async with conn.cursor(row_factory=tuple_row) as cur:
-        await cur.execute(_CLOSE_LEFT_OPEN, {"vpn": None})
-        return [_window(row) for row in await cur.fetchall()]
+def close_left_open(vpn: str | None = None) -> Statement[list[SyncWindow]]:
+    """Close every window left open at the VPN's ledger index, or ``vpn``'s
+    alone; the windows closed. Every VPN's at the node's start, before it
+    confirms anything; a demotion's VPN before its ledger index is reset."""
+    return fetch_all(_CLOSE_LEFT_OPEN, {"vpn": vpn}, _window)
 
 
-def close_left_open(conn: _Conn, vpn: str) -> list[SyncWindow]:
-    """:func:`close_left_open_async` for ``vpn`` alone (a demotion, before
-    its ledger index is reset)."""
-    with conn.cursor(row_factory=tuple_row) as cur:
-        cur.execute(_CLOSE_LEFT_OPEN, {"vpn": vpn})
-        return [_window(row) for row in cur.fetchall()]
-
-
-def windows_by_vpn(conn: _Conn, newest: int = NEWEST_WINDOWS) -> dict[str, WindowCount]:
+def windows_by_vpn(newest: int = NEWEST_WINDOWS) -> Statement[dict[str, WindowCount]]:
     """Per VPN with windows: their number and the ``newest`` of them, the
     latest first (by epoch, then first index)."""
+    return Statement(_NEWEST, (newest,), _count_windows)
+
+
+def _count_windows(result: Result) -> dict[str, WindowCount]:
     out: dict[str, tuple[int, list[SyncWindow]]] = {}
-    with conn.cursor(row_factory=tuple_row) as cur:
-        for row in cur.execute(_NEWEST, (newest,)):
-            total, windows = out.setdefault(row[0], (int(row[6]), []))
-            windows.append(_window(row))
+    for row in result.rows:
+        total, windows = out.setdefault(row[0], (int(row[6]), []))
+        windows.append(_window(row))
     return {vpn: WindowCount(total, tuple(windows)) for vpn, (total, windows) in out.items()}

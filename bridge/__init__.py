@@ -3,7 +3,7 @@
 The bottom layer (``plugin`` → ``txn`` → ``bridge``): it imports nothing of
 ours. This package's own names are the vocabulary, without I/O: VPN
 settings, roles and modes; replication ids and events; the ledger entry
-and its encoding; a VPN's definitions items; what full-sync compares; the bridge's
+and its encoding; a VPN's definitions items; what reconcile compares; the bridge's
 errors; the crash
 failpoints. Importing it loads neither asyncio, sockets nor psycopg.
 
@@ -64,7 +64,17 @@ from ._events import (
     xid_of_txid,
 )
 from ._failpoints import FAILPOINTS, UnknownFailpoint, armed, failpoint
-from ._fullsync import (
+from ._ids import (
+    COUNTER_LIMIT,
+    INCARNATION_LIMIT,
+    RENEW_MARGIN,
+    REPLICATION_HEADER,
+    IdsExhausted,
+    IdSource,
+    ReplicationId,
+    id_in_header,
+)
+from ._reconcile import (
     DIFFERS,
     EXTRA_ON_STANDBY,
     KINDS,
@@ -82,16 +92,6 @@ from ._fullsync import (
     segment_rows_query,
     segment_sql,
     touched,
-)
-from ._ids import (
-    COUNTER_LIMIT,
-    INCARNATION_LIMIT,
-    RENEW_MARGIN,
-    REPLICATION_HEADER,
-    IdsExhausted,
-    IdSource,
-    ReplicationId,
-    id_in_header,
 )
 from ._settings import (
     DEFAULT_SYNC_TIMEOUT_MS,

@@ -1,6 +1,6 @@
 """The active site's end of the bridge.
 
-The bridge server every standby dials (:class:`BridgeServer`), each
+The bridge server every standby dials (:class:`ActiveBridge`), each
 VPN's stream to a standby (replay, checkpoint, live), the replication sink
 the listener's events go to (:class:`Replicator`) with its sync gates and
 the sync-ineligible windows it records, and the transaction link's active
@@ -9,13 +9,13 @@ end (:class:`ActiveTxnLink`).
 
 from __future__ import annotations
 
+from ._bridge import ActiveBridge
 from ._replicator import Replicator, commit_in_task
-from ._server import BridgeServer
 from ._syncgate import HOLD_BOUND, SyncGate, WindowClosed, WindowOpened
 from ._window_recorder import WindowRecorder
 
 __all__ = [
-    "BridgeServer",
+    "ActiveBridge",
     "HOLD_BOUND",
     "Replicator",
     "SyncGate",

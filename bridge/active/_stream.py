@@ -6,7 +6,7 @@ the live feed. Why:
 
 * The replay starts right after the standby's last *applied* index when
   the standby's entry there is in the retained ledger with the same epoch
-  (:meth:`OutboundStream.follows`); otherwise a checkpoint comes first: the
+  (:meth:`ActiveStream.follows`); otherwise a checkpoint comes first: the
   active's ``live_message`` rows read in one ``REPEATABLE READ`` snapshot
   together with the ``vpn_live_state.live_index`` they reflect (the ledger
   writer updates both in one transaction), and the replay continues from
@@ -24,7 +24,7 @@ the live feed. Why:
   commit. Entries before the group go at once.
 
 A live feed that falls behind by more than the server's limit drops the
-standby instead of growing memory (:class:`StandbyPeer`); it reconnects and
+standby instead of growing memory (:class:`ConnectedStandby`); it reconnects and
 resyncs from its applied index.
 """
 
@@ -60,9 +60,9 @@ from bridge.wire import (
 
 __all__ = [
     "ANSWER_WAIT",
-    "OutboundStream",
+    "ActiveStream",
     "RepairSent",
-    "StandbyPeer",
+    "ConnectedStandby",
     "StreamLimits",
 ]
 
@@ -113,7 +113,7 @@ class StreamLimits:
 
 
 @dataclass(eq=False)
-class OutboundStream:
+class ActiveStream:
     """One VPN's stream to one standby, on the active."""
 
     vpn: str
@@ -128,7 +128,7 @@ class OutboundStream:
     #: first index of a group the standby was asked to commit early -> its
     #: answer (TxnApplied); the group's copy is held until then
     answers: dict[int, asyncio.Future[bool]] = field(default_factory=dict)
-    #: full-sync repairs to send when no live entry waits (module docstring)
+    #: reconcile repairs to send when no live entry waits (module docstring)
     repairs: deque[RepairJob] = field(default_factory=deque)
 
     def repair(self, keys: Sequence[LiveKey]) -> asyncio.Future[RepairSent]:
@@ -349,7 +349,7 @@ class OutboundStream:
             if not job.done.done():
                 job.done.set_exception(BridgeError(f"repair not sent: {why}", self.vpn))
 
-    # -- full-sync repairs -----------------------------------------------------
+    # -- reconcile repairs -----------------------------------------------------
 
     async def _send_repair(
         self, link: Link, pool: Pool, limits: StreamLimits, job: RepairJob
@@ -382,7 +382,7 @@ class OutboundStream:
                 job.done.set_exception(BridgeError(f"repair not sent: {e}", self.vpn))
             raise
         log.info(
-            "bridge: VPN %s: full-sync repair sent to %s: %d rows, %d absent; %d keys "
+            "bridge: VPN %s: reconcile repair sent to %s: %d rows, %d absent; %d keys "
             "left to the stream (changed by it meanwhile)",
             self.vpn,
             link.peer,
@@ -445,11 +445,11 @@ async def _live_index(conn: psycopg.AsyncConnection[Any], vpn: str) -> int:
 
 
 @dataclass(eq=False)
-class StandbyPeer:
+class ConnectedStandby:
     """One connected standby, as the active sees it."""
 
     link: Link
-    streams: dict[str, OutboundStream] = field(default_factory=dict)
+    streams: dict[str, ActiveStream] = field(default_factory=dict)
     epochs: dict[str, int] = field(default_factory=dict)  # listed epoch per VPN
     failure: BaseException | None = None
     #: the names its verified certificate carries (None: no certificate)
@@ -467,7 +467,7 @@ class StandbyPeer:
         reason = exc if isinstance(exc, BridgeError) else PeerFailure(describe_error(exc))
         self.link.fail(reason)
 
-    def stream_live(self, vpn: str) -> OutboundStream | None:
+    def stream_live(self, vpn: str) -> ActiveStream | None:
         """The VPN's stream to this standby if it is in the live phase."""
         out = self.streams.get(vpn)
         return out if out is not None and out.live else None

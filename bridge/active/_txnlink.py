@@ -16,7 +16,7 @@ from typing import Protocol
 from bridge._tasks import BackgroundTasks
 from bridge.wire import TxnApplied, TxnCommit, TxnOutcome, TxnPrepare, TxnQuery, TxnVote
 
-from ._stream import StandbyPeer
+from ._stream import ConnectedStandby
 
 __all__ = ["ActiveTxnLink", "TxnOutcomes"]
 
@@ -38,7 +38,7 @@ class ActiveTxnLink:
     ``standby_of(vpn)`` is the connected standby that the VPN is listed to
     (None: none is); the server owns the connections."""
 
-    def __init__(self, standby_of: Callable[[str], StandbyPeer | None]) -> None:
+    def __init__(self, standby_of: Callable[[str], ConnectedStandby | None]) -> None:
         self._standby_of = standby_of
         #: answers standbys' questions about transactions (set by the node)
         self.coordinator: TxnOutcomes | None = None
@@ -110,7 +110,7 @@ class ActiveTxnLink:
         if peer is not None:
             peer.link.try_send(TxnOutcome(vpn, peer.epochs[vpn], txid, commit))
 
-    def received(self, peer: StandbyPeer, frame: TxnVote | TxnApplied | TxnQuery) -> None:
+    def received(self, peer: ConnectedStandby, frame: TxnVote | TxnApplied | TxnQuery) -> None:
         """A vote, an answer to an early commit, or a question from ``peer``."""
         if isinstance(frame, TxnVote):
             vote = self._votes.pop(frame.txid, None)
@@ -127,7 +127,7 @@ class ActiveTxnLink:
         else:
             self._tasks.spawn(self._answer(peer, frame))
 
-    async def _answer(self, peer: StandbyPeer, query: TxnQuery) -> None:
+    async def _answer(self, peer: ConnectedStandby, query: TxnQuery) -> None:
         if self.coordinator is None:
             return
         outcomes = await self.coordinator.outcomes_for(query.txids)
@@ -138,7 +138,7 @@ class ActiveTxnLink:
             if commit is not None:  # in flight here: its outcome follows when decided
                 peer.link.try_send(TxnOutcome(query.vpn, epoch, txid, commit))
 
-    def gone(self, peer: StandbyPeer) -> None:
+    def gone(self, peer: ConnectedStandby) -> None:
         """``peer`` is gone: its early commits will not be answered."""
         for out in peer.streams.values():
             out.unanswered()

@@ -1,7 +1,7 @@
 """A bound on the active's ledger: a long standby outage does not fill its disk.
 
 The ledger is pruned only behind the standby's acknowledged index
-(:mod:`bridge.active._server`), so while a standby is away it grows with every
+(:mod:`bridge.active._bridge`), so while a standby is away it grows with every
 event. :class:`LedgerBound` checks now and then whether the ledger holds
 more than ``[replication] ledger_max_bytes`` of events; if it does, it
 prunes each VPN's oldest entries — acknowledged or not, but never past what

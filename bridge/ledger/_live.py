@@ -10,8 +10,8 @@ ledger rows only.
 Invariant: every ledger entry changes the active's ``live_message`` exactly
 once and in ledger order, however the writer stops. Why:
 
-* One task (:meth:`LiveStateApplier.run`) applies the durable entries the
-  writer queued (:meth:`LiveStateApplier.enqueue`, in commit order) a
+* One task (:meth:`ActiveApplier.run`) applies the durable entries the
+  writer queued (:meth:`ActiveApplier.enqueue`, in commit order) a
   batch at a time, in index order, and drops a batch from the queue only
   after its transaction committed; a failed attempt is retried whole.
 * Each apply transaction moves ``vpn_live_state.live_index`` from the index
@@ -20,7 +20,7 @@ once and in ledger order, however the writer stops. Why:
   below it were applied by an attempt whose reply was lost and are
   skipped; entries missing below the batch (an apply lost with a database
   crash, see below) are read back from the ledger and applied first.
-* :meth:`LiveStateApplier.catch_up` applies the ledger entries above
+* :meth:`ActiveApplier.catch_up` applies the ledger entries above
   ``live_index`` before the writer hands out the next index of a VPN (at
   its start and when it opens a VPN), so a stop between a ledger commit and
   its apply loses nothing. The ledger is never pruned past ``live_index``
@@ -52,7 +52,7 @@ from ._apply import apply_entries_async
 from ._errors import LedgerConflict
 from ._reader import fetch_entries
 
-__all__ = ["LiveStateApplier", "Retrying", "add_live_rows"]
+__all__ = ["ActiveApplier", "Retrying", "add_live_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ async def add_live_rows(conn: psycopg.AsyncConnection[Any], vpns: Iterable[str])
     await conn.execute(_ADD_ROWS, (list(vpns),))
 
 
-class LiveStateApplier:
+class ActiveApplier:
     """Applies durable ledger entries to ``live_message`` in index order.
 
     The writer owns it: it queues each committed batch

@@ -30,7 +30,7 @@ across database outages and restarts of the writer. Why:
 The writer owns the two other parts of the ledger and starts and stops them
 with itself:
 
-* its :class:`~bridge.ledger._live.LiveStateApplier`, to which each committed
+* its :class:`~bridge.ledger._live.ActiveApplier`, to which each committed
   batch goes next (``live_message`` follows the ledger). A VPN's live state
   is caught up before the writer hands out its next index, and the writer
   keeps both indexes per VPN, so :meth:`LedgerWriter.wait_live` and the
@@ -93,7 +93,7 @@ from ._errors import (
     VpnNotOpen,
     describe_error as _describe,
 )
-from ._live import LiveStateApplier, add_live_rows
+from ._live import ActiveApplier, add_live_rows
 from ._reader import LedgerReader
 from ._retry import retry_log_level, retry_store
 
@@ -269,7 +269,7 @@ class LedgerWriter:
         self._waiters = 0  # pending entries with an on_durable callback
         #: (vpn, last index of a group) -> the transaction it decides (append_group)
         self._decisions: dict[tuple[str, int], str] = {}
-        self._applier = LiveStateApplier(
+        self._applier = ActiveApplier(
             dsn,
             retrying=self._retrying,
             on_applied=self._applied,

@@ -16,7 +16,7 @@ once and in index order, across crashes, reconnects and replays. Why:
   of skipping events.
 * An entry whose epoch is older than the newest epoch already applied comes
   from a fenced (superseded) active and is refused with :class:`StaleEpoch`.
-  Both are the bridge's own errors, so the receiver can answer the active
+  Both are the bridge's own errors, so the standby's bridge can answer the active
   with the matching ``Error`` frame.
 
 :meth:`StandbyApplier.install_checkpoint` replaces the VPN's live messages
@@ -643,7 +643,7 @@ class StandbyApplier:
         rows: Sequence[CheckpointRow],
         absent: Sequence[tuple[str, ReplicationId]],
     ) -> None:
-        """A full-sync repair, in one transaction: ``rows`` become the
+        """A reconcile repair, in one transaction: ``rows`` become the
         VPN's rows of their keys (inserted or replaced), the ``absent`` keys
         lose theirs. The applied index does not move: a repair is not a
         ledger entry, and applying it twice changes nothing."""

@@ -4,16 +4,16 @@ The standby reads frames on one task and applies each VPN's in a worker of
 its own, through a queue, so the worker's position lags the connection's:
 when the worker asks for a resync, frames of the old stream may already
 sit in its queue although :class:`~bridge.BridgeConnection` (which drops
-what arrives after the request) accepted them. :class:`InboundStream`
+what arrives after the request) accepted them. :class:`StandbyStream`
 holds the worker's view, with every change in one table
-(:data:`INBOUND_TRANSITIONS`).
+(:data:`STREAM_TRANSITIONS`).
 
 Invariant: the worker applies nothing of a stream it no longer follows.
 After it sent a ``SyncRequest`` or gave a stream up (``Error`` sent), every
 queued frame is dropped until the ``SyncAccepted`` that starts the next
-stream (:meth:`InboundStream.drops`); a sync is requested again only when
+stream (:meth:`StandbyStream.drops`); a sync is requested again only when
 none is under way and the active is not one that was refused for a stale
-epoch still listing it at that epoch (:meth:`InboundStream.wants_sync`).
+epoch still listing it at that epoch (:meth:`StandbyStream.wants_sync`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,15 @@ from typing import Final
 from bridge._errors import BridgeError
 from bridge.wire import CheckpointRow, SyncAccepted
 
-__all__ = ["INBOUND_TRANSITIONS", "InboundInput", "InboundPhase", "InboundStream"]
+__all__ = [
+    "STREAM_TRANSITIONS",
+    "StreamInput",
+    "StreamPhase",
+    "StandbyStream",
+]
 
 
-class InboundPhase(enum.Enum):
+class StreamPhase(enum.Enum):
     IDLE = "idle"  # listed, no sync requested
     REQUESTED = "requested"  # a SyncRequest is out: earlier frames are dropped until its answer
     CATCHING_UP = "catching-up"  # SyncAccepted taken: checkpoint and replay until SyncFinished
@@ -42,7 +47,7 @@ class InboundPhase(enum.Enum):
     ABANDONED = "abandoned"
 
 
-class InboundInput(enum.Enum):
+class StreamInput(enum.Enum):
     REQUESTED = "requested"  # the worker sent a SyncRequest
     ACCEPTED = "accepted"  # the worker took the SyncAccepted answering it
     FINISHED = "finished"  # the worker took SyncFinished
@@ -50,16 +55,16 @@ class InboundInput(enum.Enum):
     ABANDONED = "abandoned"  # the worker gave the stream up and told the active
 
 
-_P, _I = InboundPhase, InboundInput
+_P, _I = StreamPhase, StreamInput
 
 #: (phase, input) -> next phase, for every pair: each input is legal in
 #: every phase, because the reader's and the worker's inputs interleave.
-INBOUND_TRANSITIONS: Final[dict[tuple[InboundPhase, InboundInput], InboundPhase]] = {
+STREAM_TRANSITIONS: Final[dict[tuple[StreamPhase, StreamInput], StreamPhase]] = {
     # A request (first sync, resync after a gap, after a relist) starts a
     # new stream whatever the old one was doing.
-    **{(phase, _I.REQUESTED): _P.REQUESTED for phase in InboundPhase},
+    **{(phase, _I.REQUESTED): _P.REQUESTED for phase in StreamPhase},
     # The worker gives a stream up from any phase; the active is told.
-    **{(phase, _I.ABANDONED): _P.ABANDONED for phase in InboundPhase},
+    **{(phase, _I.ABANDONED): _P.ABANDONED for phase in StreamPhase},
     # The answer to our request: the checkpoint and replay follow.
     (_P.REQUESTED, _I.ACCEPTED): _P.CATCHING_UP,
     # A SyncAccepted queued behind a give-up: it ends the dropping, the
@@ -95,16 +100,16 @@ _FOLLOWING: Final = frozenset({_P.REQUESTED, _P.CATCHING_UP, _P.LIVE})
 _DROPPING: Final = frozenset({_P.REQUESTED, _P.ABANDONED})
 
 
-class InboundError(BridgeError):
+class StreamError(BridgeError):
     """An input the table has no transition for (a bug)."""
 
 
 @dataclass(eq=False)
-class InboundStream:
+class StandbyStream:
     """One VPN's stream on the standby, as its apply worker sees it."""
 
     vpn: str
-    phase: InboundPhase = InboundPhase.IDLE
+    phase: StreamPhase = StreamPhase.IDLE
     #: the epoch this site knew when the active was refused for a stale one
     #: (0: never): its listings at a lower epoch ask for no sync
     refused_at_epoch: int = 0
@@ -115,10 +120,10 @@ class InboundStream:
     #: the chunks of a checkpoint being received, installed at its last one
     rows: list[CheckpointRow] = field(default_factory=list)
 
-    def feed(self, what: InboundInput) -> InboundPhase:
-        after = INBOUND_TRANSITIONS.get((self.phase, what))
+    def feed(self, what: StreamInput) -> StreamPhase:
+        after = STREAM_TRANSITIONS.get((self.phase, what))
         if after is None:  # pragma: no cover - the table covers every pair
-            raise InboundError(f"VPN {self.vpn}: {what.value} in phase {self.phase.value}")
+            raise StreamError(f"VPN {self.vpn}: {what.value} in phase {self.phase.value}")
         self.phase = after
         return after
 
@@ -142,30 +147,30 @@ class InboundStream:
         return not (self.refused_at_epoch and listed_epoch < known_epoch)
 
     def requested(self) -> None:
-        self.feed(InboundInput.REQUESTED)
+        self.feed(StreamInput.REQUESTED)
 
     def accepted(self) -> None:
         """The next stream starts: nothing of the previous one counts."""
-        self.feed(InboundInput.ACCEPTED)
+        self.feed(StreamInput.ACCEPTED)
         self.acked, self.rows = 0, []
 
     def finished(self) -> bool:
         """SyncFinished taken; True when it ends the replay of a stream we
         follow (the VPN is live, and its in-doubt transactions can be asked)."""
         following = self.following
-        self.feed(InboundInput.FINISHED)
+        self.feed(StreamInput.FINISHED)
         return following
 
     def refused(self, stale_at: int | None = None) -> None:
         """The active refused the sync or a frame of it; ``stale_at``: the
         epoch this site knows, when the refusal was for a stale epoch."""
-        self.feed(InboundInput.REFUSED)
+        self.feed(StreamInput.REFUSED)
         if stale_at is not None:
             self.refused_at_epoch = stale_at
 
     def abandoned(self, stale_at: int | None = None) -> None:
         """This side gave the stream up; ``stale_at`` as for :meth:`refused`."""
-        self.feed(InboundInput.ABANDONED)
+        self.feed(StreamInput.ABANDONED)
         if stale_at is not None:
             self.refused_at_epoch = stale_at
 

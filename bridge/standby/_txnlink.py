@@ -47,7 +47,7 @@ from bridge.link import Link, describe_error
 from bridge.wire import TxnApplied, TxnCommit, TxnOutcome, TxnPrepare, TxnQuery, TxnVote
 
 from ._applier import ReadyEarlyCommit, StandbyApplier, StandbyUnavailable
-from ._stream import InboundStream
+from ._stream import StandbyStream
 
 log = logging.getLogger(__name__)
 
@@ -164,14 +164,14 @@ class StandbyTxnLink:
             epoch = link.conn.known_epoch(vpn)
             link.try_send(TxnQuery(vpn, epoch, tuple(txids[:1000])))
 
-    async def commit_early(self, link: Link, stream: InboundStream, frame: TxnCommit) -> None:
+    async def commit_early(self, link: Link, stream: StandbyStream, frame: TxnCommit) -> None:
         """Commit a transaction from its prepared row before its group comes
         with the stream (``bridge.standby._applier``) and say so; if that is not
         possible now, say that: the group comes with the stream (the active
         holds it until this answer), and its ``Ack`` is what the active
         waits for then."""
         applier = self.applier
-        assert applier is not None  # noqa: S101 - the receiver set it
+        assert applier is not None  # noqa: S101 - the standby's bridge set it
         vpn, txid = stream.vpn, frame.txid
         ready = self._ready.pop(txid, None)
         last: int | None = None
@@ -213,7 +213,7 @@ class StandbyTxnLink:
         gate did not hold, or it failed: :meth:`StandbyApplier.apply_batch`
         then checks them against what is stored and applies them as usual."""
         applier = self.applier
-        assert applier is not None  # noqa: S101 - the receiver set it
+        assert applier is not None  # noqa: S101 - the standby's bridge set it
         statement = applier.skip_early_statement(vpn, entries)
         if statement is None:
             return None

@@ -166,7 +166,7 @@ class _Drop(enum.Enum):
     DROP = "drop"
 
 
-#: A frame the receiver drops: the tail of a stream the standby abandoned,
+#: A frame the standby drops: the tail of a stream the standby abandoned,
 #: sent before the active saw the resync request or Error. Never legal to send.
 DROP: Final = _Drop.DROP
 
@@ -246,7 +246,7 @@ TRANSITIONS: Final[Mapping[tuple[Role, type[Frame], State], State | _Drop]] = Ma
         (_S, Error, _V.LIVE): _V.DRAINING,
         # A further report about a stream already abandoned (after a Gap, say).
         (_S, Error, _V.DRAINING): _V.DRAINING,
-        # A full-sync repair goes in line with the live stream (version 5 on).
+        # A reconcile repair goes in line with the live stream (version 5 on).
         (_A, Repair, _V.LIVE): _V.LIVE,
         # A repair in flight when the standby abandoned the stream, or asked
         # for a resync, is dropped: the state it was read against is gone.

@@ -50,12 +50,12 @@ from bridge import (
     name_item,
     redact_url,
 )
-from bridge.active import BridgeServer, Replicator, WindowRecorder
+from bridge.active import ActiveBridge, Replicator, WindowRecorder
 from bridge.broker import ManagementAPI
 from bridge.ledger import LedgerBound, LedgerError, LedgerWriter
 from bridge.link import TlsSetupError, make_client_context, make_server_context
 from bridge.roles import TakeoverUnknown
-from bridge.standby import BridgeClient
+from bridge.standby import StandbyBridge
 from bridge.store import enabled_vpns, ledger_progress, record_sync_eligible
 from plugin._config import SiteConfig, load_config
 from plugin._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
@@ -191,8 +191,8 @@ class Node:
         self.ids: IdSource | None = None
         self.admin: AdminServer | None = None
         self.lag_history = LagHistory()
-        self.bridge_server: BridgeServer | None = None
-        self.bridge_client: BridgeClient | None = None
+        self.bridge_server: ActiveBridge | None = None
+        self.bridge_client: StandbyBridge | None = None
         self._bridge_up = False
         self._tasks: list[asyncio.Task[None]] = []
         self.requests = RequestServer(
@@ -407,7 +407,7 @@ class Node:
         self.replicator.start()
         await self.txn_log.open()
         try:
-            self.bridge_server = BridgeServer(
+            self.bridge_server = ActiveBridge(
                 cfg.site_name,
                 cfg.store_dsn,
                 self.writer,
@@ -420,7 +420,7 @@ class Node:
             )
             peer = cfg.peer
             if peer is not None and peer.bridge:
-                self.bridge_client = BridgeClient(
+                self.bridge_client = StandbyBridge(
                     cfg.site_name,
                     cfg.store_dsn,
                     peer.bridge,

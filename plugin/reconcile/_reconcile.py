@@ -17,7 +17,7 @@ differs from the active's. Runs on the active site.
    (:func:`bridge.touched`). What still differs is what the run reports.
 3. **Repair** (``--repair``): the keys go to the active's running node,
    which sends them over the bridge as ``Repair`` frames below the live
-   stream's priority (:meth:`bridge.BridgeServer.repair`); the standby
+   stream's priority (:meth:`bridge.ActiveBridge.repair`); the standby
    applies them in stream order. The run then re-checks those keys and
    counts what now agrees as repaired.
 4. **Broker drift**: per queue of the scope, the broker's

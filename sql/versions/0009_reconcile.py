@@ -1,4 +1,4 @@
-"""Full-sync reconciliation runs.
+"""Reconciliation runs.
 
 ``reconcile_run``: one row per ``vpnrepl reconcile`` of a VPN on this
 (active) site, written when the run ends: what it compared (rows on each
@@ -44,7 +44,7 @@ CREATE TABLE reconcile_run (
 );
 CREATE INDEX reconcile_run_newest ON reconcile_run (vpn, id DESC);
 COMMENT ON TABLE reconcile_run IS
-    'Full-sync reconciliation runs of `vpnrepl reconcile`, newest per VPN exported as metrics.';
+    'Reconciliation runs of `vpnrepl reconcile`, newest per VPN exported as metrics.';
 """
 
 _DOWNGRADE = """

@@ -122,10 +122,10 @@ def test_a_rogue_standby_gets_nothing(
 
 
 def _client_as(site: str) -> type:
-    """A BridgeClient that calls itself ``site`` (the rogue's own name)."""
-    from bridge.standby import BridgeClient
+    """A StandbyBridge that calls itself ``site`` (the rogue's own name)."""
+    from bridge.standby import StandbyBridge
 
-    class Rogue(BridgeClient):
+    class Rogue(StandbyBridge):
         def __init__(self, _site: str, *args: object, **kwargs: object) -> None:
             super().__init__(site, *args, **kwargs)  # type: ignore[arg-type]
 

@@ -1,7 +1,7 @@
 """The bridge over TCP and TLS between two real sites.
 
-Each test runs the active's :class:`BridgeServer` (site A's PostgreSQL and
-RabbitMQ) and the standby's :class:`BridgeClient` (site B's) in one event
+Each test runs the active's :class:`ActiveBridge` (site A's PostgreSQL and
+RabbitMQ) and the standby's :class:`StandbyBridge` (site B's) in one event
 loop, feeds A's ledger with ``LedgerWriter.append`` and compares the two
 sites' ``live_message`` row for row. Links are cut with a TCP proxy in the
 aiormq style; certificates are made by the ``openssl`` CLI per module.
@@ -33,10 +33,10 @@ from bridge import (
     TlsConfig,
     VpnSettings,
 )
-from bridge.active import BridgeServer, Replicator
+from bridge.active import ActiveBridge, Replicator
 from bridge.ledger import LedgerWriter
 from bridge.link import TlsSetupError, make_client_context, make_server_context
-from bridge.standby import BridgeClient, StandbyApplier
+from bridge.standby import StandbyApplier, StandbyBridge
 from bridge.wire import (
     NEED_DATA,
     PROTOCOL_VERSION,
@@ -183,7 +183,7 @@ def same_state(a_dsn: str, b_dsn: str, vpn: str = VPN) -> None:
 class Active:
     writer: LedgerWriter
     replicator: Replicator
-    server: BridgeServer
+    server: ActiveBridge
 
 
 @contextlib.asynccontextmanager
@@ -193,7 +193,7 @@ async def active(site: LocalSite, **kwargs: Any) -> AsyncIterator[Active]:
     await writer.start()
     replicator = Replicator(writer)
     replicator.start()
-    server = BridgeServer("a", dsn, writer, replicator, **{**SERVER_FAST, **kwargs})
+    server = ActiveBridge("a", dsn, writer, replicator, **{**SERVER_FAST, **kwargs})
     try:
         await server.start("127.0.0.1", site.bridge_port)
         yield Active(writer, replicator, server)
@@ -205,8 +205,8 @@ async def active(site: LocalSite, **kwargs: Any) -> AsyncIterator[Active]:
 
 @contextlib.asynccontextmanager
 async def standby(
-    site: LocalSite, port: int, cls: type[BridgeClient] = BridgeClient, **kwargs: Any
-) -> AsyncIterator[BridgeClient]:
+    site: LocalSite, port: int, cls: type[StandbyBridge] = StandbyBridge, **kwargs: Any
+) -> AsyncIterator[StandbyBridge]:
     client = cls("b", site.pg.dsn(), HostPort("127.0.0.1", port), **{**CLIENT_FAST, **kwargs})
     task = asyncio.create_task(client.run())
     try:
@@ -561,7 +561,7 @@ def test_a_fenced_active_is_refused_and_the_standby_waits(
         assert applied(b_dsn) == 0 and live(b_dsn) == []
 
     run(scenario)
-    bridge_ends = ("bridge.active._server", "bridge.standby._client")  # the two ends of the link
+    bridge_ends = ("bridge.active._bridge", "bridge.standby._bridge")  # the two ends of the link
     fenced = [r for r in caplog.records if r.name in bridge_ends and "fenced" in r.message]
     assert any("refuses its publishes" in r.message for r in fenced), fenced
     assert [r.levelno for r in fenced if "not replicating from it" in r.message] == [logging.ERROR]
@@ -643,7 +643,7 @@ def test_an_ack_records_applied_index_prunes_and_releases_a_sync_confirm(
     assert applied(b_dsn) == 10
 
 
-class HeldStandby(BridgeClient):
+class HeldStandby(StandbyBridge):
     """A standby that takes up an early commit only once ``gate`` is set,
     noting how far the stream had reached it by then, and (``silent``)
     may never answer it, like a standby whose answer is lost."""
@@ -860,7 +860,7 @@ def test_a_plaintext_standby_is_refused_by_a_tls_active(
     assert all("; retrying in" in line for line in refused()[:2]), refused()
 
 
-class StallsAfterConnect(BridgeClient):
+class StallsAfterConnect(StandbyBridge):
     """A standby whose database fails (``fails``) or stalls right after its
     TCP connect to the active, keeping every connection it dialled."""
 

@@ -126,7 +126,7 @@ def test_injected_divergence_is_found_exactly_and_repaired(
     code, doc, err = _reconcile(vpnrepl, "--repair")
     assert code == 0, err
     assert doc["repaired"] == 18 and not any(doc["remaining"].values()), doc
-    assert "full-sync repair applied" in node_b.log_text()
+    assert "reconcile repair applied" in node_b.log_text()
     runs = [("differ", 8, 4, 6, 0)] * len(methods) + [("agree", 0, 0, 0, 18)]
     if len(methods) > 1:
         code, doc, err = _reconcile(vpnrepl)

@@ -12,10 +12,15 @@ import pytest
 from hypothesis import given, strategies as st
 
 from bridge import Consumed, LedgerEntry, ReplicationId
-from bridge.standby import INBOUND_TRANSITIONS, InboundInput, InboundPhase, InboundStream
+from bridge.standby import (
+    STREAM_TRANSITIONS,
+    StandbyStream,
+    StreamInput,
+    StreamPhase,
+)
 from bridge.wire import Checkpoint, Events, SyncAccepted, SyncFinished, TxnCommit
 
-P, In = InboundPhase, InboundInput
+P, In = StreamPhase, StreamInput
 VPN = "orders"
 ACCEPTED = SyncAccepted(VPN, 1, 1)
 FRAMES = [
@@ -28,11 +33,11 @@ FRAMES = [
 
 def test_every_input_is_legal_in_every_phase() -> None:
     """The reader's and the worker's inputs interleave: none may raise."""
-    assert set(INBOUND_TRANSITIONS) == {(p, i) for p in InboundPhase for i in InboundInput}
+    assert set(STREAM_TRANSITIONS) == {(p, i) for p in StreamPhase for i in StreamInput}
 
 
 def test_a_first_sync_goes_live() -> None:
-    s = InboundStream(VPN)
+    s = StandbyStream(VPN)
     assert s.wants_sync(1, 1) and not s.drops(FRAMES[0])
     s.requested()
     assert s.phase is P.REQUESTED and not s.wants_sync(1, 1)
@@ -46,7 +51,7 @@ def test_a_first_sync_goes_live() -> None:
 
 
 def test_a_resync_drops_the_old_streams_tail_until_it_is_accepted() -> None:
-    s = InboundStream(VPN, phase=P.LIVE)
+    s = StandbyStream(VPN, phase=P.LIVE)
     s.requested()
     assert all(s.drops(f) for f in FRAMES)  # an old SyncFinished too: it makes nothing live
     s.accepted()
@@ -54,7 +59,7 @@ def test_a_resync_drops_the_old_streams_tail_until_it_is_accepted() -> None:
 
 
 def test_an_abandoned_stream_is_dropped_and_a_relist_asks_again() -> None:
-    s = InboundStream(VPN, phase=P.LIVE)
+    s = StandbyStream(VPN, phase=P.LIVE)
     s.abandoned()
     assert s.phase is P.ABANDONED and all(s.drops(f) for f in FRAMES)
     assert s.wants_sync(1, 1)
@@ -64,7 +69,7 @@ def test_an_abandoned_stream_is_dropped_and_a_relist_asks_again() -> None:
 
 
 def test_a_refused_stream_applies_what_it_queued_but_never_goes_live() -> None:
-    s = InboundStream(VPN, phase=P.CATCHING_UP)
+    s = StandbyStream(VPN, phase=P.CATCHING_UP)
     s.refused()
     assert s.phase is P.STOPPED
     assert not any(s.drops(f) for f in FRAMES)  # accepted before the refusal
@@ -73,7 +78,7 @@ def test_a_refused_stream_applies_what_it_queued_but_never_goes_live() -> None:
 
 
 def test_a_refused_request_drops_the_previous_streams_tail() -> None:
-    s = InboundStream(VPN, phase=P.LIVE)
+    s = StandbyStream(VPN, phase=P.LIVE)
     s.requested()
     s.refused()
     assert s.phase is P.ABANDONED and all(s.drops(f) for f in FRAMES)
@@ -83,7 +88,7 @@ def test_a_refused_request_drops_the_previous_streams_tail() -> None:
 def test_an_active_refused_for_a_stale_epoch_is_asked_again_only_at_a_current_one(
     how: str,
 ) -> None:
-    s = InboundStream(VPN, phase=P.LIVE)
+    s = StandbyStream(VPN, phase=P.LIVE)
     getattr(s, how)(stale_at=3)
     assert s.refused_at_epoch == 3
     assert not s.wants_sync(listed_epoch=2, known_epoch=3)
@@ -93,7 +98,7 @@ def test_an_active_refused_for_a_stale_epoch_is_asked_again_only_at_a_current_on
 
 
 def test_a_checkpoint_is_taken_whole() -> None:
-    s = InboundStream(VPN, phase=P.CATCHING_UP)
+    s = StandbyStream(VPN, phase=P.CATCHING_UP)
     s.rows.extend(["a", "b"])  # type: ignore[list-item]
     assert s.take_checkpoint() == ["a", "b"] and s.rows == []
 
@@ -104,12 +109,14 @@ FOLLOWING = {P.REQUESTED: True, P.CATCHING_UP: True, P.LIVE: True}
 DROPPING = {P.REQUESTED: True, P.ABANDONED: True}
 
 
-@given(st.lists(st.sampled_from(list(InboundInput)), max_size=40))
-def test_the_phases_keep_the_two_facts_any_input_order_defines(inputs: list[InboundInput]) -> None:
+@given(st.lists(st.sampled_from(list(StreamInput)), max_size=40))
+def test_the_phases_keep_the_two_facts_any_input_order_defines(
+    inputs: list[StreamInput],
+) -> None:
     """Whatever the order: a request means following and dropping; taking
     the answer ends the dropping; a refusal ends the following; giving the
     stream up ends the following and starts the dropping."""
-    s = InboundStream(VPN)
+    s = StandbyStream(VPN)
     following = dropping = False
     for what in inputs:
         s.feed(what)

@@ -1,12 +1,12 @@
-"""Full-sync: what a comparison of two sites' live state reads and decides.
+"""Reconcile: what a comparison of two sites' live state reads and decides.
 
 A VPN's live state on a site is its ``live_message`` rows. The comparison
 (``vpnrepl reconcile``, run by ``plugin``) cuts it into *segments*, by the
 low 16 bits of each replication id's counter (ids are handed out in
 sequence, so segments fill evenly) modulo the number of segments, and
 compares per (queue, segment) a count and an order-independent sum of row
-digests; only segments that differ are read row by row (Riak's full-sync
-with TicTac trees, one level deep). A row's digest covers everything a
+digests; only segments that differ are read row by row (a hash tree one
+level deep). A row's digest covers everything a
 consumer would get: id, publish index, exchange, routing key, properties
 and body. The queue is part of the key.
 

@@ -1,4 +1,4 @@
-"""Full-sync building blocks: which rows events touch, how rows compare,
+"""Reconcile's building blocks: which rows events touch, how rows compare,
 the SQL the comparison sends (its literal quoting, its digest against a real
 PostgreSQL), and the bridge's Repair frame (its encoding, and where the
 protocol takes it)."""

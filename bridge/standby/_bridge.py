@@ -1,14 +1,14 @@
 """The standby site's end of the bridge: keeps a link to the active up and
 applies each VPN's stream.
 
-:meth:`BridgeClient.run` connects (TLS when configured), retries with
+:meth:`StandbyBridge.run` connects (TLS when configured), retries with
 exponential back-off and jitter, and per VPN the active lists: settles it
 here (:class:`~bridge.standby._adoption.VpnAdoption`: enabled as standby,
 settings, epoch, config-sync), sends ``SyncRequest`` from the applied
 index, then installs the checkpoint and applies the events, each
 acknowledged once durable. Each VPN has a worker of its own, fed in
 arrival order through a queue; what the worker follows of its stream is
-the sans-IO :class:`~bridge.standby._stream.InboundStream`.
+the sans-IO :class:`~bridge.standby._stream.StandbyStream`.
 
 Invariant: nothing confirmed on the active is lost or applied twice here,
 whatever the link does. The worker applies every batch with
@@ -98,10 +98,10 @@ from bridge.wire import (
 
 from ._adoption import VpnAdoption
 from ._applier import NotStandby, StandbyApplier, StandbyError
-from ._stream import InboundStream
+from ._stream import StandbyStream
 from ._txnlink import StandbyTxnLink
 
-__all__ = ["BridgeClient"]
+__all__ = ["StandbyBridge"]
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ _Item = _Relisted | _Resync | SyncAccepted | Checkpoint | Events | SyncFinished 
 class _Worker:
     """One VPN's apply worker: its queue, its task, and its view of the stream."""
 
-    stream: InboundStream
+    stream: StandbyStream
     queue: asyncio.Queue[_Item] = field(default_factory=lambda: asyncio.Queue(_QUEUE_SIZE))
     task: asyncio.Task[None] | None = None
 
@@ -153,7 +153,7 @@ class _Session:
         self.link.fail(reason)
 
 
-class BridgeClient:
+class StandbyBridge:
     """The standby site's end of the bridge (module docstring)."""
 
     def __init__(
@@ -599,7 +599,7 @@ class BridgeClient:
         for resource in listing.vpns:
             worker = session.workers.get(resource.name)
             if worker is None:
-                worker = _Worker(InboundStream(resource.name))
+                worker = _Worker(StandbyStream(resource.name))
                 worker.task = asyncio.create_task(
                     self._work(session, worker), name=f"bridge-apply-{resource.name}"
                 )
@@ -725,7 +725,7 @@ class BridgeClient:
         return held
 
     async def _repair(self, session: _Session, worker: _Worker, frame: Repair) -> None:
-        """A full-sync repair, in stream order (after what came before it)."""
+        """A reconcile repair, in stream order (after what came before it)."""
         assert self._applier is not None  # noqa: S101 - run() created it
         try:
             await asyncio.to_thread(
@@ -735,7 +735,7 @@ class BridgeClient:
             self._abandon(session, worker, e)
             return
         log.info(
-            "bridge: VPN %s: full-sync repair applied: %d rows set, %d removed",
+            "bridge: VPN %s: reconcile repair applied: %d rows set, %d removed",
             worker.vpn,
             len(frame.rows),
             len(frame.absent),

@@ -1,10 +1,10 @@
 """The active site's end of the bridge: serves every standby that dials in.
 
-Per standby (:class:`~bridge.active._stream.StandbyPeer`): answers ``Hello`` and
+Per standby (:class:`~bridge.active._stream.ConnectedStandby`): answers ``Hello`` and
 ``GetAllResources`` (the site's enabled, unfenced active VPNs with their
 settings and epoch from the database and their definitions from the
 management API), and per ``SyncRequest`` runs the VPN's stream
-(:class:`~bridge.active._stream.OutboundStream`: replay, checkpoint, live
+(:class:`~bridge.active._stream.ActiveStream`: replay, checkpoint, live
 feed). Acknowledgements release sync-mode confirms
 (:meth:`Replicator.standby_acked`), are recorded in ``vpn_state`` and let
 the ledger be pruned behind them once older than ``retain_seconds``; the
@@ -77,10 +77,10 @@ from bridge.wire import (
 )
 
 from ._replicator import Replicator
-from ._stream import OutboundStream, RepairSent, StandbyPeer, StreamLimits
+from ._stream import ActiveStream, ConnectedStandby, RepairSent, StreamLimits
 from ._txnlink import ActiveTxnLink
 
-__all__ = ["PRUNE_INTERVAL", "BridgeServer"]
+__all__ = ["PRUNE_INTERVAL", "ActiveBridge"]
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ PRUNE_INTERVAL = 1.0
 _MIB = 2**20
 
 
-class BridgeServer:
+class ActiveBridge:
     """The active site's end of the bridge (module docstring)."""
 
     def __init__(
@@ -151,7 +151,7 @@ class BridgeServer:
         self._listening = False
         self._pool: Pool | None = None
         self._states: BridgeStateWriter | None = None
-        self._peers: set[StandbyPeer] = set()
+        self._peers: set[ConnectedStandby] = set()
         #: a task per connection served, with the connection's writer
         self._handlers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._shown: dict[str, str] = {}
@@ -270,7 +270,7 @@ class BridgeServer:
         return best
 
     async def repair(self, vpn: str, keys: Sequence[LiveKey]) -> RepairSent:
-        """Send a full-sync repair of ``keys`` to the standby streaming
+        """Send a reconcile repair of ``keys`` to the standby streaming
         ``vpn`` live, below the live entries' priority; returns what was
         sent. Raises :class:`BridgeError` when no standby streams it live
         (the caller bounds the wait with ``asyncio.timeout``)."""
@@ -405,7 +405,7 @@ class BridgeServer:
                 writer.transport.abort()
                 return
             conn = BridgeConnection(Role.ACTIVE, self.site)
-            peer = StandbyPeer(Link(conn, reader, writer, address, self.heartbeat_timeout))
+            peer = ConnectedStandby(Link(conn, reader, writer, address, self.heartbeat_timeout))
             peer.certificate_names = names
             self._peers.add(peer)
             try:
@@ -432,7 +432,7 @@ class BridgeServer:
             if not writer.is_closing():
                 writer.close()
 
-    async def _serve(self, peer: StandbyPeer) -> None:
+    async def _serve(self, peer: ConnectedStandby) -> None:
         link = peer.link
         heartbeats = asyncio.create_task(link.heartbeats(self.heartbeat_interval))
         try:
@@ -452,7 +452,7 @@ class BridgeServer:
             heartbeats.cancel()
             await asyncio.gather(heartbeats, return_exceptions=True)
 
-    async def _converse(self, peer: StandbyPeer) -> None:
+    async def _converse(self, peer: ConnectedStandby) -> None:
         link = peer.link
         while True:
             item = await self._next_frame(link)
@@ -484,7 +484,7 @@ class BridgeServer:
         except TimeoutError:
             raise LinkClosed(f"no Hello within {self.handshake_timeout:g} s") from None
 
-    def _ends(self, peer: StandbyPeer, item: Hello | Error) -> bool:
+    def _ends(self, peer: ConnectedStandby, item: Hello | Error) -> bool:
         """A Hello (answered, or refused by the named-site rule) or an Error
         (a VPN's stream abandoned, or the link closed); True when the link
         ends."""
@@ -496,13 +496,13 @@ class BridgeServer:
         self._abandoned(peer, item)
         return False
 
-    def _standby_of(self, vpn: str) -> StandbyPeer | None:
+    def _standby_of(self, vpn: str) -> ConnectedStandby | None:
         for peer in self._peers:
             if vpn in peer.epochs and peer.failure is None:
                 return peer
         return None
 
-    def _greeted(self, peer: StandbyPeer, hello: Hello) -> bool:
+    def _greeted(self, peer: ConnectedStandby, hello: Hello) -> bool:
         """Answer a standby's Hello, and say once what its release lacks;
         False (the link ends) when the named-site rule refuses it."""
         link = peer.link
@@ -532,7 +532,7 @@ class BridgeServer:
             )
         return True
 
-    def _vpn_fault(self, peer: StandbyPeer, fault: RemoteProtocolError) -> None:
+    def _vpn_fault(self, peer: ConnectedStandby, fault: RemoteProtocolError) -> None:
         if isinstance(fault, StaleEpoch):
             # A stale SyncRequest still owes an answer; a stale Ack needs none.
             if peer.link.try_send(Error.from_exception(fault)):
@@ -544,7 +544,7 @@ class BridgeServer:
         else:
             log.warning("bridge: %s: %s", peer.name, fault)
 
-    def _abandoned(self, peer: StandbyPeer, error: Error) -> None:
+    def _abandoned(self, peer: ConnectedStandby, error: Error) -> None:
         exc = error.exception()
         log.warning("bridge: standby %s abandoned VPN %s: %s", peer.name, error.vpn, exc)
         out = peer.streams.pop(error.vpn, None)
@@ -554,7 +554,7 @@ class BridgeServer:
             self._fence(error.vpn, exc, by=peer.name)
         self._state_changed(error.vpn)
 
-    async def _send_resources(self, peer: StandbyPeer) -> None:
+    async def _send_resources(self, peer: ConnectedStandby) -> None:
         vpns = await self._load_vpns()
         # Read before the definitions: every change the listener made up to
         # this index is in them, every later one comes in the stream.
@@ -617,22 +617,22 @@ class BridgeServer:
 
     # -- one VPN stream --------------------------------------------------------
 
-    def _start_stream(self, peer: StandbyPeer, request: SyncRequest) -> None:
+    def _start_stream(self, peer: ConnectedStandby, request: SyncRequest) -> None:
         vpn = request.vpn
         old = peer.streams.pop(vpn, None)
         if old is not None and old.task is not None:
             old.task.cancel()
-        out = OutboundStream(vpn, peer.epochs.get(vpn, request.epoch))
+        out = ActiveStream(vpn, peer.epochs.get(vpn, request.epoch))
         out.task = asyncio.create_task(self._stream(peer, out, request, old), name=f"bridge-{vpn}")
         peer.streams[vpn] = out
         self._state_changed(vpn)
 
     async def _stream(
         self,
-        peer: StandbyPeer,
-        out: OutboundStream,
+        peer: ConnectedStandby,
+        out: ActiveStream,
         request: SyncRequest,
-        old: OutboundStream | None,
+        old: ActiveStream | None,
     ) -> None:
         if old is not None and old.task is not None:
             await asyncio.wait([old.task])  # cancelled: it sends nothing more

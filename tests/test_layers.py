@@ -35,7 +35,6 @@ SANS_IO = (
     "plugin.session._actions",
     "plugin.session._refusal",
     "plugin.topology._topology",
-    "plugin.session._amqp",
     "plugin.topology._routing",
     "plugin.session",
     "plugin.topology",

@@ -22,6 +22,7 @@ from bridge import (
     ReplicationId,
     Role,
     TopologyChanged,
+    amqp,
     binding_item,
     exchange_item,
     name_item,
@@ -29,7 +30,7 @@ from bridge import (
 )
 from bridge.ledger._apply import _PURGE, _apply_steps
 from plugin.listener import MemorySink, ReplicationSink, append_events
-from plugin.session import Output, Session, _amqp as amqp
+from plugin.session import Output, Session
 from plugin.topology import Policy, ReplicationScope, Topology, VpnDirectory, VpnView
 from txn import MarkerKey
 

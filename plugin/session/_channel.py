@@ -6,7 +6,7 @@ channel to that channel's :class:`Channel`, as RabbitMQ's ``rabbit_reader``
 hands frames to ``rabbit_channel``. A channel decodes the methods it must
 see and remembers what the listener needs per channel: the publish whose
 content is on its way, the confirms it holds
-(:class:`~plugin.session._confirms.ConfirmTracker`), the consumers and gets whose
+(:class:`~plugin.session._confirms.HeldConfirms`), the consumers and gets whose
 deliveries it maps to replication ids, the deliveries not settled yet, the
 transaction buffer, and the topology requests awaiting the broker's answer.
 A handler returns what replaces the frame (None: relay it as it is, b"":
@@ -60,16 +60,16 @@ from bridge import (
     LocalTransaction,
     Published,
     ReplicationId,
+    amqp,
     id_in_header,
 )
-from plugin.session import _amqp as amqp
+from bridge.amqp import AMQPError, FrameSpan, Method
 from plugin.topology import VpnView
 from txn import MarkerKey
 from txn.xa import XA_EXCHANGE
 
 from ._actions import Output, XaCall
-from ._amqp import AMQPError, Frame
-from ._confirms import ConfirmTracker
+from ._confirms import HeldConfirms
 from ._publish import HeaderTemplate, HeaderTemplates, header_frame, in_scope_queues, stamped
 from ._topology_changes import TopologyChange
 
@@ -210,7 +210,7 @@ class Channel:
         self.publish: Publish | None = None
         self.incoming: Incoming | None = None
         #: set by confirm.select
-        self.confirms: ConfirmTracker | None = None
+        self.confirms: HeldConfirms | None = None
         self.tx = False  # tx.select seen
         self.tx_events: list[Event] = []
         #: the open transaction's acks: restored to ``deliveries`` by a rollback
@@ -249,7 +249,7 @@ class Channel:
 
     # -- publishes from the client (the fused path is plugin.session._fused) --------
 
-    def on_publish(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_publish(self, buf: bytes, f: FrameSpan) -> bytes | None:
         exchange, key, _ = amqp.decode_publish(buf, f)
         if exchange == XA_EXCHANGE and self.ctx.replicating and self.confirms is None:
             # an XA request: no confirm numbering depends on it, so it is ours
@@ -272,10 +272,10 @@ class Channel:
             return b""
         return None
 
-    def on_content_header(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_content_header(self, buf: bytes, f: FrameSpan) -> bytes | None:
         p = self.publish
         if p is None or p.body_size >= 0:
-            raise amqp.UnexpectedFrame(f"content header on channel {f.channel} without a publish")
+            raise amqp.FrameOutOfOrder(f"content header on channel {f.channel} without a publish")
         p.body_size = amqp.content_body_size(buf, f)
         if p.control:
             if p.body_size > XA_MAX_BODY:
@@ -283,7 +283,7 @@ class Channel:
                 # from the header, before one body byte is buffered
                 self.publish = None
                 self.close_both_sides(
-                    amqp.PRECONDITION_FAILED,
+                    amqp.PreconditionFailed.reply_code,
                     f"an XA request body is at most {XA_MAX_BODY} bytes; this one announces "
                     f"{p.body_size}",
                 )
@@ -323,10 +323,10 @@ class Channel:
         p.properties, replacement = stamped(template, payload, self.number, wire)
         return replacement
 
-    def on_body(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_body(self, buf: bytes, f: FrameSpan) -> bytes | None:
         p = self.publish
         if p is None or p.body_size < 0:
-            raise amqp.UnexpectedFrame(f"content body on channel {f.channel} without a header")
+            raise amqp.FrameOutOfOrder(f"content body on channel {f.channel} without a header")
         p.received += f.end - f.start - 8
         if p.received > p.body_size:
             raise amqp.FrameError(
@@ -372,12 +372,12 @@ class Channel:
         else:
             self.ctx.out.events.append((event, None))
 
-    def on_confirm_select(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_confirm_select(self, buf: bytes, f: FrameSpan) -> bytes | None:
         if self.confirms is None:
-            self.confirms = ConfirmTracker(self.number)
+            self.confirms = HeldConfirms(self.number)
         return None
 
-    def on_confirm(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_confirm(self, buf: bytes, f: FrameSpan) -> bytes | None:
         """The broker's basic.ack or basic.nack: held while a replicated
         publish is pending, the client's confirms released as they may be."""
         confirms = self.confirms
@@ -391,7 +391,7 @@ class Channel:
 
     # -- consumers and deliveries -------------------------------------------
 
-    def on_consume(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_consume(self, buf: bytes, f: FrameSpan) -> bytes | None:
         if not self.ctx.replicating:
             return None
         m = amqp.decode_method(buf, f)
@@ -404,14 +404,14 @@ class Channel:
             self.consumes.append((m.queue, m.no_ack))
         return None
 
-    def on_consume_ok(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_consume_ok(self, buf: bytes, f: FrameSpan) -> bytes | None:
         if self.consumes:
             m = amqp.decode_method(buf, f)
             assert isinstance(m, commands.Basic.ConsumeOk)  # noqa: S101
             self.consumers[m.consumer_tag or ""] = self.consumes.popleft()
         return None
 
-    def on_cancel(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_cancel(self, buf: bytes, f: FrameSpan) -> bytes | None:
         """The broker's basic.cancel or cancel-ok: the consumer is forgotten;
         its deliveries may still be acked."""
         if self.consumers:
@@ -419,7 +419,7 @@ class Channel:
             self.consumers.pop(getattr(m, "consumer_tag", ""), None)
         return None
 
-    def on_get(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_get(self, buf: bytes, f: FrameSpan) -> bytes | None:
         if not self.ctx.replicating:
             return None
         m = amqp.decode_method(buf, f)
@@ -429,7 +429,7 @@ class Channel:
         self.gets.append((m.queue, m.no_ack))
         return None
 
-    def on_get_ok(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_get_ok(self, buf: bytes, f: FrameSpan) -> bytes | None:
         if not self.ctx.replicating:
             return None
         if self.gets:
@@ -440,12 +440,12 @@ class Channel:
             self.incoming = Incoming(None, 0, True)
         return None
 
-    def on_get_empty(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_get_empty(self, buf: bytes, f: FrameSpan) -> bytes | None:
         if self.gets:
             self.gets.popleft()
         return None
 
-    def on_deliver(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_deliver(self, buf: bytes, f: FrameSpan) -> bytes | None:
         if not self.ctx.replicating:
             return None
         consumer_tag, delivery_tag = amqp.decode_deliver(buf, f)
@@ -458,12 +458,12 @@ class Channel:
             self.incoming = Incoming(None, delivery_tag, True)
         return None
 
-    def on_return(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_return(self, buf: bytes, f: FrameSpan) -> bytes | None:
         if self.ctx.replicating:
             self.incoming = Incoming(None, 0, True, is_return=True)
         return None
 
-    def _routing_key_kept(self, queue: str, buf: bytes, f: Frame) -> str | None:
+    def _routing_key_kept(self, queue: str, buf: bytes, f: FrameSpan) -> str | None:
         """A delivery's routing key, if its queue dead-letters rejects with
         the message's own key (decoded only then)."""
         vpn = self.ctx.vpn
@@ -475,7 +475,7 @@ class Channel:
         m = amqp.decode_method(buf, f)
         return str(getattr(m, "routing_key", ""))
 
-    def on_delivered_header(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_delivered_header(self, buf: bytes, f: FrameSpan) -> bytes | None:
         """The content header of a message on its way to the client (deliver,
         get-ok, return): the delivery is mapped to its replication id, and
         our id header is cut out of it (unless the VPN exposes it), so the
@@ -513,7 +513,7 @@ class Channel:
             return None
         return header_frame(f.channel, payload)
 
-    def on_ack(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_ack(self, buf: bytes, f: FrameSpan) -> bytes | None:
         """The client's basic.ack, basic.nack or basic.reject: each settled
         delivery becomes a :class:`Consumed` event, or :class:`DeadLettered`
         when a reject dead-letters it; into the transaction if one is open.
@@ -552,7 +552,7 @@ class Channel:
                 self.ctx.out.events.append((event, None))
         return None
 
-    def on_recover(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_recover(self, buf: bytes, f: FrameSpan) -> bytes | None:
         """basic.recover: the unacked deliveries come again under new tags."""
         self.deliveries.clear()
         self.routing_keys.clear()
@@ -569,11 +569,11 @@ class Channel:
 
     # -- transactions ---------------------------------------------------------
 
-    def on_tx_select(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_tx_select(self, buf: bytes, f: FrameSpan) -> bytes | None:
         self.tx = True
         return None
 
-    def on_tx_commit(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_tx_commit(self, buf: bytes, f: FrameSpan) -> bytes | None:
         """tx.commit: held until the sink has prepared the transaction (see
         ``Session.transaction_prepared``); passed at once if it replicates
         nothing."""
@@ -599,7 +599,7 @@ class Channel:
         ctx.out.prepare.append(txn)
         return b""
 
-    def on_tx_rollback(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_tx_rollback(self, buf: bytes, f: FrameSpan) -> bytes | None:
         if self.xa is not None:
             return self._refuse_tx("tx.rollback")
         self.tx_events.clear()
@@ -633,7 +633,7 @@ class Channel:
         markers steer crash recovery): the channel is closed, 403, and the
         method never reaches the broker."""
         self.close_both_sides(
-            amqp.ACCESS_REFUSED,
+            amqp.AccessRefused.reply_code,
             f"ACCESS_REFUSED - {what}: names starting with {RESERVED_PREFIX!r} are "
             "vpn-replication's own",
         )
@@ -643,7 +643,7 @@ class Channel:
         """Work on a channel whose XA branch is prepared (or being prepared)
         would join a broker transaction the prepared row does not hold."""
         self.close_both_sides(
-            amqp.PRECONDITION_FAILED,
+            amqp.PreconditionFailed.reply_code,
             f"XA branch {self.xa} is ended: no more work on its channel before its commit"
             " or rollback",
         )
@@ -651,7 +651,7 @@ class Channel:
 
     def _refuse_tx(self, what: str) -> bytes:
         self.close_both_sides(
-            amqp.PRECONDITION_FAILED,
+            amqp.PreconditionFailed.reply_code,
             f"{what} on a channel holding XA branch {self.xa}: commit or roll it back with XA",
         )
         return b""
@@ -711,7 +711,7 @@ class Channel:
         waiter(True)
         return b""
 
-    def on_tx_rollback_ok(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_tx_rollback_ok(self, buf: bytes, f: FrameSpan) -> bytes | None:
         if self.xa_waiter is None:
             return None
         # the rolled-back acks: their deliveries are unacked again
@@ -721,7 +721,7 @@ class Channel:
         self.xa_acked = {}
         return self._xa_answered(True)
 
-    def on_tx_commit_ok(self, buf: bytes, f: Frame) -> bytes | None:
+    def on_tx_commit_ok(self, buf: bytes, f: FrameSpan) -> bytes | None:
         if self.xa_waiter is not None:
             self._forget_tx_acks()
             return self._xa_answered(True)
@@ -790,19 +790,19 @@ class Channel:
         self.closed_by_us = 2
         self.gone()
 
-    def on_closing_frame(self, buf: bytes, f: Frame, client: bool) -> bytes | None:
+    def on_closing_frame(self, buf: bytes, f: FrameSpan, client: bool) -> bytes | None:
         """A frame on a closing channel, from the client or the broker: only
         the close handshake matters. When it is over, the channel tells its
         session (``ctx.closed``)."""
         ids = amqp.method_id(buf, f) if f.type == amqp.FRAME_METHOD else None
         out = self.ctx.out
-        if ids == amqp.TX_COMMIT_OK and not client:
+        if ids == Method.TX_COMMIT_OK and not client:
             # the broker committed before the close: the transaction stands
             txn = self.commit_ok()
             if txn is not None:
                 out.commit.append(txn)
         if not self.closed_by_us:
-            if ids == amqp.CHANNEL_CLOSE_OK:
+            if ids == Method.CHANNEL_CLOSE_OK:
                 self.gone()
                 self.ctx.closed(self, b"")
             return None
@@ -810,9 +810,9 @@ class Channel:
             # the client is done with the old channel and may reuse its number
             # (pika does at once); the broker is not done yet: hold it
             self.reopening.append(buf[f.start : f.end])
-        elif ids == amqp.CHANNEL_CLOSE and client:  # the client closed too: answer it
+        elif ids == Method.CHANNEL_CLOSE and client:  # the client closed too: answer it
             out.to_client.append(amqp.marshal_method(commands.Channel.CloseOk(), self.number))
-        elif ids == amqp.CHANNEL_CLOSE_OK:
+        elif ids == Method.CHANNEL_CLOSE_OK:
             self.closed_by_us -= 1
             if client:
                 self.reopening = []

@@ -39,13 +39,12 @@ from collections.abc import Callable, Iterable
 
 from pamqp import commands
 
-from bridge import ConfirmKey, IdSource, ReplicationId
-from plugin.session import _amqp as amqp
+from bridge import ConfirmKey, IdSource, ReplicationId, amqp
+from bridge.amqp import AMQPError, FrameSpan, FrameSplitter, Method
 from plugin.topology import VpnDirectory, VpnView
 from txn import MarkerKey
 
 from ._actions import Output
-from ._amqp import AMQPError, Frame, FrameSplitter
 from ._channel import Channel, ChannelContext
 from ._checks import FrameChecks
 from ._fused import DECLINED, PUBLISH_IDS, Declined, FusedCheck, FusedPublish
@@ -79,10 +78,10 @@ _HEADER, _CHECKED = ClientReads.HEADER, ClientReads.CHECKED
 _SCAN, _CLIENT_NOTHING = ClientReads.SCAN, ClientReads.NOTHING
 _RAW, _BROKER_NOTHING = BrokerReads.RAW, BrokerReads.NOTHING
 
-_Handler = Callable[["Session", int, bytes, Frame], bytes | None]
-_OnChannel = Callable[[Channel, bytes, Frame], bytes | None]
+_Handler = Callable[["Session", int, bytes, FrameSpan], bytes | None]
+_OnChannel = Callable[[Channel, bytes, FrameSpan], bytes | None]
 #: a whole-publish step of :meth:`Session._relay` (see ``plugin.session._fused``)
-_Fused = Callable[[bytes, Frame, Frame, Frame], "bytes | None | Declined"]
+_Fused = Callable[[bytes, FrameSpan, FrameSpan, FrameSpan], "bytes | None | Declined"]
 
 
 class Session:
@@ -267,7 +266,7 @@ class Session:
         txn, held = answered
         if refused is not None:
             text = f"transaction not committed: {refused}"
-            self._close_channel(ch, amqp.PRECONDITION_FAILED, text)
+            self._close_channel(ch, amqp.PreconditionFailed.reply_code, text)
             return out
         if ch.closing or self._state in CLOSING:
             out.abort.append(txn)  # the client is gone: the broker rolls back
@@ -329,9 +328,9 @@ class Session:
 
     # ------------------------------------------------------------ relaying
 
-    def _from_client(self, buf: bytes, frames: list[Frame]) -> None:
+    def _from_client(self, buf: bytes, frames: list[FrameSpan]) -> None:
         if CLIENT_READS[self._state] is _CHECKED:
-            handle: Callable[[bytes, Frame], bytes | None] = self._checks.check
+            handle: Callable[[bytes, FrameSpan], bytes | None] = self._checks.check
         else:
             handle = self._client_frame
         fused = self._fused.whole if self._fused is not None else self._fused_check.whole
@@ -339,7 +338,7 @@ class Session:
             buf, frames, self._out.to_broker, handle, self._closing_from_client, self._fail, fused
         )
 
-    def _from_broker(self, buf: bytes, frames: list[Frame]) -> None:
+    def _from_broker(self, buf: bytes, frames: list[FrameSpan]) -> None:
         self._relay(
             buf,
             frames,
@@ -352,10 +351,10 @@ class Session:
     def _relay(
         self,
         buf: bytes,
-        frames: list[Frame],
+        frames: list[FrameSpan],
         out: list[bytes],
-        handle: Callable[[bytes, Frame], bytes | None],
-        closing: Callable[[bytes, Frame], None],
+        handle: Callable[[bytes, FrameSpan], bytes | None],
+        closing: Callable[[bytes, FrameSpan], None],
         fail: Callable[[AMQPError], None],
         fused: _Fused | None = None,
     ) -> None:
@@ -447,7 +446,7 @@ class Session:
         self._advance(Trigger.HEADER)
         return rest
 
-    def _c_start_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _c_start_ok(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         """EXTERNAL authentication is refused: the client's certificate ends
         at the listener, which terminates TLS, and the broker would judge
         the listener's own connection instead of the client."""
@@ -457,13 +456,13 @@ class Session:
             raise amqp.AccessRefused(
                 "EXTERNAL authentication (a client certificate) cannot pass through the "
                 "vpnrepl listener; log in with a user name and password (PLAIN or AMQPLAIN)",
-                amqp.CONNECTION_START_OK,
+                Method.CONNECTION_START_OK,
             )
         # the broker judges the login; its user owns the XA branches it starts
         self.user = amqp.login_user(m.mechanism, m.response)
         return None
 
-    def _c_tune_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _c_tune_ok(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         """The client's frame_max, clamped to the broker's (a client's 0,
         "no limit", would let it make the listener buffer any frame)."""
         m = amqp.decode_method(buf, f)
@@ -472,7 +471,7 @@ class Session:
         self._client.frame_max = min(m.frame_max, limit) if m.frame_max else limit
         return None
 
-    def _c_open(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _c_open(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         m = amqp.decode_method(buf, f)
         assert isinstance(m, commands.Connection.Open)  # noqa: S101
         self.vhost = m.virtual_host
@@ -483,15 +482,15 @@ class Session:
         ctx.templates = HeaderTemplates(ctx.expose_id)
         self._fused = FusedPublish(ctx, self._channels) if ctx.replicating else None
         if vpn is not None and vpn.refusal is not None:
-            raise amqp.NotAllowed(vpn.refusal, amqp.CONNECTION_OPEN)
+            raise amqp.NotAllowed(vpn.refusal, Method.CONNECTION_OPEN)
         if vpn is not None and not vpn.replicated:
             raise amqp.NotAllowed(
                 f"vhost '{m.virtual_host}' is a replication standby; connect to the active site",
-                amqp.CONNECTION_OPEN,
+                Method.CONNECTION_OPEN,
             )
         return None
 
-    def _c_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _c_close(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         """The client's connection.close: relayed; nothing held is released
         any more."""
         self._advance(Trigger.CLIENT_CLOSE if channel == 0 else Trigger.CLIENT_CLOSE_ASTRAY)
@@ -500,53 +499,53 @@ class Session:
     def _client_closed_in_passthrough(self) -> None:
         self._advance(Trigger.CLIENT_CLOSE)
 
-    def _c_close_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _c_close_ok(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         self._advance(Trigger.CLIENT_CLOSE_OK)
         return None
 
-    def _b_tune(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _b_tune(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         m = amqp.decode_method(buf, f)
         assert isinstance(m, commands.Connection.Tune)  # noqa: S101
         self._broker_frame_max = m.frame_max
         return None
 
-    def _b_open_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _b_open_ok(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         # Nothing on an unreplicated vhost concerns replication (settings apply
         # to connections opened after a change): from here on, frames are only
         # checked, and broker bytes are relayed without parsing.
         self._advance(Trigger.OPENED if self._ctx.replicating else Trigger.OPENED_PASSTHROUGH)
         return None
 
-    def _b_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _b_close(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         """The broker's connection.close: relayed; nothing held is released
         any more."""
         self._advance(Trigger.BROKER_CLOSE)
         return None
 
-    def _b_close_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _b_close_ok(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         self._advance(Trigger.BROKER_CLOSE_OK)
         return None
 
-    def _closing_from_client(self, buf: bytes, f: Frame) -> None:
+    def _closing_from_client(self, buf: bytes, f: FrameSpan) -> None:
         """After our connection.close: wait for the client's close-ok."""
         if f.type != amqp.FRAME_METHOD or f.channel != 0:
             return
         ids = amqp.method_id(buf, f)
-        if ids == amqp.CONNECTION_CLOSE:  # both sides closed at once
+        if ids == Method.CONNECTION_CLOSE:  # both sides closed at once
             self._to_client(amqp.marshal_method(commands.Connection.CloseOk(), 0))
             self._advance(Trigger.CLIENT_CLOSE)
-        elif ids == amqp.CONNECTION_CLOSE_OK:
+        elif ids == Method.CONNECTION_CLOSE_OK:
             self._advance(Trigger.CLIENT_CLOSE_OK)
 
-    def _closing_from_broker(self, buf: bytes, f: Frame) -> None:
+    def _closing_from_broker(self, buf: bytes, f: FrameSpan) -> None:
         """After our connection.close: wait for the broker's close-ok."""
         if f.type != amqp.FRAME_METHOD or f.channel != 0:
             return
         ids = amqp.method_id(buf, f)
-        if ids == amqp.CONNECTION_CLOSE:
+        if ids == Method.CONNECTION_CLOSE:
             self._out.to_broker.append(amqp.marshal_method(commands.Connection.CloseOk(), 0))
             self._advance(Trigger.BROKER_CLOSE)
-        elif ids == amqp.CONNECTION_CLOSE_OK:
+        elif ids == Method.CONNECTION_CLOSE_OK:
             self._advance(Trigger.BROKER_CLOSE_OK)
 
     def _finish_raw_frame(self, data: bytes) -> bytes:
@@ -584,7 +583,7 @@ class Session:
 
     def _broker_fault(self, e: AMQPError) -> None:
         log.warning("connection %d: broker sent a bad frame: %s", self.connection_id, e)
-        self._fail(amqp.AMQPError(f"broker protocol fault: {e.args[0]}"))
+        self._fail(amqp.BrokerProtocolError(f"broker protocol fault: {e.args[0]}"))
 
     def _fail(self, error: AMQPError, trigger: Trigger = Trigger.FAULT) -> None:
         """Close the client connection with ``error``'s reply code and text;
@@ -635,16 +634,16 @@ class Session:
             ch = self._channels[channel] = Channel(channel, self._ctx)
         return ch
 
-    def _c_channel_open(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _c_channel_open(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         self._channels[channel] = Channel(channel, self._ctx)
         return None
 
-    def _c_channel_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _c_channel_close(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         # The channel's unacked deliveries return to their queues: no event.
         self._channel(channel).closing = True
         return None
 
-    def _b_channel_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _b_channel_close(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         # Unacked deliveries return to their queues, buffered tx events are
         # void, unconfirmed publishes will never be confirmed: forget them all
         # once the client has answered close-ok.
@@ -671,7 +670,7 @@ class Session:
         if reopening:
             self._reopen(reopening)
 
-    def _client_frame(self, buf: bytes, f: Frame) -> bytes | None:  # noqa: C901 - one call per frame
+    def _client_frame(self, buf: bytes, f: FrameSpan) -> bytes | None:  # noqa: C901 - one call per frame
         """Handle one client frame: None relays it, bytes replace it (b"" drops)."""
         ch = self._channels.get(f.channel)
         if ch is not None and ch.held is not None:
@@ -682,7 +681,7 @@ class Session:
             return ch.on_closing_frame(buf, f, client=True)
         if f.type == amqp.FRAME_METHOD:
             if ch is not None and ch.publish is not None:
-                raise amqp.UnexpectedFrame(
+                raise amqp.FrameOutOfOrder(
                     f"method frame on channel {f.channel} while content was expected"
                 )
             ids = amqp.method_id(buf, f)
@@ -697,11 +696,11 @@ class Session:
             return handler(self, f.channel, buf, f) if handler is not None else None
         if f.type == amqp.FRAME_BODY:
             if ch is None:
-                raise amqp.UnexpectedFrame(f"content body on channel {f.channel} without a header")
+                raise amqp.FrameOutOfOrder(f"content body on channel {f.channel} without a header")
             return ch.on_body(buf, f)
         if f.type == amqp.FRAME_HEADER:
             if ch is None:
-                raise amqp.UnexpectedFrame(
+                raise amqp.FrameOutOfOrder(
                     f"content header on channel {f.channel} without a publish"
                 )
             return ch.on_content_header(buf, f)
@@ -709,7 +708,7 @@ class Session:
             raise amqp.FrameError(f"heartbeat frame on channel {f.channel}")
         return None
 
-    def _broker_frame(self, buf: bytes, f: Frame) -> bytes | None:
+    def _broker_frame(self, buf: bytes, f: FrameSpan) -> bytes | None:
         ch = self._channels.get(f.channel)
         if ch is not None and ch.closing:
             return ch.on_closing_frame(buf, f, client=False)
@@ -731,12 +730,12 @@ class Session:
 
     # topology: applied when the broker says -ok (or at once with nowait)
 
-    def _c_topology(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _c_topology(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         if not self._ctx.replicating:
             return None
         return self._topology.request(self._channel(channel), buf, f)
 
-    def _b_topology_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _b_topology_ok(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         ch = self._channels.get(channel)
         return self._topology.answered(ch, buf, f) if ch is not None else None
 
@@ -754,7 +753,7 @@ class Session:
 
 
 def _behind_frame(
-    out: list[bytes], mark: int, buf: bytes, run: int, f: Frame, replacement: bytes | None
+    out: list[bytes], mark: int, buf: bytes, run: int, f: FrameSpan, replacement: bytes | None
 ) -> int:
     """A handler of frame ``f`` added frames of its own to ``out`` (from
     ``mark`` on: confirms it released), or failed: put them behind ``f`` (or
@@ -783,13 +782,13 @@ def _relay_rest(buf: bytes, run: int, end: int, out: list[bytes]) -> None:
 
 #: the connection's own methods, and a channel's open and close
 _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
-    amqp.CONNECTION_START_OK: Session._c_start_ok,
-    amqp.CONNECTION_TUNE_OK: Session._c_tune_ok,
-    amqp.CONNECTION_OPEN: Session._c_open,
-    amqp.CONNECTION_CLOSE: Session._c_close,
-    amqp.CONNECTION_CLOSE_OK: Session._c_close_ok,
-    amqp.CHANNEL_OPEN: Session._c_channel_open,
-    amqp.CHANNEL_CLOSE: Session._c_channel_close,
+    Method.CONNECTION_START_OK: Session._c_start_ok,
+    Method.CONNECTION_TUNE_OK: Session._c_tune_ok,
+    Method.CONNECTION_OPEN: Session._c_open,
+    Method.CONNECTION_CLOSE: Session._c_close,
+    Method.CONNECTION_CLOSE_OK: Session._c_close_ok,
+    Method.CHANNEL_OPEN: Session._c_channel_open,
+    Method.CHANNEL_CLOSE: Session._c_channel_close,
     **dict.fromkeys(REQUEST_METHODS, Session._c_topology),
 }
 
@@ -797,44 +796,44 @@ _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
 #: basic.cancel is not among them: the consumer is forgotten on cancel-ok,
 #: and its deliveries may still be acked
 _CHANNEL_METHODS: dict[tuple[int, int], _OnChannel] = {
-    amqp.BASIC_PUBLISH: Channel.on_publish,
-    amqp.BASIC_ACK: Channel.on_ack,
-    amqp.BASIC_NACK: Channel.on_ack,
-    amqp.BASIC_REJECT: Channel.on_ack,
-    amqp.BASIC_CONSUME: Channel.on_consume,
-    amqp.BASIC_GET: Channel.on_get,
-    amqp.BASIC_RECOVER: Channel.on_recover,
-    amqp.BASIC_RECOVER_ASYNC: Channel.on_recover,
-    amqp.CONFIRM_SELECT: Channel.on_confirm_select,
-    amqp.TX_SELECT: Channel.on_tx_select,
-    amqp.TX_COMMIT: Channel.on_tx_commit,
-    amqp.TX_ROLLBACK: Channel.on_tx_rollback,
+    Method.BASIC_PUBLISH: Channel.on_publish,
+    Method.BASIC_ACK: Channel.on_ack,
+    Method.BASIC_NACK: Channel.on_ack,
+    Method.BASIC_REJECT: Channel.on_ack,
+    Method.BASIC_CONSUME: Channel.on_consume,
+    Method.BASIC_GET: Channel.on_get,
+    Method.BASIC_RECOVER: Channel.on_recover,
+    Method.BASIC_RECOVER_ASYNC: Channel.on_recover,
+    Method.CONFIRM_SELECT: Channel.on_confirm_select,
+    Method.TX_SELECT: Channel.on_tx_select,
+    Method.TX_COMMIT: Channel.on_tx_commit,
+    Method.TX_ROLLBACK: Channel.on_tx_rollback,
 }
 
 _BROKER_METHODS: dict[tuple[int, int], _Handler] = {
-    amqp.CONNECTION_TUNE: Session._b_tune,
-    amqp.CONNECTION_OPEN_OK: Session._b_open_ok,
-    amqp.CONNECTION_CLOSE: Session._b_close,
-    amqp.CONNECTION_CLOSE_OK: Session._b_close_ok,
-    amqp.CHANNEL_CLOSE: Session._b_channel_close,
+    Method.CONNECTION_TUNE: Session._b_tune,
+    Method.CONNECTION_OPEN_OK: Session._b_open_ok,
+    Method.CONNECTION_CLOSE: Session._b_close,
+    Method.CONNECTION_CLOSE_OK: Session._b_close_ok,
+    Method.CHANNEL_CLOSE: Session._b_channel_close,
     **dict.fromkeys(OK_METHODS, Session._b_topology_ok),
 }
 
 #: the broker's methods on a channel the client opened, handled by it
 _BROKER_CHANNEL_METHODS: dict[tuple[int, int], _OnChannel] = {
-    amqp.BASIC_DELIVER: Channel.on_deliver,
-    amqp.BASIC_GET_OK: Channel.on_get_ok,
-    amqp.BASIC_GET_EMPTY: Channel.on_get_empty,
-    amqp.BASIC_CONSUME_OK: Channel.on_consume_ok,
-    amqp.BASIC_CANCEL: Channel.on_cancel,
-    amqp.BASIC_CANCEL_OK: Channel.on_cancel,
-    amqp.BASIC_ACK: Channel.on_confirm,
-    amqp.BASIC_NACK: Channel.on_confirm,
-    amqp.BASIC_RETURN: Channel.on_return,
-    amqp.TX_COMMIT_OK: Channel.on_tx_commit_ok,
-    amqp.TX_ROLLBACK_OK: Channel.on_tx_rollback_ok,
+    Method.BASIC_DELIVER: Channel.on_deliver,
+    Method.BASIC_GET_OK: Channel.on_get_ok,
+    Method.BASIC_GET_EMPTY: Channel.on_get_empty,
+    Method.BASIC_CONSUME_OK: Channel.on_consume_ok,
+    Method.BASIC_CANCEL: Channel.on_cancel,
+    Method.BASIC_CANCEL_OK: Channel.on_cancel,
+    Method.BASIC_ACK: Channel.on_confirm,
+    Method.BASIC_NACK: Channel.on_confirm,
+    Method.BASIC_RETURN: Channel.on_return,
+    Method.TX_COMMIT_OK: Channel.on_tx_commit_ok,
+    Method.TX_ROLLBACK_OK: Channel.on_tx_rollback_ok,
 }
 #: requests for messages, tracked only on a replicated vhost
-_CONSUMING = frozenset({amqp.BASIC_CONSUME, amqp.BASIC_GET})
+_CONSUMING = frozenset({Method.BASIC_CONSUME, Method.BASIC_GET})
 #: messages for the client, whose content header carries our id to cut
-_DELIVERIES = frozenset({amqp.BASIC_DELIVER, amqp.BASIC_GET_OK, amqp.BASIC_RETURN})
+_DELIVERIES = frozenset({Method.BASIC_DELIVER, Method.BASIC_GET_OK, Method.BASIC_RETURN})

@@ -25,6 +25,7 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 IO_MODULES = ("asyncio", "socket", "ssl", "psycopg")
 SANS_IO = (
     "plugin.session._session",
+    "plugin.session._connection",
     "plugin.session._lifecycle",
     "plugin.session._channel",
     "plugin.session._channel_state",

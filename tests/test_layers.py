@@ -39,6 +39,8 @@ SANS_IO = (
     "plugin.session._actions",
     "plugin.session._refusal",
     "plugin.topology._topology",
+    "plugin.topology._entities",
+    "plugin.topology._scope",
     "plugin.topology._routing",
     "plugin.session",
     "plugin.topology",

@@ -4,15 +4,17 @@ confirm bookkeeping, the reply-code table."""
 
 from __future__ import annotations
 
+import ast
 import struct
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, strategies as st
 from pamqp import body, commands, frame, header
 
-from bridge import BridgeError
+from bridge import BridgeError, amqp
 from bridge.amqp import (
     HEARTBEAT_FRAME,
     REPLY_CODES,
@@ -287,3 +289,32 @@ def test_one_root_for_both_ends() -> None:
         "ACCESS_REFUSED - no",
         (10, 11),
     )
+
+
+def _defined_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def test_the_amqp_vocabulary_is_defined_once() -> None:
+    """What bridge.amqp exports is defined nowhere else: the listener and the
+    broker client once had an error class per reply code each, a frame
+    splitter each and a confirm tracker each."""
+    root = Path(__file__).resolve().parent.parent
+    own = root / "bridge" / "amqp"
+    exported = set(amqp.__all__)
+    again = sorted(
+        f"{path.relative_to(root)}: {name}"
+        for package in ("plugin", "txn", "bridge")
+        for path in (root / package).rglob("*.py")
+        if own not in path.parents
+        for name in _defined_names(path) & exported
+    )
+    assert again == []

@@ -109,6 +109,7 @@ def tree_copy(tmp_path: Path) -> Path:
         ("bridge/active/_syncgate.py", "import asyncio", "sans-IO modules load no"),
         ("bridge/wire/_frames.py", "import psycopg", "sans-IO modules load no"),
         ("plugin/session/_session.py", "import socket", "sans-IO modules load no"),
+        ("bridge/amqp/_frames.py", "import asyncio", "sans-IO modules load no"),
     ],
 )
 def test_a_deliberate_breach_fails_the_contracts(

@@ -9,7 +9,8 @@ failpoints. Importing it loads neither asyncio, sockets nor psycopg.
 
 The replication itself is in subpackages, each with its names in its own
 ``__init__``: ``wire`` (the bridge protocol, sans-IO), ``link`` (its
-transport), ``amqp`` (the node's broker client), ``store`` (the site
+transport), ``amqp`` (AMQP 0-9-1 without I/O, for the listener and the
+node's broker client), ``store`` (the site
 database's per-VPN rows), ``ledger`` (the active's ledger and the apply
 step), ``broker`` (the management API and config-sync), ``roles``
 (promotion, fencing, demotion), ``active`` and ``standby`` (the bridge's

@@ -2,7 +2,7 @@
 stored messages byte for byte.
 
 Why not pika or aio-pika: they take properties as objects and encode them
-again, which changes field types (see :mod:`bridge.amqp._codec`). This client
+again, which changes field types (see :func:`bridge.amqp.encode_message`). This client
 writes the stored property bytes verbatim and does only what replaying
 messages needs: the handshake (PLAIN login, TLS when asked), a channel in
 confirm mode, passive ``queue.declare``, ``queue.purge``, ``basic.publish``
@@ -14,10 +14,10 @@ its whole cost; a caller that must know every message found its queue
 checks the queue before and its depth after (as the materialiser does).
 
 Invariant: a message counts as confirmed only once the broker acked its
-delivery tag (:class:`~bridge.amqp._codec.ConfirmTracker`), and every way
+delivery tag (:class:`~bridge.amqp.BrokerConfirms`), and every way
 the broker can refuse or drop one — a nack, a return, a channel or
 connection close, a lost or silent connection — raises a
-:class:`~bridge.amqp._codec.BrokerError` in the caller waiting on it, never
+:class:`~bridge.amqp.AMQPError` in the caller waiting on it, never
 passes silently. Foreign errors (``OSError``, ``ssl.SSLError``, pamqp's)
 are translated here, at the boundary, with ``raise ... from``.
 
@@ -46,13 +46,14 @@ from bridge.amqp import (
     HEARTBEAT_FRAME,
     PROTOCOL_HEADER,
     AmqpEndpoint,
-    BrokerError,
+    AMQPError,
+    BrokerConfirms,
     BrokerProtocolError,
     BrokerUnreachable,
-    ConfirmTracker,
+    FrameSpan,
     FrameSplitter,
     PublishRejected,
-    RawFrame,
+    broker_frames,
     encode_message,
     refusal,
 )
@@ -92,12 +93,12 @@ class BrokerPublisher(asyncio.Protocol):
         self.connection_name = connection_name
         self.frame_max = 131072
         self.heartbeat = heartbeat
-        self._tracker = ConfirmTracker()
+        self._tracker = BrokerConfirms()
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
-        self._splitter = FrameSplitter()
-        self._error: BrokerError | None = None  # the connection's, final
-        self._channel_error: BrokerError | None = None  # until the channel is reopened
+        self._splitter = FrameSplitter(self.frame_max)
+        self._error: AMQPError | None = None  # the connection's, final
+        self._channel_error: AMQPError | None = None  # until the channel is reopened
         self._channel_open = False
         self._closing = False
         self._paused = False
@@ -180,7 +181,7 @@ class BrokerPublisher(asyncio.Protocol):
                 close = commands.Connection.Close(200, "bye", 0, 0)
                 try:
                     await self._call(close, commands.Connection.CloseOk, 0, 5.0)
-                except BrokerError as e:
+                except AMQPError as e:
                     log.debug("closing the broker connection: %s", e)
             self._transport.close()
         try:
@@ -197,7 +198,7 @@ class BrokerPublisher(asyncio.Protocol):
     # ------------------------------------------------------------ requests
 
     async def declare_passive(self, queue: str) -> int:
-        """The queue's ready-message count; :class:`~bridge.amqp._codec.NotFound`
+        """The queue's ready-message count; :class:`~bridge.amqp.NotFound`
         when it does not exist (the broker closes the channel; the next call
         opens it again)."""
         await self._ensure_channel()
@@ -244,7 +245,7 @@ class BrokerPublisher(asyncio.Protocol):
         if not self.transactional:
             raise RuntimeError("commit() needs a publisher connected with transactional=True")
         await self._call(commands.Tx.Commit(), commands.Tx.CommitOk)
-        self._tracker = ConfirmTracker()  # nothing is confirmed on such a channel
+        self._tracker = BrokerConfirms()  # nothing is confirmed on such a channel
 
     async def wait_confirmed(self) -> None:
         """Return once the broker confirmed everything published so far."""
@@ -301,12 +302,13 @@ class BrokerPublisher(asyncio.Protocol):
         self._last_read = self._loop.time()
         acked = 0
         try:
-            for f in self._splitter.feed(data):
+            buf, frames = broker_frames(self._splitter, data)
+            for f in frames:
                 if f.type == FRAME_METHOD:
-                    acked += self._on_method(f)
+                    acked += self._on_method(buf, f)
                 # a heartbeat only shows the broker alive (_last_read); content
                 # frames only follow a basic.return, which failed the publisher
-        except BrokerError as e:
+        except AMQPError as e:
             self._fail(e)
             self.abort()
             return
@@ -317,17 +319,17 @@ class BrokerPublisher(asyncio.Protocol):
 
     # ------------------------------------------------------------ frames in
 
-    def _on_method(self, f: RawFrame) -> int:
-        """Handle one method frame; returns how many publishes it confirmed."""
-        data = f.data
-        if len(data) == _CONFIRM_FRAME_SIZE and f.channel == self.CHANNEL:
-            class_id, method_id, tag, bits = _CONFIRM.unpack_from(data, 7)
+    def _on_method(self, buf: bytes, f: FrameSpan) -> int:
+        """Handle method frame ``f`` of ``buf``; returns how many publishes it
+        confirmed."""
+        if f.end - f.start == _CONFIRM_FRAME_SIZE and f.channel == self.CHANNEL:
+            class_id, method_id, tag, bits = _CONFIRM.unpack_from(buf, f.start + 7)
             if class_id == 60 and method_id == 80:
                 return self._tracker.ack(tag, bool(bits & 1))
             if class_id == 60 and method_id == 120:
                 raise PublishRejected(f"the broker nacked delivery tag {tag}")
         try:
-            _, _, method = frame.unmarshal(data)
+            _, _, method = frame.unmarshal(buf[f.start : f.end])
         except PAMQPException as e:
             raise BrokerProtocolError(f"undecodable method frame: {e}") from e
         if not isinstance(method, base.Frame):
@@ -485,7 +487,7 @@ class BrokerPublisher(asyncio.Protocol):
         self._channel_error = None
         await self._call(commands.Channel.Open(), commands.Channel.OpenOk)
         self._channel_open = True
-        self._tracker = ConfirmTracker()
+        self._tracker = BrokerConfirms()
         if self.transactional:
             await self._call(commands.Tx.Select(), commands.Tx.SelectOk)
         else:
@@ -503,18 +505,18 @@ class BrokerPublisher(asyncio.Protocol):
             self._write(HEARTBEAT_FRAME)
         self._timer = self._loop.call_later(self.heartbeat / 2, self._tick)
 
-    def _fail(self, err: BrokerError) -> None:
+    def _fail(self, err: AMQPError) -> None:
         """A connection-level error: final; everyone waiting gets it."""
         if self._error is None:
             self._error = err
         self._wake(self._error)
 
-    def _fail_channel(self, err: BrokerError) -> None:
+    def _fail_channel(self, err: AMQPError) -> None:
         self._channel_open = False
         self._channel_error = err
         self._wake(err)
 
-    def _wake(self, err: BrokerError) -> None:
+    def _wake(self, err: AMQPError) -> None:
         for fut in (self._rpc, self._written, self._all_confirmed):
             if fut is not None and not fut.done():
                 fut.set_exception(err)

@@ -73,7 +73,7 @@ from bridge._errors import BridgeError
 from bridge.amqp import (
     AccessRefused,
     AmqpEndpoint,
-    BrokerError,
+    AMQPError,
     NotAllowed,
     NotFound,
     persistent_properties,
@@ -207,7 +207,7 @@ async def materialise(
         return await run.run(endpoint, ssl_context)
     except psycopg.Error as e:
         raise MaterialiseError(f"site store: {_pg_reason(e)}", vpn, queue=run.queue) from e
-    except BrokerError as e:
+    except AMQPError as e:
         where = f"queue {run.queue!r}: " if run.queue else ""
         raise MaterialiseError(f"{where}{e}", vpn, queue=run.queue) from e
 

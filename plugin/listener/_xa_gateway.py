@@ -23,7 +23,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from bridge import LocalTransaction
-from plugin.session import PRECONDITION_FAILED, Channel, Output, Session, XaCall
+from bridge.amqp import PreconditionFailed
+from plugin.session import Channel, Output, Session, XaCall
 from txn.branches import BranchChannel, XaCoordinator
 from txn.xa import XaError, XaReply, XaRequest, XaResourceError, XaResourceFailure
 
@@ -117,7 +118,7 @@ class XaGateway:
                 conn.apply(
                     session.refuse_channel(
                         ch,
-                        PRECONDITION_FAILED,
+                        PreconditionFailed.reply_code,
                         "an XA request's reply_to must name an exclusive queue this"
                         f" connection declared (got {(call.reply_to or '')[:60]!r})",
                     )

@@ -29,7 +29,7 @@ from pamqp import commands
 from psycopg.rows import tuple_row
 
 from bridge import MARKER_QUEUE, Consumed, DeadLettered, Published
-from bridge.amqp import AmqpEndpoint, BrokerError, persistent_properties
+from bridge.amqp import AmqpEndpoint, AMQPError, persistent_properties
 from bridge.broker import BrokerPublisher
 from txn.local import MarkerStore, restored_marker
 
@@ -66,7 +66,7 @@ class ReplyPublisher:
                 try:
                     await publisher.publish(queue, [(properties, body)], _NO_WINDOW)
                     return
-                except BrokerError:
+                except AMQPError:
                     self._publishers.pop(vhost, None)
                     publisher.abort()
                     if attempt == 2:
@@ -88,7 +88,7 @@ class ReplyPublisher:
     async def close(self) -> None:
         publishers, self._publishers = self._publishers, {}
         for publisher in publishers.values():
-            with contextlib.suppress(BrokerError, OSError):
+            with contextlib.suppress(AMQPError, OSError):
                 await publisher.close()
 
 

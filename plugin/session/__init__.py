@@ -1,16 +1,15 @@
 """One client connection through the listener, without I/O.
 
 The session (bytes in, actions out), its lifecycle table, channels, held
-confirms, the publish paths, topology requests seen on the wire, the AMQP
-framing the listener needs.
+confirms, the publish paths, topology requests seen on the wire. The AMQP
+codec under it is :mod:`bridge.amqp`.
 """
 
 from __future__ import annotations
 
 from ._actions import Output, XaCall
-from ._amqp import PRECONDITION_FAILED
 from ._channel import Channel
-from ._confirms import ConfirmTracker
+from ._confirms import HeldConfirms
 from ._lifecycle import (
     BROKER_DONE,
     BROKER_READS,
@@ -46,7 +45,6 @@ from ._topology_changes import (
 )
 
 __all__ = [
-    "PRECONDITION_FAILED",
     "BROKER_DONE",
     "BROKER_READS",
     "BindExchange",
@@ -58,7 +56,7 @@ __all__ = [
     "CLOSING",
     "Channel",
     "ClientReads",
-    "ConfirmTracker",
+    "HeldConfirms",
     "DeclareExchange",
     "DeclareQueue",
     "DeleteExchange",

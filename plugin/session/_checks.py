@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from plugin.session import _amqp as amqp
-
-from ._amqp import Frame
+from bridge import amqp
+from bridge.amqp import FrameSpan, Method
 
 __all__ = ["FrameChecks"]
 
@@ -38,7 +37,7 @@ class FrameChecks:
         #: channel -> body bytes received so far
         self._received: dict[int, int] = {}
 
-    def check(self, buf: bytes, f: Frame) -> None:
+    def check(self, buf: bytes, f: FrameSpan) -> None:
         """Check frame ``f`` of ``buf``; raises the AMQPError of its fault."""
         ftype, channel = f.type, f.channel
         expect = self.content
@@ -47,7 +46,7 @@ class FrameChecks:
         elif ftype == amqp.FRAME_BODY:
             due = expect.get(channel, -1)
             if due < 0:
-                raise amqp.UnexpectedFrame(f"content body on channel {channel} without a header")
+                raise amqp.FrameOutOfOrder(f"content body on channel {channel} without a header")
             got = self._received.get(channel, 0) + f.end - f.start - 8
             if got > due:
                 raise amqp.FrameError(
@@ -60,7 +59,7 @@ class FrameChecks:
                 self._received.pop(channel, None)
         elif ftype == amqp.FRAME_HEADER:
             if expect.get(channel) != -1:
-                raise amqp.UnexpectedFrame(f"content header on channel {channel} without a publish")
+                raise amqp.FrameOutOfOrder(f"content header on channel {channel} without a publish")
             size = amqp.content_body_size(buf, f)
             if size:
                 expect[channel] = size
@@ -72,10 +71,10 @@ class FrameChecks:
 
     def _check_method(self, ids: tuple[int, int], channel: int) -> None:
         if channel in self.content:
-            raise amqp.UnexpectedFrame(
+            raise amqp.FrameOutOfOrder(
                 f"method frame on channel {channel} while content was expected"
             )
-        if ids == amqp.BASIC_PUBLISH:
+        if ids == Method.BASIC_PUBLISH:
             self.content[channel] = -1
-        elif ids == amqp.CONNECTION_CLOSE and channel == 0:
+        elif ids == Method.CONNECTION_CLOSE and channel == 0:
             self._client_closed()

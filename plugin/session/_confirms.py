@@ -1,7 +1,7 @@
 """Publisher confirms held until a replicated publish is durable.
 
 On a replicated connection every publish of a confirm channel gets a
-:class:`HeldConfirm` in its channel's :class:`ConfirmTracker`, keyed by its
+:class:`HeldConfirm` in its channel's :class:`HeldConfirms`, keyed by its
 sequence number (the delivery tag the client will see). The broker's
 ``basic.ack``/``basic.nack`` is not relayed: the tracker releases the
 client's confirm itself, once it may.
@@ -13,7 +13,7 @@ front are released as ``multiple`` runs (all lower tags are already
 released by construction); ready entries behind a held one are released one
 by one. A released entry is deleted.
 
-Why the code keeps it: :meth:`ConfirmTracker.release` walks the front of
+Why the code keeps it: :meth:`HeldConfirms.release` walks the front of
 ``order`` (sequence numbers in publish order) and stops at the first entry
 that is not ready, so a run only ever covers a prefix in which every tag is
 ready or already released; a run is cut where the verdict changes (an ack
@@ -29,6 +29,9 @@ replicated publish, the sink made it durable; ``basic.nack`` otherwise. A
 replicated publish the broker nacked (a full queue with ``reject-publish``)
 is already with the sink: it is taken back with a :class:`Consumed` event per
 queue, so both sites hold what the broker holds.
+
+(The broker's confirms of what the node itself publishes are another
+thing: :class:`bridge.amqp.BrokerConfirms`.)
 """
 
 from __future__ import annotations
@@ -36,10 +39,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from bridge import ConfirmKey, Consumed, Event, Published
-from plugin.session import _amqp as amqp
+from bridge import ConfirmKey, Consumed, Event, Published, amqp
 
-__all__ = ["ConfirmTracker", "HeldConfirm"]
+__all__ = ["HeldConfirms", "HeldConfirm"]
 
 
 @dataclass(slots=True)
@@ -64,8 +66,9 @@ class HeldConfirm:
         return bool(self.broker) and (not self.replicated or bool(self.durable))
 
 
-class ConfirmTracker:
-    """The confirms of one channel in confirm mode (see the module's invariant).
+class HeldConfirms:
+    """The client's confirms the listener holds on one channel in confirm
+    mode (see the module's invariant).
 
     ``channel`` is the channel number, for the frames released. On a
     connection that replicates nothing the tracker only numbers publishes

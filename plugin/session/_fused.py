@@ -21,10 +21,9 @@ from __future__ import annotations
 import enum
 import struct
 
-from bridge import RESERVED_PREFIX, Published
-from plugin.session import _amqp as amqp
+from bridge import RESERVED_PREFIX, Published, amqp
+from bridge.amqp import AMQPError, FrameSpan, Method
 
-from ._amqp import AMQPError, Frame
 from ._channel import Channel, ChannelContext
 from ._publish import in_scope_queues, stamped
 
@@ -66,7 +65,9 @@ class FusedPublish:
         self._routes: dict[bytes, tuple[str, str, tuple[str, ...]]] = {}
         self._routes_generation = -1
 
-    def whole(self, buf: bytes, f: Frame, h: Frame, b: Frame) -> bytes | None | Declined:
+    def whole(
+        self, buf: bytes, f: FrameSpan, h: FrameSpan, b: FrameSpan
+    ) -> bytes | None | Declined:
         """Method ``f`` (its ids are ``basic.publish``), header ``h``, body ``b``.
 
         Returns the replacement of the header frame (None: relay all three
@@ -129,7 +130,7 @@ class FusedPublish:
         ch.record(seq, event)
         return header
 
-    def _route(self, buf: bytes, f: Frame) -> tuple[str, str, tuple[str, ...]]:
+    def _route(self, buf: bytes, f: FrameSpan) -> tuple[str, str, tuple[str, ...]]:
         """Exchange, routing key and in-scope queues (for a persistent publish
         without headers) of the basic.publish ``f``, memoised by the raw bytes
         of its exchange and routing key while the topology is unchanged."""
@@ -138,7 +139,7 @@ class FusedPublish:
             end = start + 1 + buf[start]
             end += 1 + buf[end]
         except IndexError as e:
-            raise amqp.SyntaxError_("malformed basic.publish", amqp.BASIC_PUBLISH) from e
+            raise amqp.SyntaxError_("malformed basic.publish", Method.BASIC_PUBLISH) from e
         raw = buf[start:end]
         generation = self._vpn.topology.generation
         if generation != self._routes_generation:
@@ -153,7 +154,7 @@ class FusedPublish:
                 self._routes.clear()
             self._routes[raw] = hit
         elif end >= f.end - 1:  # the mandatory/immediate octet is missing
-            raise amqp.SyntaxError_("malformed basic.publish", amqp.BASIC_PUBLISH)
+            raise amqp.SyntaxError_("malformed basic.publish", Method.BASIC_PUBLISH)
         return hit
 
 
@@ -169,7 +170,7 @@ class FusedCheck:
     def __init__(self, content: dict[int, int]) -> None:
         self._content = content
 
-    def whole(self, buf: bytes, f: Frame, h: Frame, b: Frame) -> None | Declined:
+    def whole(self, buf: bytes, f: FrameSpan, h: FrameSpan, b: FrameSpan) -> None | Declined:
         """None when method ``f`` (its ids are ``basic.publish``), header
         ``h`` and body ``b`` pass every check the frame-by-frame path makes
         and leave its state as it was (a complete publish with one body

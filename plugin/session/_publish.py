@@ -10,7 +10,7 @@ header (:func:`stamped`) from a :class:`HeaderTemplate`.
 The invariant: **the client's properties reach the broker byte for byte,
 with only our entry added at the end of the headers table** (a client's own
 entry of that name is replaced). A template is made with
-:func:`~plugin.session._amqp.splice_header` once per distinct property bytes and
+:func:`~bridge.amqp.splice_header` once per distinct property bytes and
 split around the id's eight bytes, so each message gets exactly the bytes
 splicing it would give; its headers table is checked when the template is
 made, for every publish, persistent or not (RabbitMQ 3.10 crashes the
@@ -22,8 +22,7 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from bridge import REPLICATION_HEADER, RESERVED_PREFIX
-from plugin.session import _amqp as amqp
+from bridge import REPLICATION_HEADER, RESERVED_PREFIX, amqp
 from plugin.topology import Refused, VpnView, header_routes
 
 __all__ = ["HeaderTemplate", "HeaderTemplates", "header_frame", "in_scope_queues", "stamped"]

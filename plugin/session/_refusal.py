@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from pamqp import commands
 
-from plugin.session import _amqp as amqp
-
-from ._amqp import AMQPError, FrameSplitter
+from bridge import amqp
+from bridge.amqp import AMQPError, FrameSplitter, Method
 
 __all__ = ["HANDSHAKE_FRAME_MAX", "BrokerUnavailable", "TooManyConnections"]
 
@@ -63,9 +62,12 @@ class BrokerUnavailable:
                     ids = amqp.method_id(buf, f)
                 except AMQPError:
                     ids = (0, 0)
-                if ids == amqp.CONNECTION_CLOSE_OK:
+                if ids == Method.CONNECTION_CLOSE_OK:
                     self.done = True
-                elif ids in ((10, 11), amqp.CONNECTION_CLOSE):  # start-ok, or the client gives up
+                elif ids in (
+                    Method.CONNECTION_START_OK,
+                    Method.CONNECTION_CLOSE,
+                ):  # or the client gives up
                     error = amqp.ConnectionForced(self.text)
                     close = commands.Connection.Close(
                         reply_code=error.reply_code,

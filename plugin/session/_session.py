@@ -2,11 +2,13 @@
 
 ``Session`` is fed the bytes each side sent and returns what to send on, plus
 the replication events it saw (an :class:`~plugin.session._actions.Output`). It never
-opens a socket; ``_listener`` drives it. It is the connection's reader, as
+opens a socket; ``plugin.listener`` drives it. It is the connection's reader, as
 RabbitMQ's ``rabbit_reader``: it splits both byte streams into frames,
-relays them, keeps the connection's lifecycle (``plugin.session._lifecycle``) and
-its channels' open and close handshakes, and hands every other method on a
-channel to that :class:`~plugin.session._channel.Channel`. Whole publishes take the
+relays them, keeps its channels' open and close handshakes, and hands every
+other method on a channel to that :class:`~plugin.session._channel.Channel`.
+The connection's own methods, its lifecycle (``plugin.session._lifecycle``)
+and our close at a fault are a part of it of their own
+(:class:`~plugin.session._connection.ConnectionMethods`). Whole publishes take the
 fused path (``plugin.session._fused``); a vhost that is not replicated only has its
 frames checked (``plugin.session._checks``); topology requests go to
 :class:`~plugin.session._topology_changes.TopologyRequests`.
@@ -39,32 +41,26 @@ from collections.abc import Callable, Iterable
 
 from pamqp import commands
 
-from bridge import ConfirmKey, IdSource, ReplicationId
-from plugin.session import _amqp as amqp
-from plugin.topology import VpnDirectory, VpnView
+from bridge import ConfirmKey, IdSource, ReplicationId, amqp
+from bridge.amqp import AMQPError, FrameSpan, FrameSplitter, Method
+from plugin.topology import VpnDirectory
 from txn import MarkerKey
 
 from ._actions import Output
-from ._amqp import AMQPError, Frame, FrameSplitter
 from ._channel import Channel, ChannelContext
 from ._checks import FrameChecks
+from ._connection import ConnectionMethods
 from ._fused import DECLINED, PUBLISH_IDS, Declined, FusedCheck, FusedPublish
 from ._lifecycle import (
-    BROKER_DONE,
     BROKER_READS,
-    CLIENT_DONE,
     CLIENT_READS,
     CLOSING,
-    UPSTREAM_ON_FAULT,
     WE_CLOSED,
     BrokerReads,
     ClientReads,
     Lifecycle,
     Trigger,
-    Upstream,
-    advance,
 )
-from ._publish import HeaderTemplates
 from ._refusal import HANDSHAKE_FRAME_MAX
 from ._topology_changes import OK_METHODS, REQUEST_METHODS, TopologyRequests
 
@@ -72,20 +68,18 @@ __all__ = ["Output", "Session"]
 
 log = logging.getLogger(__name__)
 
-_CLOSE_OK_FRAME = amqp.frame_bytes(amqp.FRAME_METHOD, 0, b"\x00\x0a\x00\x33")
-
 # the reading modes, as module constants (compared once per read)
 _HEADER, _CHECKED = ClientReads.HEADER, ClientReads.CHECKED
 _SCAN, _CLIENT_NOTHING = ClientReads.SCAN, ClientReads.NOTHING
 _RAW, _BROKER_NOTHING = BrokerReads.RAW, BrokerReads.NOTHING
 
-_Handler = Callable[["Session", int, bytes, Frame], bytes | None]
-_OnChannel = Callable[[Channel, bytes, Frame], bytes | None]
+_Handler = Callable[["Session", int, bytes, FrameSpan], bytes | None]
+_OnChannel = Callable[[Channel, bytes, FrameSpan], bytes | None]
 #: a whole-publish step of :meth:`Session._relay` (see ``plugin.session._fused``)
-_Fused = Callable[[bytes, Frame, Frame, Frame], "bytes | None | Declined"]
+_Fused = Callable[[bytes, FrameSpan, FrameSpan, FrameSpan], "bytes | None | Declined"]
 
 
-class Session:
+class Session(ConnectionMethods):
     """The AMQP 0-9-1 state of one proxied client connection."""
 
     _ids_counter = 0
@@ -130,58 +124,6 @@ class Session:
         #: set at connection.open on a replicated vhost
         self._fused: FusedPublish | None = None
         self._topology = TopologyRequests(self._ctx, self._unsettled, self._release_held)
-
-    # ------------------------------------------------------------ state
-
-    @property
-    def state(self) -> Lifecycle:
-        return self._state
-
-    @property
-    def vpn(self) -> VpnView | None:
-        """The replicated VPN the client opened (None: not one of ours)."""
-        return self._ctx.vpn
-
-    @vpn.setter
-    def vpn(self, vpn: VpnView | None) -> None:
-        self._ctx.vpn = vpn
-
-    @property
-    def replicated(self) -> bool:
-        """The VPN was active when the client opened the connection."""
-        return self._ctx.replicating
-
-    @property
-    def passthrough(self) -> bool:
-        """Open on a vhost that is not replicated: frames checked, not tracked."""
-        return CLIENT_READS[self._state] is _CHECKED
-
-    @property
-    def closing(self) -> bool:
-        """A connection.close is on its way: nothing held is released any more."""
-        return self._state in CLOSING
-
-    @property
-    def client_done(self) -> bool:
-        """Nothing more will come from, or go to, the client."""
-        return self._state in CLIENT_DONE
-
-    @property
-    def broker_done(self) -> bool:
-        """Nothing more will come from the broker."""
-        return self._state in BROKER_DONE
-
-    @property
-    def _out(self) -> Output:
-        return self._ctx.out
-
-    def _advance(self, trigger: Trigger) -> None:
-        self._state = advance(self._state, trigger)
-
-    def _begin(self) -> Output:
-        """A new output for one call of the driver's; the channels fill it too."""
-        self._ctx.out = out = Output()
-        return out
 
     # ------------------------------------------------------------ feeding
 
@@ -267,7 +209,7 @@ class Session:
         txn, held = answered
         if refused is not None:
             text = f"transaction not committed: {refused}"
-            self._close_channel(ch, amqp.PRECONDITION_FAILED, text)
+            self._close_channel(ch, amqp.PreconditionFailed.reply_code, text)
             return out
         if ch.closing or self._state in CLOSING:
             out.abort.append(txn)  # the client is gone: the broker rolls back
@@ -301,15 +243,6 @@ class Session:
         the node may send it XA answers)."""
         return queue in self._topology.exclusive_queues
 
-    def shutdown(self, reason: str) -> Output:
-        """The listener is stopping: close both sides with AMQP, as RabbitMQ
-        itself does on shutdown (320), so nothing is dropped mid-frame."""
-        out = self._begin()
-        if self._state not in CLIENT_DONE and self._state not in WE_CLOSED:
-            self._fail(amqp.ConnectionForced(reason))
-            self.fault_code = None  # not a protocol fault of the client
-        return out
-
     def connection_lost(self, broker_died: bool = False) -> Output:
         """Either side went away: exclusive queues of this connection are
         gone; a transaction whose tx.commit reached the broker without its
@@ -329,9 +262,9 @@ class Session:
 
     # ------------------------------------------------------------ relaying
 
-    def _from_client(self, buf: bytes, frames: list[Frame]) -> None:
+    def _from_client(self, buf: bytes, frames: list[FrameSpan]) -> None:
         if CLIENT_READS[self._state] is _CHECKED:
-            handle: Callable[[bytes, Frame], bytes | None] = self._checks.check
+            handle: Callable[[bytes, FrameSpan], bytes | None] = self._checks.check
         else:
             handle = self._client_frame
         fused = self._fused.whole if self._fused is not None else self._fused_check.whole
@@ -339,7 +272,7 @@ class Session:
             buf, frames, self._out.to_broker, handle, self._closing_from_client, self._fail, fused
         )
 
-    def _from_broker(self, buf: bytes, frames: list[Frame]) -> None:
+    def _from_broker(self, buf: bytes, frames: list[FrameSpan]) -> None:
         self._relay(
             buf,
             frames,
@@ -352,10 +285,10 @@ class Session:
     def _relay(
         self,
         buf: bytes,
-        frames: list[Frame],
+        frames: list[FrameSpan],
         out: list[bytes],
-        handle: Callable[[bytes, Frame], bytes | None],
-        closing: Callable[[bytes, Frame], None],
+        handle: Callable[[bytes, FrameSpan], bytes | None],
+        closing: Callable[[bytes, FrameSpan], None],
         fail: Callable[[AMQPError], None],
         fused: _Fused | None = None,
     ) -> None:
@@ -428,205 +361,6 @@ class Session:
         if held:
             self._reopen(held)
 
-    # ------------------------------------------------------------ the connection
-
-    def _protocol_header(self, data: bytes) -> bytes:
-        need = 8 - len(self._client_header_buf)
-        self._client_header_buf += data[:need]
-        rest = data[need:]
-        if len(self._client_header_buf) < 8:
-            return b""
-        if self._client_header_buf != amqp.PROTOCOL_HEADER:
-            # AMQP 0-9-1 section 4.2.2: answer with the header we speak, then close.
-            self._out.to_client.append(amqp.PROTOCOL_HEADER)
-            self._out.drop_broker = True
-            self._advance(Trigger.BAD_HEADER)
-            return b""
-        if self._state is Lifecycle.AWAITING_HEADER:  # else upstream is gone already
-            self._out.to_broker.append(amqp.PROTOCOL_HEADER)
-        self._advance(Trigger.HEADER)
-        return rest
-
-    def _c_start_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        """EXTERNAL authentication is refused: the client's certificate ends
-        at the listener, which terminates TLS, and the broker would judge
-        the listener's own connection instead of the client."""
-        m = amqp.decode_method(buf, f)
-        assert isinstance(m, commands.Connection.StartOk)  # noqa: S101
-        if m.mechanism == "EXTERNAL":
-            raise amqp.AccessRefused(
-                "EXTERNAL authentication (a client certificate) cannot pass through the "
-                "vpnrepl listener; log in with a user name and password (PLAIN or AMQPLAIN)",
-                amqp.CONNECTION_START_OK,
-            )
-        # the broker judges the login; its user owns the XA branches it starts
-        self.user = amqp.login_user(m.mechanism, m.response)
-        return None
-
-    def _c_tune_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        """The client's frame_max, clamped to the broker's (a client's 0,
-        "no limit", would let it make the listener buffer any frame)."""
-        m = amqp.decode_method(buf, f)
-        assert isinstance(m, commands.Connection.TuneOk)  # noqa: S101
-        limit = self._broker_frame_max or HANDSHAKE_FRAME_MAX
-        self._client.frame_max = min(m.frame_max, limit) if m.frame_max else limit
-        return None
-
-    def _c_open(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        m = amqp.decode_method(buf, f)
-        assert isinstance(m, commands.Connection.Open)  # noqa: S101
-        self.vhost = m.virtual_host
-        ctx = self._ctx
-        vpn = ctx.vpn = self._directory.lookup(m.virtual_host)
-        ctx.replicating = vpn is not None and vpn.replicated
-        ctx.expose_id = vpn is not None and vpn.expose_id
-        ctx.templates = HeaderTemplates(ctx.expose_id)
-        self._fused = FusedPublish(ctx, self._channels) if ctx.replicating else None
-        if vpn is not None and vpn.refusal is not None:
-            raise amqp.NotAllowed(vpn.refusal, amqp.CONNECTION_OPEN)
-        if vpn is not None and not vpn.replicated:
-            raise amqp.NotAllowed(
-                f"vhost '{m.virtual_host}' is a replication standby; connect to the active site",
-                amqp.CONNECTION_OPEN,
-            )
-        return None
-
-    def _c_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        """The client's connection.close: relayed; nothing held is released
-        any more."""
-        self._advance(Trigger.CLIENT_CLOSE if channel == 0 else Trigger.CLIENT_CLOSE_ASTRAY)
-        return None
-
-    def _client_closed_in_passthrough(self) -> None:
-        self._advance(Trigger.CLIENT_CLOSE)
-
-    def _c_close_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        self._advance(Trigger.CLIENT_CLOSE_OK)
-        return None
-
-    def _b_tune(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        m = amqp.decode_method(buf, f)
-        assert isinstance(m, commands.Connection.Tune)  # noqa: S101
-        self._broker_frame_max = m.frame_max
-        return None
-
-    def _b_open_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        # Nothing on an unreplicated vhost concerns replication (settings apply
-        # to connections opened after a change): from here on, frames are only
-        # checked, and broker bytes are relayed without parsing.
-        self._advance(Trigger.OPENED if self._ctx.replicating else Trigger.OPENED_PASSTHROUGH)
-        return None
-
-    def _b_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        """The broker's connection.close: relayed; nothing held is released
-        any more."""
-        self._advance(Trigger.BROKER_CLOSE)
-        return None
-
-    def _b_close_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
-        self._advance(Trigger.BROKER_CLOSE_OK)
-        return None
-
-    def _closing_from_client(self, buf: bytes, f: Frame) -> None:
-        """After our connection.close: wait for the client's close-ok."""
-        if f.type != amqp.FRAME_METHOD or f.channel != 0:
-            return
-        ids = amqp.method_id(buf, f)
-        if ids == amqp.CONNECTION_CLOSE:  # both sides closed at once
-            self._to_client(amqp.marshal_method(commands.Connection.CloseOk(), 0))
-            self._advance(Trigger.CLIENT_CLOSE)
-        elif ids == amqp.CONNECTION_CLOSE_OK:
-            self._advance(Trigger.CLIENT_CLOSE_OK)
-
-    def _closing_from_broker(self, buf: bytes, f: Frame) -> None:
-        """After our connection.close: wait for the broker's close-ok."""
-        if f.type != amqp.FRAME_METHOD or f.channel != 0:
-            return
-        ids = amqp.method_id(buf, f)
-        if ids == amqp.CONNECTION_CLOSE:
-            self._out.to_broker.append(amqp.marshal_method(commands.Connection.CloseOk(), 0))
-            self._advance(Trigger.BROKER_CLOSE)
-        elif ids == amqp.CONNECTION_CLOSE_OK:
-            self._advance(Trigger.BROKER_CLOSE_OK)
-
-    def _finish_raw_frame(self, data: bytes) -> bytes:
-        """Passthrough ended (we closed the connection) inside a broker frame
-        whose start was relayed raw: the rest of it goes to the client, then
-        the frames of ours held behind it (:meth:`_to_client`). Returns the
-        bytes after that frame, which the splitter takes from a boundary
-        (so the broker's close-ok is seen)."""
-        end = self._broker.pass_over(data, one_frame=True)
-        if end:
-            self._out.to_client.append(data[:end])
-        if self._broker.in_frame:
-            return b""
-        self._out.to_client.extend(self._behind_raw_frame)
-        self._behind_raw_frame.clear()
-        return data[end:]
-
-    def _to_client(self, frame: bytes) -> None:
-        """A frame of ours for the client (our close, a close-ok answer),
-        behind the broker frame passthrough left half relayed, if any: the
-        client must never find it in the middle of a frame."""
-        if self._broker.in_frame:
-            self._behind_raw_frame.append(frame)
-        else:
-            self._out.to_client.append(frame)
-
-    def _find_close_ok(self, data: bytes) -> None:
-        """After a framing fault the frame boundaries are lost, but the
-        client's close-ok is still a fixed 12-byte frame: look for it, so a
-        well-behaved client is released at once, not by the close timer."""
-        window = self._scan_tail + data
-        if _CLOSE_OK_FRAME in window:
-            self._advance(Trigger.CLIENT_CLOSE_OK)
-        self._scan_tail = window[-(len(_CLOSE_OK_FRAME) - 1) :]
-
-    def _broker_fault(self, e: AMQPError) -> None:
-        log.warning("connection %d: broker sent a bad frame: %s", self.connection_id, e)
-        self._fail(amqp.AMQPError(f"broker protocol fault: {e.args[0]}"))
-
-    def _fail(self, error: AMQPError, trigger: Trigger = Trigger.FAULT) -> None:
-        """Close the client connection with ``error``'s reply code and text;
-        close the upstream connection cleanly (or drop it mid-handshake)."""
-        state = self._state
-        if state in WE_CLOSED:
-            return
-        log.warning(
-            "connection %d: closing client connection: %d %s",
-            self.connection_id,
-            error.reply_code,
-            error.reply_text,
-        )
-        self._to_client(
-            amqp.marshal_method(
-                commands.Connection.Close(
-                    reply_code=error.reply_code,
-                    reply_text=error.reply_text,
-                    class_id=error.method[0],
-                    method_id=error.method[1],
-                ),
-                0,
-            )
-        )
-        self.fault_code = error.reply_code
-        self._advance(trigger)
-        upstream = UPSTREAM_ON_FAULT[state]
-        if upstream is Upstream.DROP:
-            self._out.drop_broker = True
-        elif upstream is Upstream.CLOSE:
-            self._out.to_broker.append(
-                amqp.marshal_method(
-                    commands.Connection.Close(
-                        reply_code=200,
-                        reply_text="client connection closed by vpnrepl",
-                        class_id=0,
-                        method_id=0,
-                    ),
-                    0,
-                )
-            )
-
     # ------------------------------------------------------------ channels
 
     def _channel(self, channel: int) -> Channel:
@@ -635,16 +369,16 @@ class Session:
             ch = self._channels[channel] = Channel(channel, self._ctx)
         return ch
 
-    def _c_channel_open(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _c_channel_open(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         self._channels[channel] = Channel(channel, self._ctx)
         return None
 
-    def _c_channel_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _c_channel_close(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         # The channel's unacked deliveries return to their queues: no event.
         self._channel(channel).closing = True
         return None
 
-    def _b_channel_close(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _b_channel_close(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         # Unacked deliveries return to their queues, buffered tx events are
         # void, unconfirmed publishes will never be confirmed: forget them all
         # once the client has answered close-ok.
@@ -671,7 +405,7 @@ class Session:
         if reopening:
             self._reopen(reopening)
 
-    def _client_frame(self, buf: bytes, f: Frame) -> bytes | None:  # noqa: C901 - one call per frame
+    def _client_frame(self, buf: bytes, f: FrameSpan) -> bytes | None:  # noqa: C901 - one call per frame
         """Handle one client frame: None relays it, bytes replace it (b"" drops)."""
         ch = self._channels.get(f.channel)
         if ch is not None and ch.held is not None:
@@ -682,7 +416,7 @@ class Session:
             return ch.on_closing_frame(buf, f, client=True)
         if f.type == amqp.FRAME_METHOD:
             if ch is not None and ch.publish is not None:
-                raise amqp.UnexpectedFrame(
+                raise amqp.FrameOutOfOrder(
                     f"method frame on channel {f.channel} while content was expected"
                 )
             ids = amqp.method_id(buf, f)
@@ -697,11 +431,11 @@ class Session:
             return handler(self, f.channel, buf, f) if handler is not None else None
         if f.type == amqp.FRAME_BODY:
             if ch is None:
-                raise amqp.UnexpectedFrame(f"content body on channel {f.channel} without a header")
+                raise amqp.FrameOutOfOrder(f"content body on channel {f.channel} without a header")
             return ch.on_body(buf, f)
         if f.type == amqp.FRAME_HEADER:
             if ch is None:
-                raise amqp.UnexpectedFrame(
+                raise amqp.FrameOutOfOrder(
                     f"content header on channel {f.channel} without a publish"
                 )
             return ch.on_content_header(buf, f)
@@ -709,7 +443,7 @@ class Session:
             raise amqp.FrameError(f"heartbeat frame on channel {f.channel}")
         return None
 
-    def _broker_frame(self, buf: bytes, f: Frame) -> bytes | None:
+    def _broker_frame(self, buf: bytes, f: FrameSpan) -> bytes | None:
         ch = self._channels.get(f.channel)
         if ch is not None and ch.closing:
             return ch.on_closing_frame(buf, f, client=False)
@@ -731,12 +465,12 @@ class Session:
 
     # topology: applied when the broker says -ok (or at once with nowait)
 
-    def _c_topology(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _c_topology(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         if not self._ctx.replicating:
             return None
         return self._topology.request(self._channel(channel), buf, f)
 
-    def _b_topology_ok(self, channel: int, buf: bytes, f: Frame) -> bytes | None:
+    def _b_topology_ok(self, channel: int, buf: bytes, f: FrameSpan) -> bytes | None:
         ch = self._channels.get(channel)
         return self._topology.answered(ch, buf, f) if ch is not None else None
 
@@ -754,7 +488,7 @@ class Session:
 
 
 def _behind_frame(
-    out: list[bytes], mark: int, buf: bytes, run: int, f: Frame, replacement: bytes | None
+    out: list[bytes], mark: int, buf: bytes, run: int, f: FrameSpan, replacement: bytes | None
 ) -> int:
     """A handler of frame ``f`` added frames of its own to ``out`` (from
     ``mark`` on: confirms it released), or failed: put them behind ``f`` (or
@@ -783,13 +517,13 @@ def _relay_rest(buf: bytes, run: int, end: int, out: list[bytes]) -> None:
 
 #: the connection's own methods, and a channel's open and close
 _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
-    amqp.CONNECTION_START_OK: Session._c_start_ok,
-    amqp.CONNECTION_TUNE_OK: Session._c_tune_ok,
-    amqp.CONNECTION_OPEN: Session._c_open,
-    amqp.CONNECTION_CLOSE: Session._c_close,
-    amqp.CONNECTION_CLOSE_OK: Session._c_close_ok,
-    amqp.CHANNEL_OPEN: Session._c_channel_open,
-    amqp.CHANNEL_CLOSE: Session._c_channel_close,
+    Method.CONNECTION_START_OK: Session._c_start_ok,
+    Method.CONNECTION_TUNE_OK: Session._c_tune_ok,
+    Method.CONNECTION_OPEN: Session._c_open,
+    Method.CONNECTION_CLOSE: Session._c_close,
+    Method.CONNECTION_CLOSE_OK: Session._c_close_ok,
+    Method.CHANNEL_OPEN: Session._c_channel_open,
+    Method.CHANNEL_CLOSE: Session._c_channel_close,
     **dict.fromkeys(REQUEST_METHODS, Session._c_topology),
 }
 
@@ -797,44 +531,44 @@ _CLIENT_METHODS: dict[tuple[int, int], _Handler] = {
 #: basic.cancel is not among them: the consumer is forgotten on cancel-ok,
 #: and its deliveries may still be acked
 _CHANNEL_METHODS: dict[tuple[int, int], _OnChannel] = {
-    amqp.BASIC_PUBLISH: Channel.on_publish,
-    amqp.BASIC_ACK: Channel.on_ack,
-    amqp.BASIC_NACK: Channel.on_ack,
-    amqp.BASIC_REJECT: Channel.on_ack,
-    amqp.BASIC_CONSUME: Channel.on_consume,
-    amqp.BASIC_GET: Channel.on_get,
-    amqp.BASIC_RECOVER: Channel.on_recover,
-    amqp.BASIC_RECOVER_ASYNC: Channel.on_recover,
-    amqp.CONFIRM_SELECT: Channel.on_confirm_select,
-    amqp.TX_SELECT: Channel.on_tx_select,
-    amqp.TX_COMMIT: Channel.on_tx_commit,
-    amqp.TX_ROLLBACK: Channel.on_tx_rollback,
+    Method.BASIC_PUBLISH: Channel.on_publish,
+    Method.BASIC_ACK: Channel.on_ack,
+    Method.BASIC_NACK: Channel.on_ack,
+    Method.BASIC_REJECT: Channel.on_ack,
+    Method.BASIC_CONSUME: Channel.on_consume,
+    Method.BASIC_GET: Channel.on_get,
+    Method.BASIC_RECOVER: Channel.on_recover,
+    Method.BASIC_RECOVER_ASYNC: Channel.on_recover,
+    Method.CONFIRM_SELECT: Channel.on_confirm_select,
+    Method.TX_SELECT: Channel.on_tx_select,
+    Method.TX_COMMIT: Channel.on_tx_commit,
+    Method.TX_ROLLBACK: Channel.on_tx_rollback,
 }
 
 _BROKER_METHODS: dict[tuple[int, int], _Handler] = {
-    amqp.CONNECTION_TUNE: Session._b_tune,
-    amqp.CONNECTION_OPEN_OK: Session._b_open_ok,
-    amqp.CONNECTION_CLOSE: Session._b_close,
-    amqp.CONNECTION_CLOSE_OK: Session._b_close_ok,
-    amqp.CHANNEL_CLOSE: Session._b_channel_close,
+    Method.CONNECTION_TUNE: Session._b_tune,
+    Method.CONNECTION_OPEN_OK: Session._b_open_ok,
+    Method.CONNECTION_CLOSE: Session._b_close,
+    Method.CONNECTION_CLOSE_OK: Session._b_close_ok,
+    Method.CHANNEL_CLOSE: Session._b_channel_close,
     **dict.fromkeys(OK_METHODS, Session._b_topology_ok),
 }
 
 #: the broker's methods on a channel the client opened, handled by it
 _BROKER_CHANNEL_METHODS: dict[tuple[int, int], _OnChannel] = {
-    amqp.BASIC_DELIVER: Channel.on_deliver,
-    amqp.BASIC_GET_OK: Channel.on_get_ok,
-    amqp.BASIC_GET_EMPTY: Channel.on_get_empty,
-    amqp.BASIC_CONSUME_OK: Channel.on_consume_ok,
-    amqp.BASIC_CANCEL: Channel.on_cancel,
-    amqp.BASIC_CANCEL_OK: Channel.on_cancel,
-    amqp.BASIC_ACK: Channel.on_confirm,
-    amqp.BASIC_NACK: Channel.on_confirm,
-    amqp.BASIC_RETURN: Channel.on_return,
-    amqp.TX_COMMIT_OK: Channel.on_tx_commit_ok,
-    amqp.TX_ROLLBACK_OK: Channel.on_tx_rollback_ok,
+    Method.BASIC_DELIVER: Channel.on_deliver,
+    Method.BASIC_GET_OK: Channel.on_get_ok,
+    Method.BASIC_GET_EMPTY: Channel.on_get_empty,
+    Method.BASIC_CONSUME_OK: Channel.on_consume_ok,
+    Method.BASIC_CANCEL: Channel.on_cancel,
+    Method.BASIC_CANCEL_OK: Channel.on_cancel,
+    Method.BASIC_ACK: Channel.on_confirm,
+    Method.BASIC_NACK: Channel.on_confirm,
+    Method.BASIC_RETURN: Channel.on_return,
+    Method.TX_COMMIT_OK: Channel.on_tx_commit_ok,
+    Method.TX_ROLLBACK_OK: Channel.on_tx_rollback_ok,
 }
 #: requests for messages, tracked only on a replicated vhost
-_CONSUMING = frozenset({amqp.BASIC_CONSUME, amqp.BASIC_GET})
+_CONSUMING = frozenset({Method.BASIC_CONSUME, Method.BASIC_GET})
 #: messages for the client, whose content header carries our id to cut
-_DELIVERIES = frozenset({amqp.BASIC_DELIVER, amqp.BASIC_GET_OK, amqp.BASIC_RETURN})
+_DELIVERIES = frozenset({Method.BASIC_DELIVER, Method.BASIC_GET_OK, Method.BASIC_RETURN})

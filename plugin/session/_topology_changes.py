@@ -43,16 +43,16 @@ from bridge import (
     Purged,
     ReplicationId,
     TopologyChanged,
+    amqp,
     binding_item,
     exchange_item,
     name_item,
     queue_item,
 )
-from plugin.session import _amqp as amqp
+from bridge.amqp import FrameSpan, Method
 from plugin.topology import Topology
 
 from ._actions import LedgerMark
-from ._amqp import Frame
 
 if TYPE_CHECKING:  # the channel keeps the requests: only typed here
     from ._channel import Channel, ChannelContext
@@ -204,26 +204,26 @@ TopologyChange = (
 
 #: the class and method ids of the requests, and of the broker's answers
 REQUEST_METHODS = (
-    amqp.EXCHANGE_DECLARE,
-    amqp.EXCHANGE_DELETE,
-    amqp.EXCHANGE_BIND,
-    amqp.EXCHANGE_UNBIND,
-    amqp.QUEUE_DECLARE,
-    amqp.QUEUE_DELETE,
-    amqp.QUEUE_PURGE,
-    amqp.QUEUE_BIND,
-    amqp.QUEUE_UNBIND,
+    Method.EXCHANGE_DECLARE,
+    Method.EXCHANGE_DELETE,
+    Method.EXCHANGE_BIND,
+    Method.EXCHANGE_UNBIND,
+    Method.QUEUE_DECLARE,
+    Method.QUEUE_DELETE,
+    Method.QUEUE_PURGE,
+    Method.QUEUE_BIND,
+    Method.QUEUE_UNBIND,
 )
 OK_METHODS = (
-    amqp.EXCHANGE_DECLARE_OK,
-    amqp.EXCHANGE_DELETE_OK,
-    amqp.EXCHANGE_BIND_OK,
-    amqp.EXCHANGE_UNBIND_OK,
-    amqp.QUEUE_DECLARE_OK,
-    amqp.QUEUE_DELETE_OK,
-    amqp.QUEUE_PURGE_OK,
-    amqp.QUEUE_BIND_OK,
-    amqp.QUEUE_UNBIND_OK,
+    Method.EXCHANGE_DECLARE_OK,
+    Method.EXCHANGE_DELETE_OK,
+    Method.EXCHANGE_BIND_OK,
+    Method.EXCHANGE_UNBIND_OK,
+    Method.QUEUE_DECLARE_OK,
+    Method.QUEUE_DELETE_OK,
+    Method.QUEUE_PURGE_OK,
+    Method.QUEUE_BIND_OK,
+    Method.QUEUE_UNBIND_OK,
 )
 
 #: changes whose empty queue name means the channel's last declared queue
@@ -386,7 +386,7 @@ class TopologyRequests:
         self._release_held = release_held
         self.exclusive_queues: list[str] = []
 
-    def request(self, ch: Channel, buf: bytes, f: Frame) -> bytes | None:
+    def request(self, ch: Channel, buf: bytes, f: FrameSpan) -> bytes | None:
         """A client's topology request on channel ``ch``: what replaces its
         frame (None: relay it)."""
         m = amqp.decode_method(buf, f)
@@ -424,13 +424,13 @@ class TopologyRequests:
             return False
         return not (isinstance(change, DeclareQueue) and change.exclusive)
 
-    def answered(self, ch: Channel, buf: bytes, f: Frame) -> bytes | None:
+    def answered(self, ch: Channel, buf: bytes, f: FrameSpan) -> bytes | None:
         """The broker's -ok to the oldest request of ``ch``."""
         if not ch.requests:
             return None
         change, ours = ch.requests.popleft()
         declared = None
-        if amqp.method_id(buf, f) == amqp.QUEUE_DECLARE_OK:
+        if amqp.method_id(buf, f) == Method.QUEUE_DECLARE_OK:
             ok = amqp.decode_method(buf, f)
             declared = ch.last_queue = getattr(ok, "queue", "")  # passive declares count too
         if change is not None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from bridge import Role
 
-from ._topology import ReplicationScope, Topology
+from ._scope import ReplicationScope
+from ._topology import Topology
 
 __all__ = ["VpnDirectory", "VpnView"]
 

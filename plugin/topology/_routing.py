@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._topology import Binding, DestinationKind
+    from ._entities import Binding, DestinationKind
 
 __all__ = [
     "Refused",

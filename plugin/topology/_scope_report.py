@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ._topology import ReplicationScope
+from ._scope import ReplicationScope
 
 __all__ = ["ScopeReport", "out_of_scope", "scope_report"]
 

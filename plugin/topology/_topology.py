@@ -74,157 +74,37 @@ depend on the headers and are never cached.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from enum import StrEnum
-from functools import lru_cache
 from types import MappingProxyType
 from typing import Any
 
-from bridge import TopicFilter, VpnSettings
-from plugin._errors import PluginError, UsageError
-
+from ._entities import (
+    NO_ARGS,
+    Binding,
+    DefinitionsError,
+    DestinationKind,
+    Exchange,
+    ExchangeType,
+    Policy,
+    Queue,
+    binding_from_json,
+    definition_field,
+    definition_items,
+    frozen_args,
+    policy_from_json,
+)
 from ._routing import (
     Refused,
     Router,
     header_routes,
     normalised_headers,
-    pattern_words,
     router_for,
-    tagged,
-    topic_matches,
 )
 
-__all__ = [
-    "Binding",
-    "DefinitionsError",
-    "DestinationKind",
-    "Exchange",
-    "ExchangeType",
-    "Policy",
-    "Queue",
-    "ReplicationScope",
-    "Topology",
-    "topic_matches",
-]
+__all__ = ["Topology"]
 
 _EMPTY: frozenset[str] = frozenset()
-_NO_ARGS: Mapping[str, object] = MappingProxyType({})
 _ROUTE_CACHE_LIMIT = 65_536
-_SCOPE_MEMO_LIMIT = 65_536
-
-
-class DefinitionsError(PluginError):
-    """The management API's definitions JSON is not what RabbitMQ exports."""
-
-
-class ExchangeType(StrEnum):
-    DIRECT = "direct"
-    FANOUT = "fanout"
-    TOPIC = "topic"
-    HEADERS = "headers"
-
-
-class DestinationKind(StrEnum):
-    QUEUE = "queue"
-    EXCHANGE = "exchange"
-
-
-def _frozen_args(arguments: Mapping[str, object] | None) -> Mapping[str, object]:
-    return _NO_ARGS if not arguments else MappingProxyType(dict(arguments))
-
-
-@dataclass(frozen=True, slots=True)
-class Exchange:
-    """One exchange. ``type`` is a plain string so plugin types survive a load."""
-
-    name: str
-    type: str
-    arguments: Mapping[str, object] = field(default_factory=lambda: _NO_ARGS, hash=False)
-    internal: bool = False
-    auto_delete: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "arguments", _frozen_args(self.arguments))
-
-
-@dataclass(frozen=True, slots=True)
-class Queue:
-    name: str
-    arguments: Mapping[str, object] = field(default_factory=lambda: _NO_ARGS, hash=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "arguments", _frozen_args(self.arguments))
-
-
-@dataclass(frozen=True, slots=True)
-class Binding:
-    """A binding. Its identity, as in RabbitMQ, includes the arguments:
-    two headers bindings between the same pair differing only in arguments
-    are two bindings."""
-
-    source: str
-    destination: str
-    destination_kind: DestinationKind
-    routing_key: str
-    arguments: Mapping[str, object] = field(default_factory=lambda: _NO_ARGS, hash=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "arguments", _frozen_args(self.arguments))
-
-    @property
-    def identity(self) -> tuple[object, ...]:
-        """What RabbitMQ compares to find the binding an unbind names: the
-        argument table sorted by key (``rabbit_binding:binding_action/3``)."""
-        args = tuple(sorted((k, tagged(v)) for k, v in self.arguments.items()))
-        return (self.source, self.destination_kind, self.destination, self.routing_key, args)
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """A (user) policy; ``alternate-exchange`` affects routing, and
-    ``dead-letter-exchange`` / ``dead-letter-routing-key`` where a rejected
-    message goes.
-
-    Operator policies can set neither, so they are not modelled.
-    """
-
-    name: str
-    pattern: str
-    definition: Mapping[str, object] = field(default_factory=lambda: _NO_ARGS, hash=False)
-    priority: int = 0
-    apply_to: str = "all"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "definition", _frozen_args(self.definition))
-
-    def applies_to_exchange(self, name: str) -> bool:
-        """``rabbit_policy:matches/2``: ``apply-to`` exchanges|all, and the
-        pattern is *searched* (``re:run``, unanchored) in the name."""
-        if self.apply_to not in ("exchanges", "all"):
-            return False
-        regex = _policy_regex(self.pattern)
-        return regex is not None and regex.search(name) is not None
-
-    def applies_to_queue(self, name: str) -> bool:
-        """As :meth:`applies_to_exchange`, for ``apply-to`` queues|all."""
-        if self.apply_to not in ("queues", "all"):
-            return False
-        regex = _policy_regex(self.pattern)
-        return regex is not None and regex.search(name) is not None
-
-
-@lru_cache(maxsize=256)
-def _policy_regex(pattern: str) -> re.Pattern[str] | None:
-    try:
-        return re.compile(pattern)
-    except re.error:
-        return None  # RabbitMQ validated it as PCRE; Python cannot read it
-
-
-# ---------------------------------------------------------------------------
-# The topology
 
 _PREDECLARED = (
     Exchange("", ExchangeType.DIRECT),
@@ -359,7 +239,7 @@ class Topology:
     ) -> None:
         if name in self._exchanges:
             return
-        self._exchanges[name] = Exchange(name, type, _frozen_args(arguments), internal, auto_delete)
+        self._exchanges[name] = Exchange(name, type, frozen_args(arguments), internal, auto_delete)
         self._changed(name)
 
     def delete_exchange(self, name: str) -> None:
@@ -371,7 +251,7 @@ class Topology:
     def declare_queue(self, name: str, arguments: Mapping[str, object] | None = None) -> None:
         if name in self._queues:
             return
-        self._queues[name] = Queue(name, _frozen_args(arguments))
+        self._queues[name] = Queue(name, frozen_args(arguments))
         self._touch()
 
     def delete_queue(self, name: str) -> None:
@@ -389,7 +269,7 @@ class Topology:
     ) -> None:
         self.declare_queue(queue)
         self._add(
-            Binding(exchange, queue, DestinationKind.QUEUE, routing_key, _frozen_args(arguments))
+            Binding(exchange, queue, DestinationKind.QUEUE, routing_key, frozen_args(arguments))
         )
 
     def unbind_queue(
@@ -400,7 +280,7 @@ class Topology:
         arguments: Mapping[str, object] | None = None,
     ) -> None:
         self._remove(
-            Binding(exchange, queue, DestinationKind.QUEUE, routing_key, _frozen_args(arguments))
+            Binding(exchange, queue, DestinationKind.QUEUE, routing_key, frozen_args(arguments))
         )
 
     def bind_exchange(
@@ -412,7 +292,7 @@ class Topology:
     ) -> None:
         self._add(
             Binding(
-                source, destination, DestinationKind.EXCHANGE, routing_key, _frozen_args(arguments)
+                source, destination, DestinationKind.EXCHANGE, routing_key, frozen_args(arguments)
             )
         )
 
@@ -425,7 +305,7 @@ class Topology:
     ) -> None:
         self._remove(
             Binding(
-                source, destination, DestinationKind.EXCHANGE, routing_key, _frozen_args(arguments)
+                source, destination, DestinationKind.EXCHANGE, routing_key, frozen_args(arguments)
             )
         )
 
@@ -515,21 +395,24 @@ class Topology:
         if not isinstance(definitions, Mapping):
             raise DefinitionsError("definitions: expected a JSON object")
         topology = cls(vhost)
-        for item in _items(definitions, "exchanges", vhost):
+        for item in definition_items(definitions, "exchanges", vhost):
             topology.declare_exchange(
-                _field(item, "exchanges", "name", str),
-                _field(item, "exchanges", "type", str),
-                _field(item, "exchanges", "arguments", dict, {}),
-                _field(item, "exchanges", "internal", bool, False),
-                auto_delete=_field(item, "exchanges", "auto_delete", bool, False),
+                definition_field(item, "exchanges", "name", str),
+                definition_field(item, "exchanges", "type", str),
+                definition_field(item, "exchanges", "arguments", dict, {}),
+                definition_field(item, "exchanges", "internal", bool, False),
+                auto_delete=definition_field(item, "exchanges", "auto_delete", bool, False),
             )
-        for item in _items(definitions, "queues", vhost):
+        for item in definition_items(definitions, "queues", vhost):
             topology.declare_queue(
-                _field(item, "queues", "name", str), _field(item, "queues", "arguments", dict, {})
+                definition_field(item, "queues", "name", str),
+                definition_field(item, "queues", "arguments", dict, {}),
             )
-        for item in _items(definitions, "bindings", vhost):
-            topology._add(_binding_from_json(item))
-        topology.set_policies(_policy_from_json(p) for p in _items(definitions, "policies", vhost))
+        for item in definition_items(definitions, "bindings", vhost):
+            topology._add(binding_from_json(item))
+        topology.set_policies(
+            policy_from_json(p) for p in definition_items(definitions, "policies", vhost)
+        )
         return topology
 
     # -- routing --------------------------------------------------------------
@@ -579,7 +462,7 @@ class Topology:
                 if norm is None:
                     norm = normalised_headers(headers)
             found = False
-            for kind, name in router.match(keys, _NO_ARGS if norm is None else norm):
+            for kind, name in router.match(keys, NO_ARGS if norm is None else norm):
                 if kind is DestinationKind.QUEUE:
                     if name in self._queues:
                         queues.add(name)
@@ -603,154 +486,3 @@ class Topology:
             router = router_for(x.type, self.alternate_exchange(x.name), bindings)
             self._routers[x.name] = router
         return router
-
-
-def _items(definitions: Mapping[str, Any], key: str, vhost: str) -> Iterator[Mapping[str, Any]]:
-    items = definitions.get(key, [])
-    if not isinstance(items, list):
-        raise DefinitionsError(f"definitions: {key!r} must be a list")
-    for i, item in enumerate(items):
-        if not isinstance(item, Mapping):
-            raise DefinitionsError(f"definitions: {key}[{i}] must be an object")
-        if item.get("vhost", vhost) == vhost:
-            yield item
-
-
-def _field(item: Mapping[str, Any], kind: str, name: str, typ: type, *default: Any) -> Any:
-    if name not in item:
-        if default:
-            return default[0]
-        raise DefinitionsError(f"definitions: {kind} item {_label(item)} lacks {name!r}")
-    value = item[name]
-    if typ is dict and value == []:
-        value = {}  # RabbitMQ exports an empty argument table as [] in some versions
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise DefinitionsError(
-            f"definitions: {kind} item {_label(item)}: {name!r} must be {typ.__name__}"
-        )
-    return value
-
-
-def _label(item: Mapping[str, Any]) -> str:
-    return repr(item.get("name", item.get("source", "?")))
-
-
-def _binding_from_json(item: Mapping[str, Any]) -> Binding:
-    kind = _field(item, "bindings", "destination_type", str)
-    if kind not in (DestinationKind.QUEUE, DestinationKind.EXCHANGE):
-        raise DefinitionsError(
-            f"definitions: bindings item {_label(item)}: destination_type {kind!r} "
-            "is neither 'queue' nor 'exchange'"
-        )
-    arguments = {
-        k: None if v == "undefined" else v
-        for k, v in _field(item, "bindings", "arguments", dict, {}).items()
-    }
-    return Binding(
-        _field(item, "bindings", "source", str),
-        _field(item, "bindings", "destination", str),
-        DestinationKind(kind),
-        _field(item, "bindings", "routing_key", str, ""),
-        arguments,
-    )
-
-
-def _policy_from_json(item: Mapping[str, Any]) -> Policy:
-    return Policy(
-        name=_field(item, "policies", "name", str),
-        pattern=_field(item, "policies", "pattern", str),
-        definition=_field(item, "policies", "definition", dict, {}),
-        priority=_field(item, "policies", "priority", int, 0),
-        apply_to=_field(item, "policies", "apply-to", str, "all"),
-    )
-
-
-# ---------------------------------------------------------------------------
-# Replication scope
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicationScope:
-    """Which routed queues of a publish the VPN replicates (see :mod:`._vpn`).
-
-    Regexes are compiled once; per-queue and per-(exchange, key) answers are
-    memoised (bounded), so a publish costs a few dict lookups.
-    """
-
-    queue_patterns: tuple[str, ...] = ()
-    topic_filters: tuple[TopicFilter, ...] = ()
-    _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
-    _filters: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
-    _queue_memo: dict[str, bool] = field(init=False, repr=False, compare=False)
-    _topic_memo: dict[tuple[str, str], bool] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        regexes = []
-        for pattern in self.queue_patterns:
-            try:
-                regexes.append(re.compile(pattern))
-            except re.error as e:
-                raise UsageError(f"--queues {pattern!r}: not a valid regex: {e}") from e
-        filters: dict[str, tuple[str, ...]] = {}
-        for f in self.topic_filters:
-            filters[f.exchange] = (*filters.get(f.exchange, ()), f.pattern)
-            pattern_words(f.pattern)
-        object.__setattr__(self, "_regexes", tuple(regexes))
-        object.__setattr__(self, "_filters", filters)
-        object.__setattr__(self, "_queue_memo", {})
-        object.__setattr__(self, "_topic_memo", {})
-
-    @classmethod
-    def of(cls, settings: VpnSettings) -> ReplicationScope:
-        return cls(settings.queue_patterns, settings.topic_filters)
-
-    @property
-    def everything(self) -> bool:
-        """No filter at all: every queue of the VPN is in scope."""
-        return not self.queue_patterns and not self.topic_filters
-
-    def in_scope(self, exchange: str, routing_key: str, queues: frozenset[str]) -> frozenset[str]:
-        if not queues or self.everything:
-            return queues
-        if self._filters and self._topic_hit(exchange, routing_key):
-            return queues
-        if not self._regexes:
-            return _EMPTY
-        memo = self._queue_memo
-        hits = []
-        for q in queues:
-            hit = memo.get(q)
-            if hit is None:
-                hit = self._learn_queue(q)
-            if hit:
-                hits.append(q)
-        return queues if len(hits) == len(queues) else frozenset(hits)
-
-    def names_queue(self, queue: str) -> bool:
-        """``queue`` is in scope by its name alone (no filter at all, or a
-        ``--queues`` pattern matches it); a queue in scope only through a
-        topic filter is not (that depends on each publish)."""
-        if self.everything:
-            return True
-        hit = self._queue_memo.get(queue)
-        return self._learn_queue(queue) if hit is None else hit
-
-    def _learn_queue(self, queue: str) -> bool:
-        hit = any(r.search(queue) for r in self._regexes)
-        if len(self._queue_memo) >= _SCOPE_MEMO_LIMIT:
-            self._queue_memo.clear()
-        self._queue_memo[queue] = hit
-        return hit
-
-    def _topic_hit(self, exchange: str, routing_key: str) -> bool:
-        patterns = self._filters.get(exchange)
-        if patterns is None:
-            return False
-        key = (exchange, routing_key)
-        hit = self._topic_memo.get(key)
-        if hit is None:
-            hit = any(topic_matches(p, routing_key) for p in patterns)
-            if len(self._topic_memo) >= _SCOPE_MEMO_LIMIT:
-                self._topic_memo.clear()
-            self._topic_memo[key] = hit
-        return hit

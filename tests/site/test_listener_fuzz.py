@@ -422,7 +422,7 @@ class _CloseLog(logging.Handler):
 def listener_closes() -> Iterator[ListenerCloses]:
     closes = ListenerCloses()
     handler = _CloseLog(closes)
-    logger = logging.getLogger("plugin.session._session")
+    logger = logging.getLogger("plugin.session")
     logger.addHandler(handler)
     try:
         yield closes

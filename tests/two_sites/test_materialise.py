@@ -366,7 +366,7 @@ def test_a_rerun_after_success_materialises_nothing_more(site_b: LocalSite) -> N
 _KILLER = textwrap.dedent(
     """
     import asyncio, os, signal, sys
-    from bridge import materialise
+    from bridge.roles import materialise
 
     dsn, url, vpn, epoch, kill_at = sys.argv[1:]
 

@@ -27,8 +27,12 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 IO_MODULES = ("asyncio", "socket", "ssl", "psycopg")
 SANS_IO = (
     "plugin.session._session",
+    "plugin.session._connection",
     "plugin.session._lifecycle",
     "plugin.session._channel",
+    "plugin.session._channel_state",
+    "plugin.session._deliveries",
+    "plugin.session._transactions",
     "plugin.session._confirms",
     "plugin.session._fused",
     "plugin.session._publish",
@@ -37,7 +41,8 @@ SANS_IO = (
     "plugin.session._actions",
     "plugin.session._refusal",
     "plugin.topology._topology",
-    "plugin.session._amqp",
+    "plugin.topology._entities",
+    "plugin.topology._scope",
     "plugin.topology._routing",
     "plugin.session",
     "plugin.topology",
@@ -106,6 +111,7 @@ def tree_copy(tmp_path: Path) -> Path:
         ("bridge/active/_syncgate.py", "import asyncio", "sans-IO modules load no"),
         ("bridge/wire/_frames.py", "import psycopg", "sans-IO modules load no"),
         ("plugin/session/_session.py", "import socket", "sans-IO modules load no"),
+        ("bridge/amqp/_frames.py", "import asyncio", "sans-IO modules load no"),
     ],
 )
 def test_a_deliberate_breach_fails_the_contracts(

@@ -1,27 +1,36 @@
-"""The materialiser's AMQP pieces without a broker: frames built with
+"""The broker client's AMQP pieces without a broker: frames built with
 ``struct`` checked against pamqp, property splicing, frame splitting and
-confirm bookkeeping."""
+confirm bookkeeping, the reply-code table."""
 
 from __future__ import annotations
 
+import ast
 import struct
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, strategies as st
 from pamqp import body, commands, frame, header
 
+from bridge import BridgeError, amqp
 from bridge.amqp import (
     HEARTBEAT_FRAME,
+    REPLY_CODES,
     AccessRefused,
     AmqpEndpoint,
+    AMQPError,
+    BrokerConfirms,
     BrokerProtocolError,
-    BrokerRefused,
-    ConfirmTracker,
+    BrokerUnreachable,
+    ConnectionForced,
     FrameSplitter,
     NotAllowed,
     NotFound,
+    PreconditionFailed,
+    PublishRejected,
+    broker_frames,
     encode_message,
     persistent_properties,
     refusal,
@@ -141,7 +150,7 @@ def test_malformed_properties_are_refused(raw: bytes) -> None:
         persistent_properties(raw)
 
 
-# ------------------------------------------------------------------ FrameSplitter
+# ------------------------------------------------------------------ broker_frames
 
 
 def _frames() -> bytes:
@@ -152,40 +161,44 @@ def _frames() -> bytes:
     )
 
 
+def _split(splitter: FrameSplitter, data: bytes) -> list[tuple[int, int, bytes]]:
+    buf, frames = broker_frames(splitter, data)
+    return [(f.type, f.channel, buf[f.start : f.end]) for f in frames]
+
+
 def test_splitter_cuts_whole_frames_fed_at_once_or_byte_by_byte() -> None:
     data = _frames()
-    whole = FrameSplitter().feed(data)
-    splitter = FrameSplitter()
-    pieces = [f for i in range(len(data)) for f in splitter.feed(data[i : i + 1])]
+    whole = _split(FrameSplitter(131072), data)
+    splitter = FrameSplitter(131072)
+    pieces = [f for i in range(len(data)) for f in _split(splitter, data[i : i + 1])]
     assert whole == pieces
-    assert [(f.type, f.channel) for f in whole] == [(1, 1), (8, 0), (1, 1)]
-    assert b"".join(f.data for f in whole) == data
-    assert whole[0].payload == data[7 : 7 + 13]
+    assert [(t, c) for t, c, _ in whole] == [(1, 1), (8, 0), (1, 1)]
+    assert b"".join(raw for _, _, raw in whole) == data
 
 
 def test_splitter_keeps_a_partial_frame_for_later() -> None:
     data = _frames()
-    splitter = FrameSplitter()
-    assert len(splitter.feed(data + data[:10])) == 3
-    assert len(splitter.feed(data[10:])) == 3
+    splitter = FrameSplitter(131072)
+    assert len(_split(splitter, data + data[:10])) == 3
+    assert len(_split(splitter, data[10:])) == 3
 
 
 def test_splitter_refuses_a_bad_end_octet_an_oversize_frame_and_another_protocol() -> None:
     data = bytearray(_frames())
     data[7 + 13] = 0
     with pytest.raises(BrokerProtocolError, match="end octet"):
-        FrameSplitter().feed(bytes(data))
-    with pytest.raises(BrokerProtocolError, match="frame_max"):
-        FrameSplitter(frame_max=4096).feed(struct.pack(">BHI", 3, 1, 5000))
-    with pytest.raises(BrokerProtocolError, match="protocol"):
-        FrameSplitter().feed(b"AMQP\x00\x00\x09\x01")
+        broker_frames(FrameSplitter(131072), bytes(data))
+    with pytest.raises(BrokerProtocolError, match="frame-max 4096"):
+        broker_frames(FrameSplitter(4096), struct.pack(">BHI", 3, 1, 5000))
+    with pytest.raises(BrokerProtocolError, match="offered protocol 00000901"):
+        broker_frames(FrameSplitter(131072), b"AMQP\x00\x00\x09\x01")
 
 
-# ------------------------------------------------------------------ ConfirmTracker
+# ------------------------------------------------------------------ BrokerConfirms
 
 
 def test_tracker_counts_single_and_multiple_acks_once() -> None:
-    t = ConfirmTracker()
+    t = BrokerConfirms()
     t.sent(10)
     assert t.unconfirmed == 10
     assert t.ack(3, False) == 1
@@ -199,7 +212,7 @@ def test_tracker_counts_single_and_multiple_acks_once() -> None:
 
 
 def test_tracker_refuses_a_tag_never_sent_or_acked_twice() -> None:
-    t = ConfirmTracker()
+    t = BrokerConfirms()
     t.sent(3)
     with pytest.raises(BrokerProtocolError, match="never published"):
         t.ack(4, False)
@@ -238,10 +251,70 @@ def test_endpoint_from_url() -> None:
 
 
 def test_reply_codes_map_to_classes() -> None:
-    assert isinstance(refusal("channel", 404, "NOT_FOUND", (50, 10)), NotFound)
+    not_found = refusal("channel", 404, "NOT_FOUND", (50, 10))
+    assert isinstance(not_found, NotFound) and not_found.method == (50, 10)
     assert isinstance(refusal("connection", 403, "ACCESS_REFUSED"), AccessRefused)
     assert isinstance(refusal("connection", 530, "NOT_ALLOWED"), NotAllowed)
+    assert isinstance(refusal("connection", 320, "CONNECTION_FORCED"), ConnectionForced)
+    assert isinstance(refusal("channel", 406, "PRECONDITION_FAILED"), PreconditionFailed)
     other = refusal("channel", 541, "INTERNAL_ERROR")
-    assert type(other) is BrokerRefused
+    assert type(other) is AMQPError
     assert (other.reply_code, other.reply_text) == (541, "INTERNAL_ERROR")
     assert "541 INTERNAL_ERROR" in str(other)
+    # a code without a class of its own keeps the broker's code and text
+    unknown = refusal("channel", 504, "CHANNEL_ERROR - second 'channel.open'")
+    assert type(unknown) is AMQPError
+    assert (unknown.reply_code, unknown.reply_text) == (
+        504,
+        "CHANNEL_ERROR - second 'channel.open'",
+    )
+    assert AMQPError.reply_code == 541  # the instance's code did not leak into the class
+
+
+def test_every_reply_code_class_is_in_the_table_under_its_own_code() -> None:
+    for code, cls in REPLY_CODES.items():
+        assert cls.reply_code == code
+        assert issubclass(cls, AMQPError)
+
+
+def test_one_root_for_both_ends() -> None:
+    """The listener's errors and the broker client's share one root, under
+    the bridge's; an error of ours says its reply code's name."""
+    for cls in (BrokerUnreachable, BrokerProtocolError, PublishRejected, NotFound):
+        assert issubclass(cls, AMQPError)
+    assert issubclass(AMQPError, BridgeError)
+    refused = AccessRefused("no", (10, 11))
+    assert (refused.reply_code, refused.reply_text, refused.method) == (
+        403,
+        "ACCESS_REFUSED - no",
+        (10, 11),
+    )
+
+
+def _defined_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def test_the_amqp_vocabulary_is_defined_once() -> None:
+    """What bridge.amqp exports is defined nowhere else: the listener and the
+    broker client once had an error class per reply code each, a frame
+    splitter each and a confirm tracker each."""
+    root = Path(__file__).resolve().parent.parent
+    own = root / "bridge" / "amqp"
+    exported = set(amqp.__all__)
+    again = sorted(
+        f"{path.relative_to(root)}: {name}"
+        for package in ("plugin", "txn", "bridge")
+        for path in (root / package).rglob("*.py")
+        if own not in path.parents
+        for name in _defined_names(path) & exported
+    )
+    assert again == []

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 from pamqp import commands, frame, header
 
-from plugin.session import _amqp as amqp
+from bridge import amqp
 
 short_str = st.text(
     alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40
@@ -133,7 +133,7 @@ def test_unknown_method_is_command_invalid() -> None:
 def test_reply_codes_table_maps_codes_to_classes() -> None:
     assert amqp.REPLY_CODES[501] is amqp.FrameError
     assert amqp.REPLY_CODES[502] is amqp.SyntaxError_
-    assert amqp.REPLY_CODES[505] is amqp.UnexpectedFrame
+    assert amqp.REPLY_CODES[505] is amqp.FrameOutOfOrder
     assert amqp.REPLY_CODES[530] is amqp.NotAllowed
 
 

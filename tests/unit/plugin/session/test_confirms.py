@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from pamqp import commands, frame
 
 from bridge import ConfirmKey, Consumed, Event, Published, ReplicationId
-from plugin.session import ConfirmTracker
+from plugin.session import HeldConfirms
 
 CHANNEL = 3
 
@@ -37,7 +37,7 @@ def published(seq: int, queues: tuple[str, ...] = ("q",)) -> Published:
 class Client:
     """What the client has been told, and everything the tracker released."""
 
-    tracker: ConfirmTracker = field(default_factory=lambda: ConfirmTracker(CHANNEL))
+    tracker: HeldConfirms = field(default_factory=lambda: HeldConfirms(CHANNEL))
     frames: list[tuple[str, int, bool]] = field(default_factory=list)
     events: list[object] = field(default_factory=list)
 
@@ -147,7 +147,7 @@ def test_a_sink_failure_is_a_nack_and_takes_nothing_back() -> None:
 
 
 def test_numbering_without_holding_keeps_the_sequence() -> None:
-    tracker = ConfirmTracker(CHANNEL)
+    tracker = HeldConfirms(CHANNEL)
     assert [tracker.number(), tracker.hold(), tracker.number()] == [1, 2, 3]
     assert list(tracker.pending) == [2]
 

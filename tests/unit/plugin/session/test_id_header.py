@@ -15,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 from pamqp import commands, frame, header
 from pamqp.body import ContentBody
 
-from bridge import REPLICATION_HEADER, IdSource, Published, ReplicationId, Role
-from plugin.session import Session, _amqp as amqp
+from bridge import REPLICATION_HEADER, IdSource, Published, ReplicationId, Role, amqp
+from plugin.session import Session
 from plugin.topology import ReplicationScope, Topology, VpnDirectory, VpnView
 from tests.unit.plugin.session.test_session import decode_all, m, open_session
 
@@ -109,12 +109,7 @@ def test_a_consumer_gets_the_publishers_encoding_back(properties) -> None:
 
 
 def _entries(table: bytes) -> list[bytes]:
-    out, pos = [], 0
-    while pos < len(table):
-        start = pos
-        _, pos = amqp._field_value(table, pos + 1 + table[pos])
-        out.append(table[start:pos])
-    return out
+    return [table[start:end] for _, start, end in amqp.table_entries(table)]
 
 
 @settings(max_examples=200, deadline=None)

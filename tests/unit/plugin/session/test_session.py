@@ -21,13 +21,14 @@ from bridge import (
     ReplicationId,
     Role,
     TopologyChanged,
+    amqp,
     binding_item,
     exchange_item,
     name_item,
     queue_item,
 )
 from plugin.listener import MemorySink, ReplicationSink
-from plugin.session import Session, _amqp as amqp
+from plugin.session import Session
 from plugin.topology import Policy, ReplicationScope, Topology, VpnDirectory, VpnView
 from txn import MarkerKey
 

@@ -7,7 +7,7 @@ the site's VPNs current, and where it meets client XA.
 from __future__ import annotations
 
 from ._refresher import DirectoryRefresher
-from ._bridge import CLOSE_TIMEOUT, BrokerAddress, Listener, broker_context, site_broker_ssl
+from ._server import CLOSE_TIMEOUT, BrokerAddress, Listener, broker_context, site_broker_ssl
 from ._sink import MemorySink, ReplicationSink, append_events
 from ._xa_gateway import XaGateway
 

@@ -61,12 +61,12 @@ from bridge.wire import (
     CAPABILITIES,
     Ack,
     BridgeConnection,
+    ConnectionPhase,
     Error,
     Frame,
     GetAllResources,
     Hello,
     PeerCheck,
-    Phase,
     ResourceList,
     SyncRequest,
     TxnApplied,
@@ -288,7 +288,7 @@ class ActiveBridge:
         """Send every standby a fresh ResourceList (after VPNs were enabled,
         disabled or changed): new VPNs get synced, dropped ones stop."""
         for peer in list(self._peers):
-            if peer.link.conn.phase is Phase.READY:
+            if peer.link.conn.phase is ConnectionPhase.READY:
                 try:
                     await self._send_resources(peer)
                 except (BridgeError, psycopg.Error) as e:

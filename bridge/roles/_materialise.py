@@ -84,7 +84,7 @@ __all__ = ["MaterialiseError", "MaterialiseResult", "materialise"]
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[int, int], None]
+OnProgress = Callable[[int, int], None]
 _Batch = list[tuple[bytes, bytes]]
 #: what the reader hands the publisher: a batch of the current queue, None
 #: at the end of a queue, or the error that stopped the reader
@@ -186,7 +186,7 @@ async def materialise(
     *,
     ssl_context: ssl.SSLContext | None = None,
     window: int = 1000,
-    progress: Progress | None = None,
+    progress: OnProgress | None = None,
 ) -> MaterialiseResult:
     """Publish the live messages of ``vpn`` into the site's broker (vhost
     ``vpn`` at ``amqp_url``) for the promotion to ``epoch``; see the module
@@ -216,7 +216,7 @@ class _Materialisation:
     """One run: the database connection, the broker connection, the counts."""
 
     def __init__(
-        self, dsn: str, vpn: str, epoch: int, window: int, progress: Progress | None
+        self, dsn: str, vpn: str, epoch: int, window: int, progress: OnProgress | None
     ) -> None:
         self.dsn = dsn
         self.vpn = vpn

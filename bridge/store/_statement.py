@@ -44,7 +44,7 @@ __all__ = [
     "write",
 ]
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 U = TypeVar("U")
 P = ParamSpec("P")
 
@@ -63,30 +63,30 @@ class Result:
 
 
 @dataclass(frozen=True, slots=True)
-class Statement(Generic[T]):
+class Statement(Generic[_T]):
     """``sql`` with ``params``; ``shape`` makes its :class:`Result` the answer."""
 
     sql: LiteralString
     params: Params | None
-    shape: Callable[[Result], T]
+    shape: Callable[[Result], _T]
 
-    def run(self, conn: psycopg.Connection[Any]) -> T:
+    def run(self, conn: psycopg.Connection[Any]) -> _T:
         """Run on a blocking connection, in its current transaction."""
         with conn.cursor(row_factory=tuple_row) as cur:
             return self.on(cur)
 
-    async def run_async(self, conn: psycopg.AsyncConnection[Any]) -> T:
+    async def run_async(self, conn: psycopg.AsyncConnection[Any]) -> _T:
         """Run on an asyncio connection, in its current transaction."""
         async with conn.cursor(row_factory=tuple_row) as cur:
             return await self.on_async(cur)
 
-    def on(self, cur: _Cursor) -> T:
+    def on(self, cur: _Cursor) -> _T:
         """Run on ``cur`` (a script runs all its statements on one cursor)."""
         cur.execute(self.sql, self.params)
         rows = cur.fetchall() if cur.description is not None else []
         return self.shape(Result(cur.rowcount, rows))
 
-    async def on_async(self, cur: _AsyncCursor) -> T:
+    async def on_async(self, cur: _AsyncCursor) -> _T:
         """:meth:`on` for an asyncio cursor."""
         await cur.execute(self.sql, self.params)
         rows = await cur.fetchall() if cur.description is not None else []
@@ -94,17 +94,17 @@ class Statement(Generic[T]):
 
 
 #: a script's body: yields statements, is sent each one's answer, returns its own
-Steps = Generator[Statement[Any], Any, T]
+Steps = Generator[Statement[Any], Any, _T]
 
 
 @dataclass(frozen=True, slots=True)
-class Script(Generic[T]):
+class Script(Generic[_T]):
     """Statements run in order on one cursor, each chosen by the answers
     to the ones before; ``steps`` makes a fresh body for each run."""
 
-    steps: Callable[[], Steps[T]]
+    steps: Callable[[], Steps[_T]]
 
-    def run(self, conn: psycopg.Connection[Any]) -> T:
+    def run(self, conn: psycopg.Connection[Any]) -> _T:
         """Run on a blocking connection, in its current transaction."""
         steps = self.steps()
         answer: Any = None
@@ -113,12 +113,12 @@ class Script(Generic[T]):
                 while True:
                     answer = steps.send(answer).on(cur)
             except StopIteration as done:
-                result: T = done.value
+                result: _T = done.value
                 return result
             finally:
                 steps.close()
 
-    async def run_async(self, conn: psycopg.AsyncConnection[Any]) -> T:
+    async def run_async(self, conn: psycopg.AsyncConnection[Any]) -> _T:
         """Run on an asyncio connection, in its current transaction."""
         steps = self.steps()
         answer: Any = None
@@ -127,17 +127,17 @@ class Script(Generic[T]):
                 while True:
                     answer = await steps.send(answer).on_async(cur)
             except StopIteration as done:
-                result: T = done.value
+                result: _T = done.value
                 return result
             finally:
                 steps.close()
 
 
-def script(body: Callable[P, Steps[T]]) -> Callable[P, Script[T]]:
+def script(body: Callable[P, Steps[_T]]) -> Callable[P, Script[_T]]:
     """Make a generator function of statements a function returning a :class:`Script`."""
 
     @functools.wraps(body)
-    def bound(*args: P.args, **kwargs: P.kwargs) -> Script[T]:
+    def bound(*args: P.args, **kwargs: P.kwargs) -> Script[_T]:
         return Script(functools.partial(body, *args, **kwargs))
 
     return bound

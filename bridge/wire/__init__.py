@@ -41,7 +41,15 @@ from ._frames import (
     decode_frame,
 )
 from ._identity import PeerCheck, certificate_names
-from ._protocol import CLOSED, NEED_DATA, TRANSITIONS, BridgeConnection, Phase, Sentinel, VpnState
+from ._protocol import (
+    CLOSED,
+    CONNECTION_TRANSITIONS,
+    NEED_DATA,
+    BridgeConnection,
+    ConnectionPhase,
+    Sentinel,
+    VpnState,
+)
 
 __all__ = [
     "Ack",
@@ -66,14 +74,14 @@ __all__ = [
     "PREVIOUS_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
     "PeerCheck",
-    "Phase",
+    "ConnectionPhase",
     "Repair",
     "ResourceList",
     "Sentinel",
     "SyncAccepted",
     "SyncFinished",
     "SyncRequest",
-    "TRANSITIONS",
+    "CONNECTION_TRANSITIONS",
     "TxnApplied",
     "TxnCommit",
     "TxnOutcome",

@@ -9,7 +9,7 @@ state it already has, nor one from a fenced active. Concretely, a
   alone, before anything is buffered (:class:`~bridge.BadFrame`,
   :class:`~bridge.BadChecksum`);
 * a frame that is not legal in the connection's state: the transitions are
-  the table :data:`TRANSITIONS`, the same for both ends, each end checking
+  the table :data:`CONNECTION_TRANSITIONS`, the same for both ends, each end checking
   what it sends (:class:`~bridge.LocalProtocolError`) and what it receives
   (:class:`~bridge.UnexpectedFrame`);
 * a frame for a VPN whose epoch is below the highest epoch the connection has
@@ -122,9 +122,9 @@ __all__ = [
     "PRE_HELLO_MAX_FRAME",
     "CLOSED",
     "NEED_DATA",
-    "TRANSITIONS",
+    "CONNECTION_TRANSITIONS",
     "BridgeConnection",
-    "Phase",
+    "ConnectionPhase",
     "Sentinel",
     "VpnState",
 ]
@@ -139,7 +139,7 @@ __all__ = [
 PRE_HELLO_MAX_FRAME: Final = 64 * 1024
 
 
-class Phase(enum.Enum):
+class ConnectionPhase(enum.Enum):
     """The connection's phase, the same at both ends once in-flight frames land."""
 
     START = "start"  # nothing exchanged
@@ -171,114 +171,116 @@ class _Drop(enum.Enum):
 DROP: Final = _Drop.DROP
 
 _A, _S = Role.ACTIVE, Role.STANDBY
-_P, _V = Phase, VpnState
-State = Phase | VpnState
+_P, _V = ConnectionPhase, VpnState
+State = ConnectionPhase | VpnState
 
 #: (sender, frame type, state at the end applying it) -> next state. Both ends
 #: use this one table: an end checks its own sends against it and the peer's
 #: frames on receipt. VPN frames are looked up with the VPN's state, others
 #: with the connection's phase. A connection-level Error is legal in any phase
 #: before CLOSED and leads to CLOSED.
-TRANSITIONS: Final[Mapping[tuple[Role, type[Frame], State], State | _Drop]] = MappingProxyType(
-    {
-        # --- connection scope
-        # The standby dials and speaks first; nothing may precede its Hello.
-        (_S, Hello, _P.START): _P.GREETING,
-        # The active answers Hello with Hello once it has checked version and role.
-        (_A, Hello, _P.GREETING): _P.GREETED,
-        # GET_ALL_RESOURCES, only once both ends know whom they talk to.
-        (_S, GetAllResources, _P.GREETED): _P.LISTING,
-        # The standby may ask for a fresh list at any time later.
-        (_S, GetAllResources, _P.READY): _P.LISTING,
-        # RESOURCE_LIST answers it: the only way VPNs become known on a connection.
-        (_A, ResourceList, _P.LISTING): _P.READY,
-        # The active re-lists unasked when VPNs are enabled, disabled or changed.
-        (_A, ResourceList, _P.READY): _P.READY,
-        # The standby's heartbeats may start right after its Hello ...
-        (_S, Heartbeat, _P.GREETING): _P.GREETING,
-        # ... and go on through every later phase,
-        (_S, Heartbeat, _P.GREETED): _P.GREETED,
-        # including while the active owes a ResourceList,
-        (_S, Heartbeat, _P.LISTING): _P.LISTING,
-        # and while VPNs sync and stream.
-        (_S, Heartbeat, _P.READY): _P.READY,
-        # The active's heartbeats start after its own Hello ...
-        (_A, Heartbeat, _P.GREETED): _P.GREETED,
-        # ... including while it prepares a ResourceList (definitions export),
-        (_A, Heartbeat, _P.LISTING): _P.LISTING,
-        # and while VPNs sync and stream.
-        (_A, Heartbeat, _P.READY): _P.READY,
-        # --- VPN scope
-        # SYNC_REQ for a listed VPN with no stream, with the last applied index.
-        (_S, SyncRequest, _V.LISTED): _V.SYNC_REQUESTED,
-        # A resync during the replay (apply failure) abandons that replay.
-        (_S, SyncRequest, _V.CATCHING_UP): _V.RESYNC_REQUESTED,
-        # A resync of a live stream; what the active sent before seeing it is dropped.
-        (_S, SyncRequest, _V.LIVE): _V.RESYNC_REQUESTED,
-        # The resync after a Gap, a stale epoch or the standby's own Error.
-        (_S, SyncRequest, _V.DRAINING): _V.RESYNC_REQUESTED,
-        # SYNC_REQ_ACCEPTED answers a first request: the replay starts.
-        (_A, SyncAccepted, _V.SYNC_REQUESTED): _V.CATCHING_UP,
-        # ... or a resync request: a new replay starts, the old tail is behind it.
-        (_A, SyncAccepted, _V.RESYNC_REQUESTED): _V.CATCHING_UP,
-        # A VPN-level Error refuses a first request (unknown VPN, stale epoch) ...
-        (_A, Error, _V.SYNC_REQUESTED): _V.LISTED,
-        # ... or a resync request; the active sends VPN-level Errors only as answers.
-        (_A, Error, _V.RESYNC_REQUESTED): _V.LISTED,
-        # A checkpoint first when the standby is behind the retained ledger.
-        (_A, Checkpoint, _V.CATCHING_UP): _V.CATCHING_UP,
-        # The replay of retained entries, in index order.
-        (_A, Events, _V.CATCHING_UP): _V.CATCHING_UP,
-        # SYNC_FINISHED: the border between the replay and real time.
-        (_A, SyncFinished, _V.CATCHING_UP): _V.LIVE,
-        # Real-time replication.
-        (_A, Events, _V.LIVE): _V.LIVE,
-        # Durable acknowledgements already during the replay (lag, trimming) ...
-        (_S, Ack, _V.CATCHING_UP): _V.CATCHING_UP,
-        # ... and in real time, where sync-mode confirms wait for them.
-        (_S, Ack, _V.LIVE): _V.LIVE,
-        # A VPN-level Error from the standby with no stream (e.g. a stale listing).
-        # Never while a request is unanswered, so no answer can cross it.
-        (_S, Error, _V.LISTED): _V.LISTED,
-        # The standby abandons a replay (stale epoch, apply failure).
-        (_S, Error, _V.CATCHING_UP): _V.DRAINING,
-        # The standby abandons a live stream.
-        (_S, Error, _V.LIVE): _V.DRAINING,
-        # A further report about a stream already abandoned (after a Gap, say).
-        (_S, Error, _V.DRAINING): _V.DRAINING,
-        # A reconcile repair goes in line with the live stream (version 5 on).
-        (_A, Repair, _V.LIVE): _V.LIVE,
-        # A repair in flight when the standby abandoned the stream, or asked
-        # for a resync, is dropped: the state it was read against is gone.
-        (_A, Repair, _V.DRAINING): DROP,
-        (_A, Repair, _V.RESYNC_REQUESTED): DROP,
-        # In flight after the standby abandoned the stream: a checkpoint chunk,
-        (_A, Checkpoint, _V.DRAINING): DROP,
-        # events,
-        (_A, Events, _V.DRAINING): DROP,
-        # or the end of a replay; all dropped.
-        (_A, SyncFinished, _V.DRAINING): DROP,
-        # In flight before the active saw the resync request: a checkpoint chunk,
-        (_A, Checkpoint, _V.RESYNC_REQUESTED): DROP,
-        # events,
-        (_A, Events, _V.RESYNC_REQUESTED): DROP,
-        # or the end of the old replay; all dropped until SyncAccepted.
-        (_A, SyncFinished, _V.RESYNC_REQUESTED): DROP,
-        # --- transactions (txn/local/_coordinator.py): independent of the event
-        # stream, so legal in every state of a listed VPN and changing none.
-        # The active asks the standby to prepare,
-        **{(_A, TxnPrepare, state): state for state in VpnState},
-        # the standby votes,
-        **{(_S, TxnVote, state): state for state in VpnState},
-        # the active tells how a transaction ended,
-        **{(_A, TxnOutcome, state): state for state in VpnState},
-        # and the standby asks about its prepared ones after a reconnect;
-        **{(_S, TxnQuery, state): state for state in VpnState},
-        # the active lets the standby commit early, ahead of the stream,
-        **{(_A, TxnCommit, state): state for state in VpnState},
-        # and the standby says whether it did.
-        **{(_S, TxnApplied, state): state for state in VpnState},
-    }
+CONNECTION_TRANSITIONS: Final[Mapping[tuple[Role, type[Frame], State], State | _Drop]] = (
+    MappingProxyType(
+        {
+            # --- connection scope
+            # The standby dials and speaks first; nothing may precede its Hello.
+            (_S, Hello, _P.START): _P.GREETING,
+            # The active answers Hello with Hello once it has checked version and role.
+            (_A, Hello, _P.GREETING): _P.GREETED,
+            # GET_ALL_RESOURCES, only once both ends know whom they talk to.
+            (_S, GetAllResources, _P.GREETED): _P.LISTING,
+            # The standby may ask for a fresh list at any time later.
+            (_S, GetAllResources, _P.READY): _P.LISTING,
+            # RESOURCE_LIST answers it: the only way VPNs become known on a connection.
+            (_A, ResourceList, _P.LISTING): _P.READY,
+            # The active re-lists unasked when VPNs are enabled, disabled or changed.
+            (_A, ResourceList, _P.READY): _P.READY,
+            # The standby's heartbeats may start right after its Hello ...
+            (_S, Heartbeat, _P.GREETING): _P.GREETING,
+            # ... and go on through every later phase,
+            (_S, Heartbeat, _P.GREETED): _P.GREETED,
+            # including while the active owes a ResourceList,
+            (_S, Heartbeat, _P.LISTING): _P.LISTING,
+            # and while VPNs sync and stream.
+            (_S, Heartbeat, _P.READY): _P.READY,
+            # The active's heartbeats start after its own Hello ...
+            (_A, Heartbeat, _P.GREETED): _P.GREETED,
+            # ... including while it prepares a ResourceList (definitions export),
+            (_A, Heartbeat, _P.LISTING): _P.LISTING,
+            # and while VPNs sync and stream.
+            (_A, Heartbeat, _P.READY): _P.READY,
+            # --- VPN scope
+            # SYNC_REQ for a listed VPN with no stream, with the last applied index.
+            (_S, SyncRequest, _V.LISTED): _V.SYNC_REQUESTED,
+            # A resync during the replay (apply failure) abandons that replay.
+            (_S, SyncRequest, _V.CATCHING_UP): _V.RESYNC_REQUESTED,
+            # A resync of a live stream; what the active sent before seeing it is dropped.
+            (_S, SyncRequest, _V.LIVE): _V.RESYNC_REQUESTED,
+            # The resync after a Gap, a stale epoch or the standby's own Error.
+            (_S, SyncRequest, _V.DRAINING): _V.RESYNC_REQUESTED,
+            # SYNC_REQ_ACCEPTED answers a first request: the replay starts.
+            (_A, SyncAccepted, _V.SYNC_REQUESTED): _V.CATCHING_UP,
+            # ... or a resync request: a new replay starts, the old tail is behind it.
+            (_A, SyncAccepted, _V.RESYNC_REQUESTED): _V.CATCHING_UP,
+            # A VPN-level Error refuses a first request (unknown VPN, stale epoch) ...
+            (_A, Error, _V.SYNC_REQUESTED): _V.LISTED,
+            # ... or a resync request; the active sends VPN-level Errors only as answers.
+            (_A, Error, _V.RESYNC_REQUESTED): _V.LISTED,
+            # A checkpoint first when the standby is behind the retained ledger.
+            (_A, Checkpoint, _V.CATCHING_UP): _V.CATCHING_UP,
+            # The replay of retained entries, in index order.
+            (_A, Events, _V.CATCHING_UP): _V.CATCHING_UP,
+            # SYNC_FINISHED: the border between the replay and real time.
+            (_A, SyncFinished, _V.CATCHING_UP): _V.LIVE,
+            # Real-time replication.
+            (_A, Events, _V.LIVE): _V.LIVE,
+            # Durable acknowledgements already during the replay (lag, trimming) ...
+            (_S, Ack, _V.CATCHING_UP): _V.CATCHING_UP,
+            # ... and in real time, where sync-mode confirms wait for them.
+            (_S, Ack, _V.LIVE): _V.LIVE,
+            # A VPN-level Error from the standby with no stream (e.g. a stale listing).
+            # Never while a request is unanswered, so no answer can cross it.
+            (_S, Error, _V.LISTED): _V.LISTED,
+            # The standby abandons a replay (stale epoch, apply failure).
+            (_S, Error, _V.CATCHING_UP): _V.DRAINING,
+            # The standby abandons a live stream.
+            (_S, Error, _V.LIVE): _V.DRAINING,
+            # A further report about a stream already abandoned (after a Gap, say).
+            (_S, Error, _V.DRAINING): _V.DRAINING,
+            # A reconcile repair goes in line with the live stream (version 5 on).
+            (_A, Repair, _V.LIVE): _V.LIVE,
+            # A repair in flight when the standby abandoned the stream, or asked
+            # for a resync, is dropped: the state it was read against is gone.
+            (_A, Repair, _V.DRAINING): DROP,
+            (_A, Repair, _V.RESYNC_REQUESTED): DROP,
+            # In flight after the standby abandoned the stream: a checkpoint chunk,
+            (_A, Checkpoint, _V.DRAINING): DROP,
+            # events,
+            (_A, Events, _V.DRAINING): DROP,
+            # or the end of a replay; all dropped.
+            (_A, SyncFinished, _V.DRAINING): DROP,
+            # In flight before the active saw the resync request: a checkpoint chunk,
+            (_A, Checkpoint, _V.RESYNC_REQUESTED): DROP,
+            # events,
+            (_A, Events, _V.RESYNC_REQUESTED): DROP,
+            # or the end of the old replay; all dropped until SyncAccepted.
+            (_A, SyncFinished, _V.RESYNC_REQUESTED): DROP,
+            # --- transactions (txn/local/_coordinator.py): independent of the event
+            # stream, so legal in every state of a listed VPN and changing none.
+            # The active asks the standby to prepare,
+            **{(_A, TxnPrepare, state): state for state in VpnState},
+            # the standby votes,
+            **{(_S, TxnVote, state): state for state in VpnState},
+            # the active tells how a transaction ended,
+            **{(_A, TxnOutcome, state): state for state in VpnState},
+            # and the standby asks about its prepared ones after a reconnect;
+            **{(_S, TxnQuery, state): state for state in VpnState},
+            # the active lets the standby commit early, ahead of the stream,
+            **{(_A, TxnCommit, state): state for state in VpnState},
+            # and the standby says whether it did.
+            **{(_S, TxnApplied, state): state for state in VpnState},
+        }
+    )
 )
 
 
@@ -378,7 +380,7 @@ class BridgeConnection:
         self.their_role = Role.STANDBY if self.our_role is Role.ACTIVE else Role.ACTIVE
         self.our_site = our_site
         self.peer_site: str | None = None
-        self.phase = Phase.START
+        self.phase = ConnectionPhase.START
         # Bounded before trusted: until the peer's Hello is in, a frame
         # larger than a Hello can be is refused from its header alone.
         self._max_frame_size = max_frame_size
@@ -435,9 +437,9 @@ class BridgeConnection:
     def next_event(self) -> Frame | Sentinel:
         """The next accepted frame, :data:`NEED_DATA` or :data:`CLOSED`."""
         while True:
-            if self.phase is Phase.CLOSED:
+            if self.phase is ConnectionPhase.CLOSED:
                 return CLOSED
-            if self.phase is Phase.FAILED:
+            if self.phase is ConnectionPhase.FAILED:
                 raise RemoteProtocolError(f"the connection already failed: {self._failure}")
             try:
                 frame = self._reader.next_frame()
@@ -447,7 +449,7 @@ class BridgeConnection:
             except RemoteProtocolError as e:
                 if e.closes_connection:
                     self._failure = e
-                    self.phase = Phase.FAILED
+                    self.phase = ConnectionPhase.FAILED
                 raise
             if accepted is not None:
                 return accepted
@@ -470,7 +472,7 @@ class BridgeConnection:
             return NEED_DATA
         if self._reader.pending:
             raise BadFrame(f"the peer closed the stream {self._reader.pending} bytes into a frame")
-        self.phase = Phase.CLOSED
+        self.phase = ConnectionPhase.CLOSED
         return CLOSED
 
     # ------------------------------------------------------------ transitions
@@ -482,19 +484,19 @@ class BridgeConnection:
         return UnexpectedFrame(f"received {text}", vpn)
 
     def _process(self, sender: Role, frame: Frame, *, sending: bool) -> Frame | None:
-        if self.phase is Phase.CLOSED:
+        if self.phase is ConnectionPhase.CLOSED:
             raise LocalProtocolError("the connection is closed")
         if isinstance(frame, Error) and frame.closes_connection:
-            self.phase = Phase.CLOSED
+            self.phase = ConnectionPhase.CLOSED
             return frame
-        if self.phase is Phase.FAILED:
+        if self.phase is ConnectionPhase.FAILED:
             raise LocalProtocolError("after a fault only a connection-level Error may be sent")
         if isinstance(frame, VPN_FRAMES):
             return self._process_vpn(sender, frame, sending=sending)
         if isinstance(frame, Hello):
             self._check_hello(frame, sending=sending)
-        new = TRANSITIONS.get((sender, type(frame), self.phase))
-        if not isinstance(new, Phase):
+        new = CONNECTION_TRANSITIONS.get((sender, type(frame), self.phase))
+        if not isinstance(new, ConnectionPhase):
             what = f"{type(frame).__name__} from the {sender} in phase {self.phase.value}"
             raise self._illegal(sending, what)
         if isinstance(frame, ResourceList):
@@ -549,7 +551,7 @@ class BridgeConnection:
             if sending:
                 raise LocalProtocolError(f"may not send {name}: VPN not listed", frame.vpn)
             raise UnknownVpn(f"received {name} for a VPN not in the resource list", frame.vpn)
-        new = TRANSITIONS.get((sender, type(frame), stream.state))
+        new = CONNECTION_TRANSITIONS.get((sender, type(frame), stream.state))
         if new is DROP and not sending:
             return None
         if not isinstance(new, VpnState):

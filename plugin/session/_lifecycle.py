@@ -4,7 +4,7 @@ Everything that decides how a connection's bytes are read, whether a close
 of ours may still go upstream, and when both sides are finished lives here;
 :class:`~plugin.session._session.Session` only feeds it what it saw (a
 :class:`Trigger`) and reads the answer. The invariant: **the state changes
-only through** :data:`TRANSITIONS`, and a trigger the table does not list for
+only through** :data:`LIFECYCLE_TRANSITIONS`, and a trigger the table does not list for
 the current state raises :class:`LifecycleError` instead of being guessed at.
 
 Every trigger a client can cause, in any order, is listed for every state
@@ -61,7 +61,7 @@ __all__ = [
     "CLIENT_DONE",
     "CLIENT_READS",
     "CLOSING",
-    "TRANSITIONS",
+    "LIFECYCLE_TRANSITIONS",
     "UPSTREAM_ON_FAULT",
     "WE_CLOSED",
     "BrokerReads",
@@ -195,7 +195,7 @@ class Upstream(enum.Enum):
 L, T = Lifecycle, Trigger
 
 #: (state, trigger) -> next state; why each exists is said beside it
-TRANSITIONS: dict[tuple[Lifecycle, Trigger], Lifecycle] = {
+LIFECYCLE_TRANSITIONS: dict[tuple[Lifecycle, Trigger], Lifecycle] = {
     # -- before the protocol header
     # a valid header goes upstream and the broker starts the handshake
     (L.AWAITING_HEADER, T.HEADER): L.HANDSHAKE,
@@ -319,7 +319,7 @@ TRANSITIONS: dict[tuple[Lifecycle, Trigger], Lifecycle] = {
     (L.CLOSED, T.FAULT): L.CLOSED_BY_US_DONE,
     (L.CLOSED, T.FRAMING_FAULT): L.CLOSED_BY_US_DONE,
 }
-TRANSITIONS.update(
+LIFECYCLE_TRANSITIONS.update(
     {
         (state, trigger): state
         for state in (L.CLOSED, L.CLOSED_BY_US_DONE)
@@ -334,7 +334,7 @@ TRANSITIONS.update(
 )
 # whatever the state, a lost transport ends the connection: the listener
 # closes both sides and feeds the session nothing more
-TRANSITIONS.update({(state, T.LOST): L.CLOSED for state in Lifecycle})
+LIFECYCLE_TRANSITIONS.update({(state, T.LOST): L.CLOSED for state in Lifecycle})
 
 #: the session closed the connection itself: frames only go to the close
 #: handshake, and a further fault changes nothing
@@ -417,6 +417,6 @@ def advance(state: Lifecycle, trigger: Trigger) -> Lifecycle:
     """The state ``trigger`` leads to from ``state``; raises LifecycleError
     if the table does not allow it."""
     try:
-        return TRANSITIONS[state, trigger]
+        return LIFECYCLE_TRANSITIONS[state, trigger]
     except KeyError as e:
         raise LifecycleError(f"{trigger.name} is not allowed in {state.name}") from e

@@ -5,7 +5,7 @@ listener's view of the site's VPNs (role, scope, topology per vhost).
 from __future__ import annotations
 
 from ._directory import VpnDirectory, VpnView
-from ._entities import Binding, DefinitionsError, DestinationKind, Exchange, Policy, Queue
+from ._entities import Binding, DestinationKind, Exchange, ExportError, Policy, Queue
 from ._routing import Refused, header_routes, tagged, topic_matches
 from ._scope import ReplicationScope
 from ._scope_report import out_of_scope, scope_report
@@ -13,7 +13,7 @@ from ._topology import Topology
 
 __all__ = [
     "Binding",
-    "DefinitionsError",
+    "ExportError",
     "DestinationKind",
     "Exchange",
     "Policy",

@@ -6,7 +6,7 @@ over them. A value never changes once made (its argument table is frozen
 too), so a binding's identity (:attr:`Binding.identity`, as RabbitMQ
 compares it for an unbind) is stable. The definitions export
 (``GET /api/definitions``) is read item by item with its types checked:
-anything that is not what RabbitMQ exports is a :class:`DefinitionsError`
+anything that is not what RabbitMQ exports is an :class:`ExportError`
 naming the item, never a half-loaded topology.
 """
 
@@ -26,7 +26,7 @@ from ._routing import tagged
 
 __all__ = [
     "Binding",
-    "DefinitionsError",
+    "ExportError",
     "DestinationKind",
     "Exchange",
     "ExchangeType",
@@ -42,7 +42,7 @@ __all__ = [
 NO_ARGS: Mapping[str, object] = MappingProxyType({})
 
 
-class DefinitionsError(PluginError):
+class ExportError(PluginError):
     """The management API's definitions JSON is not what RabbitMQ exports."""
 
 
@@ -159,10 +159,10 @@ def definition_items(
 ) -> Iterator[Mapping[str, Any]]:
     items = definitions.get(key, [])
     if not isinstance(items, list):
-        raise DefinitionsError(f"definitions: {key!r} must be a list")
+        raise ExportError(f"definitions: {key!r} must be a list")
     for i, item in enumerate(items):
         if not isinstance(item, Mapping):
-            raise DefinitionsError(f"definitions: {key}[{i}] must be an object")
+            raise ExportError(f"definitions: {key}[{i}] must be an object")
         if item.get("vhost", vhost) == vhost:
             yield item
 
@@ -173,12 +173,12 @@ def definition_field(
     if name not in item:
         if default:
             return default[0]
-        raise DefinitionsError(f"definitions: {kind} item {_label(item)} lacks {name!r}")
+        raise ExportError(f"definitions: {kind} item {_label(item)} lacks {name!r}")
     value = item[name]
     if typ is dict and value == []:
         value = {}  # RabbitMQ exports an empty argument table as [] in some versions
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise DefinitionsError(
+        raise ExportError(
             f"definitions: {kind} item {_label(item)}: {name!r} must be {typ.__name__}"
         )
     return value
@@ -191,7 +191,7 @@ def _label(item: Mapping[str, Any]) -> str:
 def binding_from_json(item: Mapping[str, Any]) -> Binding:
     kind = definition_field(item, "bindings", "destination_type", str)
     if kind not in (DestinationKind.QUEUE, DestinationKind.EXCHANGE):
-        raise DefinitionsError(
+        raise ExportError(
             f"definitions: bindings item {_label(item)}: destination_type {kind!r} "
             "is neither 'queue' nor 'exchange'"
         )

@@ -81,10 +81,10 @@ from typing import Any
 from ._entities import (
     NO_ARGS,
     Binding,
-    DefinitionsError,
     DestinationKind,
     Exchange,
     ExchangeType,
+    ExportError,
     Policy,
     Queue,
     binding_from_json,
@@ -393,7 +393,7 @@ class Topology:
         mangled as floats and cannot be restored.
         """
         if not isinstance(definitions, Mapping):
-            raise DefinitionsError("definitions: expected a JSON object")
+            raise ExportError("definitions: expected a JSON object")
         topology = cls(vhost)
         for item in definition_items(definitions, "exchanges", vhost):
             topology.declare_exchange(

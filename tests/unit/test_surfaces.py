@@ -68,3 +68,29 @@ def test_the_check_sees_a_private_import_away_from_its_mirror() -> None:
     ]
     assert private_reach(Path("bench/x.py"), "from bridge import _errors\n") == ["bridge._errors"]
     assert private_reach(Path("bench/x.py"), "from bridge.wire import Hello\n") == []
+
+
+def _public_definitions(source: str) -> list[str]:
+    """The classes and capitalised constants a module defines at its top."""
+    names: list[str] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [t.id for t in targets if isinstance(t, ast.Name) and t.id[:1].isupper()]
+    return [n for n in names if not n.startswith("_")]
+
+
+def test_no_public_class_or_constant_is_defined_in_two_modules() -> None:
+    """One name, one definition: a second error class per reply code or a
+    second ``TRANSITIONS`` is a copy or a clash, either way a reader's trap.
+    (Alembic's per-revision ``revision`` names are lower case.)"""
+    where: dict[str, list[str]] = {}
+    for package in PACKAGES:
+        for module in sorted((REPO / package).rglob("*.py")):
+            if module.name == "__init__.py":
+                continue  # a package re-exports, it does not define
+            for name in _public_definitions(module.read_text()):
+                where.setdefault(name, []).append(str(module.relative_to(REPO)))
+    assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}

@@ -5,7 +5,7 @@ states of a branch the node holds.
 
 from __future__ import annotations
 
-from ._states import TRANSITIONS, BranchState, begin, settle
+from ._states import BRANCH_TRANSITIONS, BranchState, begin, settle
 from ._wire import (
     XA_EXCHANGE,
     Branch,
@@ -28,7 +28,7 @@ from ._xid import Xid, XidError
 __all__ = [
     "Branch",
     "BranchState",
-    "TRANSITIONS",
+    "BRANCH_TRANSITIONS",
     "Verb",
     "XA_EXCHANGE",
     "XaDuplicate",

@@ -1,6 +1,6 @@
 """The states of a client's XA branch held by the node (sans-IO).
 
-One table (:data:`TRANSITIONS`) says which verb a branch in a given state
+One table (:data:`BRANCH_TRANSITIONS`) says which verb a branch in a given state
 takes and the state it is in while the verb runs; the state after the verb
 depends on its outcome and is set by the driver (:mod:`txn.branches._manager`) through
 :func:`settle`. A verb the state does not allow is an
@@ -18,7 +18,7 @@ from typing import Final
 
 from ._wire import Verb, XaProtocolError
 
-__all__ = ["TRANSITIONS", "BranchState", "begin", "settle"]
+__all__ = ["BRANCH_TRANSITIONS", "BranchState", "begin", "settle"]
 
 
 class BranchState(enum.Enum):
@@ -34,7 +34,7 @@ class BranchState(enum.Enum):
 _S, _V = BranchState, Verb
 
 #: (state, verb) -> the state while the verb runs
-TRANSITIONS: Final[dict[tuple[BranchState, Verb], BranchState]] = {
+BRANCH_TRANSITIONS: Final[dict[tuple[BranchState, Verb], BranchState]] = {
     # Work goes into the channel's transaction until end.
     (_S.ACTIVE, _V.END): _S.IDLE,
     # A transaction manager may roll back a branch it never ended (a failure).
@@ -60,7 +60,7 @@ def begin(state: BranchState, verb: Verb, xid: str) -> BranchState:
     """The state while ``verb`` runs on a branch in ``state``."""
     if state in (_S.PREPARING, _S.COMMITTING, _S.ROLLING_BACK):
         raise XaProtocolError(f"XA branch {xid}: another call on it is under way ({state.value})")
-    after = TRANSITIONS.get((state, verb))
+    after = BRANCH_TRANSITIONS.get((state, verb))
     if after is None:
         raise XaProtocolError(f"XA branch {xid}: {verb.value} is not allowed when {state.value}")
     return after

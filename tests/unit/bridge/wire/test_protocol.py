@@ -49,15 +49,16 @@ from bridge import (
 )
 from bridge.wire import (
     CLOSED,
+    CONNECTION_TRANSITIONS,
     FRAME_TYPES,
     MAGIC,
     NEED_DATA,
     PROTOCOL_VERSION,
-    TRANSITIONS,
     Ack,
     BridgeConnection,
     Checkpoint,
     CheckpointRow,
+    ConnectionPhase,
     Error,
     Events,
     Frame,
@@ -65,7 +66,6 @@ from bridge.wire import (
     GetAllResources,
     Heartbeat,
     Hello,
-    Phase,
     Repair,
     ResourceList,
     SyncAccepted,
@@ -188,7 +188,7 @@ def odd_chunks(data: bytes) -> Iterator[bytes]:
 CHUNKERS = [whole, bytewise, odd_chunks]
 
 
-def phase(conn: BridgeConnection) -> Phase:
+def phase(conn: BridgeConnection) -> ConnectionPhase:
     """Read the phase through a call, so mypy does not narrow it for good."""
     return conn.phase
 
@@ -554,14 +554,14 @@ def test_malformed_frames_fail_the_connection(name, data, error, text) -> None:
     active.receive_data(data)
     with pytest.raises(error):
         active.next_event()
-    assert phase(active) is Phase.FAILED
+    assert phase(active) is ConnectionPhase.FAILED
     with pytest.raises(RemoteProtocolError, match="already failed"):
         active.next_event()
     with pytest.raises(LocalProtocolError, match="only a connection-level Error"):
         active.send(Heartbeat())
     report = Error.from_exception(error("x"))
     assert Error.decode(active.send(report)).code == error.code
-    assert phase(active) is Phase.CLOSED
+    assert phase(active) is ConnectionPhase.CLOSED
     assert active.next_event() is CLOSED
 
 
@@ -595,7 +595,7 @@ def test_end_of_stream_between_frames_closes() -> None:
     conn.receive_data(b"")
     assert isinstance(conn.next_event(), Hello)
     assert conn.next_event() is CLOSED
-    assert phase(conn) is Phase.CLOSED
+    assert phase(conn) is ConnectionPhase.CLOSED
     with pytest.raises(LocalProtocolError, match="after the end"):
         conn.receive_data(b"more")
     with pytest.raises(LocalProtocolError, match="closed"):
@@ -662,7 +662,7 @@ class Pair:
 
     def sync(self, from_index: int, last_applied: int = 0, vpn: str = VPN, epoch: int = 3) -> None:
         """Bring ``vpn`` to LIVE with nothing replayed."""
-        if phase(self.standby) is Phase.START:
+        if phase(self.standby) is ConnectionPhase.START:
             self.handshake()
         self.s(SyncRequest(vpn, epoch, last_applied, 1 if last_applied else 0))
         self.at_active()
@@ -685,10 +685,10 @@ def test_the_seed_synchronisation_procedure(chunker) -> None:
     # The standby dials and speaks first; the active answers.
     pair.s(standby_hello)
     assert pair.at_active(chunker) == [standby_hello]
-    assert pair.active.peer_site == STANDBY_SITE and phase(pair.active) is Phase.GREETING
+    assert pair.active.peer_site == STANDBY_SITE and phase(pair.active) is ConnectionPhase.GREETING
     pair.a(active_hello)
     assert pair.at_standby(chunker) == [active_hello]
-    assert pair.standby.peer_site == ACTIVE_SITE and phase(pair.standby) is Phase.GREETED
+    assert pair.standby.peer_site == ACTIVE_SITE and phase(pair.standby) is ConnectionPhase.GREETED
 
     # 1-2. GET_ALL_RESOURCES, RESOURCE_LIST.
     pair.s(GetAllResources())
@@ -696,7 +696,7 @@ def test_the_seed_synchronisation_procedure(chunker) -> None:
     listing = ResourceList((resource(), resource("billing", 5)))
     pair.a(listing)
     assert pair.at_standby(chunker) == [listing]
-    assert pair.standby.phase is phase(pair.active) is Phase.READY
+    assert pair.standby.phase is phase(pair.active) is ConnectionPhase.READY
     assert pair.standby.resources["billing"].epoch == 5
     assert pair.states() == (VpnState.LISTED, VpnState.LISTED)
 
@@ -1072,7 +1072,7 @@ def test_illegal_receipts_fail_the_connection(stage, side, frame, error) -> None
     with pytest.raises(error) as info:
         conn.next_event()
     assert type(info.value) is error and info.value.closes_connection
-    assert phase(conn) is Phase.FAILED
+    assert phase(conn) is ConnectionPhase.FAILED
 
 
 def test_frames_for_an_unlisted_vpn_are_discarded() -> None:
@@ -1087,7 +1087,7 @@ def test_frames_for_an_unlisted_vpn_are_discarded() -> None:
 def test_the_transition_table_only_lets_each_role_send_its_own_frames() -> None:
     by_standby = {SyncRequest, Ack, GetAllResources}
     by_active = {SyncAccepted, Checkpoint, SyncFinished, Events, ResourceList}
-    for sender, frame_type, _ in TRANSITIONS:
+    for sender, frame_type, _ in CONNECTION_TRANSITIONS:
         assert frame_type not in (by_active if sender is Role.STANDBY else by_standby)
 
 
@@ -1114,10 +1114,10 @@ def test_the_standby_may_ask_for_the_resources_again() -> None:
     pair = at_stage("live")
     pair.s(GetAllResources())
     pair.at_active()
-    assert phase(pair.active) is Phase.LISTING
+    assert phase(pair.active) is ConnectionPhase.LISTING
     pair.a(batch(4, 4), ResourceList((resource(),)))
     assert pair.at_standby() == [batch(4, 4), ResourceList((resource(),))]
-    assert phase(pair.standby) is Phase.READY
+    assert phase(pair.standby) is ConnectionPhase.READY
 
 
 # ---------------------------------------------------------------- Error frames
@@ -1165,7 +1165,7 @@ def test_a_connection_level_error_closes_both_ends(stage) -> None:
     assert isinstance(frame, Error)
     assert type(frame.exception()) is Unauthorised
     for conn in (pair.standby, pair.active):
-        assert phase(conn) is Phase.CLOSED
+        assert phase(conn) is ConnectionPhase.CLOSED
         assert conn.next_event() is CLOSED
         with pytest.raises(LocalProtocolError, match="closed"):
             conn.send(Heartbeat())

@@ -17,7 +17,7 @@ from plugin.session import (
     CLIENT_DONE,
     CLIENT_READS,
     CLOSING,
-    TRANSITIONS,
+    LIFECYCLE_TRANSITIONS,
     UPSTREAM_ON_FAULT,
     WE_CLOSED,
     BrokerReads,
@@ -76,7 +76,7 @@ def _one_read(
             triggers = triggers - {T.FAULT, T.FRAMING_FAULT}  # the session returns before
         met[state] = triggers
         for trigger in triggers - {T.FRAMING_FAULT}:
-            nxt = TRANSITIONS.get((state, trigger))
+            nxt = LIFECYCLE_TRANSITIONS.get((state, trigger))
             if nxt is not None:
                 todo.append(nxt)
     return met
@@ -91,15 +91,15 @@ def test_whatever_a_client_sends_has_a_transition(start: Lifecycle) -> None:
     closing = CLIENT_TRIGGERS[ClientReads.CLOSE_HANDSHAKE]
     starts = [start]
     if CLIENT_READS[start] is ClientReads.SCAN:  # no frames: the close-ok, or nothing
-        assert (start, T.CLIENT_CLOSE_OK) in TRANSITIONS
+        assert (start, T.CLIENT_CLOSE_OK) in LIFECYCLE_TRANSITIONS
         return
     if CLIENT_READS[start] is ClientReads.HEADER:  # the rest of the read is frames
         for trigger in (T.HEADER, T.BAD_HEADER):
-            assert (start, trigger) in TRANSITIONS
-        starts = [TRANSITIONS[start, T.HEADER]]
+            assert (start, trigger) in LIFECYCLE_TRANSITIONS
+        starts = [LIFECYCLE_TRANSITIONS[start, T.HEADER]]
     for first in starts:
         for state, triggers in _one_read(first, _client_reads(first), closing).items():
-            missing = {t for t in triggers if (state, t) not in TRANSITIONS}
+            missing = {t for t in triggers if (state, t) not in LIFECYCLE_TRANSITIONS}
             assert missing == set(), (start, state)
 
 
@@ -110,7 +110,7 @@ def test_whatever_the_broker_sends_has_a_transition(start: Lifecycle) -> None:
         return  # the broker has been sent nothing yet
     closing = BROKER_TRIGGERS[BrokerReads.CLOSE_HANDSHAKE]
     for state, triggers in _one_read(start, reads | REPLAYED, closing | REPLAYED).items():
-        missing = {t for t in triggers if (state, t) not in TRANSITIONS}
+        missing = {t for t in triggers if (state, t) not in LIFECYCLE_TRANSITIONS}
         if state in WE_CLOSED:
             missing -= REPLAYED  # a replayed frame meets the close handshake's reader
         assert missing == set(), (start, state)
@@ -126,7 +126,7 @@ def test_every_state_says_how_each_side_is_read_and_what_a_fault_sends() -> None
     for state in Lifecycle:
         assert state in CLIENT_READS and state in BROKER_READS
         assert (state in WE_CLOSED) != (state in UPSTREAM_ON_FAULT), state
-        assert (state, T.LOST) in TRANSITIONS
+        assert (state, T.LOST) in LIFECYCLE_TRANSITIONS
     assert CLIENT_DONE <= CLOSING and WE_CLOSED <= CLOSING
 
 

@@ -15,9 +15,9 @@ from bridge import TopicFilter, VpnSettings
 from plugin import UsageError
 from plugin.topology import (
     Binding,
-    DefinitionsError,
     DestinationKind,
     Exchange,
+    ExportError,
     Policy,
     Queue,
     ReplicationScope,
@@ -759,7 +759,7 @@ def test_from_definitions_whole_broker_export_filters_by_vhost():
     ],
 )
 def test_from_definitions_rejects_malformed_input(definitions, message):
-    with pytest.raises(DefinitionsError, match=message):
+    with pytest.raises(ExportError, match=message):
         Topology.from_definitions("v", definitions)
 
 

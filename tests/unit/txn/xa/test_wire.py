@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from txn.xa import (
-    TRANSITIONS,
+    BRANCH_TRANSITIONS,
     BranchState,
     Verb,
     XaHeuristic,
@@ -120,8 +120,8 @@ def test_ok_answers_raise_nothing_and_recover_lists_branches() -> None:
 def test_the_state_table_allows_only_its_transitions() -> None:
     for state in BranchState:
         for verb in Verb:
-            if (state, verb) in TRANSITIONS:
-                assert begin(state, verb, "x") is TRANSITIONS[(state, verb)]
+            if (state, verb) in BRANCH_TRANSITIONS:
+                assert begin(state, verb, "x") is BRANCH_TRANSITIONS[(state, verb)]
             else:
                 with pytest.raises(XaProtocolError):
                     begin(state, verb, "x")

@@ -15,6 +15,7 @@ pytest_plugins = [
     "tests.fix_listener",
     "tests.fix_node",
     "tests.fix_tls",
+    "tests.fix_two_sites",
 ]
 
 _UNIT = Path(__file__).resolve().parent / "unit"

@@ -21,6 +21,7 @@ from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.fix_tls import Pki
+from tests.fix_two_sites import TwoNodes
 from tests.support.two_sites import (
     IN_SCOPE,
     VPN,
@@ -46,17 +47,8 @@ from tests.support.two_sites import (
 # ---------------------------------------------------------------- 1. steady state
 
 
-def test_ten_thousand_messages_and_mixed_acks_mirror_byte_for_byte(
-    site_a: LocalSite,
-    site_b: LocalSite,
-    vpnrepl_a: Vpnrepl,
-    node_a: NodeProcess,
-    node_b: NodeProcess,
-) -> None:
-    setup_vpn(site_a)
-    enable(vpnrepl_a)
-    node_a.start()
-    node_b.start()
+def test_ten_thousand_messages_and_mixed_acks_mirror_byte_for_byte(two_nodes: TwoNodes) -> None:
+    site_a, _, _, node_a, node_b = two_nodes.replicating()
 
     publisher = Publisher(site_a, range(1, 10_001)).run()
     assert publisher.error is None and not publisher.nacked
@@ -81,17 +73,8 @@ def test_ten_thousand_messages_and_mixed_acks_mirror_byte_for_byte(
 # ---------------------------------------------------------------- 2. standby killed
 
 
-def test_standby_killed_mid_stream_resyncs_from_its_applied_index(
-    site_a: LocalSite,
-    site_b: LocalSite,
-    vpnrepl_a: Vpnrepl,
-    node_a: NodeProcess,
-    node_b: NodeProcess,
-) -> None:
-    setup_vpn(site_a)
-    enable(vpnrepl_a)
-    node_a.start()
-    node_b.start()
+def test_standby_killed_mid_stream_resyncs_from_its_applied_index(two_nodes: TwoNodes) -> None:
+    site_a, site_b, _, node_a, node_b = two_nodes.replicating()
 
     # Mid-stream whatever the load: the publisher stops at 4,000 until B is
     # killed (it cannot finish first), and publishes the rest while B is down.
@@ -126,18 +109,10 @@ def test_standby_killed_mid_stream_resyncs_from_its_applied_index(
 
 
 @pytest.mark.fault  # the fault suite's smoke run kills the active in sync mode by default
-def test_active_killed_mid_stream_in_sync_mode_loses_nothing_confirmed(
-    site_a: LocalSite,
-    site_b: LocalSite,
-    vpnrepl_a: Vpnrepl,
-    node_a: NodeProcess,
-    node_b: NodeProcess,
-) -> None:
-    setup_vpn(site_a)
-    # reject: a confirm can only mean that the standby acknowledged the message
-    enable(vpnrepl_a, "--mode", "sync", "--sync-timeout-ms", "30000", "--on-sync-timeout", "reject")
-    node_a.start()
-    node_b.start()
+def test_active_killed_mid_stream_in_sync_mode_loses_nothing_confirmed(two_nodes: TwoNodes) -> None:
+    site_a, site_b, _, node_a, node_b = two_nodes.replicating(
+        "--mode", "sync", "--sync-timeout-ms", "30000", "--on-sync-timeout", "reject"
+    )
     until(lambda: vpn_status(node_b).get("bridge") == "connected", "B connected")
 
     publisher = Publisher(site_a, range(1, 30_001), window=200).start()
@@ -301,21 +276,14 @@ def test_sync_mode_with_the_standby_stopped(
     assert node_b.stop() == 0 and node_a.stop() == 0
 
 
-def test_sync_mode_does_not_degrade_while_the_standby_keeps_up(
-    site_a: LocalSite,
-    site_b: LocalSite,
-    vpnrepl_a: Vpnrepl,
-    node_a: NodeProcess,
-    node_b: NodeProcess,
-) -> None:
+def test_sync_mode_does_not_degrade_while_the_standby_keeps_up(two_nodes: TwoNodes) -> None:
     """A publish stream that lasts longer than the sync timeout, with the
     standby up and acknowledging: no confirm may be released by the timeout
     policy (it would be a confirm the standby does not have yet)."""
     timeout_ms = 2000
-    setup_vpn(site_a)
-    enable(vpnrepl_a, "--mode", "sync", "--sync-timeout-ms", str(timeout_ms))
-    node_a.start()
-    node_b.start()
+    site_a, _, _, node_a, node_b = two_nodes.replicating(
+        "--mode", "sync", "--sync-timeout-ms", str(timeout_ms)
+    )
     until(lambda: vpn_status(node_a).get("bridge") == "connected", "B connected")
     publisher = Publisher(site_a, range(1, 100_001), window=50).start()
     t0 = time.monotonic()
@@ -358,11 +326,7 @@ def _windows(site: LocalSite) -> list[tuple[int, int, bool]]:
 
 
 def test_a_frozen_standby_under_degrade_leaves_every_confirm_without_it_in_a_window(
-    site_a: LocalSite,
-    site_b: LocalSite,
-    vpnrepl_a: Vpnrepl,
-    node_a: NodeProcess,
-    node_b: NodeProcess,
+    two_nodes: TwoNodes,
 ) -> None:
     """The standby's node frozen (SIGSTOP) past the sync timeout under
     ``degrade`` while a publisher streams, then the active killed: every
@@ -370,10 +334,9 @@ def test_a_frozen_standby_under_degrade_leaves_every_confirm_without_it_in_a_win
     window recorded before its confirm, which starts exactly at the lowest
     of them; the next start closes the window at the ledger index; the
     standby thawed catches up and nothing new is windowed."""
-    setup_vpn(site_a)
-    enable(vpnrepl_a, "--mode", "sync", "--sync-timeout-ms", "500", "--on-sync-timeout", "degrade")
-    node_a.start()
-    node_b.start()
+    site_a, _, _, node_a, node_b = two_nodes.replicating(
+        "--mode", "sync", "--sync-timeout-ms", "500", "--on-sync-timeout", "degrade"
+    )
     until(lambda: vpn_status(node_a).get("bridge") == "connected", "B connected")
     publisher = Publisher(site_a, range(1, 200_001), window=50).start()
     until(lambda: len(publisher.confirmed) >= 500, "500 publishes confirmed through B")

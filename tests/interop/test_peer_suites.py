@@ -109,7 +109,7 @@ SUITES = (
         default=(
             # connection, channel, publish/confirm/return, consume/ack, tx, DLX
             # (RPC, Master/Worker and type tests run in the whole suite, -m fault)
-            "tests/unit/plugin/session/test_amqp.py",
+            "tests/unit/bridge/amqp/test_methods.py",
             "tests/test_message.py",
             "tests/test_connect.py",
             "tests/test_connection_close_state.py",

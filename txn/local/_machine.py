@@ -4,11 +4,12 @@ A client's ``tx.commit`` on a channel that published or acked replicated
 messages becomes an internal two-phase transaction. This module decides
 every step of it and nothing else: :class:`TxnMachine` takes what happened
 (:class:`Input`) and answers what must be done next (actions, frozen
-values carrying their data); the driver in :mod:`txn.local._coordinator` performs
-them with the database, the bridge and the broker and feeds the outcomes
-back. Every transition is in one table (:data:`TRANSITIONS`), and the phase
-changes nowhere else; an input the phase does not allow is a
-:class:`TxnProtocolError`, never a silent skip.
+values carrying their data); the driver in :mod:`txn.local._coordinator`
+(and :mod:`txn.local._decision`) performs them with the database, the bridge
+and the broker and feeds the outcomes back. Every transition is in one
+table (:data:`TRANSITIONS`), and the phase changes nowhere else; an input
+the phase does not allow is a :class:`TxnProtocolError`, never a silent
+skip.
 
 Phases, in order (a transaction only moves forward)::
 

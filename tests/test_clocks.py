@@ -20,8 +20,11 @@ ALLOWED = {
         "plugin/reconcile/_reconcile.py",
         "datetime.now",
     ): "when a reconciliation run finished, in its report",
-    ("plugin/cli/_cli.py", "datetime.now"): "when a reconciliation run started, in its report",
-    ("plugin/_certificates.py", "datetime.datetime.now"): "the validity of a certificate it makes",
+    ("plugin/cli/_commands.py", "datetime.now"): "when a reconciliation run started, in its report",
+    (
+        "plugin/tls/_certificates.py",
+        "datetime.datetime.now",
+    ): "the validity of a certificate it makes",
 }
 
 WALL_CLOCK = {"time", "time_ns", "now", "utcnow", "today", "localtime", "gmtime", "ctime"}

@@ -15,26 +15,28 @@ import logging
 import ssl
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 
 from bridge import BridgeError, Consumed, ReplicationId, future_callback
-from bridge.active import BridgeServer, Replicator
-from bridge.ledger import LedgerWriter
 from bridge.roles import TakeoverUnknown
-from bridge.standby import BridgeClient
 from bridge.store import ledger_progress_async
 from plugin._config import SiteConfig
 from plugin._errors import StateError, UsageError
-from plugin.listener import DirectoryRefresher, Listener
-from txn.branches import XaCoordinator
 
 from ._demote import DemotionSummary, demote, export_tail
 from ._promote import promote
 from ._requests import Handler, Progress
 from ._switchover import switchover
 from ._xa_admin import decide_branch
+
+if TYPE_CHECKING:  # the node's parts, typed only: the CLI imports ops without them
+    from bridge.active import BridgeServer, Replicator
+    from bridge.ledger import LedgerWriter
+    from bridge.standby import BridgeClient
+    from plugin.listener import DirectoryRefresher, Listener
+    from txn.branches import XaCoordinator
 
 __all__ = ["NodeRequests", "RunningNode"]
 

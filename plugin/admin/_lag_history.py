@@ -7,11 +7,21 @@ Prometheus keeps the long one). ``/status/history`` serves them.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import psycopg
+
+from plugin._errors import PluginError
+
 __all__ = ["SAMPLE_SECONDS", "WINDOW_SECONDS", "LagHistory"]
+
+# the node's own log: the sampling runs inside it
+log = logging.getLogger("vpnrepl.node")
 
 SAMPLE_SECONDS = 2.0
 WINDOW_SECONDS = 600.0
@@ -23,6 +33,16 @@ class LagHistory:
     def __init__(self, window: float = WINDOW_SECONDS, every: float = SAMPLE_SECONDS) -> None:
         self._keep = max(int(window / every), 1)
         self._samples: dict[str, deque[tuple[float, int, float, int]]] = {}
+
+    async def sample(self, read_status: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        """Every :data:`SAMPLE_SECONDS`, one sample of ``read_status()``'s
+        lag (a status that cannot be read is skipped)."""
+        while True:
+            try:
+                self.add(await read_status())
+            except (PluginError, OSError, psycopg.Error) as e:
+                log.debug("lag sample skipped: %s", e)
+            await asyncio.sleep(SAMPLE_SECONDS)
 
     def add(self, doc: dict[str, Any], at: float | None = None) -> None:
         """One sample from a status document; VPNs no longer in it are dropped."""

@@ -12,19 +12,12 @@ ports (:class:`LocalSites`: two sites), and runs ``vpnrepl demo``
 from __future__ import annotations
 
 from ._demo import run_demo
-from ._localsites import (
-    HarnessError,
-    LocalNode,
-    LocalSite,
-    LocalSites,
-    OtlpReceiver,
-    PostgresCluster,
-    RabbitNode,
-    free_port,
-    kill_servers_in,
-    process_tree,
-    sweep_orphans,
-)
+from ._localnode import LocalNode
+from ._localsites import LocalSite, LocalSites, kill_servers_in, sweep_orphans
+from ._otlp import OtlpReceiver
+from ._postgres import PostgresCluster
+from ._processes import HarnessError, free_port, process_tree
+from ._rabbit import RabbitNode
 from ._sandbox import start_sandbox, stop_sandbox
 
 __all__ = [

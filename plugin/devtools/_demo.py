@@ -21,7 +21,8 @@ from pathlib import Path
 
 from plugin._errors import PluginError
 
-from ._localsites import LocalNode, LocalSite, LocalSites
+from ._localnode import LocalNode
+from ._localsites import LocalSite, LocalSites
 
 __all__ = ["run_demo"]
 

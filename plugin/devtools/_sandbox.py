@@ -19,7 +19,8 @@ from pathlib import Path
 
 from plugin._errors import UsageError
 
-from ._localsites import HarnessError, LocalSites, kill_servers_in
+from ._localsites import LocalSites, kill_servers_in
+from ._processes import HarnessError
 
 __all__ = ["start_sandbox", "stop_sandbox"]
 

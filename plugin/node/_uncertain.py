@@ -15,8 +15,9 @@ ones still live (``uncertain_publishes``), ``/metrics`` exports the count,
 and ``vpnrepl reconcile`` sets them against the broker's drift: in a queue
 whose broker holds exactly that many messages fewer than the live state in
 both readings, every uncertain message is a phantom, and ``--repair``
-retires them (:func:`retire`): their consumption goes into the ledger, so
-both sites drop them. Where the count does not match, which ones the
+retires them (the node's ``retire-uncertain`` request,
+:func:`plugin.ops._node_requests.retire`): their consumption goes into the
+ledger, so both sites drop them. Where the count does not match, which ones the
 broker holds cannot be told, and they stay, counted, until consumed (a
 message that is in the broker is consumed normally, and its row stops
 counting).
@@ -28,14 +29,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import psycopg
 
-from bridge import Consumed, Published, ReplicationId, future_callback
-from bridge.ledger import LedgerWriter
+from bridge import Published
 
-__all__ = ["UncertainLog", "retire"]
+__all__ = ["UncertainLog"]
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +42,6 @@ _RECORD = """
 INSERT INTO uncertain_publish (vpn, queue, repl_id)
 SELECT v, q, r FROM unnest(%s::text[], %s::text[], %s::bytea[]) AS t(v, q, r)
 ON CONFLICT DO NOTHING
-"""
-_FORGET = """
-DELETE FROM uncertain_publish u USING unnest(%s::text[], %s::bytea[]) AS k(q, r)
-WHERE u.vpn = %s AND u.queue = k.q AND u.repl_id = k.r
 """
 
 
@@ -89,21 +84,3 @@ class UncertainLog:
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 10)
-
-
-async def retire(
-    writer: LedgerWriter, dsn: str, vpn: str, keys: Sequence[tuple[str, bytes]]
-) -> int:
-    """Phantoms found by reconcile: their consumption goes into the ledger
-    (both sites drop them) and their rows go. Returns how many."""
-    if not keys:
-        return 0
-    events = [Consumed(vpn, ReplicationId(rid), queue) for queue, rid in keys]
-    durable: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-    writer.append_group(events, future_callback(durable))
-    if not await durable:
-        raise RuntimeError("the retirement of uncertain publishes was not made durable")
-    params: Any = ([q for q, _ in keys], [r for _, r in keys], vpn)
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await conn.execute(_FORGET, params)
-    return len(keys)

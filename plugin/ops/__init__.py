@@ -3,13 +3,14 @@ requests do — promote, demote (and its tail export), switchover,
 republish, deciding XA branches — and the request table they run through
 (one at a time per site, recorded in the audit trail). The CLI calls these
 directly or through the node (``run_command``); the node serves the
-requests (``RequestServer``).
+requests (``RequestServer``) with its side of each (``NodeRequests``).
 """
 
 from __future__ import annotations
 
 from ._audit import audit_rows, render_audit
 from ._demote import DemotionSummary, demote, export_tail
+from ._node_requests import NodeRequests, RunningNode
 from ._promote import PromotionSummary, promote
 from ._republish import RepublishSummary, TailRecord, read_tail_file, republish, write_tail_file
 from ._requests import (
@@ -38,10 +39,12 @@ __all__ = [
     "SITE_LOCK",
     "DemotionSummary",
     "Local",
+    "NodeRequests",
     "Progress",
     "PromotionSummary",
     "RepublishSummary",
     "RequestServer",
+    "RunningNode",
     "TailRecord",
     "audit_rows",
     "decide_branch",

@@ -1,6 +1,6 @@
 """``vpnrepl reconcile``: both sites' live states compared on Spark — per
 queue counts and digests, row by row only where they differ — its report,
-and the repair it asks the node for."""
+the repair it asks the node for, and the node's schedule of it."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from ._reconcile import (
     store_run,
 )
 from ._report import render
+from ._schedule import ReconcileSchedule
 from ._spark import SiteSnapshot, SparkRun, SparkUnavailable, jdbc_url
 
 __all__ = [
     "ReconcileResult",
+    "ReconcileSchedule",
     "Reconciler",
     "SiteSnapshot",
     "SparkRun",

@@ -5,7 +5,7 @@ transaction; ``ledger_last`` the last index of its group once decided (a
 degraded transaction ends when the standby has acknowledged it). The
 decision to commit is the transaction's events appended to the ledger as one
 group, after that index; recovery of a prepared row looks
-for them there (``txn/local/_coordinator.py``), so a crash between the ledger
+for them there (``txn/local/_recovery.py``), so a crash between the ledger
 commit and the row's update to ``committed`` cannot turn a commit into an
 abort.
 

@@ -21,7 +21,7 @@ ALLOWED = {
         "plugin/reconcile/_reconcile.py",
         "datetime.now",
     ): "when a reconciliation run finished, in its report",
-    ("plugin/cli/_cli.py", "datetime.now"): "when a reconciliation run started, in its report",
+    ("plugin/cli/_commands.py", "datetime.now"): "when a reconciliation run started, in its report",
     (
         "plugin/tls/_certificates.py",
         "datetime.datetime.now",

@@ -1,16 +1,17 @@
 """Local transactions as an internal two-phase commit over both sites.
 
-The step table (sans-IO), the coordinator on the active and its recovery,
-the participant on the standby, ``txn_log``, and the commit markers
-recovery reads in the broker.
+The step table (sans-IO), the coordinator on the active (the prepare, the
+steps after the broker commit, recovery, the sweep), the participant on the
+standby, ``txn_log``, and the commit markers recovery reads in the broker.
 """
 
 from __future__ import annotations
 
-from ._coordinator import RESOLVE_DELAY, TXN_RETAIN_SECONDS, Coordinator, TxnStats
+from ._coordinator import RESOLVE_DELAY, Coordinator
+from ._inflight import TxnStats
 from ._log import PARTICIPANT, PRUNE_LIMIT, XA_PENDING, TxnLog, TxnRow, encode_events
 from ._machine import (
-    TRANSITIONS,
+    TXN_TRANSITIONS,
     Answer,
     AwaitStandbyAck,
     CommitEarly,
@@ -18,7 +19,6 @@ from ._machine import (
     Input,
     MarkDegraded,
     OpenStandbyPhase,
-    Phase,
     RecordDecision,
     Refuse,
     RetireMarker,
@@ -26,11 +26,13 @@ from ._machine import (
     SendOutcome,
     StandbySettled,
     TxnMachine,
+    TxnPhase,
     TxnProtocolError,
     WithdrawStandbyWait,
 )
 from ._markers import MarkerError, MarkerStore, load_marker_key, restored_marker
 from ._participant import Participant
+from ._sweep import TXN_RETAIN_SECONDS
 
 __all__ = [
     "Answer",
@@ -46,7 +48,7 @@ __all__ = [
     "PARTICIPANT",
     "PRUNE_LIMIT",
     "Participant",
-    "Phase",
+    "TxnPhase",
     "RESOLVE_DELAY",
     "RecordDecision",
     "Refuse",
@@ -54,7 +56,7 @@ __all__ = [
     "SendBrokerCommit",
     "SendOutcome",
     "StandbySettled",
-    "TRANSITIONS",
+    "TXN_TRANSITIONS",
     "TXN_RETAIN_SECONDS",
     "TxnLog",
     "TxnMachine",

@@ -4,11 +4,12 @@ A client's ``tx.commit`` on a channel that published or acked replicated
 messages becomes an internal two-phase transaction. This module decides
 every step of it and nothing else: :class:`TxnMachine` takes what happened
 (:class:`Input`) and answers what must be done next (actions, frozen
-values carrying their data); the driver in :mod:`txn.local._coordinator` performs
-them with the database, the bridge and the broker and feeds the outcomes
-back. Every transition is in one table (:data:`TRANSITIONS`), and the phase
-changes nowhere else; an input the phase does not allow is a
-:class:`TxnProtocolError`, never a silent skip.
+values carrying their data); the driver in :mod:`txn.local._coordinator`
+(and :mod:`txn.local._decision`) performs them with the database, the bridge
+and the broker and feeds the outcomes back. Every transition is in one
+table (:data:`TXN_TRANSITIONS`), and the phase changes nowhere else; an input
+the phase does not allow is a :class:`TxnProtocolError`, never a silent
+skip.
 
 Phases, in order (a transaction only moves forward)::
 
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 __all__ = [
-    "TRANSITIONS",
+    "TXN_TRANSITIONS",
     "Action",
     "Answer",
     "AwaitStandbyAck",
@@ -54,7 +55,7 @@ __all__ = [
     "Input",
     "MarkDegraded",
     "OpenStandbyPhase",
-    "Phase",
+    "TxnPhase",
     "RecordDecision",
     "Refuse",
     "RetireMarker",
@@ -72,7 +73,7 @@ class TxnProtocolError(RuntimeError):
     client error): the driver logs it and fails the transaction safely."""
 
 
-class Phase(enum.Enum):
+class TxnPhase(enum.Enum):
     PREPARING = "preparing"  # the prepared rows being written (here, and the standby's vote)
     PREPARED = "prepared"  # both prepared (or degraded): the broker may commit
     COMMITTING = "committing"  # marker publish + tx.commit sent, commit-ok owed
@@ -208,60 +209,60 @@ Action = (
     | Answer
     | SendOutcome
 )
-_Step = Callable[["TxnMachine"], tuple[Phase, list[Action]]]
+_Step = Callable[["TxnMachine"], tuple[TxnPhase, list[Action]]]
 
 
 # -- the steps ------------------------------------------------------------------
 
 
-def _voted(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _voted(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     """A vote is in: the broker may commit once this site prepared and the
     standby did too, was late under ``degrade``, or is not needed."""
     remote = m.remote_prepared or m.degraded or not m.needs_standby
     if not (m.local_prepared and remote):
-        return Phase.PREPARING, []
+        return TxnPhase.PREPARING, []
     degraded: list[Action] = [MarkDegraded()] if m.degraded else []
-    return Phase.PREPARED, [*degraded, SendBrokerCommit()]
+    return TxnPhase.PREPARED, [*degraded, SendBrokerCommit()]
 
 
-def _local_prepared(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _local_prepared(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     m.local_prepared = True
     return _voted(m)
 
 
-def _remote_prepared(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _remote_prepared(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     m.remote_prepared = True
     return _voted(m)
 
 
-def _remote_timeout(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _remote_timeout(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     if m.remote_prepared:  # the yes vote won the race with the timer
         return _voted(m)
     if m.reject:
         m.refusal = "the standby did not prepare in time"
-        return Phase.ABORTED, [Forget(), Refuse(m.refusal)]
+        return TxnPhase.ABORTED, [Forget(), Refuse(m.refusal)]
     m.degraded = True
     return _voted(m)
 
 
-def _abort(m: TxnMachine) -> tuple[Phase, list[Action]]:
-    return Phase.ABORTED, [Forget()]
+def _abort(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
+    return TxnPhase.ABORTED, [Forget()]
 
 
-def _to(phase: Phase, *actions: Action) -> _Step:
+def _to(phase: TxnPhase, *actions: Action) -> _Step:
     """A step that only moves to ``phase`` with fixed ``actions``."""
     return lambda m: (phase, list(actions))
 
 
-def _appended(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _appended(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     """The group has its indexes: a sync transaction the standby prepared
     is committed early there, while the ledger write runs."""
     if m.needs_standby and not m.degraded:
-        return Phase.DECIDING, [CommitEarly(m.first_index)]
-    return Phase.DECIDING, []
+        return TxnPhase.DECIDING, [CommitEarly(m.first_index)]
+    return TxnPhase.DECIDING, []
 
 
-def _settled(m: TxnMachine, acked: bool, early: bool) -> tuple[Phase, list[Action]]:
+def _settled(m: TxnMachine, acked: bool, early: bool) -> tuple[TxnPhase, list[Action]]:
     """The decision is durable and the standby's part is over: the client
     is answered. A standby that did not acknowledge in time degrades the
     transaction (the broker committed: it goes on without it)."""
@@ -272,50 +273,50 @@ def _settled(m: TxnMachine, acked: bool, early: bool) -> tuple[Phase, list[Actio
     actions += [RetireMarker(), Answer(True)]
     if not early:
         actions.append(SendOutcome())
-    return Phase.DONE, actions
+    return TxnPhase.DONE, actions
 
 
-def _durable(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _durable(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     """The decision is durable here; what the client still waits for."""
     if m.degraded:  # the standby gets it with the stream
         return _settled(m, acked=True, early=False)
     opened: list[Action] = [OpenStandbyPhase()] if m.needs_standby else []
-    return Phase.AWAITING_STANDBY, [*opened, AwaitStandbyAck(m.last_index)]
+    return TxnPhase.AWAITING_STANDBY, [*opened, AwaitStandbyAck(m.last_index)]
 
 
-def _durable_after_early(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _durable_after_early(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     phase, actions = _settled(m, acked=True, early=True)
     return phase, [OpenStandbyPhase(), *actions]
 
 
-def _early_while_deciding(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _early_while_deciding(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     m.committed_early = True
-    return Phase.EARLY, []
+    return TxnPhase.EARLY, []
 
 
-def _early_while_awaiting(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _early_while_awaiting(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     m.committed_early = True
     phase, actions = _settled(m, acked=True, early=True)
     return phase, [WithdrawStandbyWait(m.last_index), *actions]
 
 
-def _early_after_done(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _early_after_done(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     m.committed_early = True
     return m.phase, []
 
 
-def _acked(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _acked(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     return _settled(m, acked=True, early=False)
 
 
-def _timed_out(m: TxnMachine) -> tuple[Phase, list[Action]]:
+def _timed_out(m: TxnMachine) -> tuple[TxnPhase, list[Action]]:
     return _settled(m, acked=False, early=False)
 
 
-_P, _I = Phase, Input
+_P, _I = TxnPhase, Input
 
 #: (phase, input) -> the step that decides the next phase and the actions.
-TRANSITIONS: Final[dict[tuple[Phase, Input], _Step]] = {
+TXN_TRANSITIONS: Final[dict[tuple[TxnPhase, Input], _Step]] = {
     # Both prepares run at once; the votes arrive in either order.
     (_P.PREPARING, _I.LOCAL_PREPARED): _local_prepared,
     (_P.PREPARING, _I.REMOTE_PREPARED): _remote_prepared,
@@ -371,7 +372,7 @@ class TxnMachine:
     txid: str
     needs_standby: bool
     reject: bool
-    phase: Phase = Phase.PREPARING
+    phase: TxnPhase = TxnPhase.PREPARING
     local_prepared: bool = False
     remote_prepared: bool = False
     degraded: bool = False
@@ -386,7 +387,7 @@ class TxnMachine:
 
     def feed(self, what: Input) -> list[Action]:
         """Advance on ``what``; return the actions now due, in order."""
-        step = TRANSITIONS.get((self.phase, what))
+        step = TXN_TRANSITIONS.get((self.phase, what))
         if step is None:
             raise TxnProtocolError(
                 f"transaction {self.txid}: {what.value} in phase {self.phase.value}"

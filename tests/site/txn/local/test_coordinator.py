@@ -79,9 +79,9 @@ def test_a_decision_the_sites_database_does_not_record_in_time_ends_the_clients_
     outcome is unknown, not kept waiting as long as the database hangs; the
     decision still commits once the database answers."""
     from tests.fix_sites import until_a_lock_waits
-    from txn.local import _coordinator
+    from txn.local import _decision
 
-    monkeypatch.setattr(_coordinator, "DECISION_BOUND_SECONDS", 0.5)
+    monkeypatch.setattr(_decision, "DECISION_BOUND_SECONDS", 0.5)
     dsn = active_site(site_a)
     ids = IdSource(19)
     t1 = txn(ids, 1)

@@ -19,7 +19,7 @@ from hypothesis import given, strategies as st
 
 from bridge import FAILPOINTS
 from txn.local import (
-    TRANSITIONS,
+    TXN_TRANSITIONS,
     Answer,
     AwaitStandbyAck,
     CommitEarly,
@@ -27,7 +27,6 @@ from txn.local import (
     Input,
     MarkDegraded,
     OpenStandbyPhase,
-    Phase,
     RecordDecision,
     Refuse,
     RetireMarker,
@@ -35,6 +34,7 @@ from txn.local import (
     SendOutcome,
     StandbySettled,
     TxnMachine,
+    TxnPhase,
     TxnProtocolError,
     WithdrawStandbyWait,
 )
@@ -78,9 +78,9 @@ def test_a_sync_transaction_committed_early_before_the_decision_is_durable() -> 
     assert m.appended(FIRST, LAST) == [CommitEarly(FIRST)]
     assert m.feed(I.BROKER_COMMITTED) == []  # commit-ok after a delivery proved it
     assert m.feed(I.STANDBY_COMMITTED_EARLY) == []
-    assert m.phase is Phase.EARLY
+    assert m.phase is TxnPhase.EARLY
     assert m.feed(I.DECISION_DURABLE) == [OpenStandbyPhase(), *SETTLED_EARLY]
-    assert m.phase is Phase.DONE and not m.degraded and m.committed_early
+    assert m.phase is TxnPhase.DONE and not m.degraded and m.committed_early
 
 
 def test_a_sync_transaction_committed_early_after_the_decision_is_durable() -> None:
@@ -88,7 +88,7 @@ def test_a_sync_transaction_committed_early_after_the_decision_is_durable() -> N
     committed(m)
     assert m.feed(I.DECISION_DURABLE) == [OpenStandbyPhase(), AwaitStandbyAck(LAST)]
     assert m.feed(I.STANDBY_COMMITTED_EARLY) == [WithdrawStandbyWait(LAST), *SETTLED_EARLY]
-    assert m.phase is Phase.DONE
+    assert m.phase is TxnPhase.DONE
     assert m.feed(I.STANDBY_ACKED) == []  # a late answer of the gate changes nothing
 
 
@@ -97,7 +97,7 @@ def test_a_sync_transaction_the_standby_left_to_the_stream() -> None:
     committed(m)
     assert m.feed(I.DECISION_DURABLE) == [OpenStandbyPhase(), AwaitStandbyAck(LAST)]
     assert m.feed(I.STANDBY_ACKED) == SETTLED_FROM_STREAM
-    assert m.phase is Phase.DONE and not m.committed_early
+    assert m.phase is TxnPhase.DONE and not m.committed_early
     assert m.feed(I.STANDBY_COMMITTED_EARLY) == []  # its answer after the stream's ack
 
 
@@ -135,7 +135,7 @@ def test_a_late_standby_under_reject_refuses_and_forgets() -> None:
     m = machine(reject=True)
     m.feed(I.LOCAL_PREPARED)
     assert m.feed(I.REMOTE_TIMEOUT) == [Forget(), Refuse("the standby did not prepare in time")]
-    assert m.phase is Phase.ABORTED
+    assert m.phase is TxnPhase.ABORTED
     with pytest.raises(TxnProtocolError):
         m.feed(I.BROKER_COMMIT_SENT)  # nothing may reach the broker now
 
@@ -170,7 +170,7 @@ def test_abort_before_the_broker_commit_forgets(prepared: bool) -> None:
     if prepared:
         m.feed(I.REMOTE_PREPARED)
     assert m.feed(I.ABORT) == [Forget()]
-    assert m.phase is Phase.ABORTED
+    assert m.phase is TxnPhase.ABORTED
 
 
 @pytest.mark.parametrize("when", ["appending", "durable", "early"])
@@ -187,33 +187,38 @@ def test_a_decision_that_cannot_be_recorded_answers_no(when: str) -> None:
         if when == "early":
             m.feed(I.STANDBY_COMMITTED_EARLY)
         assert m.feed(I.DECISION_LOST) == [Answer(False)]
-    assert m.phase is Phase.UNRECORDED
+    assert m.phase is TxnPhase.UNRECORDED
     assert m.feed(I.STANDBY_COMMITTED_EARLY) == []
 
 
 # -- the table ------------------------------------------------------------------
 
 #: how to reach each phase, for a sync VPN under degrade
-ROUTES: dict[Phase, list[Input]] = {
-    Phase.PREPARING: [],
-    Phase.PREPARED: [I.LOCAL_PREPARED, I.REMOTE_PREPARED],
-    Phase.COMMITTING: [I.LOCAL_PREPARED, I.REMOTE_PREPARED, I.BROKER_COMMIT_SENT],
-    Phase.DECIDING: [I.LOCAL_PREPARED, I.REMOTE_PREPARED, I.BROKER_COMMIT_SENT, I.BROKER_COMMITTED],
-    Phase.EARLY: [
+ROUTES: dict[TxnPhase, list[Input]] = {
+    TxnPhase.PREPARING: [],
+    TxnPhase.PREPARED: [I.LOCAL_PREPARED, I.REMOTE_PREPARED],
+    TxnPhase.COMMITTING: [I.LOCAL_PREPARED, I.REMOTE_PREPARED, I.BROKER_COMMIT_SENT],
+    TxnPhase.DECIDING: [
+        I.LOCAL_PREPARED,
+        I.REMOTE_PREPARED,
+        I.BROKER_COMMIT_SENT,
+        I.BROKER_COMMITTED,
+    ],
+    TxnPhase.EARLY: [
         I.LOCAL_PREPARED,
         I.REMOTE_PREPARED,
         I.BROKER_COMMIT_SENT,
         I.BROKER_COMMITTED,
         I.STANDBY_COMMITTED_EARLY,
     ],
-    Phase.AWAITING_STANDBY: [
+    TxnPhase.AWAITING_STANDBY: [
         I.LOCAL_PREPARED,
         I.REMOTE_PREPARED,
         I.BROKER_COMMIT_SENT,
         I.BROKER_COMMITTED,
         I.DECISION_DURABLE,
     ],
-    Phase.DONE: [
+    TxnPhase.DONE: [
         I.LOCAL_PREPARED,
         I.REMOTE_PREPARED,
         I.BROKER_COMMIT_SENT,
@@ -221,8 +226,8 @@ ROUTES: dict[Phase, list[Input]] = {
         I.DECISION_DURABLE,
         I.STANDBY_ACKED,
     ],
-    Phase.ABORTED: [I.ABORT],
-    Phase.UNRECORDED: [
+    TxnPhase.ABORTED: [I.ABORT],
+    TxnPhase.UNRECORDED: [
         I.LOCAL_PREPARED,
         I.REMOTE_PREPARED,
         I.BROKER_COMMIT_SENT,
@@ -232,7 +237,7 @@ ROUTES: dict[Phase, list[Input]] = {
 }
 
 
-def reach(phase: Phase) -> TxnMachine:
+def reach(phase: TxnPhase) -> TxnMachine:
     m = machine(reject=False)
     for what in ROUTES[phase]:
         m.feed(what)
@@ -241,12 +246,12 @@ def reach(phase: Phase) -> TxnMachine:
 
 
 def test_every_phase_can_be_reached() -> None:
-    assert set(ROUTES) == set(Phase)
-    assert {phase for phase, _ in TRANSITIONS} | {Phase.ABORTED} == set(Phase)
+    assert set(ROUTES) == set(TxnPhase)
+    assert {phase for phase, _ in TXN_TRANSITIONS} | {TxnPhase.ABORTED} == set(TxnPhase)
 
 
-@pytest.mark.parametrize(("phase", "what"), sorted(TRANSITIONS, key=str))
-def test_every_transition_is_taken_from_its_phase(phase: Phase, what: Input) -> None:
+@pytest.mark.parametrize(("phase", "what"), sorted(TXN_TRANSITIONS, key=str))
+def test_every_transition_is_taken_from_its_phase(phase: TxnPhase, what: Input) -> None:
     m = reach(phase)
     m.feed(what)
     assert m.history[-1] is what
@@ -255,11 +260,11 @@ def test_every_transition_is_taken_from_its_phase(phase: Phase, what: Input) -> 
 @pytest.mark.parametrize(
     ("phase", "what"),
     sorted(
-        ((p, i) for p in Phase for i in Input if (p, i) not in TRANSITIONS),
+        ((p, i) for p in TxnPhase for i in Input if (p, i) not in TXN_TRANSITIONS),
         key=str,
     ),
 )
-def test_every_other_input_is_refused_and_changes_nothing(phase: Phase, what: Input) -> None:
+def test_every_other_input_is_refused_and_changes_nothing(phase: TxnPhase, what: Input) -> None:
     m = reach(phase)
     before = (m.phase, len(m.history), m.degraded, m.committed_early)
     with pytest.raises(TxnProtocolError):
@@ -268,9 +273,9 @@ def test_every_other_input_is_refused_and_changes_nothing(phase: Phase, what: In
 
 
 def test_the_end_phases_accept_nothing_that_acts() -> None:
-    for phase in (Phase.DONE, Phase.ABORTED, Phase.UNRECORDED):
+    for phase in (TxnPhase.DONE, TxnPhase.ABORTED, TxnPhase.UNRECORDED):
         for what in Input:
-            if (phase, what) in TRANSITIONS:
+            if (phase, what) in TXN_TRANSITIONS:
                 assert reach(phase).feed(what) == [], (phase, what)
 
 
@@ -299,7 +304,7 @@ def test_the_guarantees_hold_in_any_input_order(
             actions = m.appended(FIRST, LAST) if what is I.GROUP_APPENDED else m.feed(what)
         except TxnProtocolError:
             continue
-        if before in (Phase.DONE, Phase.ABORTED, Phase.UNRECORDED):
+        if before in (TxnPhase.DONE, TxnPhase.ABORTED, TxnPhase.UNRECORDED):
             assert actions == [], (before, what)
         if what is I.DECISION_DURABLE:
             durable = True

@@ -158,8 +158,10 @@ class Node:
         self._make_listener(incarnation)
         self._observe()
         await self._listen()
-        await self._start_admin()
+        # the bridge listens before the admin endpoint answers: /health says
+        # ok only once every listener of the site is up
         await self._serve_bridge()
+        await self._start_admin()
         self._start_background()
         self._log_up(incarnation)
 

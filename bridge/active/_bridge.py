@@ -159,7 +159,7 @@ class ActiveBridge:
         #: VPN -> the index of the previous epoch's ledger it was taken over at
         self._taken_over: dict[str, int] = {}
         self._unsubscribe: Callable[[], None] | None = None
-        #: the coordinator's StandbyLink (the node wires the two together)
+        #: the coordinator's ParticipantLink (the node wires the two together)
         self.txn_link = ActiveTxnLink(self._standby_of)
         self._prune_due: dict[str, int] = {}  # vpn -> newest acknowledged index
         self._pruner: asyncio.Task[None] | None = None

@@ -1,6 +1,6 @@
 """The transaction link's active end: local transactions' frames to the standby.
 
-:class:`ActiveTxnLink` is the coordinator's ``StandbyLink`` (``txn``): it
+:class:`ActiveTxnLink` is the coordinator's ``ParticipantLink`` (``txn``): it
 asks the standby to prepare (``TxnPrepare`` → ``TxnVote``), to commit early
 (``TxnCommit`` → ``TxnApplied``), tells it outcomes (``TxnOutcome``) and
 answers its questions about prepared transactions (``TxnQuery``). Early
@@ -33,7 +33,7 @@ def _nothing() -> None:
 
 
 class ActiveTxnLink:
-    """The active's end: the coordinator's ``StandbyLink``.
+    """The active's end: the coordinator's ``ParticipantLink``.
 
     ``standby_of(vpn)`` is the connected standby that the VPN is listed to
     (None: none is); the server owns the connections."""

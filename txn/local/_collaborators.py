@@ -10,7 +10,7 @@ from typing import Protocol
 
 from bridge import Event
 
-__all__ = ["GroupLedger", "StandbyLink", "SyncWait"]
+__all__ = ["GroupLedger", "ParticipantLink", "SyncWait"]
 
 
 class GroupLedger(Protocol):
@@ -30,8 +30,9 @@ class GroupLedger(Protocol):
     def durable_index(self, vpn: str) -> int: ...
 
 
-class StandbyLink(Protocol):
-    """The active's side of the bridge, as the coordinator uses it."""
+class ParticipantLink(Protocol):
+    """How the coordinator reaches the standby's participant: the active's
+    transaction link."""
 
     def prepare(
         self, vpn: str, txid: str, events: bytes, within: float, owner: str | None = None

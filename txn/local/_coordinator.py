@@ -112,7 +112,7 @@ from bridge import (
 )
 
 from . import _recovery
-from ._collaborators import GroupLedger, StandbyLink, SyncWait
+from ._collaborators import GroupLedger, ParticipantLink, SyncWait
 from ._decision import DecisionSteps
 from ._inflight import InFlight, TxnStats, tracer
 from ._log import COORDINATOR, TxnLog, TxnRow, encode_events
@@ -154,7 +154,7 @@ class Coordinator(DecisionSteps):
         markers: MarkerStore,
         ledger: GroupLedger,
         sync: SyncWait,
-        link: StandbyLink | None = None,
+        link: ParticipantLink | None = None,
     ) -> None:
         self.log = txn_log
         self.markers = markers

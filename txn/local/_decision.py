@@ -21,7 +21,7 @@ from typing import Any
 from bridge import TransactionRefused, failpoint
 from bridge.ledger import LedgerError
 
-from ._collaborators import GroupLedger, StandbyLink, SyncWait
+from ._collaborators import GroupLedger, ParticipantLink, SyncWait
 from ._inflight import InFlight, TxnStats
 from ._log import TxnLog
 from ._machine import (
@@ -59,7 +59,7 @@ class DecisionSteps:
     log: TxnLog
     ledger: GroupLedger
     sync: SyncWait
-    link: StandbyLink | None
+    link: ParticipantLink | None
     stats: TxnStats
     sweep: MarkerSweep
     _live: dict[str, InFlight]

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from bridge import TransactionRefused, future_callback
 from bridge.ledger import LedgerError
 
-from ._collaborators import GroupLedger, StandbyLink, SyncWait
+from ._collaborators import GroupLedger, ParticipantLink, SyncWait
 from ._inflight import tracer
 from ._log import COORDINATOR, TxnLog, TxnRow
 from ._markers import MarkerStore, marker_txid
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 async def recover(
-    txn_log: TxnLog, markers: MarkerStore, ledger: GroupLedger, link: StandbyLink | None
+    txn_log: TxnLog, markers: MarkerStore, ledger: GroupLedger, link: ParticipantLink | None
 ) -> dict[str, str]:
     """Resolve every coordinator row left prepared by a crash; returns
     ``{txid: outcome}`` (``committed``/``aborted``) for the log."""
@@ -60,7 +60,7 @@ async def recover(
 async def _recover_one(
     txn_log: TxnLog,
     ledger: GroupLedger,
-    link: StandbyLink | None,
+    link: ParticipantLink | None,
     row: TxnRow,
     markers: set[str],
 ) -> str:
@@ -106,7 +106,7 @@ async def decide_logged(
     txn_log: TxnLog,
     ledger: GroupLedger,
     sync: SyncWait,
-    link: StandbyLink | None,
+    link: ParticipantLink | None,
     marker_done: Callable[[str, str], None],
     row: TxnRow,
 ) -> bool:

@@ -7,9 +7,8 @@ ledger table (``ledger.event``) and the bridge wire share the encoding, so
 an entry is encoded once on the active (:attr:`LedgerEntry.data`) and
 stored, shipped and applied from those bytes. It is versionless on purpose:
 the bridge's handshake carries the protocol version, and a migration would
-rewrite stored entries. A purge's ``sent_at`` is an optional trailing field:
-entries stored without it decode as before, and a standby whose release
-lacks it is sent the purge without it (``bridge.wire._protocol``).
+rewrite stored entries. A purge's optional trailing ``sent_at`` leaves older
+entries decoding as before (an older standby gets the purge without it).
 
     PUBLISHED: b"P" id(16) exchange(str16) routing_key(str16) nqueues(u16)
                queue(str16)* properties(bytes32) body(bytes32)

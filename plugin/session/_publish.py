@@ -7,9 +7,9 @@ client's content header (:func:`stamped`) from a :class:`HeaderTemplate`,
 made with :func:`~bridge.amqp.splice_header` once per distinct property
 bytes and split around the id's eight bytes, so each message gets exactly
 the bytes splicing would give (docs/behaviour.md, "The id header is
-invisible to consumers"). A template checks its headers table for every
-publish, persistent or not: RabbitMQ 3.10 crashes the channel on a headers
-table it cannot parse.
+invisible to consumers"). Making a template checks its headers table, for
+every publish, persistent or not: RabbitMQ 3.10 crashes the channel on a
+headers table it cannot parse.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """A VPN's definitions as a standby holds them: the active's last listing,
 and the topology changes streamed after it.
 
-The listing (``GET /api/definitions/{vhost}`` plus users and permissions,
-:mod:`bridge.broker._configsync`) comes with the active's durable ledger index at
-the moment it was read, ``L``. Every change the listener made before ``L``
-is in it; every change after ``L`` comes as a :class:`~bridge.TopologyChanged`
-entry at an index above ``L``. So the VPN's topology is the listing with the
-changes above ``L`` applied in index order (:func:`merge_definitions`), whatever order
-the listing and the stream arrive in, and a listing never reverts a
-streamed declare or delete that came after it.
-
-Why replaying changes the listing may already show is right: each change
-sets one object's state outright (a declare its definition, a delete its
-absence, a bind or unbind one binding; deleting a queue or exchange also
-drops its bindings, as RabbitMQ does), so an object's final state is the
-one its last change gave it, and an object no change touched is as the
-listing had it.
-
-No I/O here: the store reads the rows (:mod:`bridge.store._topology`), config-sync
+A listing comes with the active's durable ledger index when it was read,
+``L``: every change the listener made before ``L`` is in it, every later one
+comes as a :class:`~bridge.TopologyChanged` entry above ``L``. So the VPN's
+topology is the listing with the changes above ``L`` applied in index order
+(:func:`merge_definitions`), whatever order listing and stream arrive in;
+replaying a change the listing shows is harmless, each change setting one
+object's state outright (docs/behaviour.md, "Topology in the stream"). No
+I/O: the store reads the rows (:mod:`bridge.store._topology`), config-sync
 imports the result (:mod:`bridge.broker._configsync`).
 """
 

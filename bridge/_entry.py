@@ -1,20 +1,14 @@
 """Ledger entries and the byte encoding of replication events.
 
-An entry is one event of one VPN at (epoch, index). Indexes are dense per VPN
-(1, 2, 3, ...) and never reused: the standby detects a gap by index and asks
-for a resync from its last applied index. The epoch is the VPN's fencing epoch
-when the entry was appended.
-
-The event encoding is shared by the ledger table (``ledger.event``) and the
-bridge wire, so an entry is encoded once on the active and stored, shipped and
-applied from the same bytes: :attr:`LedgerEntry.data` carries them (the
-ledger writer sets it at append, a replay or a received frame keeps the bytes
-it decoded), and the bridge ships them without encoding again. It is
-length-prefixed and versionless on purpose: the bridge handshake carries the
-protocol version, and a schema migration rewrites stored entries if the
-encoding ever changes. A purge's ``sent_at`` is an optional trailing field
-instead: entries stored without it decode as before, and a standby whose
-release lacks it is sent the purge without it (``bridge.wire._protocol``).
+An entry is one event of one VPN at (epoch, index): indexes are dense per
+VPN and never reused, so the standby detects a gap and resyncs from its
+applied index; the epoch is the VPN's when the entry was appended. The
+ledger table (``ledger.event``) and the bridge wire share the encoding, so
+an entry is encoded once on the active (:attr:`LedgerEntry.data`) and
+stored, shipped and applied from those bytes. It is versionless on purpose:
+the bridge's handshake carries the protocol version, and a migration would
+rewrite stored entries. A purge's optional trailing ``sent_at`` leaves older
+entries decoding as before (an older standby gets the purge without it).
 
     PUBLISHED: b"P" id(16) exchange(str16) routing_key(str16) nqueues(u16)
                queue(str16)* properties(bytes32) body(bytes32)

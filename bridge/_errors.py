@@ -1,19 +1,18 @@
-"""The bridge's error taxonomy.
+"""The bridge's error taxonomy: one root, :class:`BridgeError`, split by who is
+at fault.
 
-One root, :class:`BridgeError`, split the h11 way by who is at fault:
-
-* :class:`LocalProtocolError` — *we* were asked to send something the protocol
-  forbids (a caller bug, or :class:`Fenced`: a higher epoch exists). Nothing
+* :class:`LocalProtocolError` — *we* were asked to send what the protocol
+  forbids (a caller bug, or :class:`Fenced`: a higher epoch exists); nothing
   was sent and the connection state is unchanged.
-* :class:`RemoteProtocolError` — the *peer* sent something bad, or reported a
-  fault of its own in an ``Error`` frame. Each concrete class carries a bridge
-  error code; :data:`ERROR_CODES` maps the code back to the class, so an
-  ``Error`` frame makes the receiving side raise the class the sender raised.
+* :class:`RemoteProtocolError` — the *peer* sent something bad or reported
+  a fault in an ``Error`` frame; each class carries a bridge error code and
+  :data:`ERROR_CODES` maps it back, so the receiving side raises the class
+  the sender raised.
 
-``closes_connection`` says what the caller should do: ``True`` — answer with a
-connection-level ``Error`` frame and close; ``False`` — the fault concerns one
-VPN (:class:`Gap`, :class:`StaleEpoch`, :class:`UnknownVpn`): the offending
-frame was discarded and the other VPNs keep streaming.
+``closes_connection``: ``True`` — answer with a connection-level ``Error``
+frame and close; ``False`` — the fault concerns one VPN (:class:`Gap`,
+:class:`StaleEpoch`, :class:`UnknownVpn`): its frame was discarded and the
+other VPNs keep streaming.
 """
 
 from __future__ import annotations

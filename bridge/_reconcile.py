@@ -1,22 +1,14 @@
 """Reconcile: what a comparison of two sites' live state reads and decides.
 
-A VPN's live state on a site is its ``live_message`` rows. The comparison
-(``vpnrepl reconcile``, run by ``plugin``) cuts it into *segments*, by the
-low 16 bits of each replication id's counter (ids are handed out in
-sequence, so segments fill evenly) modulo the number of segments, and
-compares per (queue, segment) a count and an order-independent sum of row
-digests; only segments that differ are read row by row (a hash tree one
-level deep). A row's digest covers everything a
-consumer would get: id, publish index, exchange, routing key, properties
-and body. The queue is part of the key.
-
-Live state moves while it is read: the standby applies the active's ledger
-behind it. Each side is read in one snapshot together with the ledger index
-it reflects (the active's ``vpn_live_state.live_index``, the standby's
-``vpn_state.applied_index``); a row that differs only because events
-between those two indexes touched it is *in flight*, not a difference
-(:func:`touched`). Everything here is SQL text and pure functions: the
-reads run wherever the caller runs them (Spark's JDBC source, or psycopg).
+A VPN's live state on a site is its ``live_message`` rows, compared per
+(queue, segment) — the low 16 bits of an id's counter modulo the segment
+count — as a count and an order-independent sum of row digests, and row by
+row only where a segment differs; a digest covers all a consumer would get.
+Each side is read in one snapshot with the ledger index it reflects, and a
+row that differs only because entries between the two indexes touched it is
+in flight (:func:`touched`). The reasons: docs/behaviour.md,
+"Reconciliation". SQL text and pure functions only: the caller runs the
+reads (Spark's JDBC source, or psycopg).
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """The settings the replication core is given, as validated value objects.
 
-Per VPN: role, mode, sync timeout and policy, scope (:class:`VpnSettings`).
-Per site: the addresses and TLS material of links (:class:`HostPort`,
-:class:`TlsConfig`). The site configuration file and the admin's command
-line (``plugin``) build these; every layer reads them.
-
-
-A VPN is a RabbitMQ vhost. Its replication scope is the union of two filters:
-queue-name regexes (``--queues``, searched in the name with :func:`re.search`,
-as RabbitMQ searches a policy's pattern) and
-``EXCHANGE:PATTERN`` topic filters (``--topics``: a publish to EXCHANGE whose
-routing key matches the AMQP topic PATTERN is in scope for every queue it
-reaches). With neither filter, every queue of the VPN is in scope — what an
-operator who "enables replication for orders" expects.
+Per VPN: role, mode, sync timeout and policy, scope (:class:`VpnSettings`);
+per site: the addresses and TLS material of links (:class:`HostPort`,
+:class:`TlsConfig`). ``plugin`` builds them from the site's file and the
+admin's command line; every layer reads them. A VPN (a RabbitMQ vhost)
+replicates the union of its ``--queues`` regexes (searched in the name with
+:func:`re.search`, as RabbitMQ searches a policy's pattern) and its
+``--topics`` ``EXCHANGE:PATTERN`` filters; with neither, every queue, as an
+operator who enables a VPN expects (docs/behaviour.md, "The admin's commands").
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Commit markers nobody but the site's node can make.
 
-Crash recovery reads a local transaction's commit marker
-(:data:`~bridge.MARKER_QUEUE`) as "the broker committed it", so a marker a
-client put there would steer recovery. The listener refuses every method a
-client sends on the marker queue, but a publish whose ``CC`` or ``BCC``
-header names it can still route a message there. So a marker carries, after
-the transaction's id, an HMAC-SHA256 of the vhost and that id under a secret
-of the site (table ``marker_key``, which only the node's database role
-reads): recovery counts a marker only when its tag is right. A marker a
-client forged is no marker.
-
-Markers written before a site had its key (a node of an earlier release)
-carry no tag. They are taken for what they say only when their
-transaction's incarnation is below ``signs_from`` (the first incarnation
-after the key was made); an untagged marker naming a later incarnation is
-forged.
+Recovery reads a marker in :data:`~bridge.MARKER_QUEUE` as "the broker
+committed it", and a publish whose ``CC`` or ``BCC`` header names that queue
+can still route a client's message there (the listener refuses every method
+a client sends on it). So a marker carries, after the transaction's id, an
+HMAC-SHA256 of the vhost and that id under the site's secret (table
+``marker_key``, which only the node's database role reads), and recovery
+counts a marker only when its tag is right. Untagged markers, of an earlier
+release, are believed only for incarnations below ``signs_from``
+(docs/behaviour.md, "The schema", revision 0017).
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """The active site's replication sink: what the listener hands its events to.
 
-A client's confirm of a replicated publish is released when the broker has
-confirmed it (the listener's part) **and** the entry is durable in the ledger
-(:class:`~bridge.ledger._writer.LedgerWriter` reports it after its commit) **and**,
-for a VPN in sync mode, the standby has acknowledged the entry or the sync
-timeout applied the VPN's policy (:class:`~bridge.active._syncgate.SyncGate`).
-Nothing here ever reports an entry durable before the ledger did, so a
-confirmed message is always in the active's ledger, from which a standby can
-be brought up to date.
-
-A sync gate that times out under ``degrade`` opens a *window* (ledger
-indexes confirmed without the standby); with a
-:class:`~bridge.active._window_recorder.WindowRecorder` the gate holds the
-window's confirms until its opening is recorded, and its end is recorded
-when the standby has caught up. Local transactions the coordinator
-confirms without the standby (degraded) are recorded as windows through
-:meth:`Replicator.confirmed_without_standby`, before their answer.
-
-A VPN whose epoch was overtaken by a promoted standby is *fenced*: its
-publishes are nacked (the listener closes nothing; the client sees nacks and
-``status`` says ``fenced``).
+A client's confirm of a replicated publish is released when the broker
+confirmed it, the entry is durable in the ledger
+(:class:`~bridge.ledger._writer.LedgerWriter`) and, in sync mode, the
+standby acknowledged it or the timeout's policy applied
+(:class:`~bridge.active._syncgate.SyncGate`; docs/behaviour.md, "When a
+client's publisher confirm is released"). Nothing here reports an entry
+durable before the ledger did, so a confirmed message is always in the
+ledger a standby is brought up to date from. Sync-ineligible windows, a
+gate's and those of transactions confirmed without the standby
+(:meth:`Replicator.confirmed_without_standby`, before their answer), are
+written by a :class:`~bridge.active._window_recorder.WindowRecorder`. A
+fenced VPN's publishes are nacked.
 """
 
 from __future__ import annotations

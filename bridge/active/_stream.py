@@ -1,31 +1,18 @@
 """One VPN's stream from the active to one standby: replay, checkpoint, live.
 
 Invariant: the standby receives every ledger entry after its applied state
-exactly once and in index order, whether it comes from the replay or from
-the live feed. Why:
-
-* The replay starts right after the standby's last *applied* index when
-  the standby's entry there is in the retained ledger with the same epoch
-  (:meth:`ActiveStream.follows`); otherwise a checkpoint comes first: the
-  active's ``live_message`` rows read in one ``REPEATABLE READ`` snapshot
-  together with the ``vpn_live_state.live_index`` they reflect (the ledger
-  writer updates both in one transaction), and the replay continues from
-  there; the ledger is never pruned past ``live_index``.
-* The stream switches from replay to live in one step of the event loop: it
-  checks ``durable_index`` and marks itself live without an ``await`` in
-  between, and the ledger calls its subscribers (the server, which pushes
-  to the live streams) in the same step as it advances ``durable_index``,
-  so no entry falls between the replay and the live feed.
-* A group the standby was asked to commit early (``TxnCommit``) is held in
-  the live feed until the standby answered, or :data:`ANSWER_WAIT` passed:
-  the standby could not apply the copy before the early commit anyway (both
-  go through its one queue per VPN, in order), and sending it at once made
-  both nodes encode, encrypt and decode it while the client waits for that
-  commit. Entries before the group go at once.
-
-A live feed that falls behind by more than the server's limit drops the
-standby instead of growing memory (:class:`ConnectedStandby`); it reconnects and
-resyncs from its applied index.
+exactly once and in index order, from the replay or the live feed. The
+replay starts after the standby's applied index when that entry is in the
+retained ledger at the same epoch (:meth:`ActiveStream.follows`), else after
+a checkpoint: the ``live_message`` rows and the ``vpn_live_state.live_index``
+they reflect, read in one snapshot (the ledger is never pruned past
+``live_index``). The switch to live is one loop step: ``durable_index`` is
+checked and the stream marked live with no ``await`` between, and the ledger
+calls its subscribers in the step it advances ``durable_index``. A group
+committed early waits for the standby's answer (:data:`ANSWER_WAIT`;
+docs/behaviour.md, "Local transactions", step 4); reconcile repairs go when
+no live entry waits (docs/behaviour.md, "Reconciliation"); a live feed too
+far behind drops the standby (:class:`ConnectedStandby`), which resyncs.
 """
 
 from __future__ import annotations

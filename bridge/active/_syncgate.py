@@ -1,45 +1,22 @@
-"""When a publish of a sync-mode VPN may be confirmed to its client.
+"""When a publish of a sync-mode VPN may be confirmed to its client (sans-IO).
 
-A ``SyncGate`` per VPN; no I/O, time is passed in. An entry durable in the
-active's ledger waits (:meth:`SyncGate.wait`) until the standby has reported
-it durable (:meth:`SyncGate.acked`, cumulative) or its deadline passes
-(:meth:`SyncGate.expire`). Then the VPN's ``on-sync-timeout`` policy decides:
+One :class:`SyncGate` per VPN, time passed in: an entry durable in the
+active's ledger waits (:meth:`SyncGate.wait`) until the standby acknowledges
+it (:meth:`SyncGate.acked`, cumulative) or its deadline passes
+(:meth:`SyncGate.expire`) and the VPN's policy decides. Under ``degrade`` the
+gate reports sync-ineligible windows opening and closing
+(:class:`WindowOpened`, :class:`WindowClosed`) and, ``recording``, holds a
+window's confirms until its opening is recorded (:meth:`window_recorded`),
+nacking one held :data:`HOLD_BOUND` seconds. Rules and reasons:
+docs/behaviour.md, "When a client's publisher confirm is released" and
+"Sync-ineligible windows". A window's ``first`` is exact because waits come
+in ledger order: each is made in the ledger's durable callback of its index,
+and a group waits once, at its last index, naming its first.
 
-* ``degrade`` — confirm, and mark the VPN *sync-ineligible*: until the standby
-  has acknowledged everything up to the newest entry that was waiting when it
-  fell behind, new entries are confirmed as soon as they are durable locally
-  (async behaviour), because making every client wait a full timeout per
-  message while the standby is known to be away would stall the site. Once
-  the standby has caught up, the VPN is eligible again.
-* ``reject`` — nack that publish. Every publish waits its own timeout: a
-  client that asked for "no confirm without the standby" gets exactly that.
-
-Each spell of ineligibility is a *window*: the ledger indexes confirmed
-without the standby, from ``first`` — the lowest of them: the lowest index
-of the groups released by the timeout, above what the standby had
-acknowledged — to ``last``, the catch-up index (the highest of them).
-:meth:`expire` returns :class:`WindowOpened` when one opens and
-:meth:`acked` (or :meth:`release`) :class:`WindowClosed` when it closes;
-the owner records them (``bridge/store/_sync_window.py``). A gate told it is
-``recording`` holds every confirm of a window — those the timeout released
-and those that :meth:`wait` while the window is open — until the owner
-reports the opening durable (:meth:`window_recorded`), so no confirm given
-without the standby lies outside a recorded window, whatever crashes next.
-A held confirm the standby acknowledges meanwhile goes out as acknowledged;
-one held :data:`HOLD_BOUND` seconds (the store does not answer) is nacked,
-as the ledger nacks a confirm its store leaves unanswered: the client
-publishes it again.
-
-Windows are exact because waits come in ledger order: each is made in the
-ledger's durable callback of its index, which runs in index order, and a
-group waits once, at its last index, naming its first. So an index
-confirmed without the standby is never below the open window's ``first``.
-
-Invariants: a waiter is resolved exactly once; ``ok=True`` is never given
-to a waiter of a sync-eligible ``reject`` VPN unless the standby
-acknowledged its index; and a recording gate gives ``ok=True`` past the
-standby's acknowledged index only once the window holding that index has
-been recorded (or the VPN left sync mode, :meth:`release`).
+Invariants: a waiter is resolved exactly once; ``ok=True`` never reaches a
+waiter of a sync-eligible ``reject`` VPN before the standby acknowledged its
+index; and a recording gate gives ``ok=True`` past that index only once the
+window holding it is recorded (or the VPN left sync mode, :meth:`release`).
 """
 
 from __future__ import annotations

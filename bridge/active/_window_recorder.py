@@ -1,19 +1,14 @@
 """Writes sync-ineligible windows to the site database, in order, retrying.
 
-The replication sink (:class:`~bridge.active._replicator.Replicator`) hands over
-what its sync gates report — a window opened, a window closed — and the
-ledger ranges of transactions confirmed without the standby; this writes
-them with :mod:`bridge.store._sync_window` on one connection of its own.
-
-Invariant: ``then()`` of a write runs only after its statement committed,
-and writes run one at a time in the order they were given, so a window is
-never closed before it is opened. A failed write is retried with capped
-exponential back-off for as long as it takes, never skipped: the confirms
-of a window wait for its opening (``bridge/active/_syncgate.py``), exactly as
-they would wait for the ledger, which cannot commit either while the
-database is away. A closing that never commits (the node stops first) is
-made good at the next start: :meth:`WindowRecorder.start` closes what was
-left open at the VPN's ledger index, before any confirm.
+The sink (:class:`~bridge.active._replicator.Replicator`) hands over what its
+sync gates report and the ledger ranges of transactions confirmed without
+the standby; this writes them with :mod:`bridge.store._sync_window` on a
+connection of its own. Invariant: a write's ``then()`` runs only after its
+statement committed, and writes run one at a time in order, so a window is
+never closed before it is opened. A failed write is retried (capped
+back-off) for as long as it takes, never skipped; a window a stop left open
+is closed by :meth:`WindowRecorder.start` at the VPN's ledger index, before
+any confirm (docs/behaviour.md, "Sync-ineligible windows").
 """
 
 from __future__ import annotations

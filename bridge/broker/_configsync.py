@@ -1,51 +1,16 @@
 """Config-sync: what the bridge reads from and writes to a RabbitMQ management API.
 
-The active lists every replicated VPN with one JSON document,
-:func:`vpn_definitions`: the vhost's definitions export (queues, exchanges,
-bindings, policies, parameters) plus, shaped as RabbitMQ's global
-definitions export has them, the ``users`` who hold permissions on the vhost
-(password hash, hashing algorithm, tags, limits), and their ``permissions``
-and ``topic_permissions`` on it. The standby imports it with
-:func:`import_vpn_definitions` at every listing and keeps the newest copy
-(``vpn_config.definitions``); :func:`reimport` imports that copy, with the
-topology changes streamed since it (:mod:`bridge._definitions`), at a
-promotion, when the active may be gone. So a client with its own user logs
-in to the promoted site with the password it always had, and finds every
-queue, exchange and binding it made through the listener.
-
-Invariants, and why they hold:
-
-* Only the VPN travels. :func:`shape_vpn_definitions` keeps the permissions
-  on this vhost, the users who hold one and their topic permissions on it;
-  a user with no permission on the vhost, and the permissions of the users
-  kept on other vhosts, are left out. The standby applies permissions to
-  this vhost only, whatever the document says.
-* Config-sync copies no power: a user reaches the standby with its
-  password hash, algorithm, limits and its (topic) permissions on the
-  vhost, and of its tags only those in ``[configsync] copy_tags`` (none by
-  default: ``administrator`` never travels). A user config-sync creates
-  carries the tag :data:`SYNCED_TAG`; only such users are updated later
-  (a new password included). A user with the active's very password hash
-  and no mark is a copy an earlier release made: it gets the mark (and
-  loses the tags ``copy_tags`` does not list). A user the standby has that config-sync did
-  not create is never overwritten (logged once, counted:
-  ``vpnrepl_configsync_users_not_ours``).
-* Except the users this site's node logs in with: the management API user
-  (and any ``keep_users``) is never created, changed or given permissions
-  by config-sync, so a listing cannot lock the standby's node out of its
-  own broker; one INFO line per VPN says it was left alone.
-* Config-sync adds and updates; it deletes only what a client deleted
-  through the listener (:func:`carry_out_deletions`: a streamed
-  ``queue.delete``, ``exchange.delete`` or unbind whose object the
-  definitions no longer hold). A queue, exchange, binding, user or
-  permission removed at the active's broker directly stays on the standby
-  until it is removed there, as with RabbitMQ's definitions import.
-* No credential is logged or put in an error: messages name users, never
-  hashes, and show the management URL redacted. The stored copy holds
-  password hashes (as RabbitMQ's own definitions export does), never a
-  password.
-* A relist costs reads only: a user or permission is written only when the
-  standby's differs from the active's.
+The active lists every replicated VPN as one JSON document
+(:func:`vpn_definitions`, shaped by :func:`shape_vpn_definitions`: the
+vhost's definitions export plus the users holding a permission on it, with
+their permissions there). The standby imports it at every listing
+(:func:`import_vpn_definitions`) and keeps the newest copy, which
+:func:`reimport` imports again at a promotion, with the topology changes
+streamed since (:mod:`bridge._definitions`). Config-sync adds and updates;
+it deletes only what a client deleted through the listener
+(:func:`carry_out_deletions`). What travels, which users it may touch
+(:data:`SYNCED_TAG`, ``copy_tags``, ``keep_users``) and why:
+docs/behaviour.md, "Config-sync".
 """
 
 from __future__ import annotations

@@ -1,31 +1,18 @@
-"""The bridge's own AMQP client: one connection, one confirm channel, publishing
-stored messages byte for byte.
+"""The bridge's own AMQP client: one connection, one confirm channel,
+publishing stored messages byte for byte.
 
-Why not pika or aio-pika: they take properties as objects and encode them
-again, which changes field types (see :func:`bridge.amqp.encode_message`). This client
-writes the stored property bytes verbatim and does only what replaying
-messages needs: the handshake (PLAIN login, TLS when asked), a channel in
-confirm mode, passive ``queue.declare``, ``queue.purge``, ``basic.publish``
-to the default exchange, acks and nacks (``multiple`` included),
-heartbeats, flow control and ``connection.close``. Publishes are not
-``mandatory``: RabbitMQ 3.10 spends about 3 µs more CPU on each mandatory
-message (measured with the benchmark's broker, 1 KiB messages), some 7 % of
-its whole cost; a caller that must know every message found its queue
-checks the queue before and its depth after (as the materialiser does).
-
-Invariant: a message counts as confirmed only once the broker acked its
-delivery tag (:class:`~bridge.amqp.BrokerConfirms`), and every way
-the broker can refuse or drop one — a nack, a return, a channel or
-connection close, a lost or silent connection — raises a
-:class:`~bridge.amqp.AMQPError` in the caller waiting on it, never
-passes silently. Foreign errors (``OSError``, ``ssl.SSLError``, pamqp's)
-are translated here, at the boundary, with ``raise ... from``.
-
-Publishing is driven from the receive callback: :meth:`BrokerPublisher.publish`
-hands the protocol a batch, and every ack that opens the window writes the
-next messages at once, with no task switch per refill. Writes stop while
-the transport's buffer is above its high-water mark (``pause_writing``), so
-memory stays bounded by the window and the caller's batch.
+pika and aio-pika encode properties again, which changes field types
+(:func:`bridge.amqp.encode_message`); this client writes the stored bytes
+verbatim. Publishes are not ``mandatory`` (a mandatory message costs
+RabbitMQ 3.10 about 3 µs more, ``bench/RESULTS.md``): a caller that must know
+every message found its queue checks the queue's depth after, as the
+materialiser does. A message counts as confirmed only once the broker acked
+it (:class:`~bridge.amqp.BrokerConfirms`); a nack, a return, a close, a lost
+or silent connection raises :class:`~bridge.amqp.AMQPError` in its waiter,
+never passes silently. Foreign errors are translated here, ``raise ...
+from``. Each ack that opens the window writes the next messages from the
+receive callback, with no task switch; writes stop above the transport's
+high-water mark, so memory stays bounded by the window and the batch.
 """
 
 from __future__ import annotations

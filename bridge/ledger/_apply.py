@@ -1,36 +1,21 @@
 """Apply ledger entries to ``live_message``: the one apply step of both sites.
 
-Invariant: applying a batch of entries in one call leaves ``live_message`` and
-``vpn_state.unknown_acks`` exactly as applying them one by one in index order
-would, whatever the batch holds (a publish and its consumption in the same
-batch, a replay of entries already applied, a consumption of a message the
-site never saw). The active (:class:`~bridge.ledger._writer.LedgerWriter`) and the
-standby (:class:`~bridge.standby._applier.StandbyApplier`) both go through
-:func:`_apply_steps`, so their state compares row for row.
-
-Why batching keeps the one-by-one result: :func:`_plan` walks the entries in
-index order and folds them per key ``(queue, repl_id)``. Only a key's *first*
-operation depends on what the database holds; every later one acts on a state
-the walk already knows. So the plan has two phases that commute across keys:
-delete every key whose row must not survive into the batch (a leading
-consumption, or a publish consumed later in the batch), then insert every row
-that is present at the end of the batch with ``ON CONFLICT DO NOTHING`` (a
-replayed publish keeps the row already there, as the one-by-one insert would).
-A consumption counts as an *unknown ACK* when it is its key's first operation
-and the delete found no row, or when the walk knows the key is absent.
-
-Both phases ship their rows as array parameters (binary, packed by
-:mod:`bridge.ledger._arrays`) and run one
-set-based statement each over ``unnest()``. This replaced binary ``COPY`` into
-session temp tables (``ON COMMIT DELETE ROWS``), which wrote every body twice
-and cost three more round trips; ``unnest`` was faster and cheaper in
-database CPU per row (``bench/RESULTS.md``, "Measurements behind design
-choices in the code").
-
-The step sequence is a generator of statements (no I/O here, in the psycopg
-style), driven by :func:`apply_entries` on a blocking connection and by
-:func:`apply_entries_async` on an asyncio one. Parameterised SQL only; message
-bodies are never logged.
+Invariant: applying a batch in one call leaves ``live_message`` and
+``vpn_state.unknown_acks`` exactly as applying its entries one by one in
+index order would, whatever the batch holds (a publish and its consumption,
+a replay of applied entries, a consumption of a message never seen). The
+active applier (:mod:`bridge.ledger._live`) and the standby applier both go
+through :func:`_apply_steps`, so their states compare row for row. Why
+batching keeps it: :func:`_plan` folds the entries per ``(queue, repl_id)``,
+and only a key's first operation depends on the database, so two phases
+commute across keys: delete every key whose row must not survive the batch,
+then insert every row present at its end ``ON CONFLICT DO NOTHING``. A
+consumption is an unknown ACK when it is its key's first operation and its
+delete found no row, or the walk knows the key absent. Each phase is one
+statement over ``unnest()`` of binary arrays (:mod:`bridge.ledger._arrays`;
+cheaper than ``COPY`` into temp tables, ``bench/RESULTS.md``). The steps are
+a generator of statements, driven by :func:`apply_entries` (blocking) and
+:func:`apply_entries_async`. Parameterised SQL only; bodies are never logged.
 """
 
 from __future__ import annotations

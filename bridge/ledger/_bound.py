@@ -1,19 +1,15 @@
 """A bound on the active's ledger: a long standby outage does not fill its disk.
 
-The ledger is pruned only behind the standby's acknowledged index
-(:mod:`bridge.active._bridge`), so while a standby is away it grows with every
-event. :class:`LedgerBound` checks now and then whether the ledger holds
-more than ``[replication] ledger_max_bytes`` of events; if it does, it
-prunes each VPN's oldest entries — acknowledged or not, but never past what
-the active's own live state reflects — until the VPN's share is down to
-half its part of the bound. A standby that comes back behind the pruned
-ledger is sent a checkpoint of the live state (the resync it gets after
-any gap), so nothing is lost: it only costs that standby a full copy.
-
-The check is cheap while the bound is far: the table's size on disk
-(``pg_total_relation_size``) first, the events' exact bytes only when that
-is over the bound (a table's size stays high after a prune until vacuum
-reuses the space, so it alone would prune again and again).
+The ledger is pruned only behind the standby's acknowledged index, so while
+a standby is away it grows. :class:`LedgerBound` checks now and then whether
+it holds more than ``[replication] ledger_max_bytes`` of events and, if so,
+prunes each VPN's oldest entries, acknowledged or not but never past the
+active's own live state, down to half its share; a standby that comes back
+behind them gets a checkpoint and loses nothing (README, "Logs, sizing,
+housekeeping"). The check reads the table's size on disk first and the
+events' exact bytes only when that is over the bound: a table's size stays
+high after a prune until vacuum reuses the space, so alone it would prune
+again and again.
 """
 
 from __future__ import annotations

@@ -1,37 +1,19 @@
 """The active's live state: ``live_message`` kept in step with its ledger.
 
-The ledger writer (:mod:`bridge.ledger._writer`) commits entries; this applier
-applies the durable ones to ``live_message`` *after* their commit, in
-transactions of its own, through the shared apply step
-(:func:`~bridge.ledger._apply.apply_entries_async`), so the active's state is
-computed by the same code as the standby's and a confirm waits for the
-ledger rows only.
-
-Invariant: every ledger entry changes the active's ``live_message`` exactly
-once and in ledger order, however the writer stops. Why:
-
-* One task (:meth:`ActiveApplier.run`) applies the durable entries the
-  writer queued (:meth:`ActiveApplier.enqueue`, in commit order) a
-  batch at a time, in index order, and drops a batch from the queue only
-  after its transaction committed; a failed attempt is retried whole.
-* Each apply transaction moves ``vpn_live_state.live_index`` from the index
-  it continues, together with the effects. When the stored index is not
-  that one, the transaction locks the row and re-reads it: entries at or
-  below it were applied by an attempt whose reply was lost and are
-  skipped; entries missing below the batch (an apply lost with a database
-  crash, see below) are read back from the ledger and applied first.
-* :meth:`ActiveApplier.catch_up` applies the ledger entries above
-  ``live_index`` before the writer hands out the next index of a VPN (at
-  its start and when it opens a VPN), so a stop between a ledger commit and
-  its apply loses nothing. The ledger is never pruned past ``live_index``
-  (:mod:`bridge.ledger._reader`), so those entries are still there.
-
-Nobody waits for the live state, so the apply gathers for ``delay``
-(10 ms by default: fewer, larger transactions; a publish and its ack in
-one batch cancel out) and commits with ``synchronous_commit = off``: an
-apply lost in a crash takes its ``live_index`` with it and is applied again
-from the ledger, and the next synchronous commit on the site (a ledger
-batch, a prune) flushes the WAL past it anyway.
+The entries the ledger writer committed are applied after their commit, in
+transactions of their own, by the apply step the standby uses
+(:func:`~bridge.ledger._apply.apply_entries_async`), so a confirm waits for
+the ledger rows only and both sites' states compare row for row.
+Invariant: every entry changes ``live_message`` exactly once and in ledger
+order, however the writer stops. Each transaction moves
+``vpn_live_state.live_index`` with its effects, re-reading it when it is not
+the index the batch continues (skipping what a lost reply applied, applying
+first what a database crash lost); a batch leaves the queue only once
+committed; :meth:`ActiveApplier.catch_up` applies what is above
+``live_index`` before a VPN's next index is handed out, and the ledger is
+never pruned past it. Nobody waits for the live state, so batches gather for
+``delay`` and commit with ``synchronous_commit = off``: a lost apply takes
+its ``live_index`` with it and is applied again.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """The committed ledger, read for replay and pruned behind the standby.
 
 Invariant: what is retained of a VPN's ledger is a dense run of committed
-entries that ends at the last durable one, and a replay either gets
-entries from that run in index order or is told that its start is gone
-(:class:`~bridge.ledger._errors.LedgerPruned`) — never a silent gap. Why:
-
-* :meth:`LedgerReader.read_range` reads committed rows only (its own
-  autocommit connections from a small pool, never the writer's), in index
-  order from the requested index; when the first row is not that index, it
-  compares with the oldest retained index and raises ``LedgerPruned``
-  rather than return a later run.
-* :meth:`LedgerReader.prune` deletes a *prefix* of the ledger only, in one
-  statement: up to the index the standby acknowledged, no further than
-  ``vpn_live_state.live_index`` (a checkpoint is the live state plus the
-  ledger after it, so an entry not yet in the live state must stay), and
-  below the first entry younger than the retention. What remains is still
-  dense and still ends at the last durable entry.
+entries ending at the last durable one, and a replay gets entries of that
+run in index order or is told its start is gone
+(:class:`~bridge.ledger._errors.LedgerPruned`), never a silent gap.
+:meth:`LedgerReader.read_range` reads committed rows only, on connections of
+its own, and raises ``LedgerPruned`` when the first row is not the one
+asked for; :meth:`LedgerReader.prune` deletes a prefix in one statement: up
+to the standby's acknowledged index, no further than
+``vpn_live_state.live_index`` (a checkpoint is the live state plus the
+ledger after it), and only entries older than the retention.
 """
 
 from __future__ import annotations

@@ -1,33 +1,21 @@
 """A server socket that sees its refused TLS handshakes (the AMQPS listener,
 the bridge).
 
-Invariant: with a TLS configuration, a client reaches the protocol only
-after a completed handshake that ``context`` accepted (with a CA configured:
-a verified client certificate), and every refused handshake is logged once,
-as one WARNING line naming the peer and the reason, without a traceback and
-without a call to the loop's exception handler. Without one the server is
-plain TCP. With ``plaintext_too`` (the bridge while a site pair moves from
-plain TCP to mutual TLS, README "Moving a plaintext pair to mutual TLS") it
-serves both: the first octet of a connection, peeked before any transport
-owns the socket, says which — 0x16 opens every TLS handshake, and no bridge
-frame starts with it.
+Invariant: with a TLS configuration a client reaches the protocol only after
+a completed handshake ``context`` accepted, and each refused handshake is
+one WARNING line naming the peer and the reason (no traceback, no call to
+the loop's exception handler). With ``plaintext_too`` (a pair moving to
+mutual TLS, README) it serves both, told apart by the first octet, peeked
+before any transport owns the socket: 0x16 opens every TLS handshake, and
+no bridge frame starts with it.
 
-Why not ``loop.create_server(ssl=...)``: a handshake that fails there never
-reaches the application (its protocol's ``connection_made`` is not called,
-nor anything else), so a refused client would be invisible to the admin.
-Why not ``loop.start_tls`` on a plainly accepted connection: uvloop starts
-reading an accepted socket right after ``connection_made``, so a ClientHello
-that arrives before ``start_tls`` runs goes to the plain protocol and the
-handshake hangs. Here the sockets are accepted by this class (a reader
-callback, as asyncio's own servers do: no accept is ever in flight when the
-server closes) and handed to ``loop.connect_accepted_socket(ssl=...)``, which
-reads nothing before the TLS layer is in place and raises what the handshake
-raised.
-
-A socket is this class's until ``connect_accepted_socket`` has attached it
-to a transport (synchronously, in the handshake task's first step); closing
-the server closes the sockets whose task has not started yet, and waits
-until the transports have released the others.
+``loop.create_server(ssl=...)`` hides a failed handshake from the
+application, and ``loop.start_tls`` on an accepted connection loses a
+ClientHello that uvloop reads first; so this class accepts the sockets (a
+reader callback: no accept in flight when the server closes) and hands each
+to ``loop.connect_accepted_socket(ssl=...)``, which reads nothing before the
+TLS layer is in place. Closing the server closes the sockets no transport
+owns yet and waits until the transports have released the others.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """TLS for the bridge: the two :class:`ssl.SSLContext` builders and the one
 place that turns an :class:`ssl.SSLError` into words an admin can act on.
 
-Invariant: a bridge link is never weaker than the site's ``[tls]`` section
-says. Both contexts refuse anything below TLS 1.2. With ``ca`` set (the
-node requires it) the link is *mutual*: the active requires a client
-certificate and both ends verify the peer's certificate against ``ca``
-only (not the system store, so a certificate any public CA signed is not
-enough). Which site the certificate names is then checked above TLS, by
-the named-site rule (:mod:`bridge.wire._identity`): a certificate of the right
-CA naming an unconfigured site, or a Hello naming another site, is
-refused. Without ``ca`` (the AMQPS listener's client TLS, or a component
-test) the active asks for no client certificate, and the standby verifies
-the active against the system's trusted CAs *with* hostname checking.
-
-Why hostname checking is off when verifying against ``ca``: bridge
-addresses are often IPs, NAT or load balancer names that nobody puts in a
-certificate, and a hostname mismatch there would only teach admins to
-switch verification off altogether; the site name is what identifies a
-peer, and the named-site rule checks it.
-
-The AMQPS listener (``plugin/_tls_server.py``) builds its context with
-:func:`make_server_context` from the site's ``[client_tls]`` section: the
-same floor and the same rule, a client certificate required and verified
-against ``ca`` only when ``ca`` is set.
+Invariant: a bridge link is never weaker than the site's ``[tls]`` says:
+never below TLS 1.2, and with ``ca`` (the node requires it) mutual, each end
+verifying the other against ``ca`` only and without host names, the site a
+certificate names being checked above TLS (:mod:`bridge.wire._identity`);
+why: docs/behaviour.md, "TLS and the named-site rule". Without ``ca`` (a
+component test) the active asks for no client certificate and the standby
+verifies the active against the system's CAs, host name included. The
+AMQPS listener builds its context with :func:`make_server_context` from
+``[client_tls]``: the same floor, a client certificate required and
+verified against ``ca`` only when ``ca`` is set.
 """
 
 from __future__ import annotations

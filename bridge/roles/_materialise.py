@@ -1,59 +1,19 @@
 """Promotion's materialisation: a VPN's live messages into the site's broker.
 
-A standby keeps the active's messages as ``live_message`` rows, not in its
-broker. When the VPN is promoted, :func:`materialise` publishes every live
-row into the standby broker's queue it belongs to: per queue in original
-publish order (``publish_index``), with the original property bytes (the
-``x-vpnrepl-id`` header included; delivery mode 2) and body, to the default
-exchange with the queue's name as routing key — so a message routed to
-several queues, stored as one row per queue, lands in each of them exactly
-once — with publisher confirms, ``window`` unconfirmed at most. The rows are
-read in batches of about 4 MiB through a server-side cursor (never a queue's
-rows all in memory) by one reader on a connection of its own, up to two
-batches ahead of the publisher, so the next queue's first fetch (PostgreSQL
-sorts the queue's rows) overlaps the end of the previous queue.
+:func:`materialise` publishes every ``live_message`` row of the VPN into its
+queue, as docs/behaviour.md, "Failover: the active site is lost", step 4,
+says, ``window`` confirms in flight; one reader, on a connection of its own,
+reads batches of about 4 MiB through a server-side cursor, up to two
+batches ahead, so the next queue's sort overlaps the end of the last.
 
-Invariant: once a queue is marked ``done`` in ``promotion_queue`` it holds
-exactly its live rows, each once, in order, whatever crashed and however
-often :func:`materialise` ran before. Why:
-
-* A queue is marked done only after the broker confirmed every one of its
-  messages, in the same database transaction that adds its count to
-  ``promotion.materialised``. A crash (SIGKILL of the node or the CLI, a
-  lost broker or database) before that commit leaves the queue not done.
-* A queue that is not done is *purged* before it is published again. That
-  loses nothing: the rows it was built from are still in ``live_message``
-  (promotion never deletes them), and they are all published again. And it
-  duplicates nothing: clients are not admitted before the promotion
-  finishes, so what the purge removes is only what an interrupted run put
-  there.
-* The purge races nothing: after the last confirm the queue's depth is
-  checked (a passive declare). A depth above the count published means
-  something else published to it — in practice an interrupted run whose
-  connection the broker had not torn down yet — and the queue is purged and
-  published again (three attempts, then :class:`MaterialiseError`). A depth
-  below it is the queue's own policy at work (message TTL or
-  ``expiration``, a length limit) and is logged. A queue deleted meanwhile
-  fails the declare: publishes are not ``mandatory`` (which costs RabbitMQ
-  about 3 µs a message, see :mod:`bridge.broker._publisher`), so this check is
-  where a vanished queue shows.
-* Queues already done for this epoch are skipped, so a re-run after success
-  publishes nothing. Rows of an older epoch's promotion are forgotten, and
-  ``promotion.total``/``materialised`` are set at the start from this
-  epoch's ``promotion_queue`` rows (every queue's count; the done ones'),
-  so they are right whatever an earlier run left.
-* One materialisation per VPN at a time: a session advisory lock on the
-  site database (released by the server when a killed run's connection
-  goes).
-
-Preconditions, the caller's (``vpnrepl promote``): the ``promotion`` row of
-this VPN and ``epoch`` exists (the epoch is bumped, so nothing applies to the
-VPN's ``live_message`` any more) and no client is admitted to the VPN's
-queues until the promotion is finished, and the definitions this site holds
-(the active's last listing and the topology changes streamed after it) are
-imported into the broker (``bridge.broker._configsync.reimport``). Queues are not
-created here: a queue still missing is one no definition names, and it is
-refused before anything is published.
+Invariant: a queue marked ``done`` in ``promotion_queue`` holds exactly its
+live rows, each once, in order, however often a run stopped. It is marked
+done, with its count added to ``promotion.materialised``, only once the
+broker confirmed every message and a passive declare checked its depth; a
+queue not done is purged and published again; the totals are set at the
+start from this epoch's rows; one run per VPN at a time (an advisory lock).
+The caller (``vpnrepl promote``) has raised the epoch, keeps clients out
+and imported the definitions (``bridge.broker._configsync.reimport``).
 """
 
 from __future__ import annotations

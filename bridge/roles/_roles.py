@@ -1,27 +1,16 @@
 """A VPN's role changes in the site database: promotion, fencing, demotion.
 
-Invariant: a VPN's epoch only rises, and exactly one step raises it on a
-site — the promotion's first transaction — before anything else of the
-promotion happens. Why that is enough:
-
-* :func:`begin_promotion` locks the VPN's ``vpn_config`` and ``vpn_state``
-  rows, then in one transaction raises the epoch, makes the role ``active``
-  and records the promotion as ``running``. Every standby apply path locks
-  ``vpn_state`` and refuses a VPN that is not ``standby`` here
-  (``NotStandby``), so the old active's stream stops at a batch boundary:
-  no event of the old epoch is applied after the new epoch exists.
-* The node admits no client of a VPN whose promotion is ``running`` (the
-  listener refuses it with 530), so the broker's queues hold only what the
-  materialisation put there until :func:`finish_promotion`; a re-run after
-  a crash resumes (same epoch) instead of raising the epoch again.
-* A former active learns of a higher epoch from its peer's listing and
-  records itself fenced (:func:`record_fenced`); a fenced VPN is never
-  listed to a standby, confirms nothing and admits no client.
-
-Local transactions the standby holds without a decision are resolved here,
-in the promotion's first transaction (see :func:`_resolve_in_doubt`).
-
-Blocking (psycopg's synchronous API); asyncio callers use a thread.
+Invariant: a VPN's epoch only rises, and on a site only the promotion's
+first transaction raises it, before anything else of the promotion.
+:func:`begin_promotion` locks the VPN's rows and in one transaction raises
+the epoch, makes the role ``active``, records the promotion ``running`` and
+resolves the standby's in-doubt transactions (:func:`_resolve_in_doubt`);
+every standby apply locks ``vpn_state`` and refuses a VPN not ``standby``
+(``NotStandby``), so no event of the old epoch is applied once the new one
+exists. A re-run after a crash resumes at the same epoch. A former active
+that learns of a higher epoch records itself fenced (:func:`record_fenced`).
+Why each step: docs/behaviour.md, "Disaster recovery". Blocking (psycopg's
+synchronous API); asyncio callers use a thread.
 """
 
 from __future__ import annotations

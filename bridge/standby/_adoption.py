@@ -1,22 +1,15 @@
 """What a standby does with each VPN the active lists, before it replicates it.
 
-A VPN the active lists is enabled here as ``standby`` if this site does not
-have it yet; at every listing its settings follow the active's, its epoch is
-raised to the active's (never lowered), the definitions the active sent are
-kept with the ledger index it read them at (``vpn_config.definitions``, for
-a promotion with the active gone, :mod:`bridge.store._topology`) and
-imported into the local broker, users and permissions included
-(``bridge.broker._configsync``); the deletes streamed before that index are then
-carried out on the local broker.
-
-Invariant: a VPN is replicated from the peer only if this site holds it as
-an enabled standby, and the higher epoch always wins. A VPN the peer lists
-that is *active* here is compared by epoch: a higher one on the peer (it
-was promoted) fences this site's VPN; a lower one is the peer's to learn
-from this site's listing; the same epoch on both is a conflict the admin
-must settle. The role check, the epoch raise and the fencing happen under
-the VPN's row lock (``SELECT ... FOR UPDATE``), so an operator's role
-change cannot interleave with them.
+A listed VPN is enabled here as ``standby`` if this site lacks it; at every
+listing its settings follow the active's, its epoch rises to the active's
+(never lowers), and the definitions are kept with the index they were read
+at (:mod:`bridge.store._topology`), imported into the local broker
+(``bridge.broker._configsync``) and the deletes streamed before that index
+carried out. Invariant: a VPN is replicated only if this site holds it as an
+enabled standby, and the higher epoch wins, the same epoch on both being a
+conflict the admin settles (docs/behaviour.md, "The bridge between sites",
+step 2); the role check, the epoch raise and the fencing run under the VPN's
+row lock, so an operator's role change cannot interleave with them.
 """
 
 from __future__ import annotations

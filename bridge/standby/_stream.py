@@ -1,19 +1,15 @@
 """One VPN's stream as the standby's apply worker sees it (sans-IO).
 
-The standby reads frames on one task and applies each VPN's in a worker of
-its own, through a queue, so the worker's position lags the connection's:
-when the worker asks for a resync, frames of the old stream may already
-sit in its queue although :class:`~bridge.BridgeConnection` (which drops
-what arrives after the request) accepted them. :class:`StandbyStream`
-holds the worker's view, with every change in one table
-(:data:`STREAM_TRANSITIONS`).
-
-Invariant: the worker applies nothing of a stream it no longer follows.
-After it sent a ``SyncRequest`` or gave a stream up (``Error`` sent), every
-queued frame is dropped until the ``SyncAccepted`` that starts the next
-stream (:meth:`StandbyStream.drops`); a sync is requested again only when
-none is under way and the active is not one that was refused for a stale
-epoch still listing it at that epoch (:meth:`StandbyStream.wants_sync`).
+The standby reads frames on one task and applies each VPN's in a worker, so
+the worker lags the connection: frames of an old stream may sit in its
+queue after it asked for a resync, though :class:`~bridge.BridgeConnection`
+accepted them. :class:`StandbyStream` holds the worker's view, every change
+in one table (:data:`STREAM_TRANSITIONS`). Invariant: the worker applies
+nothing of a stream it no longer follows: after a ``SyncRequest`` or an
+``Error`` it sent, every queued frame is dropped until the ``SyncAccepted``
+that starts the next stream (:meth:`StandbyStream.drops`); a sync is
+requested only when none is under way and the active is not one refused for
+a stale epoch still listing it at that epoch (:meth:`StandbyStream.wants_sync`).
 """
 
 from __future__ import annotations

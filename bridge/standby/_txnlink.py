@@ -1,28 +1,16 @@
 """The transaction link's standby end: local transactions' frames from the active.
 
 :class:`StandbyTxnLink` hands prepares and outcomes to the participant,
-commits transactions early when asked, and settles the stream's copies of
-groups committed early (the active's end: :mod:`bridge.active._txnlink`).
-
-*Early commit*: for a sync-mode VPN the standby commits a transaction from
-its prepared row when the coordinator's ``TxnCommit`` arrives, before the
-ledger stream brings the transaction's group; the stream's copy of an
-early-committed group is then skipped (``bridge.standby._applier``).
-
-Invariants, and why they hold:
-
-* A vote, an answer or an outcome is never applied to another transaction:
-  each is keyed by the transaction id, and one nobody waits for any more
-  (timed out, settled) is dropped.
-* An early commit is never applied twice, nor lost: it runs in the VPN's
-  stream order (the worker takes ``TxnCommit`` from the same queue as the
-  events), on one connection of its own; when its outcome is unknown (the
-  connection broke mid-statement) the applier forgets what it believes was
-  committed early and reads it back from the database before the next
-  batch.
-* A standby that is gone answers nothing: its pending early commits count
-  as declined (the live feed stops holding their groups) and its votes as
-  no (the VPN's sync-timeout policy applies).
+commits transactions early when asked (docs/behaviour.md, "Local
+transactions", step 4) and settles the stream's copies of groups committed
+early; the active's end is :mod:`bridge.active._txnlink`. Invariants: a
+vote, an answer or an outcome is keyed by its transaction id and dropped
+once nobody waits for it; an early commit is applied once — in the VPN's
+stream order (its ``TxnCommit`` shares the events' queue), on a connection
+of its own, and when its outcome is unknown the applier reads back what was
+committed early before the next batch; a standby that is gone counts its
+pending early commits as declined (the live feed stops holding their
+groups) and its votes as no (the sync-timeout policy applies).
 """
 
 from __future__ import annotations

@@ -4,13 +4,9 @@ One module per stored entity: ``vpn_config`` (settings, role, epoch),
 ``vpn_state`` (progress), ``vpn_epoch`` (the epoch history), the role
 changes that write them together, the reads that join them, the
 sync-ineligible windows, a standby's stored definitions, and the bridge's
-stream states (written by :class:`BridgeStateWriter`).
-
-Each function returns a :class:`Statement` (or a :class:`Script` of
-several) that the caller runs on its own connection, in its own
-transaction: ``lock_vpn_config(vpn).run(conn)`` blocking, ``await
-lock_vpn_config(vpn).run_async(aconn)`` on asyncio. The SQL of each is
-written once, for both.
+stream states (:class:`BridgeStateWriter`). Each function returns a
+:class:`Statement` (or a :class:`Script`), its SQL written once and run on
+the caller's connection and transaction, blocking or on asyncio.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """A statement written once, run blocking or on the event loop.
 
-A store function returns a :class:`Statement`: its SQL (a constant), its
-parameters and how its rows become the result. The caller runs it on its
-own connection, ``statement.run(conn)`` with psycopg's blocking API (the
-CLI, the role changes, the standby applier) or ``await
-statement.run_async(aconn)`` on asyncio (the node and the bridge). A
-:class:`Script` is several statements in order, each chosen by the results
-before it: a generator that yields statements and is sent their results,
-driven the same two ways (as the apply step of ``bridge/ledger/_apply.py``
-is). So no statement has a blocking and an asyncio copy to keep in step.
-
-Invariant: running a statement or a script never opens a connection or a
-transaction, never commits and never sets an isolation level; it runs on
-the caller's connection, in the caller's transaction, in the order the
-script yields, so the caller alone decides what commits together and in
-which order rows are locked. Values travel as parameters, never in the SQL
-text. Rows are read as tuples, whatever row factory the caller's connection
-has.
+A store function returns a :class:`Statement` (constant SQL, parameters, how
+its rows become the result), run on the caller's connection with
+``statement.run(conn)`` (psycopg's blocking API: the CLI, the role changes,
+the standby applier) or ``await statement.run_async(aconn)`` (the node, the
+bridge); a :class:`Script` is a generator of statements, each chosen by the
+results before it, driven the same two ways. So no SQL has a blocking and an
+asyncio copy to keep in step. Invariant: running one never opens a
+connection or a transaction, commits or sets an isolation level, so the
+caller alone decides what commits together and in which order rows are
+locked. Values travel as parameters; rows are read as tuples whatever the
+connection's row factory.
 """
 
 from __future__ import annotations

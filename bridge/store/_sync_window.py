@@ -1,17 +1,12 @@
 """The sync-ineligible windows of the site database (``sync_window``).
 
-A window is a range of an active VPN's ledger indexes that this site
-confirmed without its standby's acknowledgement (``sql/versions/0016``):
-opened before the first such confirm goes out, closed at the highest one.
-Each function returns its statement (see :mod:`bridge.store._statement`:
-run blocking or on asyncio, on the caller's connection and transaction,
-never committing); each statement is idempotent, so a writer that lost a
-reply runs it again.
-
-Windows carry the epoch ``vpn_config`` holds when they are written: the
-epoch the VPN's ledger entries are written with (the ledger writer reads
-it from there), which changes only when the VPN changes role, never while
-it confirms.
+A window is a range of an active VPN's ledger indexes this site confirmed
+without its standby (docs/behaviour.md, "Sync-ineligible windows"). Each
+function returns its statement (:mod:`bridge.store._statement`); each is
+idempotent, so a writer that lost a reply runs it again. A window carries
+the epoch ``vpn_config`` holds when it is written: the epoch the ledger
+entries are written with, which changes only with the VPN's role, never
+while it confirms.
 """
 
 from __future__ import annotations

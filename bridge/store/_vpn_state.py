@@ -1,24 +1,17 @@
 """``vpn_state``: a VPN's replication progress.
 
-Its ledger index, its applied index and epoch (on the active: what the
-standby acknowledged), its bridge state, ``fenced``, ``split_brain``,
-``sync_eligible`` and the unknown ACKs counted (``sql/versions/0001_initial.py``
-says what each column means on the active and on a standby). Each function
-here returns the statement on the row (see :mod:`bridge.store._statement`:
-run blocking or on asyncio, in the caller's transaction).
-
-Several VPNs' rows are locked in name order (:func:`lock_ledger_indexes`),
-and a VPN's ``vpn_config`` row before its ``vpn_state`` row
-(:func:`lock_applied`), the order every caller relies on.
-
-A few statements on this table stay with the statement they are part of,
-because one statement (one snapshot, one round trip) is their point: the
-ledger writer's batch (``bridge/ledger/_writer.py``: the rows and
-``ledger_index`` in one statement), the standby's guarded statements
-(``bridge/standby/_applier.py``, ``bridge/ledger/_apply.py``: gate, row move
-and apply in one), the ledger's oldest retained index
-(``bridge/ledger/_reader.py``) and the ending of acknowledged transactions
-(``txn/local/_log.py``).
+Its ledger index, applied index and epoch (on the active: what the standby
+acknowledged), bridge state, ``fenced``, ``split_brain``, ``sync_eligible``
+and the unknown ACKs (``sql/versions/0001_initial.py`` says what each column
+means on either site); each function returns its statement
+(:mod:`bridge.store._statement`). Rows are locked in one order: several
+VPNs' by name (:func:`lock_ledger_indexes`), a VPN's ``vpn_config`` before
+its ``vpn_state`` (:func:`lock_applied`). A few statements on the table stay
+inside a larger one whose point is one snapshot and one round trip: the
+ledger writer's batch (``bridge.ledger._writer``), the standby's guarded
+statements (``bridge.standby._applier``, ``bridge.ledger._apply``), the
+ledger's oldest retained index (``bridge.ledger._reader``) and the ending of
+acknowledged transactions (``txn.local._log``).
 """
 
 from __future__ import annotations

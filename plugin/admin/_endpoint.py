@@ -1,29 +1,14 @@
 """The admin HTTP endpoint on ``listen.admin`` (aiohttp).
 
-* ``/``: the status page (``status.html`` beside this module), which polls the two
-  JSON resources below and draws the lag of the last minutes;
-* ``/health``: ``ok`` while the node runs;
-* ``/status``: the ``status --json`` document, with broker depths;
-* ``/status/history``: per VPN, the lag samples of the last minutes;
-* ``/metrics``: Prometheus exposition;
-* ``/vpns/VPN/active``: 200 where the VPN is active and admits clients, 503
-  elsewhere (for a load balancer's or a DNS health check);
-* ``POST /vpns/VPN/promote`` (``application/json``, body ``{"force":
-  true}`` optional; any other content type is refused: a web page could
-  send it from an operator's browser) and
-  ``POST /vpns/VPN/demote``, ``POST /vpns/VPN/switchover`` (on the
-  standby): start the operator request the CLI would (a demote's tail is
-  exported by the node first; a switchover's steps are run by this node),
-  202 with its id;
-  ``/requests/ID``: its progress and result.
-
-``/health`` and ``/vpns/VPN/active`` are open (load balancers ask them);
-with ``[admin]`` credentials every other path needs HTTP basic auth or a
-bearer token (both accepted: a browser and a Prometheus scrape both work),
-and a node whose ``listen.admin`` is off loopback must have them (the
-config refuses it otherwise). Without credentials, a request whose
-``Host`` is not ``localhost`` or a loopback address gets 421 (DNS
-rebinding: a web page must not reach the endpoint as its own origin).
+Read-only resources — ``/`` (the status page, ``status.html`` beside this
+module, drawing the lag of the last minutes), ``/health``, ``/status``,
+``/status/history``, ``/metrics``, ``/vpns/VPN/active`` — and the operator's
+requests: ``POST /vpns/VPN/promote|demote|switchover`` (JSON only) start the
+request the CLI would, ``/requests/ID`` follows it. ``/health`` and
+``/vpns/VPN/active`` are open; with ``[admin]`` credentials every other path
+needs basic auth or a bearer token, and without them only requests addressed
+to a loopback name are answered (421: DNS rebinding). Each rule and why:
+README, "The admin endpoint".
 """
 
 from __future__ import annotations

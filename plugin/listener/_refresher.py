@@ -1,30 +1,16 @@
 """Keeps the listener's :class:`VpnDirectory` in step with the site.
 
-At start and then every ``interval`` seconds: which VPNs have replication
-enabled and how (a callable, backed by the site database in the node), and
-each VPN's topology from the management HTTP API
-(``GET /api/definitions/{vhost}``). Topology changes seen on the wire are
-applied by the sessions in between; a re-read catches what bypassed the
-listener (management UI, direct clients, exclusive queues of dead
-connections).
-
-A fetched topology replaces the live one only if no wire change happened
-while it was being fetched (the topology's ``generation`` is unchanged);
-otherwise the fetch is retried at the next tick, so a declare seen on the wire
-is never overwritten by an older snapshot.
-
-A VPN whose definitions were never read (the broker was unreachable when
-the node started) refuses its clients (530) until they are: with an empty
-topology, no publish would route to an in-scope queue, and the broker
-would confirm what was never replicated. Such a VPN is tried again every
-second.
-
-A definitions export leaves out exclusive queues. A queue the live topology
-has and the snapshot lacks is therefore looked up at the broker: one that
-exists (an exclusive queue declared through the listener) keeps its place
-and bindings in the new topology; one that does not was deleted in the
-management UI, with ``rabbitmqctl`` or by auto-delete, and on an active VPN
-is handed to ``on_gone`` (the node replicates the deletion).
+At start and every ``interval`` seconds it reads which VPNs have replication
+enabled and how (a callable, backed by the site database in the node) and
+each VPN's definitions from the management API; the sessions apply what
+they see on the wire in between. A fetched topology replaces the live one
+only if no wire change happened meanwhile (``generation`` unchanged), else
+it is fetched again at the next tick. A VPN whose definitions were never
+read refuses clients (530) and is tried every second. A queue the live
+topology has and the export lacks is looked up at the broker: kept if it
+exists (an exclusive queue), else, on an active VPN, handed to ``on_gone``.
+Why each: docs/behaviour.md, "Routing is computed by the listener" and
+"Queues deleted outside the listener"; README, "Clients find the active site".
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """The AMQP listener: the asyncio shell around :class:`Session`.
 
-One upstream broker connection per client connection; the handshake is
-relayed, so RabbitMQ itself authenticates the client and this process holds no
-client credentials. asyncio *protocols* (not streams) move the bytes: each
-``data_received`` feeds the session and writes what it returns, without a
-task switch. Backpressure is TCP's: when one side's write buffer fills, the
-other side stops being read (``pause_writing`` → ``pause_reading``), and a
-publishing client is not read while the replication sink's backlog is over its
-limit. Foreign errors (``OSError`` from connect) are translated here.
-
-Clients may also connect over TLS (AMQPS, :meth:`Listener.start_tls`): TLS
-ends here, in :class:`~bridge.TlsServer`, and from the completed
-handshake on such a client is served exactly like a plain one. Whether the
-upstream connection uses TLS depends only on ``broker.amqp_url``.
+One upstream broker connection per client connection, the handshake relayed
+(RabbitMQ authenticates the client; this process holds no client
+credentials). asyncio protocols, not streams, move the bytes: each
+``data_received`` feeds the session and writes what it returns without a
+task switch. Backpressure is TCP's (``pause_writing`` → ``pause_reading``),
+and a publishing client is not read while the sink's backlog is over its
+limit. Foreign errors (``OSError`` from connect) are translated here. TLS
+(AMQPS, :meth:`Listener.start_tls`) ends in :class:`~bridge.TlsServer`; from
+the completed handshake on, such a client is served like a plain one.
 """
 
 from __future__ import annotations

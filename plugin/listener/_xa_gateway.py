@@ -1,18 +1,13 @@
 """Where the listener meets client XA: requests in, answers out.
 
-A client's XA request is a publish to ``vpnrepl.xa`` that the session takes
-out of the stream (:class:`~plugin.session._actions.XaCall`); this module checks
-where the answer may go, hands the request to ``txn``'s
+A client's XA request (:class:`~plugin.session._actions.XaCall`) is handed to
 :class:`~txn.XaCoordinator` with the channel it came on
-(:class:`ChannelBranch`), and publishes the answer through the node's own
-broker connection (:class:`~plugin.node._xa_publish.ReplyPublisher`).
-
-Why an answer may only go to an exclusive queue the requesting connection
-declared: the node publishes it with its own broker user, which may write
-where the client's user may not; a queue exclusive to the client's
-connection is one only that connection reads. A request naming any other
-``reply_to`` is refused by closing its channel (406), since nowhere is safe
-to answer it.
+(:class:`ChannelBranch`), and its answer published through the node's own
+broker connection (:class:`~plugin.node._xa_publish.ReplyPublisher`). An
+answer may only go to an exclusive queue the requesting connection
+declared: the node publishes with its own broker user, which may write where
+the client's may not, and only that connection reads such a queue. A request
+naming any other ``reply_to`` has its channel closed (406).
 """
 
 from __future__ import annotations

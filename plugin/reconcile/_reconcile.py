@@ -1,37 +1,16 @@
 """``vpnrepl reconcile``: find (and repair) where the standby's live state
 differs from the active's. Runs on the active site.
 
-1. **Compare** (Spark): each site's live rows of the VPN, read in one
-   snapshot per site (:class:`~plugin._spark.SiteSnapshot`), become per
-   (queue, segment) a count and a sum of row digests — computed inside each
-   PostgreSQL (``pushdown``: only segment rows cross to Spark) or by Spark
-   from the rows its JDBC source reads (``jdbc``). Segments that differ are
-   read again row by row (their keys and digests) and joined: a key only on
-   the active is ``missing_on_standby``, only on the standby
-   ``extra_on_standby``, on both with other digests ``differs``.
-2. **Re-check** (psycopg): the two snapshots reflect different ledger
-   indexes while the sites are live, so the candidates are read again once
-   the standby has passed the active's index of the first pass, each site
-   in a snapshot with the index it reflects; keys that ledger entries
-   between those two indexes touched are *in flight* and not reported
-   (:func:`bridge.touched`). What still differs is what the run reports.
-3. **Repair** (``--repair``): the keys go to the active's running node,
-   which sends them over the bridge as ``Repair`` frames below the live
-   stream's priority (:meth:`bridge.ActiveBridge.repair`); the standby
-   applies them in stream order. The run then re-checks those keys and
-   counts what now agrees as repaired.
-4. **Broker drift**: per queue of the scope, the broker's
-   ``messages_persistent`` against the active's replicated live count, read
-   twice ``[reconcile] drift_interval`` apart (more than the broker's
-   statistics interval); a difference in the same direction
-   both times is reported (publishes that bypassed the listener), never
-   part of the exit status. Uncertain publishes (``plugin.node._uncertain``)
-   still live in the queue are counted beside it: where the live state
-   holds exactly that many more than the broker in both readings, they are
-   the phantoms, and ``--repair`` retires them through the node.
-
-Each run is stored in the active's ``reconcile_run`` table, which the node
-exports as metrics.
+Four steps, each explained in docs/behaviour.md, "Reconciliation": compare
+(Spark: per (queue, segment) a count and a digest sum, computed in each
+PostgreSQL, ``pushdown``, or by Spark, ``jdbc``; differing segments row by
+row: ``missing_on_standby``, ``extra_on_standby``, ``differs``); re-check
+(psycopg: keys the ledger entries between the two snapshots' indexes
+touched are in flight, :func:`bridge.touched`); repair (``--repair``: through
+the node as ``Repair`` frames, :meth:`bridge.ActiveBridge.repair`, then
+re-checked); broker drift, with the uncertain publishes
+(``plugin.node._uncertain``) counted beside it (README, "Reconciliation").
+Each run is a ``reconcile_run`` row on the active, exported as metrics.
 """
 
 from __future__ import annotations

@@ -2,18 +2,13 @@
 operator's way, JDBC reads that see one snapshot of a site, and a progress
 bar on a terminal.
 
-Spark's JVM writes its own lines (log4j, "Setting default log level", a
-console progress bar) to the terminal it inherits. The job launches the JVM
-itself with its output going to a log file of the run (warnings and errors
-only: ``log4j2.properties`` beside this module), whose path an error names, and draws
-its own progress bar from Spark's status tracker when stderr is a terminal.
-
-A site's live state is read in one snapshot even when Spark reads it over
-several connections: a :class:`SiteSnapshot` holds a ``REPEATABLE READ``
-transaction open and exports its snapshot (``pg_export_snapshot()``), and
-each JDBC partition's session adopts it (``SET TRANSACTION SNAPSHOT`` in
-the session's init statement, with the PostgreSQL dialect's non-autocommit
-fetch mode, so the statement opens the transaction the read runs in).
+The JVM's own lines (log4j, a console progress bar) would fill the
+operator's terminal, so the job launches it with its output going to a log
+file of the run (warnings and errors only: ``log4j2.properties`` beside this
+module), whose path an error names, and draws its own progress bar from
+Spark's status tracker when stderr is a terminal. A :class:`SiteSnapshot`
+holds a site's exported snapshot, which every JDBC partition's session
+adopts (docs/behaviour.md, "Reconciliation": one snapshot per site).
 """
 
 from __future__ import annotations

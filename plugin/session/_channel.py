@@ -1,36 +1,18 @@
-"""One AMQP channel of a client connection through the listener.
+"""One AMQP channel of a client connection through the listener: its
+publishes, their confirms, and its close handshake.
 
-The session (``plugin.session._session``) is the connection's reader: it splits the
-byte streams, keeps the connection's lifecycle and hands each method on a
-channel to that channel's :class:`Channel`, as RabbitMQ's ``rabbit_reader``
-hands frames to ``rabbit_channel``. A channel decodes the methods it must
-see and remembers what the listener needs per channel: the publish whose
-content is on its way, the confirms it holds
-(:class:`~plugin.session._confirms.HeldConfirms`), the consumers and gets whose
-deliveries it maps to replication ids, the deliveries not settled yet, the
-transaction buffer, and the topology requests awaiting the broker's answer.
-A handler returns what replaces the frame (None: relay it as it is, b"":
-drop it), exactly as the session's own handlers do.
-
-The channel is one class in parts, each a module: its state and its end
+The session hands each method on a channel to that channel's
+:class:`Channel`, one class in parts, a module each: its state and its end
 (``plugin.session._channel_state``), consumers and deliveries
 (``plugin.session._deliveries``), transactions and XA branches
-(``plugin.session._transactions``), and here the client's publishes and
-their confirms, and the close handshake.
+(``plugin.session._transactions``), and this one. A handler returns what
+replaces the frame (None: relay it as it is, b"": drop it).
 
-Invariants, and why the code keeps them:
-
-* **A replicated publish is an event once its content is whole.** The
-  method, header and bodies are followed frame by frame (a body past the
-  declared size is 501); the id is spliced into the header as it passes,
-  the event is made when the last body byte has come, and its confirm is
-  held (:class:`~plugin.session._confirms.HeldConfirms`) until the sink has
-  it durable.
-* **An XA request is ours only where nothing counts it.** A publish to
-  ``vpnrepl.xa`` on a channel without confirms is taken out of the stream
-  (method, header and body) and handed up as an ``XaCall``; on a confirm
-  channel it is relayed, since the client numbers that channel's
-  publishes.
+Invariants: a replicated publish becomes an event once its content is whole
+(a body past the declared size is 501), its confirm held until the sink has
+it durable (:class:`~plugin.session._confirms.HeldConfirms`); and a publish
+to ``vpnrepl.xa`` is taken out of the stream only on a channel without
+confirms, since on a confirm channel the client numbers it.
 """
 
 from __future__ import annotations

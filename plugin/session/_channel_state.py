@@ -1,26 +1,15 @@
 """The state of one client channel through the listener, and how it ends.
 
-A client channel (:class:`~plugin.session._channel.Channel`) is one class
-in parts, a module each: its state and its end (here), its consumers and
-deliveries (``plugin.session._deliveries``), its transactions and XA
-branches (``plugin.session._transactions``), and its publishes and
-confirms, which make the whole (``plugin.session._channel``). Every part
-reads and writes the one state declared here, in one ``__slots__``, each
-attribute described where it is made.
-
-Invariants, and why the code keeps them:
-
-* **A channel we close is closed on both sides.** A channel exception of
-  ours (:meth:`ChannelState.close_both_sides`: a refused transaction, a
-  name the product reserves, work on an ended XA branch) closes the
-  channel towards the client with its reply code and towards the broker
-  with 200, and both close-oks are swallowed when they come, so neither
-  side sees a close it did not ask for answered twice.
-* **Nothing a channel held outlives it silently.** When it is gone
-  (:meth:`ChannelState.gone`), a transaction whose ``tx.commit`` reached the
-  broker without its commit-ok coming back is left to its marker
-  (``unresolved``), one still being prepared is aborted, and an XA branch
-  on it is told.
+Every part of :class:`~plugin.session._channel.Channel` reads and writes the
+one state declared here, in one ``__slots__``. Invariants: a channel we
+close (:meth:`ChannelState.close_both_sides`: a refused transaction, a
+reserved name, work on an ended XA branch) is closed towards the client
+with its reply code and towards the broker with 200, and both close-oks are
+swallowed, so neither side is answered a close it did not send; and nothing
+a channel held outlives it silently (:meth:`ChannelState.gone`): a
+transaction whose ``tx.commit`` reached the broker without its commit-ok is
+left to its marker (``unresolved``), one being prepared is aborted, an XA
+branch on it told.
 """
 
 from __future__ import annotations

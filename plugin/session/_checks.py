@@ -1,17 +1,13 @@
 """Frame checks for a connection on a vhost that is not replicated.
 
-Nothing on such a vhost concerns replication, so after ``connection.open-ok``
-the session tracks none of its frames; it still checks the client's, with
-:class:`FrameChecks`. Why: RabbitMQ 3.10 drops the TCP connection without a
-``connection.close`` on an unknown method, and silently accepts a body
-longer than its header declared; the listener answers both with the right
-reply code, so a client sees the same behaviour on every vhost.
-
-The invariant: **a channel's content follows its publish, exactly**: a
-content header only right after a ``basic.publish``, bodies only up to the
-size the header declared, no method while content is due (505, 501, as the
-tracked path answers; an unknown method is 503, a heartbeat on a channel
-501). Nothing else is kept: per channel, the body size still due.
+After ``connection.open-ok`` the session tracks none of such a connection's
+frames, but it still checks the client's (:class:`FrameChecks`), so a client
+gets the same reply codes on every vhost: RabbitMQ 3.10 itself drops the TCP
+connection on an unknown method and accepts a body longer than declared.
+The invariant: a channel's content follows its publish exactly — a content
+header only right after a ``basic.publish``, bodies only up to the declared
+size, no method while content is due (505, 501; an unknown method 503, a
+heartbeat on a channel 501). Per channel only the body size still due is kept.
 """
 
 from __future__ import annotations

@@ -1,37 +1,18 @@
 """Publisher confirms held until a replicated publish is durable.
 
-On a replicated connection every publish of a confirm channel gets a
-:class:`HeldConfirm` in its channel's :class:`HeldConfirms`, keyed by its
-sequence number (the delivery tag the client will see). The broker's
-``basic.ack``/``basic.nack`` is not relayed: the tracker releases the
-client's confirm itself, once it may.
+Each publish of a confirm channel on a replicated connection gets a
+:class:`HeldConfirm` in the channel's :class:`HeldConfirms`; the broker's ack
+or nack is not relayed. The client gets ``basic.ack`` once the broker acked
+and, for a replicated publish, the sink made it durable, else ``basic.nack``
+(a replicated publish the broker nacked is taken back with a
+:class:`Consumed` event per queue, so both sites hold what the broker holds).
 
-Invariant: **a held confirm is released once, and ``multiple`` never spans
-a held tag.** An entry is *ready* when the broker has answered and, for a
-replicated publish, the sink has reported it durable. Ready entries at the
-front are released as ``multiple`` runs (all lower tags are already
-released by construction); ready entries behind a held one are released one
-by one. A released entry is deleted.
-
-Why the code keeps it: :meth:`HeldConfirms.release` walks the front of
-``order`` (sequence numbers in publish order) and stops at the first entry
-that is not ready, so a run only ever covers a prefix in which every tag is
-ready or already released; a run is cut where the verdict changes (an ack
-run never covers a nack). Entries behind the first held one are released
-only by name (``changed``: the entries whose state just changed), each on
-its own frame without ``multiple``. Every release deletes the entry from
-``pending``, and both passes release only entries still in ``pending``; the
-front pass skips the sequence numbers left in ``order`` by entries released
-by name.
-
-The verdict the client gets: ``basic.ack`` when the broker acked and, for a
-replicated publish, the sink made it durable; ``basic.nack`` otherwise. A
-replicated publish the broker nacked (a full queue with ``reject-publish``)
-is already with the sink: it is taken back with a :class:`Consumed` event per
-queue, so both sites hold what the broker holds.
-
-(The broker's confirms of what the node itself publishes are another
-thing: :class:`bridge.amqp.BrokerConfirms`.)
+Invariant: a confirm is released once, and ``multiple`` never spans a held
+tag. :meth:`HeldConfirms.release` releases the ready entries at the front of
+``order`` as ``multiple`` runs cut where the verdict changes, and stops at
+the first held one; ready entries behind it go one by one, by name; each
+release deletes its entry from ``pending``, and only entries still there are
+released. (The node's own publishes: :class:`bridge.amqp.BrokerConfirms`.)
 """
 
 from __future__ import annotations

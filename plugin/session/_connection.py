@@ -1,25 +1,15 @@
 """The client connection's own methods and lifecycle, a part of the session.
 
-:class:`~plugin.session._session.Session` is the connection's reader (it
-splits, relays and hands channel methods to channels); this part of it
-handles what concerns the connection as a whole: the protocol header and
-the ``connection`` class's methods from either side (start-ok, tune,
-open, close, close-ok), the lifecycle state they move
-(``plugin.session._lifecycle``), and the close of ours at a fault or a
-shutdown. The session's state is made in ``Session.__init__``; the
-attributes this part reads and changes are declared below.
-
-Invariants, and why the code keeps them:
-
-* **The client is closed once, with the fault's reply code.** Every close
-  of ours goes through :meth:`ConnectionMethods._fail`, which does nothing
-  once we have closed (``WE_CLOSED``), and puts the close behind any broker
-  frame passthrough left half relayed (:meth:`ConnectionMethods._to_client`),
-  so the client never finds it inside a frame.
-* **The client's frames are bounded by the broker's.** The client's
-  frame_max is clamped to the broker's (a client's 0, "no limit", would
-  let it make the listener buffer any frame), and no login the listener
-  cannot pass on (EXTERNAL) reaches the broker.
+:class:`ConnectionMethods` handles the protocol header and the
+``connection`` methods of either side, moves the lifecycle
+(``plugin.session._lifecycle``) and makes our close at a fault or a
+shutdown; the attributes declared below are the session's, made in
+``Session.__init__``. Invariants: the client is closed once, with the
+fault's reply code (every close of ours goes through
+:meth:`ConnectionMethods._fail`, a no-op once we closed, and behind any
+broker frame left half relayed); the client's frame_max is clamped to the
+broker's (a client's 0, "no limit", would make the listener buffer any
+frame); and no login the listener cannot pass on (EXTERNAL) reaches the broker.
 """
 
 from __future__ import annotations

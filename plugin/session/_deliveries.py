@@ -1,24 +1,14 @@
 """A client channel's consumers and deliveries: each delivery mapped to its
 replication id, each settlement a replication event.
 
-A part of :class:`~plugin.session._channel.Channel` (see
-``plugin.session._channel_state``): the methods that follow a message from
-the broker to the client and back as an ack. A consumer's or a get's
-queue is remembered from the request, each delivery is mapped to the id
-in its content header (which is cut out on the way, unless the VPN
-exposes it), and the client's ack, nack or reject of it becomes a
-:class:`~bridge.Consumed` or :class:`~bridge.DeadLettered` event.
-
-Invariants, and why the code keeps them:
-
-* **A consumption event always follows its publish.** A delivery is mapped
-  (:meth:`ChannelDeliveries.on_delivered_header`) when its content header
-  passes, before the client can ack it; :meth:`ChannelDeliveries.on_ack`
-  only finds deliveries mapped so, and events reach the output in the
-  order frames arrive.
-* **Requeues and closes produce no event.** An unacked delivery that
-  returns to its queue (nack/reject with requeue, ``basic.recover``, channel
-  or connection close) just forgets its mapping.
+A part of :class:`~plugin.session._channel.Channel`. A consumer's or a get's
+queue is remembered from the request, each delivery mapped to the id in its
+content header (cut out on the way unless the VPN exposes it), and the
+client's ack, nack or reject becomes a :class:`~bridge.Consumed` or
+:class:`~bridge.DeadLettered` event. A consumption event always follows its
+publish: a delivery is mapped when its header passes, before the client can
+ack it, and events leave in the order frames arrive. A requeue or a close
+only forgets the mapping (docs/behaviour.md, "The AMQP listener").
 """
 
 from __future__ import annotations

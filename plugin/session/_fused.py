@@ -1,19 +1,14 @@
 """The fused publish path: a whole ``basic.publish`` handled in one step.
 
-Most publishes arrive whole in one read: the method frame, the content
-header and a single body frame. The session's relay hands such a triple to
-:meth:`FusedPublish.whole` (a replicated connection) or
-:meth:`FusedCheck.whole` (a connection on a vhost that is not replicated)
-instead of taking the three frames one by one through the general path.
-
-The invariant: **the fused path gives exactly what the general path would,
-or declines.** Everything that can fail is checked before anything changes;
-anything unusual (a frame of another type or channel, a body size that does
-not match, a channel that is closing, holding frames or inside content, a
-frame that does not decode) returns :data:`DECLINED` with every state
-untouched, and the general path then takes the frames and reports any fault
-at the exact frame. ``tests/unit/plugin/session/test_session.py`` checks the two paths against
-each other on whole and split reads.
+Most publishes arrive whole in one read (method, content header, one body);
+the relay hands such a triple to :meth:`FusedPublish.whole` (a replicated
+connection) or :meth:`FusedCheck.whole` (a vhost not replicated) instead of
+the general, frame-by-frame path. The invariant: the fused path gives
+exactly what the general path would, or declines — everything that can fail
+is checked before anything changes, and anything unusual returns
+:data:`DECLINED` with every state untouched, so the general path takes the
+frames and reports any fault at the exact frame
+(``tests/unit/plugin/session/test_session.py`` compares the two paths).
 """
 
 from __future__ import annotations

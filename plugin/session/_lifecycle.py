@@ -2,20 +2,15 @@
 
 Everything that decides how a connection's bytes are read, whether a close
 of ours may still go upstream, and when both sides are finished lives here;
-:class:`~plugin.session._session.Session` only feeds it what it saw (a
-:class:`Trigger`) and reads the answer. The invariant: **the state changes
-only through** :data:`LIFECYCLE_TRANSITIONS`, and a trigger the table does not list for
-the current state raises :class:`LifecycleError` instead of being guessed at.
-
-Every trigger a client can cause, in any order, is listed for every state
-its frames can meet, including the states reached earlier in the same read
-(frames behind a close-ok still pass the handlers of that read): a client
-never makes the listener raise (``tests/unit/plugin/session/test_lifecycle.py`` walks them).
-What is left out is what RabbitMQ never sends (an ``open-ok`` after the
-connection opened, a frame before the protocol header), and triggers the
-session does not produce in a state (no read starts on a finished side).
-
-The states, as the session reads each side:
+the session feeds it a :class:`Trigger` and reads the answer. The state
+changes only through :data:`LIFECYCLE_TRANSITIONS`, and a trigger the table
+does not list for the state raises :class:`LifecycleError`, never a guess.
+Every trigger a client can cause is listed for every state its frames can
+meet (frames behind a close-ok still pass that read's handlers), so a client
+never makes the listener raise (``tests/unit/plugin/session/test_lifecycle.py``
+walks them); left out is what RabbitMQ never sends (an ``open-ok`` after the
+open, a frame before the protocol header) and what the session never feeds
+in a state (no read starts on a finished side).
 
 ============================  =================  =================  ==========
 state                         client bytes       broker bytes       on a fault
@@ -41,12 +36,11 @@ state                         client bytes       broker bytes       on a fault
 ============================  =================  =================  ==========
 
 "On a fault" is what goes upstream when the session closes the client
-(:class:`Upstream`): a dropped TCP connection while no AMQP close can be
-sent (before ``open-ok``), our ``connection.close``, or nothing when the
-client's own ``connection.close`` already went upstream (RabbitMQ answers
-each close with a close-ok, and a second one would meet a closed socket) or
-the broker has finished. "(ours)": the session has closed the connection
-itself, and a second fault changes nothing.
+(:class:`Upstream`): a dropped TCP connection before ``open-ok`` (no AMQP
+close can be sent yet), our ``connection.close``, or nothing once the
+client's own close went upstream (RabbitMQ answers each close, and a second
+would meet a closed socket) or the broker finished. "(ours)": the session
+closed the connection itself, and a second fault changes nothing.
 """
 
 from __future__ import annotations

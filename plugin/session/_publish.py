@@ -1,20 +1,15 @@
 """A client's publish on a replicated connection: its queues and our id header.
 
-Both publish paths of the session use these: the frame-by-frame one and the
-fused one (``plugin.session._fused``). A publish is replicated when it is persistent
-and reaches a queue in the VPN's replication scope
-(:func:`in_scope_queues`); it then carries our id header
-(:data:`~bridge.REPLICATION_HEADER`), spliced into the client's content
-header (:func:`stamped`) from a :class:`HeaderTemplate`.
-
-The invariant: **the client's properties reach the broker byte for byte,
-with only our entry added at the end of the headers table** (a client's own
-entry of that name is replaced). A template is made with
-:func:`~bridge.amqp.splice_header` once per distinct property bytes and
-split around the id's eight bytes, so each message gets exactly the bytes
-splicing it would give; its headers table is checked when the template is
-made, for every publish, persistent or not (RabbitMQ 3.10 crashes the
-channel on a headers table it cannot parse).
+Both publish paths use these. A publish is replicated when it is persistent
+and reaches a queue in the VPN's scope (:func:`in_scope_queues`); it then
+carries our id header (:data:`~bridge.REPLICATION_HEADER`), spliced into the
+client's content header (:func:`stamped`) from a :class:`HeaderTemplate`,
+made with :func:`~bridge.amqp.splice_header` once per distinct property
+bytes and split around the id's eight bytes, so each message gets exactly
+the bytes splicing would give (docs/behaviour.md, "The id header is
+invisible to consumers"). Making a template checks its headers table, for
+every publish, persistent or not: RabbitMQ 3.10 crashes the channel on a
+headers table it cannot parse.
 """
 
 from __future__ import annotations

@@ -1,37 +1,19 @@
 """One client connection through the listener, as a sans-IO state machine.
 
-``Session`` is fed the bytes each side sent and returns what to send on, plus
-the replication events it saw (an :class:`~plugin.session._actions.Output`). It never
-opens a socket; ``plugin.listener`` drives it. It is the connection's reader, as
-RabbitMQ's ``rabbit_reader``: it splits both byte streams into frames,
-relays them, keeps its channels' open and close handshakes, and hands every
-other method on a channel to that :class:`~plugin.session._channel.Channel`.
-The connection's own methods, its lifecycle (``plugin.session._lifecycle``)
-and our close at a fault are a part of it of their own
-(:class:`~plugin.session._connection.ConnectionMethods`). Whole publishes take the
-fused path (``plugin.session._fused``); a vhost that is not replicated only has its
-frames checked (``plugin.session._checks``); topology requests go to
-:class:`~plugin.session._topology_changes.TopologyRequests`.
+``Session`` is fed the bytes each side sent and returns what to send on and
+the replication events it saw (an :class:`~plugin.session._actions.Output`);
+``plugin.listener`` drives it. It splits both byte streams into frames,
+relays them, keeps its channels' open and close handshakes and hands every
+other channel method to that :class:`~plugin.session._channel.Channel`; the
+connection's own methods are
+:class:`~plugin.session._connection.ConnectionMethods`.
 
-Invariants, and why the code keeps them:
-
-* **The client's channel numbering is never disturbed.** The session only
-  relays, splices or holds the client's own frames; it never injects a frame
-  that would move publisher-confirm sequence numbers or delivery tags. Frames
-  it sends of its own accord are replies in place of a held frame (a confirm,
-  ``tx.commit-ok``) or the closing of a connection it has to refuse.
-* **Frames reach each side in the order they came.** Untouched frames are
-  relayed as slices of the bytes read; what a handler adds itself (a
-  released confirm, our close) goes behind every frame read before the one
-  it handled (:meth:`Session._relay`), so a held confirm may reach the
-  client later than the broker sent it, never ahead of a frame the broker
-  sent before it, and never inside one: on a vhost that is not replicated
-  the broker's bytes are relayed as they come, their frame boundaries
-  followed (``FrameSplitter.pass_over``), and our close waits for the end
-  of a frame the client has only the start of.
-* **The lifecycle is one state.** Each side's bytes are read as the state
-  says, and the state changes only through the lifecycle's transition
-  table; the session closes a client at most once.
+Invariants: the client's channel numbering is never disturbed — the session
+injects no frame that would move confirm sequence numbers or delivery tags,
+only replies in place of a held frame or a refusing close; and frames reach
+each side in the order they came, ours behind every frame read before
+(:meth:`Session._relay`), never inside one (``FrameSplitter.pass_over``;
+docs/behaviour.md, "Frames reach the client in the order the broker sent them").
 """
 
 from __future__ import annotations

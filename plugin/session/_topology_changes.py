@@ -1,31 +1,18 @@
 """Topology requests seen on the wire, as values applied when the broker agrees.
 
-A client's ``exchange.*`` and ``queue.*`` request becomes one of these
-frozen values when it passes the listener (:func:`change_of`), and its
-connection's :class:`TopologyRequests` keeps it until the broker's ``-ok``
-before applying it to the VPN's :class:`~plugin.topology._topology.Topology`. The
-invariant: **a change applies once the broker has carried the request
-out**, so the model never routes by a binding or a queue the broker
-refused: at the request's ``-ok``; at once for a ``nowait`` request, which
-gets no answer, except those whose refusal the standby could not undo
-(:data:`REFUSABLE`), which are made synchronous and wait for their ``-ok``
-too. A value holds exactly what its method carried; nothing is decoded
-again when it applies.
-
-Three changes reach beyond the topology, and :class:`TopologyRequests`
-carries those out too: a declared queue may be the connection's exclusive
-one, and a deleted or purged queue's messages are gone on both sites (a
-``Purged`` event; a purge's says where its request went to the broker in
-the ledger's order, a :class:`~plugin.session._actions.LedgerMark` the driver fills,
-so a message published after that is not taken for purged). On a
-replicated VPN every declare, delete, bind and unbind that applies also
-becomes a ``TopologyChanged`` event, in the connection's events where the
-broker made it, so the standby holds the topology in stream order with the
-messages (:meth:`change_event`); the connection's exclusive queues are left
-out (they end with it, on this site too). An empty queue name in a bind,
-unbind, purge or delete means the channel's last declared queue
-(:data:`NAMES_A_QUEUE`), resolved when the change applies, after every
-earlier ``declare-ok`` of the channel.
+A client's ``exchange.*`` or ``queue.*`` request becomes a frozen value as it
+passes (:func:`change_of`), holding exactly what its method carried; its
+connection's :class:`TopologyRequests` keeps it until the broker's ``-ok``,
+then applies it to the VPN's :class:`~plugin.topology._topology.Topology`,
+so the model never routes by what the broker refused. A ``nowait`` request
+applies at once, except those whose refusal the standby could not undo
+(:data:`REFUSABLE`), made synchronous. :class:`TopologyRequests` also keeps
+the connection's exclusive queues and makes ``Purged`` events (a purge's
+with the :class:`~plugin.session._actions.LedgerMark` of its request) and
+``TopologyChanged`` ones (:meth:`change_event`); an empty queue name
+(:data:`NAMES_A_QUEUE`) is resolved as the change applies, after the
+channel's earlier ``declare-ok``. Why each: docs/behaviour.md, "Purges and
+deletes" and "Topology in the stream".
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """A client channel's transactions and XA branches.
 
-A part of :class:`~plugin.session._channel.Channel` (see
-``plugin.session._channel_state``): ``tx.select``, ``tx.commit`` and
-``tx.rollback`` of the client's, held and answered so that the sink and the
-broker agree, and the XA branch a channel's transaction can be
-(``txn.branches`` drives it through ``plugin.listener._xa_gateway``).
-
-Invariants, and why the code keeps them:
-
-* **Transactions are all-or-nothing towards the sink.** Events of a
-  transactional channel are buffered; ``tx.commit`` is held until the sink
-  has prepared them (:meth:`ChannelTransactions.on_tx_commit`),
-  ``tx.commit-ok`` until the sink has committed them; ``tx.rollback`` and a
-  close discard them (acks rolled back are restored, as the deliveries stay
-  unacked at the broker). The held ``tx.commit`` goes to the broker behind
-  a commit marker (:func:`commit_marker`), which is how recovery learns
-  whether the broker committed.
-* **A channel holding an XA branch is the branch's.** It accepts no
-  ``tx.commit`` or ``tx.rollback`` of the client's, and no work once the
-  branch is being prepared (406): its broker transaction is what the
-  prepared row holds. Our own ``tx.commit``/``tx.rollback`` on it
-  (``xa_broker_commit``, ``xa_broker_rollback``) are answered to the
-  branch, their ``-ok`` never reaching the client.
+A part of :class:`~plugin.session._channel.Channel`: ``tx.select``,
+``tx.commit`` and ``tx.rollback``, held and answered so that the sink and the
+broker agree (docs/behaviour.md, "Local transactions": the events buffered,
+``tx.commit`` held until the sink prepared them and sent behind a commit
+marker, :func:`commit_marker`; ``tx.commit-ok`` until it committed them), and
+the XA branch a channel's transaction can be (driven by ``txn.branches``
+through ``plugin.listener._xa_gateway``). A channel holding a branch takes
+no ``tx.commit`` or ``tx.rollback`` of the client's, nor work once the branch
+is being prepared (406), since its broker transaction is what the prepared
+row holds; our own (``xa_broker_commit``, ``xa_broker_rollback``) are
+answered to the branch, their ``-ok`` never reaching the client.
 """
 
 from __future__ import annotations

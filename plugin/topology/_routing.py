@@ -1,12 +1,11 @@
 """RabbitMQ 3.10's per-exchange-type routing rules, and the field-value
 comparisons they rest on, without I/O.
 
-:class:`~plugin.topology._topology.Topology` walks exchanges and asks each one's
-router (:data:`ROUTERS`, built lazily per exchange from its bindings) for
-destinations. The invariant is the topology's: a router answers what the
-broker's own exchange type would (``rabbit_exchange_type_direct``,
-``_fanout``, ``_topic``, ``_headers``; the rules are listed in
-:mod:`plugin.topology._topology`'s docstring and checked against a live node by
+:class:`~plugin.topology._topology.Topology` walks exchanges and asks each
+one's router (:data:`ROUTERS`, built lazily per exchange from its bindings)
+for destinations. The invariant is the topology's: a router answers what
+the broker's own exchange type would (the rules: docs/behaviour.md, "How
+the listener routes"; checked against a live node by
 ``tests/site/test_routing_differential.py``). Header values are compared as
 Erlang's ``==`` compares what pamqp decoded (:func:`value`).
 """

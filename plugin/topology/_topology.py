@@ -1,75 +1,18 @@
 """The topology of one VPN and RabbitMQ 3.10's routing, reproduced without I/O.
 
 The listener asks :meth:`Topology.route` for every persistent publish which
-queues the broker will put the message in, and records that set in the
-ledger: the standby materialises exactly those copies after a promotion. So
-the invariant is: **route() answers what RabbitMQ 3.10.8 itself would
-answer** for the topology the model holds — never a guess. Every rule below
-was read from the broker's own code (decompiled from the ``debug_info`` of
-the 3.10.8 ``.beam`` files installed here) and is checked against a live
-node by ``tests/site/test_routing_differential.py``:
+queues the broker will put the message in, and the ledger records that set:
+the standby materialises exactly those copies after a promotion. So route()
+answers what RabbitMQ 3.10.8 itself would for the topology held, never a
+guess. The rules, and what the model cannot reproduce (:func:`tagged`):
+docs/behaviour.md, "How the listener routes";
+``tests/site/test_routing_differential.py`` checks them against a live node.
 
-``rabbit_exchange:route/2`` and ``route1/3``
-    The default exchange maps each routing key (CC/BCC included) to the queue
-    of that name; it has no bindings, no alternate exchange and no
-    exchange-to-exchange hops. Every other exchange starts a walk: each
-    exchange on the work list asks its type for destinations; queues are
-    collected, destination exchanges that exist and were not seen yet (the
-    start counts as seen) are walked in turn, so cycles end. An exchange's
-    alternate exchange is followed only when *that exchange's own* type
-    routing found no destination at all (a binding to another exchange counts
-    as a destination even if that exchange routes nowhere). The result is a
-    set: a queue reached twice gets one copy.
-``rabbit_policy:get_arg/3``
-    The ``alternate-exchange`` argument wins; without it the one
-    highest-priority policy matching the exchange supplies it (a lower
-    priority policy is never consulted).
-``rabbit_channel`` basic.publish
-    Publishing to a missing exchange is a 404 channel error and to an
-    internal one an access-refused channel error: nothing is routed.
-``rabbit_basic:make_message/4`` and ``header_routes/1``
-    The routing keys are the publish's key followed by the longstr elements
-    of the ``CC`` and ``BCC`` header arrays (other element types are
-    dropped); a ``CC``/``BCC`` header that is not an array makes the broker
-    refuse the message (precondition-failed). ``BCC`` is stripped from the
-    headers *before* routing, so a headers exchange never sees it.
-``rabbit_exchange_type_direct`` / ``_fanout`` / ``rabbit_router``
-    Direct: a binding matches when its key equals any routing key exactly.
-    Fanout: every binding, keys ignored.
-``rabbit_exchange_type_topic``
-    Keys and patterns split on ``.`` with ``""`` being *zero* words and every
-    other string ``n+1`` words (``"a."`` is ``a`` and an empty word); ``*``
-    is exactly one word (possibly empty), ``#`` zero or more; any other word,
-    ``a*`` included, is literal.
-``rabbit_exchange_type_headers``
-    ``x-match`` is ``all`` (also when absent or unrecognised), ``any``,
-    ``all-with-x`` or ``any-with-x``. The ``x-match`` entry itself is never
-    compared; other binding arguments starting with ``x-`` are ignored except
-    in the ``-with-x`` variants. A void (``None``) binding value means "the
-    header is present". ``all`` needs every compared argument to match (so a
-    binding with none matches every message), ``any`` at least one. Values
-    compare with Erlang ``==`` on the decoded value, the AMQP type tag
-    dropped: every integer type and floats compare by number (``1 == 1.0``),
-    ``S`` and ``x`` strings by their bytes, a timestamp as its integer
-    seconds, booleans only with booleans, a decimal only with a decimal of
-    the same scale and digits. Nested tables and arrays compare *with* their
-    element type tags, in wire order.
-``rabbit_binding`` / ``rabbit_exchange:maybe_auto_delete/2``
-    An ``auto_delete`` exchange is deleted when removing a binding (an
-    unbind, or the deletion of its destination) leaves it the source of no
-    binding; the deletion cascades.
-
-The model takes AMQP field values as pamqp 4 decodes them; where that
-decoding loses information route() cannot recover it (see
-:func:`tagged`): the width of nested integers and floats, and a timestamp
-pamqp divided by 1000. Exchange types other than the four built-in ones
-(plugins) cannot be reproduced; they route like fanout, a superset.
-
-Cost: per publish a dict lookup in a result cache keyed by (exchange,
-routing keys), which every mutation clears; a miss walks per-exchange
-indexes (a dict for direct, a trie for topic) built lazily and rebuilt only
-when that exchange's bindings change. Walks that touch a headers exchange
-depend on the headers and are never cached.
+Cost: per publish a lookup in a result cache keyed by (exchange, routing
+keys), cleared by every mutation; a miss walks per-exchange indexes (a dict
+for direct, a trie for topic) built lazily, rebuilt only when that
+exchange's bindings change. A walk through a headers exchange depends on the
+headers and is never cached.
 """
 
 from __future__ import annotations

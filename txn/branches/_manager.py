@@ -1,41 +1,17 @@
 """Client XA branches: the node is the resource manager.
 
 RabbitMQ has no XA and AMQP 0-9-1 no XA verbs, so a branch is held here: its
-work is the broker transaction of the client channel it was started on
-(``tx.select``), invisible to consumers until the broker commits;
+work is the broker transaction of the client channel it started on;
 ``prepare`` is a local transaction's prepare (:class:`~txn.Coordinator`)
-ending before the broker commit — the branch's events, bodies included,
-``prepared`` in ``txn_log`` on the active's and the standby's databases —
-with the standby's durable vote required whatever the VPN's mode and
-policy (a late vote is a no: ``degrade`` never applies); ``commit`` is the
-rest of it: the broker commit behind a commit marker, the decision as one
-ledger group, the standby's commit.
-
-Invariants, and why they hold:
-
-* **A yes vote can always be committed.** The prepared row holds every
-  event with its body, on both sites. While the branch's channel is open,
-  commit is the broker's commit of that channel's transaction; once it
-  closed (the client died, the node restarted, the site was promoted), the
-  broker has rolled that transaction back, and commit publishes the
-  branch's messages from the row (:class:`LogPublisher`) in one broker
-  transaction with the branch's commit marker — so they reach the broker
-  exactly once: a retry finds the marker and publishes nothing.
-* **What RabbitMQ cannot do is reported, never silent.** Acks of a branch
-  whose channel closed before commit were requeued by the broker; a commit
-  from the row records its publishes only and marks the branch with a
-  heuristic hazard (``XA_HEURHAZ``), listed by ``recover`` and counted in
-  ``status`` until the transaction manager forgets it.
-* **Recovery never decides a branch.** A node restart resolves local
-  transactions by their markers, but leaves an XA branch without a marker
-  prepared for its transaction manager.
-* **A branch is its user's.** The broker user whose connection started a
-  branch owns it (kept in its rows on both sites, so a promoted standby
-  knows it too): another user's verbs on it are refused
-  (:class:`XaNotOwner`, ``XAER_RMERR``: a transaction manager keeps the
-  branch) and its ``recover`` does not list it. An operator's decision
-  (:data:`OPERATOR`) may act on any branch; a branch whose row predates
-  owners (schema 0014) is anyone's.
+ending before the broker commit, with the standby's durable vote required
+whatever the VPN's mode and policy; ``commit`` is the rest: the broker
+commit behind a marker, the decision as one ledger group, the standby's
+commit — through the channel while it is open, else from the prepared row
+(:class:`LogPublisher`: publishes and marker in one broker transaction).
+What is guaranteed and why (a yes vote can always be committed, heuristic
+hazards are reported, recovery never decides a branch, a branch is its
+broker user's, :data:`OPERATOR` may decide any): README, "Client XA
+transactions"; each verb: docs/behaviour.md, "Client XA branches".
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """The client's XA resource: replicated broker work in a global transaction.
 
 :class:`XAResource` speaks :mod:`txn.xa._wire` over a pika
-``BlockingConnection`` opened through the listener, with the verbs of
-X/Open XA and DB-API's TPC (the ones psycopg's connection has), so a
-transaction manager can drive it next to a database::
-
-    xa = XAResource(connection)
-    work = connection.channel()
-    xid = Xid.from_parts(1, "order-42", "broker")
-    xa.start(xid, work)            # tx.select on ``work`` if not yet
-    work.basic_publish(...)        # the branch's work, invisible until commit
-    xa.end(xid)
-    if xa.prepare(xid) == XA_OK:   # persisted on both sites
-        xa.commit(xid)             # survives the death of this process
-
-An answer that does not come within ``timeout`` raises
-:class:`~txn.xa._wire.XaResourceFailure`: the transaction manager then
-treats the branch as in doubt and asks :meth:`XAResource.recover` later,
-from any connection to the VPN.
+``BlockingConnection`` opened through the listener, with the verbs of X/Open
+XA and DB-API's TPC, so a transaction manager can drive it next to a
+database (README, "Client XA transactions", shows how). An answer that does
+not come within ``timeout`` raises :class:`~txn.xa._wire.XaResourceFailure`:
+the manager then treats the branch as in doubt and asks
+:meth:`XAResource.recover` later, from any connection to the VPN.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The step table of one local transaction (sans-IO).
 
-A client's ``tx.commit`` on a channel that published or acked replicated
-messages becomes an internal two-phase transaction. This module decides
-every step of it and nothing else: :class:`TxnMachine` takes what happened
-(:class:`Input`) and answers what must be done next (actions, frozen
-values carrying their data); the driver in :mod:`txn.local._coordinator`
-(and :mod:`txn.local._decision`) performs them with the database, the bridge
-and the broker and feeds the outcomes back. Every transition is in one
-table (:data:`TXN_TRANSITIONS`), and the phase changes nowhere else; an input
-the phase does not allow is a :class:`TxnProtocolError`, never a silent
-skip.
+:class:`TxnMachine` takes what happened (:class:`Input`) and answers what
+must be done next (actions, frozen values carrying their data); the driver
+(:mod:`txn.local._coordinator`, :mod:`txn.local._decision`) performs them
+and feeds the outcomes back. Every transition is in :data:`TXN_TRANSITIONS` and the phase changes nowhere
+else; an input the phase does not allow is a :class:`TxnProtocolError`.
 
 Phases, in order (a transaction only moves forward)::
 
@@ -24,18 +19,15 @@ Phases, in order (a transaction only moves forward)::
     AWAITING_STANDBY ──stream acknowledged, timed out, or early──────┘
     (DECIDING / EARLY: the decision could not be recorded → UNRECORDED)
 
-*Early commit*: for a sync-mode VPN the coordinator asks the standby, as it
-appends the transaction's group to the ledger, to commit the transaction
-from its prepared row before the stream brings the group (the stream's
-copy is then skipped on the standby); otherwise the standby's part is the
-stream's acknowledgement of the group, through the VPN's sync gate.
+EARLY is the standby's early commit of a sync-mode VPN (docs/behaviour.md,
+"Local transactions", step 4); otherwise the standby's part is the stream's
+acknowledgement of the group, through the VPN's sync gate.
 
 Invariant: the client gets ``tx.commit-ok`` (:class:`Answer` ``ok``) only
 once the decision is durable in the active's ledger and the standby holds
-the transaction — committed early, acknowledged by the stream — or the
-transaction was degraded (the VPN's ``degrade`` policy after the standby
-was late); nothing reaches the broker after a refusal, and no action
-follows the end (DONE, ABORTED, UNRECORDED).
+the transaction (committed early, or acknowledged by the stream) or the
+transaction was degraded; nothing reaches the broker after a refusal, and
+no action follows the end (DONE, ABORTED, UNRECORDED).
 """
 
 from __future__ import annotations

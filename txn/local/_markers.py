@@ -1,40 +1,23 @@
 """Commit markers in the broker: how recovery learns whether RabbitMQ committed.
 
-The listener publishes a transaction's id to :data:`MARKER_QUEUE` (durable,
-classic) inside the client's own broker transaction, so the marker exists
-exactly when the broker committed that transaction. This module declares the
-queue, reads which markers are present, and removes the markers of
-transactions that are over. It talks to the site's broker with pika (a
-blocking connection run in a worker thread: markers are read at start and
-swept now and then, never on a client's path).
+The listener publishes a transaction's id to :data:`MARKER_QUEUE` inside the
+client's own broker transaction, so the marker exists exactly when the broker
+committed it. This module declares the queue, reads which markers are there
+and removes those of transactions that are over, with pika in a worker
+thread, never on a client's path. A read browses (delivered unacked, then
+requeued), a sweep acks what it removes; both consume, since a ``basic.get``
+per marker cost about a twelfth of a transactional active's busy CPU.
 
-Reading markers is a browse: every message is delivered unacknowledged and
-requeued when the channel closes, so a read removes nothing. A sweep acks
-the markers it was told to remove and requeues the rest. Both consume
-rather than ``basic.get`` one marker per round trip: a sweep every five
-seconds meets hundreds of markers under a steady transactional load, and
-fetching them one by one was about a twelfth of the active node's busy CPU
-in a profile of ``bench/transactions.py``, in a thread contending with the
-event loop for the GIL.
-
-A marker held by one reader is invisible to another (it is unacked, not
-ready), and a transaction whose marker a reader misses is aborted. So the
-reads of one :class:`MarkerStore` never overlap (a lock around each), and
-each gives back what it held before it ends: a browse and a sweep
-requeue with ``basic.nack`` and then ask the queue for its depth on the
-same channel, which the queue answers only after it has taken the requeued
-markers back (messages between two Erlang processes keep their order); a
-channel close alone requeues later, asynchronously.
-
-A marker's body is its name and a tag only the site's node can make
-(:class:`~txn._marker_key.MarkerKey`): a message a client routed into the
-queue with a ``CC`` header is not taken for a marker; a sweep removes it
-(:data:`MarkerStore.forged` counts them).
-
-One more kind of marker, ``<txid>#restored`` (:func:`restored_marker`):
-a promoted site that rolls back a client's XA branch whose acks it held
-puts those messages back in the broker with it, in one broker
-transaction, so a rollback repeated after a crash puts nothing back twice.
+A marker one reader holds is invisible to another, and a missed marker
+aborts its transaction, so reads never overlap (a lock) and each gives back
+what it held before it ends: ``basic.nack`` to requeue, then the queue's
+depth asked on the same channel, which the queue answers only once it took
+the markers back (it takes one channel's messages in order; a channel close
+alone would requeue later). A marker's body is its name and a
+:class:`~txn._marker_key.MarkerKey` tag, so a message a client routed there
+is no marker (:data:`MarkerStore.forged`); ``<txid>#restored``
+(:func:`restored_marker`) goes with the messages a promoted site puts back
+at an XA rollback (README, "Client XA transactions").
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """The standby's side of a local transaction: the participant.
 
 On ``TxnPrepare`` it writes the transaction's events as a ``prepared``
-``txn_log`` row in the standby's database and only then votes yes; a vote is
-worth what its row is. It votes no for a VPN that is not a standby here
-(promoted while the old active still asks): that site applies no stream
-from it, and neither its promotion, which resolved the rows prepared before
-it, nor anything later would give this site the transaction, so a yes would
-let the old active commit and confirm it. The transaction's effects reach the standby's
-``live_message`` through the ledger stream like every other event (the
-active appends them as one group when it decides to commit), or, in sync
-mode, early, from the prepared row (``TxnCommit``: a yes vote
-returns the events decoded here, and the bridge builds the commit's
-statement from them while the active commits the broker,
-:meth:`bridge.standby._applier.StandbyApplier.ready_early_commit`).
-
-**A row is settled committed with its group, never by an outcome.** The
-standby's applier moves a row to ``committed`` in the same database
-transaction that applies the group's last publish, from the stream or early
-(``bridge/standby/_applier.py``, which knows the rows' events). A commit outcome
-(``TxnOutcome``) writes nothing: settled by the outcome, a row whose group
-had not come yet would be skipped by a promotion if the active were lost
-then (its messages nowhere here), and a row still prepared after its
-group came would be applied a second time by a promotion (a consumed
-message back). So a ``prepared`` row is exactly a transaction whose group
-is not here, which is what the promotion commits (``bridge/roles/_roles.py``).
-An abort outcome is recorded at once. After a reconnect the standby asks
-about every row still prepared (``TxnQuery``) and the active answers each
-once it knows (presumed abort: an id the active has no row for was never
-committed); a commit answer leaves the row to its group, which the
-resync brings.
+``txn_log`` row and only then votes yes: a vote is worth what its row is. It
+votes no for a VPN that is not a standby here (promoted while the old active
+still asks): this site applies no stream from it, and its promotion
+resolved only the rows prepared before, so a yes would let the old active
+confirm what this site never gets. A yes returns the decoded events, from
+which the standby builds an early commit's statement
+(:meth:`bridge.standby._applier.StandbyApplier.ready_early_commit`). A row
+is settled committed with its group, by the applier, never by a commit
+outcome, which writes nothing (docs/behaviour.md, "Local transactions",
+step 4); an abort is recorded at once. After a reconnect every row still
+prepared is asked about (``TxnQuery``; presumed abort), a commit answer
+leaving the row to its group.
 """
 
 from __future__ import annotations

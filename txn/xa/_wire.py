@@ -1,28 +1,13 @@
 """The XA wire between a client's XA resource and the node (sans-IO).
 
-Only AMQP 0-9-1 through the listener: a request is a ``basic.publish`` to
-the reserved exchange :data:`XA_EXCHANGE` with the verb as routing key,
-``correlation_id`` and ``reply_to`` properties and a JSON body; the
-listener takes it out of the stream (the broker never sees it) on a
-channel without confirms, and the node answers with an ordinary message,
-published to the default exchange with ``reply_to`` as the routing key:
-an exclusive queue the requesting connection declared, so an answer goes
-to that connection alone. The README's "XA transactions" section is the
-specification for other languages; this module is its one implementation.
-
-Request body, by verb (``xid``: :class:`~txn.xa._xid.Xid`'s text form)::
-
-    start     {"xid": X}                  the channel's transaction becomes branch X
-    end       {"xid": X, "fail": false}   no more work in X (fail: roll it back)
-    prepare   {"xid": X}                  persist X on both sites, vote
-    commit    {"xid": X, "one_phase": false}
-    rollback  {"xid": X}
-    recover   {}                          the VPN's prepared (and heuristic) branches
-    forget    {"xid": X}                  a heuristic outcome is known to the TM
-
-Reply body: ``{"code": C, "text": T}`` plus ``"branches": [{"xid", "state",
-"heuristic", "hazard"}]`` for ``recover``. ``C`` is one of :data:`CODES`,
-named as in X/Open XA.
+A request is a ``basic.publish`` to the reserved exchange :data:`XA_EXCHANGE`
+with the verb as routing key, ``correlation_id`` and ``reply_to`` and a JSON
+body, which the listener takes out of the stream on a channel without
+confirms; the node answers with an ordinary message to ``reply_to``, an
+exclusive queue of the requesting connection, so that connection alone gets
+it. The README's "The XA wire" is the specification (each verb's body and
+answer codes, :data:`CODES`, named as in X/Open XA); this module is its one
+implementation.
 """
 
 from __future__ import annotations

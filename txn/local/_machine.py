@@ -3,8 +3,8 @@
 :class:`TxnMachine` takes what happened (:class:`Input`) and answers what
 must be done next (actions, frozen values carrying their data); the driver
 (:mod:`txn.local._coordinator`, :mod:`txn.local._decision`) performs them
-and feeds the outcomes back. Every transition is in :data:`TXN_TRANSITIONS` and the phase changes nowhere
-else; an input the phase does not allow is a :class:`TxnProtocolError`.
+and feeds the outcomes back. Every transition is in :data:`TXN_TRANSITIONS`
+and the phase changes nowhere else; an input the phase does not allow is a :class:`TxnProtocolError`.
 
 Phases, in order (a transaction only moves forward)::
 

@@ -4,7 +4,8 @@
 must be done next (actions, frozen values carrying their data); the driver
 (:mod:`txn.local._coordinator`, :mod:`txn.local._decision`) performs them
 and feeds the outcomes back. Every transition is in :data:`TXN_TRANSITIONS`
-and the phase changes nowhere else; an input the phase does not allow is a :class:`TxnProtocolError`.
+and the phase changes nowhere else; an input the phase does not allow is
+a :class:`TxnProtocolError`.
 
 Phases, in order (a transaction only moves forward)::
 

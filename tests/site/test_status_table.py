@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,39 +113,51 @@ def test_a_bad_watch_interval_is_a_usage_error(vpnrepl_a: Vpnrepl, value: str, n
     assert "--watch" in result.stderr and needle in result.stderr
 
 
-def _watch(config: Path, *args: str) -> subprocess.Popen[str]:
-    exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))
-    return subprocess.Popen(
-        [exe, "--config", str(config), "status", "--watch", "0.5", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+class _Watch:
+    """``vpnrepl status --watch 0.5`` writing to a file the test can read
+    while it runs (a loaded machine refreshes late, not never)."""
+
+    def __init__(self, config: Path, out: Path, *args: str) -> None:
+        exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))
+        self.out = out
+        self._stdout = out.open("w")
+        self.proc = subprocess.Popen(
+            [exe, "--config", str(config), "status", "--watch", "0.5", *args],
+            stdout=self._stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def until(self, check: Callable[[str], bool], what: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not check(self.out.read_text()):
+            assert self.proc.poll() is None, f"the watch ended before {what}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+            time.sleep(0.1)
+
+    def stop(self) -> tuple[str, str]:
+        self.proc.send_signal(signal.SIGINT)
+        _, err = self.proc.communicate(timeout=30)
+        self._stdout.close()
+        assert self.proc.returncode == 0, err  # Ctrl-C is how a watch ends: not a failure
+        return self.out.read_text(), err
 
 
-def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err  # Ctrl-C is how a watch ends: not a failure
-    return out, err
-
-
-def test_watch_refreshes_until_interrupted(vpnrepl_a: Vpnrepl) -> None:
+def test_watch_refreshes_until_interrupted(vpnrepl_a: Vpnrepl, tmp_path: Path) -> None:
     assert vpnrepl_a("init").returncode == 0
     assert vpnrepl_a("vpn", "enable", "orders", "--role", "active").returncode == 0
-    proc = _watch(vpnrepl_a.config)
-    time.sleep(3)
+    watch = _Watch(vpnrepl_a.config, tmp_path / "table.txt")
+    watch.until(lambda out: out.count("site a\n") >= 2, "second refresh")
     assert vpnrepl_a("vpn", "enable", "audit", "--role", "standby").returncode == 0
-    time.sleep(2)
-    out, err = _stop(proc)
+    watch.until(lambda out: re.search(r"^audit\s+standby\s", out, re.M) is not None, "audit")
+    out, err = watch.stop()
     assert out.count("site a\n") >= 3, out
     assert "every 0.5 s (Ctrl-C stops)" in out
-    assert re.search(r"^audit\s+standby\s", out, re.M), "a later refresh shows the new VPN"
     assert "Traceback" not in err
 
-    proc = _watch(vpnrepl_a.config, "--json")
-    time.sleep(2.5)
-    out, _ = _stop(proc)
+    watch = _Watch(vpnrepl_a.config, tmp_path / "json.txt", "--json")
+    watch.until(lambda out: out.count("\n") >= 2, "two JSON documents")
+    out, _ = watch.stop()
     docs = [json.loads(line) for line in out.splitlines()]
     assert len(docs) >= 2
     assert all([v["name"] for v in d["vpns"]] == ["audit", "orders"] for d in docs)

@@ -97,6 +97,12 @@ def tree_copy(tmp_path: Path) -> Path:
             "a lower layer never imports",
         ),
         ("plugin/cli/_cli.py", "from bridge.ledger._writer import LedgerWriter", "private"),
+        (
+            "plugin/admin/_lag_history.py",
+            "from plugin.node import run_node",
+            "plugin's subpackages",
+        ),
+        ("txn/local/_log.py", "from txn.branches import XaCoordinator", "txn's subpackages"),
         ("sql/env.py", "import bridge", "sql stands alone"),
         (
             "plugin/node/_node.py",

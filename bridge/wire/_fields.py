@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any, ClassVar
 
-from bridge._entry import LedgerEntry, decode_event
+from bridge._entry import LedgerEntry, decode_event, encode_event
 from bridge._errors import BadFrame
 from bridge._ids import ReplicationId
 
@@ -382,9 +382,8 @@ class LedgerEntries(Composite):
         head = self._HEAD.pack
         parts = [head(value[0].index, len(value))]
         for e in value:  # the ledger's bytes, as stored: not encoded again
-            data = e.encoded
-            parts.append(head(e.epoch, len(data)))
-            parts.append(data)
+            data = e.data or encode_event(e.event)  # LedgerEntry.encoded, without the call
+            parts += (head(e.epoch, len(data)), data)
         return parts
 
     def unpack(

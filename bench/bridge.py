@@ -48,7 +48,8 @@ After every run the script waits until the standby has applied everything
 its own live state (``vpn_live_state.live_index``: A applies it after the
 ledger commit that releases confirms), and
 checks the ledger grew by exactly one event per replicated publish or ack
-(none for direct runs), so no run starts with the previous one's replication
+and one for the client's queue declare (a topology change; none for direct
+runs), so no run starts with the previous one's replication
 work in the background; how long after the run's end A's ledger held every
 event and the standby had applied them is printed ("after end"). CPU per
 message of node A, node B, RabbitMQ A and each PostgreSQL (tree of
@@ -369,7 +370,10 @@ async def publish_run(
 ) -> RunResult:
     """One publish run; returns after the standby has applied all of it."""
     vpn = VHOSTS[target]
-    base = dep.ledger_index(vpn)
+    # through the listener the client's queue declare is an event too (a
+    # topology change), ahead of its publishes: they start after it
+    declare = 0 if target == "direct" else 1
+    base = dep.ledger_index(vpn) + declare
     expected = base + (0 if target == "direct" else messages)
     degraded = dep.degradations()
     cpu0 = dep.cpu()
@@ -394,7 +398,8 @@ async def publish_run(
 async def consume_run(dep: Deployment, target: str, opts: Options, messages: int) -> ConsumeResult:
     """Drain ``messages`` from the target's queue; returns once replicated."""
     vpn = VHOSTS[target]
-    expected = dep.ledger_index(vpn) + (0 if target == "direct" else messages)
+    # one event per ack, and one for the client's queue declare (see publish_run)
+    expected = dep.ledger_index(vpn) + (0 if target == "direct" else messages + 1)
     cpu0 = dep.cpu()
     con: LeanConsumer = await LeanConsumer.connect(
         dep.port(target), vpn, QUEUE, prefetch=opts.prefetch, ack_every=opts.ack_every

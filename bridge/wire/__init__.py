@@ -1,8 +1,9 @@
 """The bridge's wire protocol, without I/O.
 
-The frames and their encoding, the connection's state machine
-(:class:`BridgeConnection`) and the named-site rule (who may use the
-bridge).
+The frames, each declared once with its fields' wire types (from which
+their encoding, decoding and checks are compiled), the connection's state
+machine (:class:`BridgeConnection`) and the named-site rule (who may use
+the bridge).
 """
 
 from __future__ import annotations

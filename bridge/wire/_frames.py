@@ -1,14 +1,17 @@
-"""The bridge's frames and their wire encoding, without I/O or state.
+"""The bridge's frames: the declared frame table and the stream cutter,
+without I/O or state.
 
-Every frame is a frozen dataclass that validates its fields on
-construction, encodes itself (:meth:`encode`) and decodes from a payload
-(:meth:`decode`); :func:`decode_frame` and :class:`FrameReader` cut a byte
-stream into frames. Which frame may be sent when is the connection's
-business (:mod:`bridge.wire._protocol`); this module only guarantees that no
-bytes become a frame unless they are exactly what was sent: the length is
-checked against the limit from the 8-byte header alone, before anything is
-buffered (:class:`~bridge.BadFrame`), and the checksum before the payload
-is read (:class:`~bridge.BadChecksum`).
+Every frame is a frozen dataclass whose fields are declared once, in wire
+order, with their wire type (:mod:`bridge.wire._fields`); its encoder,
+decoder and constructor checks are derived from that declaration
+(:mod:`bridge.wire._declare`), so no
+frame can be built that cannot be sent, and the bytes a frame decodes from
+are exactly the ones it encodes to. Which frame may be sent when is the
+connection's business (:mod:`bridge.wire._protocol`); this module only
+guarantees that no bytes become a frame unless they are exactly what was
+sent: the length is checked against the limit from the 8-byte header alone,
+before anything is buffered (:class:`~bridge.BadFrame`), and the checksum
+before the payload is read (:class:`~bridge.BadChecksum`).
 
 Wire layout (all integers big-endian)::
 
@@ -22,17 +25,23 @@ checksum catches corruption and framing bugs (TLS, when configured, is what
 authenticates). Strings are ``u16`` length + UTF-8, blobs ``u32`` length +
 bytes, indexes and epochs ``u64``; events use the ledger encoding of
 :mod:`bridge._entry`, so they are shipped as stored.
+
+Versions and capabilities are declared too: a field a version added is
+marked ``Since(version)`` (an older peer neither sends nor reads it), a
+frame type a version added has ``SINCE``, and an optional trailing part a
+capability added is marked ``Trailing(capability)``: it is sent only when not
+at its default, and :meth:`_Frame.for_peer` sends it at its default to a
+peer without the capability.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import ClassVar, Final, Self, TypeVar
+from dataclasses import dataclass, replace
+from typing import Annotated, ClassVar, Final, Self
 
-from bridge._entry import EventDecodeError, LedgerEntry, decode_event
+from bridge._entry import LedgerEntry
 from bridge._errors import (
     ERROR_CODES,
     BadChecksum,
@@ -44,6 +53,9 @@ from bridge._errors import (
 )
 from bridge._ids import ReplicationId
 from bridge._settings import Mode, Role, SyncTimeoutPolicy, TopicFilter, VpnSettings
+
+from ._declare import Declared, Nested, Since, Trailing, declared
+from ._fields import MAX_U64, U16, U32, U64, Array, Blob, Code, Flag, LedgerEntries, ReplId, Text
 
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
@@ -86,7 +98,6 @@ __all__ = [
     "VpnResource",
     "decode_frame",
 ]
-
 MAGIC: Final = 0xBD
 #: 2: TxnCommit / TxnApplied; 3: TxnApplied answers every TxnCommit;
 #: 4: VpnResource carries expose_id and the index its epoch took over at;
@@ -125,143 +136,52 @@ DEFAULT_MAX_FRAME_SIZE: Final = 136 * 2**20
 
 _HEADER = struct.Struct(">BBBBI")
 _CRC = struct.Struct(">I")
-_U8 = struct.Struct(">B")
-_U16 = struct.Struct(">H")
-_U32 = struct.Struct(">I")
-_U64 = struct.Struct(">Q")
-_ENTRY_HEAD = struct.Struct(">QI")  # an Events entry: epoch, event length
-_MAX_U16 = 2**16 - 1
-_MAX_U32 = 2**32 - 1
-_MAX_U64 = 2**64 - 1
 #: bytes a frame adds to its payload: header and checksum
 FRAME_OVERHEAD = _HEADER.size + _CRC.size
 
-_E = TypeVar("_E")
 
-
-# ---------------------------------------------------------------- wire values
+# ---------------------------------------------------------------- wire types
 
 _ROLE_CODES = {Role.ACTIVE: 1, Role.STANDBY: 2}
 _MODE_CODES = {Mode.ASYNC: 1, Mode.SYNC: 2}
 _POLICY_CODES = {SyncTimeoutPolicy.DEGRADE: 1, SyncTimeoutPolicy.REJECT: 2}
 
-
-def _check_int(name: str, value: int, low: int, high: int = _MAX_U64) -> None:
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be {low}..{high}, got {value}")
-
-
-def _check_text(name: str, value: str, *, empty: bool = False) -> None:
-    size = len(value.encode())  # UnicodeEncodeError (a ValueError) on lone surrogates
-    if size > _MAX_U16 or (size == 0 and not empty):
-        raise ValueError(f"{name} must be {0 if empty else 1}..{_MAX_U16} bytes of UTF-8")
-
-
-def _check_blob(name: str, value: bytes) -> None:
-    if len(value) > _MAX_U32:
-        raise ValueError(f"{name} is longer than {_MAX_U32} bytes")
-
-
-def _str16(text: str) -> bytes:
-    raw = text.encode()
-    return _U16.pack(len(raw)) + raw
-
-
-def _bytes32(data: bytes) -> bytes:
-    return _U32.pack(len(data)) + data
-
-
-def _strs16(texts: tuple[str, ...]) -> bytes:
-    return _U16.pack(len(texts)) + b"".join(_str16(t) for t in texts)
-
-
-class _Reader:
-    """Reads one frame's payload; every shortfall is a :class:`BadFrame`."""
-
-    __slots__ = ("data", "pos", "version", "what")
-
-    def __init__(self, data: bytes, what: str, version: int = PROTOCOL_VERSION) -> None:
-        self.data = data
-        self.pos = 0
-        self.what = what
-        #: the protocol version in the frame's header: what the payload holds
-        self.version = version
-
-    def take(self, n: int, name: str) -> bytes:
-        end = self.pos + n
-        if end > len(self.data):
-            raise BadFrame(f"{self.what} payload truncated in {name}")
-        out = self.data[self.pos : end]
-        self.pos = end
-        return out
-
-    def u8(self, name: str) -> int:
-        return int(self.take(1, name)[0])
-
-    def u16(self, name: str) -> int:
-        return int(_U16.unpack(self.take(2, name))[0])
-
-    def u32(self, name: str) -> int:
-        return int(_U32.unpack(self.take(4, name))[0])
-
-    def u64(self, name: str) -> int:
-        return int(_U64.unpack(self.take(8, name))[0])
-
-    def text(self, name: str) -> str:
-        raw = self.take(self.u16(name), name)
-        try:
-            return raw.decode()
-        except UnicodeDecodeError as e:
-            raise BadFrame(f"{self.what}.{name} is not UTF-8") from e
-
-    def texts(self, name: str) -> tuple[str, ...]:
-        return tuple(self.text(name) for _ in range(self.u16(name)))
-
-    def blob(self, name: str) -> bytes:
-        return self.take(self.u32(name), name)
-
-    def flag(self, name: str) -> bool:
-        value = self.u8(name)
-        if value > 1:
-            raise BadFrame(f"{self.what}.{name} must be 0 or 1, got {value}")
-        return value == 1
-
-    def code(self, name: str, table: Mapping[_E, int]) -> _E:
-        value = self.u8(name)
-        for member, code in table.items():
-            if code == value:
-                return member
-        raise BadFrame(f"{self.what}.{name}: unknown code {value}")
-
-    def end(self) -> None:
-        if self.pos != len(self.data):
-            raise BadFrame(f"{len(self.data) - self.pos} bytes after the {self.what} payload")
+#: a VPN's name, a transaction id, a site: 1..65535 bytes of UTF-8
+Name = Annotated[str, Text()]
+#: a string that may be empty
+OptionalText = Annotated[str, Text(empty=True)]
+#: a VPN's fencing epoch: epochs start at 1
+Epoch = Annotated[int, U64(low=1)]
+#: a ledger index (0: before the first entry)
+Index = Annotated[int, U64()]
+#: a ledger index of an entry: indexes start at 1
+EntryIndex = Annotated[int, U64(low=1)]
 
 
 # ---------------------------------------------------------------- frames
 
 
-class _Frame:
+class _Wire(Declared):
+    """A declared record of this protocol."""
+
+    __slots__ = ()
+
+    def payload(self, version: int = PROTOCOL_VERSION) -> bytes:
+        """The bytes as a peer of ``version`` reads them."""
+        return self._pack(version)
+
+
+class _Frame(_Wire):
     """Base of the frame classes: ``encode()`` gives the wire bytes."""
 
     __slots__ = ()
     TYPE: ClassVar[int]
-
-    def payload(self) -> bytes:
-        raise NotImplementedError
-
-    def payload_in(self, version: int) -> bytes:
-        """The payload as a peer of ``version`` reads it (the same bytes,
-        except for frames whose fields changed between versions)."""
-        return self.payload()
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        raise NotImplementedError
+    #: the protocol version that added this frame type
+    SINCE: ClassVar[int] = 1
 
     def encode(self, version: int = PROTOCOL_VERSION) -> bytes:
         """The wire bytes, stamped with the connection's protocol ``version``."""
-        payload = self.payload_in(version)
+        payload = self._pack(version)
         header = _HEADER.pack(MAGIC, version, self.TYPE, 0, len(payload))
         return b"".join((header, payload, _CRC.pack(zlib.crc32(payload, zlib.crc32(header)))))
 
@@ -273,91 +193,65 @@ class _Frame:
             raise BadFrame(f"not exactly one {cls.__name__} frame")
         return got[0]
 
+    def for_peer(self, capabilities: int) -> Self:
+        """This frame as a peer with only ``capabilities`` reads it: each
+        field that needs another capability at its default."""
+        if not self._needs & ~capabilities:
+            return self
+        lacking = {
+            name: default
+            for name, capability, default in self._capable
+            if not capabilities & capability and getattr(self, name) != default
+        }
+        return replace(self, **lacking) if lacking else self  # type: ignore[type-var]
 
+
+@declared
 @dataclass(frozen=True, slots=True)
 class Hello(_Frame):
     """First frame each way: the standby opens, the active answers; from
     version 6 on each end offers its ``capabilities`` (flags)."""
 
     TYPE: ClassVar[int] = 1
-    site: str
-    version: int
-    role: Role
-    capabilities: int = 0
-
-    def __post_init__(self) -> None:
-        _check_text("site", self.site)
-        _check_int("version", self.version, 0, _MAX_U16)
-        _check_int("capabilities", self.capabilities, 0, _MAX_U32)
-        object.__setattr__(self, "role", Role(self.role))
-
-    def payload(self) -> bytes:
-        return self.payload_in(PROTOCOL_VERSION)
-
-    def payload_in(self, version: int) -> bytes:
-        head = _str16(self.site) + _U16.pack(self.version) + _U8.pack(_ROLE_CODES[self.role])
-        return head if version < 6 else head + _U32.pack(self.capabilities)
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        site, version, role = r.text("site"), r.u16("version"), r.code("role", _ROLE_CODES)
-        capabilities = r.u32("capabilities") if r.version >= 6 else 0
-        return cls(site, version, role, capabilities)
+    site: Name
+    version: Annotated[int, U16()]
+    role: Annotated[Role, Code(_ROLE_CODES)]
+    capabilities: Annotated[int, U32(), Since(6)] = 0
 
 
+@declared
 @dataclass(frozen=True, slots=True)
 class GetAllResources(_Frame):
     """Standby to active: list every replicated VPN (GET_ALL_RESOURCES)."""
 
     TYPE: ClassVar[int] = 2
 
-    def payload(self) -> bytes:
-        return b""
 
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls()
-
-
+@declared
 @dataclass(frozen=True, slots=True)
-class VpnResource:
+class VpnResource(_Wire):
     """One replicated VPN as the active lists it: its fencing epoch, its
     replication settings and its RabbitMQ definitions export (config-sync)."""
 
-    name: str
-    epoch: int
-    mode: Mode
-    sync_timeout_ms: int
-    on_sync_timeout: SyncTimeoutPolicy
-    queue_patterns: tuple[str, ...]
-    topic_filters: tuple[TopicFilter, ...]
-    definitions_json: bytes
-    expose_id: bool = False
+    name: Name
+    epoch: Epoch
+    mode: Annotated[Mode, Code(_MODE_CODES)]
+    sync_timeout_ms: Annotated[int, U32()]
+    on_sync_timeout: Annotated[SyncTimeoutPolicy, Code(_POLICY_CODES)]
+    queue_patterns: Annotated[tuple[str, ...], Array(Text(), U16())]
+    topic_filters: Annotated[
+        tuple[TopicFilter, ...],
+        Array(Nested(TopicFilter, exchange=Text(empty=True), pattern=Text()), U16()),
+    ]
+    definitions_json: Annotated[bytes, Blob()]
+    expose_id: Annotated[bool, Flag()] = False
     #: the index of the previous epoch's ledger up to which this site had
     #: applied it when it took the VPN over (0: the VPN never changed sites)
-    taken_over_at: int = 0
+    taken_over_at: Index = 0
     #: the active's durable ledger index when it read ``definitions_json``
-    #: (version 6 on; None: not said): every topology change after it comes
-    #: in the stream (:mod:`bridge._definitions`)
-    definitions_index: int | None = None
-
-    def __post_init__(self) -> None:
-        _check_text("VPN name", self.name)
-        _check_int("epoch", self.epoch, 1)
-        _check_int("sync_timeout_ms", self.sync_timeout_ms, 0, _MAX_U32)
-        object.__setattr__(self, "mode", Mode(self.mode))
-        object.__setattr__(self, "on_sync_timeout", SyncTimeoutPolicy(self.on_sync_timeout))
-        if len(self.queue_patterns) > _MAX_U16 or len(self.topic_filters) > _MAX_U16:
-            raise ValueError(f"at most {_MAX_U16} queue patterns and topic filters")
-        for pattern in self.queue_patterns:
-            _check_text("queue pattern", pattern)
-        for topic in self.topic_filters:
-            _check_text("topic filter exchange", topic.exchange, empty=True)
-            _check_text("topic filter pattern", topic.pattern)
-        _check_blob("definitions", self.definitions_json)
-        _check_int("taken_over_at", self.taken_over_at, 0)
-        if self.definitions_index is not None:
-            _check_int("definitions_index", self.definitions_index, 0, _MAX_U64 - 1)
+    #: (version 6 on; None: not said, u64 max on the wire): every topology
+    #: change after it comes in the stream (:mod:`bridge._definitions`)
+    definitions_index: Annotated[int | None, U64(high=MAX_U64 - 1, none=MAX_U64), Since(6)] = None
 
     @classmethod
     def from_settings(
@@ -382,67 +276,8 @@ class VpnResource:
             definitions_index,
         )
 
-    def payload(self) -> bytes:
-        return self.payload_in(PROTOCOL_VERSION)
 
-    def payload_in(self, version: int) -> bytes:
-        """The resource's bytes as a peer of ``version`` reads them."""
-        head = self._payload()
-        if version < 6:
-            return head
-        # u64 max: not said
-        index = _MAX_U64 if self.definitions_index is None else self.definitions_index
-        return head + _U64.pack(index)
-
-    def _payload(self) -> bytes:
-        return b"".join(
-            (
-                _str16(self.name),
-                _U64.pack(self.epoch),
-                _U8.pack(_MODE_CODES[self.mode]),
-                _U32.pack(self.sync_timeout_ms),
-                _U8.pack(_POLICY_CODES[self.on_sync_timeout]),
-                _strs16(self.queue_patterns),
-                _U16.pack(len(self.topic_filters)),
-                *(_str16(t.exchange) + _str16(t.pattern) for t in self.topic_filters),
-                _bytes32(self.definitions_json),
-                _U8.pack(1 if self.expose_id else 0),
-                _U64.pack(self.taken_over_at),
-            )
-        )
-
-    @classmethod
-    def read(cls, r: _Reader) -> VpnResource:
-        name, epoch = r.text("name"), r.u64("epoch")
-        mode = r.code("mode", _MODE_CODES)
-        timeout = r.u32("sync_timeout_ms")
-        policy = r.code("on_sync_timeout", _POLICY_CODES)
-        patterns = r.texts("queue_patterns")
-        topics = tuple(
-            TopicFilter(r.text("topic exchange"), r.text("topic pattern"))
-            for _ in range(r.u16("topic_filters"))
-        )
-        definitions, expose_id = r.blob("definitions"), r.flag("expose_id")
-        taken_over_at = r.u64("taken_over_at")
-        index: int | None = None
-        if r.version >= 6:
-            index = r.u64("definitions_index")
-            index = None if index == _MAX_U64 else index
-        return cls(
-            name,
-            epoch,
-            mode,
-            timeout,
-            policy,
-            patterns,
-            topics,
-            definitions,
-            expose_id,
-            taken_over_at,
-            index,
-        )
-
-
+@declared
 @dataclass(frozen=True, slots=True)
 class ResourceList(_Frame):
     """Active to standby: every replicated VPN (RESOURCE_LIST).
@@ -452,25 +287,15 @@ class ResourceList(_Frame):
     """
 
     TYPE: ClassVar[int] = 3
-    vpns: tuple[VpnResource, ...]
+    vpns: Annotated[tuple[VpnResource, ...], Array(Nested(VpnResource), U32())]
 
-    def __post_init__(self) -> None:
+    def _invariant(self) -> None:
         names = [v.name for v in self.vpns]
         if len(set(names)) != len(names):
             raise ValueError("a VPN is listed twice")
-        _check_int("VPN count", len(names), 0, _MAX_U32)
-
-    def payload(self) -> bytes:
-        return self.payload_in(PROTOCOL_VERSION)
-
-    def payload_in(self, version: int) -> bytes:
-        return _U32.pack(len(self.vpns)) + b"".join(v.payload_in(version) for v in self.vpns)
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls(tuple(VpnResource.read(r) for _ in range(r.u32("vpn count"))))
 
 
+@declared
 @dataclass(frozen=True, slots=True)
 class SyncRequest(_Frame):
     """Standby to active: replay ``vpn`` after ``last_applied_index`` (SYNC_REQ).
@@ -491,42 +316,25 @@ class SyncRequest(_Frame):
     """
 
     TYPE: ClassVar[int] = 4
-    vpn: str
-    epoch: int
-    last_applied_index: int
-    last_applied_epoch: int
-    taken_over_by: str = ""
-    taken_over_at: int = 0
+    vpn: Name
+    epoch: Epoch
+    last_applied_index: Index
+    last_applied_epoch: Index
+    taken_over_by: Annotated[OptionalText, Trailing(CAP_TAKEOVER)] = ""
+    taken_over_at: Annotated[Index, Trailing(CAP_TAKEOVER)] = 0
 
-    def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        _check_int("last_applied_index", self.last_applied_index, 0)
-        _check_int("last_applied_epoch", self.last_applied_epoch, 0, self.epoch)
+    def _invariant(self) -> None:
+        if self.last_applied_epoch > self.epoch:
+            raise ValueError(
+                f"last_applied_epoch must be 0..{self.epoch}, got {self.last_applied_epoch}"
+            )
         if (self.last_applied_index == 0) != (self.last_applied_epoch == 0):
             raise ValueError("last_applied_index and last_applied_epoch are 0 together")
-        _check_text("taken_over_by", self.taken_over_by, empty=True)
-        _check_int("taken_over_at", self.taken_over_at, 0)
         if self.taken_over_at and not self.taken_over_by:
             raise ValueError("taken_over_at needs the site that took the epoch (taken_over_by)")
 
-    def payload(self) -> bytes:
-        numbers = (self.epoch, self.last_applied_index, self.last_applied_epoch)
-        head = _str16(self.vpn) + b"".join(_U64.pack(n) for n in numbers)
-        if not self.taken_over_by:
-            return head
-        return head + _str16(self.taken_over_by) + _U64.pack(self.taken_over_at)
 
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        vpn, epoch = r.text("vpn"), r.u64("epoch")
-        applied, applied_epoch = r.u64("last_applied"), r.u64("last_epoch")
-        if r.pos == len(r.data):
-            return cls(vpn, epoch, applied, applied_epoch)
-        by = r.text("taken_over_by")
-        return cls(vpn, epoch, applied, applied_epoch, by, r.u64("taken_over_at"))
-
-
+@declared
 @dataclass(frozen=True, slots=True)
 class SyncAccepted(_Frame):
     """Active to standby: the replay of ``vpn`` starts at ``from_index``
@@ -534,73 +342,30 @@ class SyncAccepted(_Frame):
     :class:`Checkpoint` at ``from_index - 1``."""
 
     TYPE: ClassVar[int] = 5
-    vpn: str
-    epoch: int
-    from_index: int
-
-    def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        _check_int("from_index", self.from_index, 1)
-
-    def payload(self) -> bytes:
-        return _str16(self.vpn) + _U64.pack(self.epoch) + _U64.pack(self.from_index)
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls(r.text("vpn"), r.u64("epoch"), r.u64("from_index"))
+    vpn: Name
+    epoch: Epoch
+    from_index: EntryIndex
 
 
+@declared
 @dataclass(frozen=True, slots=True)
-class CheckpointRow:
+class CheckpointRow(_Wire):
     """One live (not yet consumed) message of one queue on the active."""
 
-    queue: str
-    repl_id: ReplicationId
-    publish_index: int
-    exchange: str
-    routing_key: str
-    properties: bytes
-    body: bytes
-
-    def __post_init__(self) -> None:
-        _check_text("queue", self.queue)
-        _check_int("publish_index", self.publish_index, 1)
-        _check_text("exchange", self.exchange, empty=True)
-        _check_text("routing_key", self.routing_key, empty=True)
-        _check_blob("properties", self.properties)
-        _check_blob("body", self.body)
-
-    def payload(self) -> bytes:
-        return b"".join(
-            (
-                _str16(self.queue),
-                self.repl_id.value,
-                _U64.pack(self.publish_index),
-                _str16(self.exchange),
-                _str16(self.routing_key),
-                _bytes32(self.properties),
-                _bytes32(self.body),
-            )
-        )
-
-    @classmethod
-    def read(cls, r: _Reader) -> CheckpointRow:
-        queue = r.text("queue")
-        repl_id = ReplicationId(r.take(16, "repl_id"))
-        publish_index = r.u64("publish_index")
-        exchange, routing_key = r.text("exchange"), r.text("routing_key")
-        return cls(
-            queue,
-            repl_id,
-            publish_index,
-            exchange,
-            routing_key,
-            r.blob("properties"),
-            r.blob("body"),
-        )
+    queue: Name
+    repl_id: Annotated[ReplicationId, ReplId()]
+    publish_index: EntryIndex
+    exchange: OptionalText
+    routing_key: OptionalText
+    properties: Annotated[bytes, Blob()]
+    body: Annotated[bytes, Blob()]
 
 
+#: rows of live messages, as a Checkpoint and a Repair carry them
+Rows = Annotated[tuple[CheckpointRow, ...], Array(Nested(CheckpointRow), U32())]
+
+
+@declared
 @dataclass(frozen=True, slots=True)
 class Checkpoint(_Frame):
     """Active to standby: the VPN's live messages as of ledger ``index``, for
@@ -608,54 +373,29 @@ class Checkpoint(_Frame):
     final one. Installing it replaces the standby's state for the VPN."""
 
     TYPE: ClassVar[int] = 6
-    vpn: str
-    epoch: int
-    index: int
-    rows: tuple[CheckpointRow, ...]
-    last: bool
+    WIRE_ORDER: ClassVar = ("vpn", "epoch", "index", "last", "rows")
+    vpn: Name
+    epoch: Epoch
+    index: Index
+    rows: Rows
+    last: Annotated[bool, Flag()]
 
-    def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        _check_int("index", self.index, 0)
-        _check_int("row count", len(self.rows), 0, _MAX_U32)
+    def _invariant(self) -> None:
         for row in self.rows:
             if row.publish_index > self.index:
                 raise ValueError(f"a row published at {row.publish_index} is past the checkpoint")
-
-    def payload(self) -> bytes:
-        head = _str16(self.vpn) + _U64.pack(self.epoch) + _U64.pack(self.index)
-        rows = _U32.pack(len(self.rows)) + b"".join(row.payload() for row in self.rows)
-        return head + _U8.pack(int(self.last)) + rows
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        vpn, epoch, index, last = r.text("vpn"), r.u64("epoch"), r.u64("index"), r.flag("last")
-        rows = tuple(CheckpointRow.read(r) for _ in range(r.u32("row count")))
-        return cls(vpn, epoch, index, rows, last)
 
 
 @dataclass(frozen=True, slots=True)
 class _IndexFrame(_Frame):
     """A VPN frame that carries one ledger index and nothing else."""
 
-    vpn: str
-    epoch: int
-    index: int
-
-    def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        _check_int("index", self.index, 0)
-
-    def payload(self) -> bytes:
-        return _str16(self.vpn) + _U64.pack(self.epoch) + _U64.pack(self.index)
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls(r.text("vpn"), r.u64("epoch"), r.u64("index"))
+    vpn: Name
+    epoch: Epoch
+    index: Index
 
 
+@declared
 @dataclass(frozen=True, slots=True)
 class SyncFinished(_IndexFrame):
     """Active to standby: the replay of ``vpn`` ended at ``index``; live
@@ -664,6 +404,7 @@ class SyncFinished(_IndexFrame):
     TYPE: ClassVar[int] = 7
 
 
+@declared
 @dataclass(frozen=True, slots=True)
 class Events(_Frame):
     """Active to standby: consecutive ledger entries of one VPN.
@@ -673,16 +414,11 @@ class Events(_Frame):
     """
 
     TYPE: ClassVar[int] = 8
-    vpn: str
-    epoch: int
-    entries: tuple[LedgerEntry, ...]
+    vpn: Name
+    epoch: Epoch
+    entries: Annotated[tuple[LedgerEntry, ...], LedgerEntries()]
 
-    def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        if not self.entries:
-            raise ValueError("an Events batch holds at least one entry")
-        _check_int("entry count", len(self.entries), 1, _MAX_U32)
+    def _invariant(self) -> None:
         first, epoch = self.entries[0].index, 0
         for offset, entry in enumerate(self.entries):
             if entry.vpn != self.vpn or entry.event.vpn != self.vpn:
@@ -693,68 +429,32 @@ class Events(_Frame):
                 raise ValueError(f"entry {entry.index} has epoch {entry.epoch} out of order")
             epoch = entry.epoch
 
-    def payload(self) -> bytes:
-        head = _str16(self.vpn) + _U64.pack(self.epoch) + _U64.pack(self.entries[0].index)
-        parts = [head, _U32.pack(len(self.entries))]
-        for e in self.entries:  # the ledger's bytes, as stored: not encoded again
-            data = e.encoded
-            parts.append(_ENTRY_HEAD.pack(e.epoch, len(data)))
-            parts.append(data)
-        return b"".join(parts)
 
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        vpn, epoch, first = r.text("vpn"), r.u64("epoch"), r.u64("first_index")
-        entries = []
-        for n in range(r.u32("entry count")):
-            entry_epoch, data = r.u64("entry epoch"), r.blob("event")
-            entries.append(LedgerEntry(vpn, entry_epoch, first + n, decode_event(data, vpn), data))
-        return cls(vpn, epoch, tuple(entries))
-
-
+@declared
 @dataclass(frozen=True, slots=True)
 class Repair(_Frame):
-    """Active to standby (version 5 on): a full-sync repair of ``vpn``'s live
+    """Active to standby (version 5 on): a reconcile repair of ``vpn``'s live
     rows. ``rows`` are the rows as the active holds them at the stream
     position the frame takes (after the entry sent before it), ``absent``
     the (queue, id) keys the active holds no row for; the standby makes its
     rows so, in the stream's order, without moving its applied index."""
 
     TYPE: ClassVar[int] = 18
-    vpn: str
-    epoch: int
-    rows: tuple[CheckpointRow, ...]
-    absent: tuple[tuple[str, ReplicationId], ...]
+    SINCE: ClassVar[int] = 5
+    vpn: Name
+    epoch: Epoch
+    rows: Rows
+    absent: Annotated[
+        tuple[tuple[str, ReplicationId], ...],
+        Array(Nested(tuple, queue=Text(), repl_id=ReplId()), U32()),
+    ]
 
-    def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        _check_int("row count", len(self.rows), 0, _MAX_U32)
-        _check_int("absent count", len(self.absent), 0, _MAX_U32)
+    def _invariant(self) -> None:
         if not self.rows and not self.absent:
             raise ValueError("a Repair holds at least one row or absent key")
-        for queue, _ in self.absent:
-            _check_text("queue", queue)
-
-    def payload(self) -> bytes:
-        head = _str16(self.vpn) + _U64.pack(self.epoch)
-        rows = _U32.pack(len(self.rows)) + b"".join(row.payload() for row in self.rows)
-        absent = _U32.pack(len(self.absent)) + b"".join(
-            _str16(queue) + rid.value for queue, rid in self.absent
-        )
-        return head + rows + absent
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        vpn, epoch = r.text("vpn"), r.u64("epoch")
-        rows = tuple(CheckpointRow.read(r) for _ in range(r.u32("row count")))
-        absent = tuple(
-            (r.text("queue"), ReplicationId(r.take(16, "repl_id")))
-            for _ in range(r.u32("absent count"))
-        )
-        return cls(vpn, epoch, rows, absent)
 
 
+@declared
 @dataclass(frozen=True, slots=True)
 class Ack(_IndexFrame):
     """Standby to active: ``vpn`` is durably applied up to ``index``
@@ -763,20 +463,15 @@ class Ack(_IndexFrame):
     TYPE: ClassVar[int] = 9
 
 
+@declared
 @dataclass(frozen=True, slots=True)
 class Heartbeat(_Frame):
     """Either way, once the sender's ``Hello`` is out: "still here"."""
 
     TYPE: ClassVar[int] = 10
 
-    def payload(self) -> bytes:
-        return b""
 
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls()
-
-
+@declared
 @dataclass(frozen=True, slots=True)
 class Error(_Frame):
     """Either way: a fault with its bridge error code.
@@ -787,14 +482,9 @@ class Error(_Frame):
     """
 
     TYPE: ClassVar[int] = 11
-    code: int
-    vpn: str
-    text: str
-
-    def __post_init__(self) -> None:
-        _check_int("code", self.code, 0, _MAX_U16)
-        _check_text("vpn", self.vpn, empty=True)
-        _check_text("text", self.text, empty=True)
+    code: Annotated[int, U16()]
+    vpn: OptionalText
+    text: OptionalText
 
     @classmethod
     def from_exception(cls, exc: BridgeError, vpn: str | None = None) -> Error:
@@ -814,35 +504,17 @@ class Error(_Frame):
             )
         return cls(self.text, self.vpn, reported_by_peer=True)
 
-    def payload(self) -> bytes:
-        return _U16.pack(self.code) + _str16(self.vpn) + _str16(self.text)
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls(r.u16("code"), r.text("vpn"), r.text("text"))
-
 
 @dataclass(frozen=True, slots=True)
 class _TxnFrame(_Frame):
     """What every frame about one transaction starts with."""
 
-    vpn: str
-    epoch: int
-    txid: str
-
-    def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        _check_text("txid", self.txid)
-
-    def _head(self) -> bytes:
-        return _str16(self.vpn) + _U64.pack(self.epoch) + _str16(self.txid)
-
-    @staticmethod
-    def _read_head(r: _Reader) -> tuple[str, int, str]:
-        return r.text("vpn"), r.u64("epoch"), r.text("txid")
+    vpn: Name
+    epoch: Epoch
+    txid: Name
 
 
+@declared
 @dataclass(frozen=True, slots=True)
 class TxnPrepare(_TxnFrame):
     """Active to standby: persist transaction ``txid`` as prepared (its
@@ -852,82 +524,42 @@ class TxnPrepare(_TxnFrame):
     not empty; a peer without the capability is sent none)."""
 
     TYPE: ClassVar[int] = 12
-    events: bytes
-    owner: str = ""
-
-    def __post_init__(self) -> None:
-        _TxnFrame.__post_init__(self)
-        _check_blob("events", self.events)
-        _check_text("owner", self.owner, empty=True)
-
-    def payload(self) -> bytes:
-        owner = _str16(self.owner) if self.owner else b""
-        return self._head() + _bytes32(self.events) + owner
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        head, events = cls._read_head(r), r.blob("events")
-        return cls(*head, events, r.text("owner") if r.pos < len(r.data) else "")
+    events: Annotated[bytes, Blob()]
+    owner: Annotated[OptionalText, Trailing(CAP_XA_OWNER)] = ""
 
 
+@declared
 @dataclass(frozen=True, slots=True)
-class _TxnFlagFrame(_TxnFrame):
-    """A transaction frame that ends in one yes/no octet, named ``FLAG``."""
-
-    FLAG: ClassVar[str]
-
-    def payload(self) -> bytes:
-        return self._head() + _U8.pack(int(getattr(self, self.FLAG)))
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls(*cls._read_head(r), r.flag(cls.FLAG))  # type: ignore[call-arg]
-
-
-@dataclass(frozen=True, slots=True)
-class TxnVote(_TxnFlagFrame):
+class TxnVote(_TxnFrame):
     """Standby to active: ``txid`` is durably prepared (``ok``) or not."""
 
     TYPE: ClassVar[int] = 13
-    FLAG: ClassVar[str] = "ok"
-    ok: bool
+    ok: Annotated[bool, Flag()]
 
 
+@declared
 @dataclass(frozen=True, slots=True)
-class TxnOutcome(_TxnFlagFrame):
+class TxnOutcome(_TxnFrame):
     """Active to standby: how ``txid`` ended. A commit's effects reach the
     standby with the ledger; this settles the participant's row."""
 
     TYPE: ClassVar[int] = 14
-    FLAG: ClassVar[str] = "commit"
-    commit: bool
+    commit: Annotated[bool, Flag()]
 
 
+@declared
 @dataclass(frozen=True, slots=True)
 class TxnQuery(_Frame):
     """Standby to active: how did these prepared transactions end? Answered
     with one ``TxnOutcome`` each, once the active knows."""
 
     TYPE: ClassVar[int] = 15
-    vpn: str
-    epoch: int
-    txids: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        _check_text("vpn", self.vpn)
-        _check_int("epoch", self.epoch, 1)
-        _check_int("txid count", len(self.txids), 1, _MAX_U16)
-        for txid in self.txids:
-            _check_text("txid", txid)
-
-    def payload(self) -> bytes:
-        return _str16(self.vpn) + _U64.pack(self.epoch) + _strs16(self.txids)
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls(r.text("vpn"), r.u64("epoch"), r.texts("txids"))
+    vpn: Name
+    epoch: Epoch
+    txids: Annotated[tuple[str, ...], Array(Text(), U16(low=1))]
 
 
+@declared
 @dataclass(frozen=True, slots=True)
 class TxnCommit(_TxnFrame):
     """Active to standby: the broker committed ``txid``, whose group the
@@ -937,22 +569,13 @@ class TxnCommit(_TxnFrame):
     the stream is then recognised and skipped (``bridge.standby._applier``)."""
 
     TYPE: ClassVar[int] = 16
-    first: int
-
-    def __post_init__(self) -> None:
-        _TxnFrame.__post_init__(self)
-        _check_int("first", self.first, 1)
-
-    def payload(self) -> bytes:
-        return self._head() + _U64.pack(self.first)
-
-    @classmethod
-    def read(cls, r: _Reader) -> Self:
-        return cls(*cls._read_head(r), r.u64("first"))
+    SINCE: ClassVar[int] = 2
+    first: EntryIndex
 
 
+@declared
 @dataclass(frozen=True, slots=True)
-class TxnApplied(_TxnFlagFrame):
+class TxnApplied(_TxnFrame):
     """Standby to active, the answer to every :class:`TxnCommit`: ``txid``'s
     effects and its commit are durable here (``applied``), or the standby
     left the transaction to the stream (not ``applied``), whose
@@ -961,8 +584,8 @@ class TxnApplied(_TxnFlagFrame):
     competes with the early commit for either node (``bridge.active._stream``)."""
 
     TYPE: ClassVar[int] = 17
-    FLAG: ClassVar[str] = "applied"
-    applied: bool
+    SINCE: ClassVar[int] = 2
+    applied: Annotated[bool, Flag()]
 
 
 TxnFrame = TxnPrepare | TxnVote | TxnOutcome | TxnQuery | TxnCommit | TxnApplied
@@ -1011,6 +634,11 @@ FRAME_TYPES: dict[int, type[Frame]] = {
         Repair,
     )
 }
+#: the frame types each version this node speaks has
+_TYPES_IN: Final = {
+    version: {t: cls for t, cls in FRAME_TYPES.items() if cls.SINCE <= version}
+    for version in SUPPORTED_VERSIONS
+}
 #: the frames of the transaction link, and every frame that names a VPN
 TXN_FRAMES = (TxnPrepare, TxnVote, TxnOutcome, TxnQuery, TxnCommit, TxnApplied)
 VPN_FRAMES = (
@@ -1050,15 +678,15 @@ def _decode_at(data: bytes | bytearray, pos: int, max_frame_size: int) -> tuple[
         raise BadChecksum(f"frame checksum 0x{sent:08x}, computed 0x{crc:08x}")
     if flags:
         raise BadFrame(f"unknown frame flags 0x{flags:02x}")
-    cls = FRAME_TYPES.get(ftype)
+    cls = _TYPES_IN[version].get(ftype)
     if cls is None:
         raise BadFrame(f"unknown frame type {ftype}")
-    reader = _Reader(payload, cls.__name__, version)
     try:
-        frame = cls.read(reader)
-    except (ValueError, EventDecodeError) as e:
+        frame, end = cls._unpack(payload, 0, length, version, cls.__name__)
+    except ValueError as e:  # a check of the constructor's, an EventDecodeError
         raise BadFrame(f"{cls.__name__}: {e}") from e
-    reader.end()
+    if end != length:
+        raise BadFrame(f"{length - end} bytes after the {cls.__name__} payload")
     return frame, body_end + _CRC.size
 
 

@@ -82,9 +82,7 @@ from bridge._settings import Role
 
 from ._frames import (
     CAP_PURGE_POINT,
-    CAP_TAKEOVER,
     CAP_TOPOLOGY,
-    CAP_XA_OWNER,
     CAPABILITIES,
     DEFAULT_MAX_FRAME_SIZE,
     FRAME_OVERHEAD,
@@ -699,20 +697,14 @@ class BridgeConnection:
         return [name for flag, name in CAPABILITIES.items() if missing & flag]
 
     def _for_peer(self, frame: Frame) -> Frame:
-        """``frame`` as the peer reads it: without the topology capability,
-        each topology event becomes a no-op purge (module docstring);
-        without the XA owner capability, a prepare names no owner; without
-        the take-over capability, a sync request names no take-over point;
-        without the purge point capability, a purge says no purge point (an
-        older standby purges as it always did)."""
-        if isinstance(frame, TxnPrepare) and frame.owner:
-            return frame if self.capabilities & CAP_XA_OWNER else replace(frame, owner="")
-        if isinstance(frame, SyncRequest) and frame.taken_over_by:
-            if self.capabilities & CAP_TAKEOVER:
-                return frame
-            return replace(frame, taken_over_by="", taken_over_at=0)
+        """``frame`` as the peer reads it: the fields its declaration ties
+        to a capability the connection lacks at their defaults (a prepare
+        names no XA owner, a sync request no take-over point); and without
+        the topology capability, each topology event becomes a no-op purge
+        (module docstring); without the purge point capability, a purge
+        says no purge point (an older standby purges as it always did)."""
         if not isinstance(frame, Events):
-            return frame
+            return frame.for_peer(self.capabilities)
         lacking = ~self.capabilities & (CAP_TOPOLOGY | CAP_PURGE_POINT)
         if not lacking or not any(_for_older(e, lacking) is not e for e in frame.entries):
             return frame

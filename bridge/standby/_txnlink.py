@@ -7,7 +7,7 @@ groups committed early (the active's end: :mod:`bridge.active._txnlink`).
 *Early commit*: for a sync-mode VPN the standby commits a transaction from
 its prepared row when the coordinator's ``TxnCommit`` arrives, before the
 ledger stream brings the transaction's group; the stream's copy of an
-early-committed group is then skipped (``bridge.standby._applier``).
+early-committed group is then skipped (``bridge.standby._early``).
 
 Invariants, and why they hold:
 
@@ -46,7 +46,8 @@ from bridge.ledger import GuardedApply, run_guarded_async
 from bridge.link import Link, describe_error
 from bridge.wire import TxnApplied, TxnCommit, TxnOutcome, TxnPrepare, TxnQuery, TxnVote
 
-from ._applier import ReadyEarlyCommit, StandbyApplier, StandbyUnavailable
+from ._applier import StandbyApplier, StandbyUnavailable
+from ._early import ReadyEarlyCommit
 from ._stream import StandbyStream
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class StandbyTxnLink:
 
     async def commit_early(self, link: Link, stream: StandbyStream, frame: TxnCommit) -> None:
         """Commit a transaction from its prepared row before its group comes
-        with the stream (``bridge.standby._applier``) and say so; if that is not
+        with the stream (``bridge.standby._early``) and say so; if that is not
         possible now, say that: the group comes with the stream (the active
         holds it until this answer), and its ``Ack`` is what the active
         waits for then."""

@@ -17,7 +17,7 @@ statement from them while the active commits the broker,
 **A row is settled committed with its group, never by an outcome.** The
 standby's applier moves a row to ``committed`` in the same database
 transaction that applies the group's last publish, from the stream or early
-(``bridge/standby/_applier.py``, which knows the rows' events). A commit outcome
+(``bridge/standby/_prepared.py``, which knows the rows' events). A commit outcome
 (``TxnOutcome``) writes nothing: settled by the outcome, a row whose group
 had not come yet would be skipped by a promotion if the active were lost
 then (its messages nowhere here), and a row still prepared after its

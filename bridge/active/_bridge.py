@@ -1,4 +1,4 @@
-"""The active's bridge server: serves every standby that dials in.
+"""The active's end of the bridge: serves every standby that dials in.
 
 Per standby (:class:`~bridge.active._stream.ConnectedStandby`) it checks
 the named-site rule, answers ``Hello`` and ``GetAllResources``

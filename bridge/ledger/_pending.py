@@ -68,11 +68,13 @@ class PendingEntries:
         """When the oldest pending entry was appended (the queue is not empty)."""
         return self._queue[0].at
 
-    def add(self, entry: LedgerEntry, at: float, on_durable: OnDurable | None) -> None:
-        """One entry answering a client's confirm (``append``)."""
+    def add(self, entry: LedgerEntry, at: float, on_durable: OnDurable | None) -> int:
+        """One entry answering a client's confirm (``append``); returns how
+        many entries are pending now."""
         self._queue.append(Pending(entry, at, on_durable, False, True))
         if on_durable is not None:
             self.waiters += 1
+        return len(self._queue)
 
     def add_run(
         self,

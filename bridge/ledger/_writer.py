@@ -287,10 +287,10 @@ class LedgerWriter:
         check_storable(event)
         entry = LedgerEntry(event.vpn, vpn.epoch, vpn.next_index, event, encode_event(event))
         vpn.next_index += 1
-        self._pending.add(entry, self._loop.time(), on_durable)
-        if len(self._pending) == 1:
+        pending = self._pending.add(entry, self._loop.time(), on_durable)
+        if pending == 1:
             self._wake.set()
-        if len(self._pending) >= self._batch_size:
+        if pending >= self._batch_size:
             self._batch_ready.set()
         return entry
 

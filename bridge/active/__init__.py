@@ -1,7 +1,8 @@
 """The active site's end of the bridge.
 
-The bridge server every standby dials (:class:`ActiveBridge`), each
-VPN's stream to a standby (replay, checkpoint, live), the replication sink
+The end every standby dials (:class:`ActiveBridge`) with what it lists
+and its ledger prune, each VPN's stream to a standby (replay, checkpoint,
+live), the replication sink
 the listener's events go to (:class:`Replicator`) with its sync gates and
 the sync-ineligible windows it records, and the transaction link's active
 end (:class:`ActiveTxnLink`).

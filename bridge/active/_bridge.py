@@ -1,24 +1,16 @@
-"""The active site's end of the bridge: serves every standby that dials in.
+"""The active's end of the bridge: serves every standby that dials in.
 
-Per standby (:class:`~bridge.active._stream.ConnectedStandby`): answers ``Hello`` and
-``GetAllResources`` (the site's enabled, unfenced active VPNs with their
-settings and epoch from the database and their definitions from the
-management API), and per ``SyncRequest`` runs the VPN's stream
-(:class:`~bridge.active._stream.ActiveStream`: replay, checkpoint, live
-feed). Acknowledgements release sync-mode confirms
-(:meth:`Replicator.standby_acked`), are recorded in ``vpn_state`` and let
-the ledger be pruned behind them once older than ``retain_seconds``; the
-transaction frames go to :class:`~bridge.active._txnlink.ActiveTxnLink`.
-
-Invariant: nothing confirmed on the active is lost or applied twice on a
-standby, whatever the link does — the streams' own invariant
-(``bridge.active._stream``) plus the ledger's: it is pruned only behind an
-acknowledgement, keeping the acknowledged entry itself, so a standby that
-reconnects after a quiet period can still prove it follows the ledger and
-needs no checkpoint. Fencing is the protocol's: a standby that knows a
-higher epoch makes the active raise :class:`~bridge.Fenced`; the active
-then refuses the VPN's publishes (``Replicator.fenced``) and records
-``vpn_state.fenced``.
+Per standby (:class:`~bridge.active._stream.ConnectedStandby`) it checks
+the named-site rule, answers ``Hello`` and ``GetAllResources``
+(:mod:`bridge.active._listing`), runs a VPN's stream per ``SyncRequest``
+(:class:`~bridge.active._stream.ActiveStream`: replay, checkpoint, live),
+and hands the transaction frames to the transaction link. An ``Ack``
+releases sync-mode confirms (:meth:`Replicator.standby_acked`), is recorded
+in ``vpn_state`` and lets the ledger be pruned behind it
+(:mod:`bridge.active._pruner`). A standby that shows a higher epoch fences
+the VPN here: its publishes are refused and ``vpn_state.fenced`` recorded.
+Nothing confirmed here is lost or applied twice on a standby: the streams'
+invariant (:mod:`bridge.active._stream`) and the pruner's.
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import psycopg
 
@@ -42,9 +34,9 @@ from bridge._errors import (
     Unauthorised,
     UnknownVpn,
 )
-from bridge._settings import HostPort, InvalidSettings, Role, TlsConfig, VpnSettings
-from bridge.broker import ConfigSyncError, ManagementAPI, vpn_definitions
-from bridge.ledger import LedgerError, LedgerWriter, VpnNotOpen
+from bridge._settings import HostPort, InvalidSettings, Role, TlsConfig
+from bridge.broker import ManagementAPI
+from bridge.ledger import LedgerError, LedgerWriter
 from bridge.link import Link, LinkClosed, LinkError, TlsServer, describe_error, peer_address
 from bridge.store import (
     CONNECTED,
@@ -52,7 +44,6 @@ from bridge.store import (
     SYNCING,
     BridgeStateWriter,
     Pool,
-    active_vpns,
     open_pool,
     reset_states,
 )
@@ -67,25 +58,23 @@ from bridge.wire import (
     GetAllResources,
     Hello,
     PeerCheck,
-    ResourceList,
     SyncRequest,
     TxnApplied,
     TxnQuery,
     TxnVote,
-    VpnResource,
     certificate_names,
 )
 
+from ._listing import ResourceLister
+from ._pruner import LedgerPruner
 from ._replicator import Replicator
 from ._stream import ActiveStream, ConnectedStandby, RepairSent, StreamLimits
 from ._txnlink import ActiveTxnLink
 
-__all__ = ["PRUNE_INTERVAL", "ActiveBridge"]
+__all__ = ["ActiveBridge"]
 
 log = logging.getLogger(__name__)
 
-#: the active prunes its ledger at most this often (seconds)
-PRUNE_INTERVAL = 1.0
 _MIB = 2**20
 
 
@@ -120,10 +109,11 @@ class ActiveBridge:
         #: ``on_fenced(vpn, epoch, site)``: a standby showed a newer epoch
         #: of an active VPN here (the node closes its clients)
         self.on_fenced: Callable[[str, int, str], None] | None = None
-        self._api = ManagementAPI(management_url) if management_url else None
+        api = ManagementAPI(management_url) if management_url else None
+        self._lister = ResourceLister(writer, api, replicator.fenced)
         #: the named-site rule: only these peer sites are served
         self._check = PeerCheck.of(peers)
-        self.retain_seconds = retain_seconds
+        self._pruner = LedgerPruner(writer.reader, retain_seconds)
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         #: the TLS handshake and then the standby's Hello must each come
@@ -155,15 +145,14 @@ class ActiveBridge:
         #: a task per connection served, with the connection's writer
         self._handlers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._shown: dict[str, str] = {}
-        self._definitions_failures: dict[str, str] = {}
-        #: VPN -> the index of the previous epoch's ledger it was taken over at
-        self._taken_over: dict[str, int] = {}
         self._unsubscribe: Callable[[], None] | None = None
         #: the coordinator's ParticipantLink (the node wires the two together)
         self.txn_link = ActiveTxnLink(self._standby_of)
-        self._prune_due: dict[str, int] = {}  # vpn -> newest acknowledged index
-        self._pruner: asyncio.Task[None] | None = None
-        self._pruned_at = -PRUNE_INTERVAL
+
+    @property
+    def retain_seconds(self) -> float:
+        """Acknowledged ledger entries are kept this long before a prune."""
+        return self._pruner.retain_seconds
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -172,7 +161,7 @@ class ActiveBridge:
         self._pool = open_pool(self._dsn, "bridge-active")
         await self._pool.open(wait=False)
         await reset_states(self._pool, Role.ACTIVE)
-        self._states = BridgeStateWriter(self._pool, self._ack_flush_interval, self._prune)
+        self._states = BridgeStateWriter(self._pool, self._ack_flush_interval, self._pruner.acked)
         self._states.start()
         self._unsubscribe = self.writer.subscribe(self._on_durable)
         try:
@@ -249,10 +238,7 @@ class ActiveBridge:
         if self._states is not None:
             await self._states.close()
             self._states = None
-        if self._pruner is not None:
-            self._pruner.cancel()
-            await asyncio.gather(self._pruner, return_exceptions=True)
-            self._pruner = None
+        await self._pruner.close()
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
@@ -340,58 +326,11 @@ class ActiveBridge:
             epoch = newer[0] if newer else getattr(reason, "known", None) or 0
             self.on_fenced(vpn, epoch, newer[1] if newer else by)
 
-    async def _prune(self, acked: Mapping[str, int]) -> None:
-        """Acknowledgements were recorded: prune the ledger behind them, at
-        most once per :data:`PRUNE_INTERVAL` (acks are recorded every 50 ms
-        under load; a prune that often was a DELETE and a wait for the live
-        state per flush, for entries kept ``retain_seconds`` anyway) and off
-        the recording loop. The newest index always gets its prune."""
-        for vpn, index in acked.items():
-            self._prune_due[vpn] = max(index, self._prune_due.get(vpn, 0))
-        if self._pruner is None or self._pruner.done():
-            self._pruner = asyncio.create_task(self._prune_soon(), name="bridge-ledger-prune")
-
-    async def _prune_soon(self) -> None:
-        while self._prune_due:
-            wait = self._pruned_at + PRUNE_INTERVAL - asyncio.get_running_loop().time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            due, self._prune_due = self._prune_due, {}
-            self._pruned_at = asyncio.get_running_loop().time()
-            for vpn, index in due.items():
-                # Keep the acknowledged entry itself: a standby reconnecting later
-                # proves with its epoch that it follows this ledger (no checkpoint).
-                if index <= 1:
-                    continue
-                try:
-                    await self.writer.reader.prune(vpn, index - 1, self.retain_seconds)
-                except LedgerError as e:
-                    log.warning("bridge: VPN %s: ledger not pruned: %s", vpn, e)
-
     def _on_durable(self, entries: Sequence[LedgerEntry]) -> None:
         """Ledger subscriber: queue live entries per stream; never blocks."""
         by_vpn = entries_by_vpn(entries)
         for peer in list(self._peers):
-            if peer.failure is not None:
-                continue
-            for vpn, items in by_vpn.items():
-                out = peer.stream_live(vpn)
-                if out is None:
-                    continue
-                out.push(items)
-                if out.queued_bytes > self.max_queued_bytes:
-                    log.warning(
-                        "bridge: standby %s is too slow (%d MiB of VPN %s queued); "
-                        "dropping it, it will resync from its applied index",
-                        peer.name,
-                        out.queued_bytes // _MIB,
-                        vpn,
-                    )
-                    peer.failure = LinkError(
-                        f"too slow: over {self.max_queued_bytes // _MIB} MiB of VPN {vpn} queued"
-                    )
-                    peer.link.abort()
-                    break
+            peer.push_live(by_vpn, self.max_queued_bytes)
 
     # -- one standby -------------------------------------------------------------
 
@@ -555,65 +494,15 @@ class ActiveBridge:
         self._state_changed(error.vpn)
 
     async def _send_resources(self, peer: ConnectedStandby) -> None:
-        vpns = await self._load_vpns()
-        # Read before the definitions: every change the listener made up to
-        # this index is in them, every later one comes in the stream.
-        indexes = [self._durable_index(s.name) for s, _ in vpns]
-        definitions = await asyncio.gather(*(self._definitions(s.name) for s, _ in vpns))
-        listing = ResourceList(
-            tuple(
-                VpnResource.from_settings(
-                    s, epoch, d, self._taken_over.get(s.name, 0), index if d else None
-                )
-                for (s, epoch), d, index in zip(vpns, definitions, indexes, strict=True)
-            )
-        )
+        assert self._pool is not None  # noqa: S101 - started
+        listing = await self._lister.read(self._pool)
         peer.link.send(listing)
-        peer.epochs = {s.name: epoch for s, epoch in vpns}
+        peer.epochs = {r.name: r.epoch for r in listing.vpns}
         for vpn in [v for v in peer.streams if v not in peer.epochs]:
             out = peer.streams.pop(vpn)
             if out.task is not None:
                 out.task.cancel()
             self._state_changed(vpn)
-
-    async def _load_vpns(self) -> list[tuple[VpnSettings, int]]:
-        assert self._pool is not None  # noqa: S101 - started
-        try:
-            async with self._pool.connection() as conn:
-                rows = await active_vpns().run_async(conn)
-        except psycopg.OperationalError as e:
-            raise LedgerError(f"the site database is unavailable: {describe_error(e)}") from e
-        out = []
-        for row in rows:
-            if row.settings.name in self.replicator.fenced:
-                continue
-            self._taken_over[row.settings.name] = row.taken_over_at
-            out.append((row.settings, row.epoch))
-        return out
-
-    def _durable_index(self, vpn: str) -> int | None:
-        """The VPN's last committed ledger index (None: its ledger is not
-        open here yet, and the listing goes without one: the standby takes
-        it whole, as from a protocol-5 active)."""
-        try:
-            return self.writer.durable_index(vpn)
-        except VpnNotOpen:
-            return None
-
-    async def _definitions(self, vpn: str) -> bytes:
-        """The VPN's definitions with the users and permissions that let its
-        clients log in (``bridge.broker._configsync``), or b"" when not readable."""
-        if self._api is None:
-            return b""
-        try:
-            found = await asyncio.to_thread(vpn_definitions, self._api, vpn)
-        except ConfigSyncError as e:
-            if self._definitions_failures.get(vpn) != str(e):  # once per cause, not per relist
-                log.warning("bridge: VPN %s: definitions not sent (no config-sync): %s", vpn, e)
-            self._definitions_failures[vpn] = str(e)
-            return b""
-        self._definitions_failures.pop(vpn, None)
-        return found
 
     # -- one VPN stream --------------------------------------------------------
 

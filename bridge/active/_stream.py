@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -33,7 +33,7 @@ from bridge._errors import BridgeError, PeerFailure
 from bridge._events import Published
 from bridge._ids import ReplicationId
 from bridge.ledger import LedgerError, LedgerPruned, LedgerWriter, VpnNotOpen
-from bridge.link import Link, describe_error
+from bridge.link import Link, LinkError, describe_error
 from bridge.store import CONNECTED, SYNCING, Pool
 from bridge.wire import (
     Checkpoint,
@@ -458,3 +458,27 @@ class ConnectedStandby:
         """The VPN's stream to this standby if it is in the live phase."""
         out = self.streams.get(vpn)
         return out if out is not None and out.live else None
+
+    def push_live(self, by_vpn: Mapping[str, list[LedgerEntry]], max_queued_bytes: int) -> None:
+        """Queue newly durable entries (per VPN) on the live streams; drop
+        this standby when one holds over ``max_queued_bytes`` (it resyncs)."""
+        if self.failure is not None:
+            return
+        for vpn, items in by_vpn.items():
+            out = self.stream_live(vpn)
+            if out is None:
+                continue
+            out.push(items)
+            if out.queued_bytes > max_queued_bytes:
+                log.warning(
+                    "bridge: standby %s is too slow (%d MiB of VPN %s queued); "
+                    "dropping it, it will resync from its applied index",
+                    self.name,
+                    out.queued_bytes // _MIB,
+                    vpn,
+                )
+                self.failure = LinkError(
+                    f"too slow: over {max_queued_bytes // _MIB} MiB of VPN {vpn} queued"
+                )
+                self.link.abort()
+                break

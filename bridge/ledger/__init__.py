@@ -1,7 +1,7 @@
 """The active's ledger and the one apply step of both sites.
 
-The ledger writer (events in listener order, group-committed; its
-live-state applier), its reader for replay and pruning, its bound, the
+The ledger writer (events in listener order, queued and group-committed;
+its live-state applier), its reader for replay and pruning, its bound, the
 store retry its commits use, and the apply step that turns ledger entries
 into ``live_message`` rows on either site.
 """

@@ -382,7 +382,7 @@ def guarded_apply(
     transaction as whatever ``guard`` itself writes, only when ``go``
     returns a row. One round trip instead of a transaction's five, for a
     caller on the client's path (the standby committing a transaction
-    ahead of the stream, :mod:`bridge.standby._applier`).
+    ahead of the stream, :mod:`bridge.standby._early`).
     """
     template = guarded_template(vpn, entries, guard)
     return None if template is None else template.bind(guard_params)

@@ -1,26 +1,13 @@
-"""The standby site's end of the bridge: keeps a link to the active up and
-applies each VPN's stream.
+"""The standby's bridge: keeps a link to the active up.
 
-:meth:`StandbyBridge.run` connects (TLS when configured), retries with
-exponential back-off and jitter, and per VPN the active lists: settles it
-here (:class:`~bridge.standby._adoption.VpnAdoption`: enabled as standby,
-settings, epoch, config-sync), sends ``SyncRequest`` from the applied
-index, then installs the checkpoint and applies the events, each
-acknowledged once durable. Each VPN has a worker of its own, fed in
-arrival order through a queue; what the worker follows of its stream is
-the sans-IO :class:`~bridge.standby._stream.StandbyStream`.
-
-Invariant: nothing confirmed on the active is lost or applied twice here,
-whatever the link does. The worker applies every batch with
-:meth:`StandbyApplier.apply_batch`, which stores the applied index in the
-same transaction as the effects, and acknowledges only after that commit.
-Every (re)synchronisation starts from that stored index (never from what
-was merely received), so a link cut at any byte, a standby killed
-mid-apply, or a gap resumes exactly after the last durable entry; replayed
-duplicates are skipped by index.
-
-Limits: the standby holds a checkpoint's rows in memory until its last
-chunk arrived (the applier installs it in one transaction).
+:meth:`StandbyBridge.run` dials the active's nodes in turn (TLS when
+configured, plain TCP too while the pair moves to TLS), checks the
+named-site rule before saying anything, greets in the newest protocol
+version the active speaks, and runs a session
+(:class:`~bridge.standby._session.StandbySession`) until the link ends;
+then it redials after a back-off that grows with jitter and restarts once a
+session got established. What a session does with each VPN's stream is in
+:mod:`bridge.standby._session` and :mod:`bridge.standby._worker`.
 """
 
 from __future__ import annotations
@@ -29,24 +16,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Final
 
 import psycopg
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
 from bridge._errors import (
     BridgeError,
-    Gap,
-    LocalProtocolError,
     PeerFailure,
-    RemoteProtocolError,
-    StaleEpoch,
     Unauthorised,
-    UnknownVpn,
     VersionMismatch,
 )
-from bridge._failpoints import failpoint
 from bridge._settings import HostPort, InvalidSettings, Role, TlsConfig
 from bridge.broker import ManagementAPI
 from bridge.link import (
@@ -60,13 +39,9 @@ from bridge.link import (
     make_client_context,
 )
 from bridge.store import (
-    CONNECTED,
     DISCONNECTED,
-    SYNCING,
     BridgeStateWriter,
     Pool,
-    applied_position,
-    epoch_taken,
     known_epochs,
     open_pool,
     reset_states,
@@ -76,81 +51,23 @@ from bridge.wire import (
     CAPABILITIES,
     PREVIOUS_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
-    Ack,
     BridgeConnection,
-    Checkpoint,
     Error,
-    Events,
     GetAllResources,
     Hello,
     PeerCheck,
-    Repair,
-    ResourceList,
-    SyncAccepted,
-    SyncFinished,
-    SyncRequest,
-    TxnCommit,
-    TxnOutcome,
-    TxnPrepare,
-    VpnResource,
     certificate_names,
 )
 
 from ._adoption import VpnAdoption
-from ._applier import NotStandby, StandbyApplier, StandbyError
-from ._stream import StandbyStream
+from ._applier import StandbyApplier, StandbyError
+from ._session import StandbySession
 from ._txnlink import StandbyTxnLink
+from ._worker import SiteParts
 
 __all__ = ["StandbyBridge"]
 
 log = logging.getLogger(__name__)
-
-#: items a VPN's worker queue holds before the reader waits for it
-_QUEUE_SIZE: Final = 64
-
-
-@dataclass(frozen=True, slots=True)
-class _Relisted:
-    """Worker item: the active (re)listed the VPN."""
-
-    resource: VpnResource
-
-
-@dataclass(frozen=True, slots=True)
-class _Resync:
-    """Worker item: resynchronise from the applied index (after a Gap)."""
-
-    reason: str
-
-
-_Item = _Relisted | _Resync | SyncAccepted | Checkpoint | Events | SyncFinished | TxnCommit | Repair
-
-
-@dataclass(eq=False)
-class _Worker:
-    """One VPN's apply worker: its queue, its task, and its view of the stream."""
-
-    stream: StandbyStream
-    queue: asyncio.Queue[_Item] = field(default_factory=lambda: asyncio.Queue(_QUEUE_SIZE))
-    task: asyncio.Task[None] | None = None
-
-    @property
-    def vpn(self) -> str:
-        return self.stream.vpn
-
-
-@dataclass(eq=False)
-class _Session:
-    link: Link
-    workers: dict[str, _Worker] = field(default_factory=dict)
-    established: bool = False
-    failure: BaseException | None = None
-
-    def fail(self, exc: BaseException) -> None:
-        if self.failure is None:
-            self.failure = exc
-        reason = exc if isinstance(exc, BridgeError) else PeerFailure(describe_error(exc))
-        self.link.fail(reason)
 
 
 class StandbyBridge:
@@ -211,8 +128,7 @@ class StandbyBridge:
         self._states: dict[str, str] = {}
         self._writes: BridgeStateWriter | None = None
         self._pool: Pool | None = None
-        self._applier: StandbyApplier | None = None
-        self._adoption: VpnAdoption | None = None
+        self._parts: SiteParts | None = None
         #: Established sessions so far (tests and status).
         self.sessions = 0
         #: the bridge protocol version the next connection proposes: the
@@ -262,9 +178,12 @@ class StandbyBridge:
         self._stop.clear()
         self._stopped.clear()
         self._pool = open_pool(self._dsn, "bridge-standby")
-        self._applier = StandbyApplier(self._dsn)
-        self.txn_link.applier = self._applier
-        self._adoption = VpnAdoption(self._pool, self._api, self.on_fenced, self.on_adopted)
+        applier = StandbyApplier(self._dsn)
+        self.txn_link.applier = applier
+        adoption = VpnAdoption(self._pool, self._api, self.on_fenced, self.on_adopted)
+        self._parts = SiteParts(
+            self._pool, applier, adoption, self.txn_link, self._set_state, self.max_apply_batch
+        )
         try:
             await self._pool.open(wait=False)
             await reset_states(self._pool, Role.STANDBY)
@@ -290,7 +209,7 @@ class StandbyBridge:
                 self._writes = None
             await self._pool.close()
             await self.txn_link.close()
-            await asyncio.to_thread(self._applier.close)
+            await asyncio.to_thread(applier.close)
             self._stopped.set()
 
     async def close(self) -> None:
@@ -344,13 +263,17 @@ class StandbyBridge:
         back-off restarts); raises when it failed before that."""
         if self._stop.is_set():
             return
+        assert self._parts is not None  # noqa: S101 - run() made them
         link = await self._connect()
-        session = _Session(link)
+        session = StandbySession(
+            link, self._parts, peer=self.peer, listed=self.listed, on_established=self._established
+        )
         self._link = link
         heartbeats = asyncio.create_task(link.heartbeats(self.heartbeat_interval))
         relists = asyncio.create_task(self._relist(link))
         try:
-            await self._converse(session)
+            await self._greet(link)
+            await session.converse(self.peer_site)
         except Exception as e:
             cause = session.failure or e
             if self._stop.is_set():
@@ -380,6 +303,9 @@ class StandbyBridge:
                 if session.established:  # the active may have been upgraded since
                     self.version = PROTOCOL_VERSION
                 await link.close()
+
+    def _established(self) -> None:
+        self.sessions += 1
 
     async def _connect(self) -> Link:
         failure: LinkError | None = None
@@ -509,257 +435,3 @@ class StandbyBridge:
         while True:
             await asyncio.sleep(self.relist_interval)
             link.try_send(GetAllResources())
-
-    async def _converse(self, session: _Session) -> None:
-        link = session.link
-        await self._greet(link)
-        while True:
-            item = await link.next_frame()
-            if item is None:
-                if session.failure is None:
-                    session.failure = LinkClosed("the active closed the link")
-                return
-            if isinstance(item, RemoteProtocolError):
-                await self._vpn_fault(session, item)
-            elif isinstance(item, ResourceList):
-                if not session.established:
-                    session.established = True
-                    self.sessions += 1
-                await self._listed(session, item)
-            elif isinstance(
-                item, SyncAccepted | Checkpoint | Events | SyncFinished | TxnCommit | Repair
-            ):
-                # a TxnCommit goes in line with the stream: it is applied
-                # after what came before it and before what comes after
-                worker = session.workers.get(item.vpn)
-                if worker is not None:
-                    await worker.queue.put(item)
-            elif isinstance(item, TxnPrepare | TxnOutcome):
-                self.txn_link.spawn(self.txn_link.received(link, item))
-            elif isinstance(item, Error):
-                if item.closes_connection:
-                    raise item.exception()
-                self._refused(session, item)
-
-    async def _vpn_fault(self, session: _Session, fault: RemoteProtocolError) -> None:
-        worker = session.workers.get(fault.vpn)
-        if isinstance(fault, Gap) and worker is not None:
-            log.warning("bridge: %s; resyncing from the applied index", fault)
-            # Queued behind what was received before the gap: the request
-            # goes out once that is applied, from the index it reached.
-            await worker.queue.put(_Resync(str(fault)))
-        elif isinstance(fault, StaleEpoch):
-            log.error(
-                "bridge: VPN %s: refused a frame from the active at %s: %s; "
-                "waiting for an active with a current epoch",
-                fault.vpn,
-                self.peer,
-                fault,
-            )
-            session.link.try_send(Error.from_exception(fault))
-            if worker is not None:
-                worker.stream.refused(stale_at=fault.known or 0)
-            self._set_state(fault.vpn, DISCONNECTED)
-        else:
-            log.debug("bridge: %s", fault)
-
-    def _refused(self, session: _Session, error: Error) -> None:
-        exc = error.exception()
-        worker = session.workers.get(error.vpn)
-        stale_at = None
-        if isinstance(exc, StaleEpoch):
-            log.error(
-                "bridge: VPN %s: the active at %s is fenced (%s); not replicating from it",
-                error.vpn,
-                self.peer,
-                exc.text,
-            )
-            stale_at = session.link.conn.known_epoch(error.vpn)
-        else:
-            log.warning("bridge: VPN %s: the active refused to sync: %s", error.vpn, exc)
-        if worker is not None:
-            worker.stream.refused(stale_at)
-        self._set_state(error.vpn, DISCONNECTED)
-
-    async def _listed(self, session: _Session, listing: ResourceList) -> None:
-        assert self._adoption is not None  # noqa: S101 - run() made it
-        listed = {r.name: r for r in listing.vpns}
-        for vpn in [v for v in session.workers if v not in listed]:
-            gone = session.workers.pop(vpn)
-            if gone.task is not None:
-                gone.task.cancel()
-            log.info("bridge: VPN %s is no longer replicated by the active", vpn)
-            self._set_state(vpn, DISCONNECTED)
-        # Settled here, not only in the VPNs' workers: which VPNs are standby
-        # here and which active ones are fenced. A starting node waits for
-        # this (:attr:`listed`) before it admits clients.
-        for resource in listing.vpns:
-            await self._adoption.adopt(resource, self.peer_site)
-        self.listed.set()
-        for resource in listing.vpns:
-            worker = session.workers.get(resource.name)
-            if worker is None:
-                worker = _Worker(StandbyStream(resource.name))
-                worker.task = asyncio.create_task(
-                    self._work(session, worker), name=f"bridge-apply-{resource.name}"
-                )
-                session.workers[resource.name] = worker
-            await worker.queue.put(_Relisted(resource))
-
-    # -- one VPN's apply worker ------------------------------------------------
-
-    async def _work(self, session: _Session, worker: _Worker) -> None:
-        try:
-            held: _Item | None = None
-            while True:
-                item = held if held is not None else await worker.queue.get()
-                held = await self._handle_item(session, worker, item)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            session.fail(e)
-
-    async def _handle_item(self, session: _Session, worker: _Worker, item: _Item) -> _Item | None:
-        """Apply one item; returns an item taken from the queue but not used."""
-        stream = worker.stream
-        if isinstance(item, _Relisted):
-            await self._relisted(session, worker, item.resource)
-        elif isinstance(item, _Resync):
-            await self._request_sync(session, worker)
-        elif stream.drops(item):
-            pass  # the tail of a stream this side left
-        elif isinstance(item, SyncAccepted):
-            stream.accepted()
-        elif isinstance(item, Checkpoint):
-            stream.rows.extend(item.rows)
-            if item.last:
-                await self._install(session, worker, item)
-        elif isinstance(item, Events):
-            return await self._apply(session, worker, item)
-        elif isinstance(item, TxnCommit):
-            await self._commit_early(session, worker, item)
-        elif isinstance(item, Repair):
-            await self._repair(session, worker, item)
-        elif stream.finished():  # the SyncFinished of a stream not refused meanwhile
-            self._set_state(worker.vpn, CONNECTED)
-            self.txn_link.spawn(self.txn_link.ask_in_doubt(session.link, worker.vpn))
-        return None
-
-    async def _relisted(self, session: _Session, worker: _Worker, resource: VpnResource) -> None:
-        assert self._adoption is not None  # noqa: S101 - run() made it
-        if not await self._adoption.config_sync(resource, self.peer_site):
-            self._set_state(resource.name, DISCONNECTED)
-            return
-        known = session.link.conn.known_epoch(resource.name)
-        if not worker.stream.wants_sync(resource.epoch, known):
-            return
-        await self._request_sync(session, worker)
-
-    async def _request_sync(self, session: _Session, worker: _Worker) -> None:
-        assert self._pool is not None  # noqa: S101 - run() opened it
-        vpn = worker.vpn
-        async with self._pool.connection() as conn:
-            found = await applied_position(vpn).run_async(conn)
-            applied, applied_epoch = found if found is not None else (0, 0)
-            if applied == 0:
-                applied_epoch = 0
-            epoch = max(session.link.conn.known_epoch(vpn), applied_epoch, 1)
-            # who took the epoch and where: an active it fences records them
-            taken = await epoch_taken(vpn, epoch).run_async(conn)
-        by, at = taken if taken is not None else ("", 0)
-        try:
-            session.link.send(SyncRequest(vpn, epoch, applied, applied_epoch, by, at))
-        except LocalProtocolError as e:
-            log.debug("bridge: VPN %s: no sync request now: %s", vpn, e)
-            return
-        worker.stream.requested()
-        log.info("bridge: VPN %s: sync requested from index %d", vpn, applied + 1)
-        self._set_state(vpn, SYNCING)
-
-    async def _install(self, session: _Session, worker: _Worker, last: Checkpoint) -> None:
-        assert self._applier is not None  # noqa: S101 - run() created it
-        rows = worker.stream.take_checkpoint()
-        try:
-            await asyncio.to_thread(
-                self._applier.install_checkpoint, worker.vpn, last.epoch, last.index, rows
-            )
-        except (NotStandby, UnknownVpn) as e:
-            self._abandon(session, worker, e)
-            return
-        worker.stream.early = 0  # the checkpoint holds what was committed early
-        # The replay goes on after the checkpoint: the topology changes
-        # between this site's last listing and it come with a new listing.
-        session.link.try_send(GetAllResources())
-        log.info(
-            "bridge: VPN %s: installed a checkpoint of %d live messages at index %d",
-            worker.vpn,
-            len(rows),
-            last.index,
-        )
-        self._ack(session, worker, last.index)
-
-    async def _apply(self, session: _Session, worker: _Worker, first: Events) -> _Item | None:
-        assert self._applier is not None  # noqa: S101 - run() created it
-        entries = list(first.entries)
-        held: _Item | None = None
-        while len(entries) < self.max_apply_batch and not worker.queue.empty():
-            more = worker.queue.get_nowait()
-            if not isinstance(more, Events):
-                held = more
-                break
-            entries.extend(more.entries)
-        vpn = worker.vpn
-        try:
-            applied = await self.txn_link.skip_committed(vpn, entries)
-            if applied is None:
-                applied = await asyncio.to_thread(self._applier.apply_batch, vpn, entries)
-        except Gap as e:
-            log.warning("bridge: %s; resyncing from the applied index", e)
-            await self._request_sync(session, worker)
-            return held
-        except (StaleEpoch, NotStandby, UnknownVpn) as e:
-            self._abandon(session, worker, e)
-            return held
-        failpoint("participant.after-apply")
-        self._ack(session, worker, applied)
-        return held
-
-    async def _repair(self, session: _Session, worker: _Worker, frame: Repair) -> None:
-        """A reconcile repair, in stream order (after what came before it)."""
-        assert self._applier is not None  # noqa: S101 - run() created it
-        try:
-            await asyncio.to_thread(
-                self._applier.apply_repair, worker.vpn, frame.rows, frame.absent
-            )
-        except (NotStandby, UnknownVpn) as e:
-            self._abandon(session, worker, e)
-            return
-        log.info(
-            "bridge: VPN %s: reconcile repair applied: %d rows set, %d removed",
-            worker.vpn,
-            len(frame.rows),
-            len(frame.absent),
-        )
-
-    async def _commit_early(self, session: _Session, worker: _Worker, frame: TxnCommit) -> None:
-        """The active asks to commit a transaction early (in stream order)."""
-        await self.txn_link.commit_early(session.link, worker.stream, frame)
-
-    def _abandon(self, session: _Session, worker: _Worker, why: BridgeError) -> None:
-        """Stop applying this VPN's stream and tell the active why."""
-        log.error("bridge: VPN %s: not applying the stream: %s", worker.vpn, why.text)
-        session.link.try_send(Error.from_exception(why, vpn=worker.vpn))
-        worker.stream.abandoned(stale_at=(why.known or 0) if isinstance(why, StaleEpoch) else None)
-        self._set_state(worker.vpn, DISCONNECTED)
-
-    def _ack(self, session: _Session, worker: _Worker, index: int) -> None:
-        conn = session.link.conn
-        following = conn.next_index(worker.vpn)
-        if following is None:
-            return
-        index = min(index, following - 1)
-        stream = worker.stream
-        if index <= stream.acked:
-            return
-        if session.link.try_send(Ack(worker.vpn, conn.known_epoch(worker.vpn), index)):
-            stream.acked = index

@@ -34,7 +34,8 @@ from bridge.ledger import GuardedApply, run_guarded_async
 from bridge.link import Link, describe_error
 from bridge.wire import TxnApplied, TxnCommit, TxnOutcome, TxnPrepare, TxnQuery, TxnVote
 
-from ._applier import ReadyEarlyCommit, StandbyApplier, StandbyUnavailable
+from ._applier import StandbyApplier, StandbyUnavailable
+from ._early import ReadyEarlyCommit
 from ._stream import StandbyStream
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class StandbyTxnLink:
 
     async def commit_early(self, link: Link, stream: StandbyStream, frame: TxnCommit) -> None:
         """Commit a transaction from its prepared row before its group comes
-        with the stream (``bridge.standby._applier``) and say so; if that is not
+        with the stream (``bridge.standby._early``) and say so; if that is not
         possible now, say that: the group comes with the stream (the active
         holds it until this answer), and its ``Ack`` is what the active
         waits for then."""

@@ -2,8 +2,8 @@
 
 The frames, each declared once with its fields' wire types (from which
 their encoding, decoding and checks are compiled), the connection's state
-machine (:class:`BridgeConnection`) and the named-site rule (who may use
-the bridge).
+machine (:class:`BridgeConnection`) with its transition table and the
+checks of a VPN's stream, and the named-site rule (who may use the bridge).
 """
 
 from __future__ import annotations
@@ -42,15 +42,8 @@ from ._frames import (
     decode_frame,
 )
 from ._identity import PeerCheck, certificate_names
-from ._protocol import (
-    CLOSED,
-    CONNECTION_TRANSITIONS,
-    NEED_DATA,
-    BridgeConnection,
-    ConnectionPhase,
-    Sentinel,
-    VpnState,
-)
+from ._protocol import CLOSED, NEED_DATA, BridgeConnection, Sentinel
+from ._transitions import CONNECTION_TRANSITIONS, ConnectionPhase, VpnState
 
 __all__ = [
     "Ack",

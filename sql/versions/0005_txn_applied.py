@@ -6,7 +6,7 @@ active's ledger write runs; the row moves ``prepared`` → ``applied`` in the
 same database transaction as the effects, and ``ledger_floor`` holds the
 index before the group as the active assigned it. When the group's copy
 arrives with the ledger stream it is skipped, and the row moves on to
-``committed`` (``bridge/standby/_applier.py``).
+``committed`` (``bridge/standby/_early.py``).
 
 Revision ID: 0005
 Revises: 0004

@@ -346,7 +346,7 @@ def test_a_commit_outcome_leaves_the_row_to_its_group_and_an_abort_is_recorded_a
     site_a: LocalSite,
 ) -> None:
     """A commit outcome settles nothing (the row settles with its group,
-    ``bridge/standby/_applier.py``), so it stays in doubt until the group comes; an
+    ``bridge/standby/_prepared.py``), so it stays in doubt until the group comes; an
     abort is recorded at once."""
     dsn = site_a.pg.dsn()
     migrate(dsn)

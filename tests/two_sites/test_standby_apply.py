@@ -822,7 +822,7 @@ def test_a_group_applied_before_its_row_is_written_is_remembered_for_it(
         prepared(dsn, "v", "early", early)
         applier.expect("v", "early", voted(early))
         assert applier.apply_prepared("v", "early", 1, first=3, after=0, voted=voted(early)) == 3
-        assert applier._prepared_events == {}
+        assert applier._prepared._rows == {}
 
 
 def test_a_checkpoint_settles_the_prepared_rows_whose_messages_it_holds(

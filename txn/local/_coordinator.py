@@ -36,7 +36,7 @@ messages runs this protocol (the steps are :mod:`txn.local._machine`'s table):
    the answer), like any ledger entries (messages inserted, acked ones
    removed, applied index in the same database transaction), and
    acknowledges. A group committed early is skipped when the stream brings
-   it, recognised by its events, not by its index (``bridge.standby._applier``).
+   it, recognised by its events, not by its index (``bridge.standby._early``).
    The client's ``tx.commit-ok`` waits for the durable group here and for
    ``TxnApplied`` or the acknowledgement, so it is sent only when prepare
    and commit are durable on both sites. (A group durable here before the

@@ -7,7 +7,7 @@ still asks): this site applies no stream from it, and its promotion
 resolved only the rows prepared before, so a yes would let the old active
 confirm what this site never gets. A yes returns the decoded events, from
 which the standby builds an early commit's statement
-(:meth:`bridge.standby._applier.StandbyApplier.ready_early_commit`). A row
+(``bridge.standby``'s ``StandbyApplier.ready_early_commit``). A row
 is settled committed with its group, by the applier, never by a commit
 outcome, which writes nothing (docs/behaviour.md, "Local transactions",
 step 4); an abort is recorded at once. After a reconnect every row still

@@ -20,7 +20,7 @@ def test_a_gate_waiting_on_a_promotion_reads_the_role_it_left(site_b: LocalSite,
     kept the role of its first snapshot, 'standby'."""
     import threading
 
-    from bridge.standby._applier import _SKIP_EARLY_BATCH, _TAKE_GUARD
+    from bridge.standby._early import _SKIP_EARLY_BATCH, _TAKE_GUARD
     from bridge.store import become_active, lock_for_promotion
     from tests.fix_sites import until_a_lock_waits
 
@@ -55,7 +55,7 @@ def test_a_gate_takes_the_config_row_before_the_state_row(site_b: LocalSite) -> 
     took them the other way round would deadlock with it."""
     import threading
 
-    from bridge.standby._applier import _TAKE_GUARD
+    from bridge.standby._early import _TAKE_GUARD
 
     dsn = site_b.pg.dsn()
     prepare(dsn, v="standby")

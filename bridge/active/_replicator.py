@@ -20,12 +20,10 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from bridge._events import (
     ConfirmKey,
-    Consumed,
-    DeadLettered,
     Event,
     LocalTransaction,
     TransactionRefused,
@@ -37,7 +35,7 @@ from bridge.ledger import LedgerError, LedgerWriter, UnstorableEvent
 from ._syncgate import SyncGate, WindowClosed, WindowOpened
 from ._window_recorder import WindowRecorder
 
-__all__ = ["Replicator", "Transactions", "commit_in_task"]
+__all__ = ["Replicator", "commit_in_task"]
 
 log = logging.getLogger(__name__)
 
@@ -65,27 +63,6 @@ def commit_in_task(
     task.add_done_callback(finished)
 
 
-class Transactions(Protocol):
-    """What the replicator hands local transactions to: ``txn``'s
-    coordinator, which runs each as a two-phase commit over both sites."""
-
-    def configure(self, settings: VpnSettings) -> None: ...
-
-    def before_consumed(self, event: Consumed | DeadLettered) -> None: ...
-
-    def prepare(self, txn: LocalTransaction) -> Awaitable[None]: ...
-
-    async def commit(self, txn: LocalTransaction) -> None: ...
-
-    def commit_soon(
-        self, txn: LocalTransaction, done: Callable[[BaseException | None], None]
-    ) -> None: ...
-
-    async def abort(self, txn: LocalTransaction) -> None: ...
-
-    async def resolve(self, txn: LocalTransaction) -> None: ...
-
-
 class Replicator:
     """Ledger first, then (sync mode) the standby, then the client's confirm.
 
@@ -103,15 +80,9 @@ class Replicator:
         #: publish waits for the standby (no wake-ups on an idle or async
         #: site, nor on a standby)
         self._timer: asyncio.TimerHandle | None = None
-        #: runs local transactions as two-phase commits (``txn``'s
-        #: coordinator); without one, a transaction's events are ledgered at
-        #: their commit
-        self.coordinator: Transactions | None = None
 
     def configure(self, settings: VpnSettings, acked_index: int) -> None:
         """Apply a VPN's (possibly changed) mode, timeout and policy."""
-        if self.coordinator is not None:
-            self.coordinator.configure(settings)
         gate = self.gates.get(settings.name)
         if settings.mode is Mode.ASYNC:
             if gate is not None:
@@ -245,8 +216,6 @@ class Replicator:
     # -- the listener's sink ---------------------------------------------------
 
     def append(self, event: Event, on_durable: Callable[[bool], None] | None) -> None:
-        if self.coordinator is not None and isinstance(event, Consumed | DeadLettered):
-            self.coordinator.before_consumed(event)  # a committing publish goes first
         if event.vpn in self.fenced:
             if on_durable is not None:
                 on_durable(False)
@@ -283,10 +252,6 @@ class Replicator:
             for key in keys:
                 on_durable(key, ok)
 
-        if self.coordinator is not None:  # as append() does, event by event
-            for event, _ in events:
-                if isinstance(event, Consumed | DeadLettered):
-                    self.coordinator.before_consumed(event)
         if vpn in self.fenced:
             settle(False)
             return
@@ -344,20 +309,20 @@ class Replicator:
     async def wait_for_room(self) -> None:
         await self.writer.wait_for_room()
 
+    def refuse_if_fenced(self, vpn: str) -> None:
+        """Raise :class:`TransactionRefused` if ``vpn`` is fenced here."""
+        if vpn in self.fenced:
+            raise TransactionRefused(f"VPN {vpn!r} is fenced: a standby was promoted")
+
     def prepare(self, txn: LocalTransaction) -> Awaitable[None]:
-        """Start ``txn``'s two-phase prepare (:meth:`Coordinator.prepare`)."""
-        if txn.vpn in self.fenced:
-            raise TransactionRefused(f"VPN {txn.vpn!r} is fenced: a standby was promoted")
-        if self.coordinator is not None:
-            return self.coordinator.prepare(txn)
+        """Without a coordinator a transaction is prepared by nothing: its
+        events are ledgered at its commit (``txn``'s ``TransactionalSink``
+        runs it as a two-phase commit)."""
+        self.refuse_if_fenced(txn.vpn)
         return _nothing()
 
     async def commit(self, txn: LocalTransaction) -> None:
-        """Record the commit (two-phase with a coordinator; else ledger the
-        transaction's events and wait as a confirm would)."""
-        if self.coordinator is not None:
-            await self.coordinator.commit(txn)
-            return
+        """Ledger the transaction's events and wait as a confirm would."""
         loop = asyncio.get_running_loop()
         outcomes: list[asyncio.Future[bool]] = []
         for event in txn.events:
@@ -375,18 +340,13 @@ class Replicator:
     def commit_soon(
         self, txn: LocalTransaction, done: Callable[[BaseException | None], None]
     ) -> None:
-        if self.coordinator is not None:  # it answers in the standby's callback
-            self.coordinator.commit_soon(txn, done)
-        else:
-            commit_in_task(self.commit(txn), done)
+        commit_in_task(self.commit(txn), done)
 
     async def abort(self, txn: LocalTransaction) -> None:
-        if self.coordinator is not None:
-            await self.coordinator.abort(txn)
+        return None
 
     async def resolve(self, txn: LocalTransaction) -> None:
-        if self.coordinator is not None:
-            await self.coordinator.resolve(txn)
+        return None
 
 
 async def _nothing() -> None:

@@ -60,7 +60,15 @@ from plugin.ops import (
 from plugin.reconcile import ReconcileSchedule
 from plugin.topology import VpnDirectory, VpnView
 from txn.branches import XaCoordinator
-from txn.local import Coordinator, MarkerError, MarkerStore, Participant, TxnLog, load_marker_key
+from txn.local import (
+    Coordinator,
+    MarkerError,
+    MarkerStore,
+    Participant,
+    TransactionalSink,
+    TxnLog,
+    load_marker_key,
+)
 
 from ._bridge_tls import reload_bridge_tls, warn_plaintext
 from ._eligibility import record_eligibility
@@ -114,7 +122,8 @@ class Node:
         self.coordinator = Coordinator(
             self.txn_log, MarkerStore(cfg.amqp_url, self.broker_ssl), self.writer, self.replicator
         )
-        self.replicator.coordinator = self.coordinator
+        #: what the listener hands its events and transactions to
+        self.sink = TransactionalSink(self.replicator, self.coordinator)
         self.participant = Participant(self.txn_log)
         self.xa = XaCoordinator(
             self.coordinator,
@@ -310,7 +319,7 @@ class Node:
             BrokerAddress.from_url(cfg.amqp_url),
             self.directory,
             self.ids,
-            self.replicator,
+            self.sink,
             broker_ssl=self.broker_ssl,
             max_connections=cfg.max_client_connections,
             marker_key=self.coordinator.markers.key,
@@ -475,7 +484,7 @@ class Node:
                         s.name, r.newest_epoch or 0, r.newest_site or ""
                     )
                 await self.writer.open_vpn(s.name)
-                self.replicator.configure(s, r.applied_index)
+                self.sink.configure(s, r.applied_index)
             if s.name in self.switching:
                 self.refusals[s.name] = self.switching[s.name]
             out.append(s)

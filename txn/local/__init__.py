@@ -32,9 +32,11 @@ from ._machine import (
 )
 from ._markers import MarkerError, MarkerStore, load_marker_key, restored_marker
 from ._participant import Participant
+from ._sink import TransactionalSink
 from ._sweep import TXN_RETAIN_SECONDS
 
 __all__ = [
+    "TransactionalSink",
     "Answer",
     "AwaitStandbyAck",
     "CommitEarly",

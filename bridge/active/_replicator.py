@@ -19,15 +19,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from bridge._events import (
     ConfirmKey,
     Event,
-    LocalTransaction,
     TransactionRefused,
-    future_callback,
 )
 from bridge._settings import Mode, VpnSettings
 from bridge.ledger import LedgerError, LedgerWriter, UnstorableEvent
@@ -66,8 +64,8 @@ def commit_in_task(
 class Replicator:
     """Ledger first, then (sync mode) the standby, then the client's confirm.
 
-    The listener's replication sink (``plugin``'s ``ReplicationSink``
-    protocol, implemented structurally: this layer does not import it)."""
+    The events half of the listener's replication sink; ``txn``'s
+    ``TransactionalSink`` adds local transactions on top of it."""
 
     def __init__(self, writer: LedgerWriter, windows: WindowRecorder | None = None) -> None:
         self.writer = writer
@@ -313,41 +311,3 @@ class Replicator:
         """Raise :class:`TransactionRefused` if ``vpn`` is fenced here."""
         if vpn in self.fenced:
             raise TransactionRefused(f"VPN {vpn!r} is fenced: a standby was promoted")
-
-    def prepare(self, txn: LocalTransaction) -> Awaitable[None]:
-        """Without a coordinator a transaction is prepared by nothing: its
-        events are ledgered at its commit (``txn``'s ``TransactionalSink``
-        runs it as a two-phase commit)."""
-        self.refuse_if_fenced(txn.vpn)
-        return _nothing()
-
-    async def commit(self, txn: LocalTransaction) -> None:
-        """Ledger the transaction's events and wait as a confirm would."""
-        loop = asyncio.get_running_loop()
-        outcomes: list[asyncio.Future[bool]] = []
-        for event in txn.events:
-            done: asyncio.Future[bool] = loop.create_future()
-            outcomes.append(done)
-            self.append(event, future_callback(done))
-        results = await asyncio.gather(*outcomes)
-        if not all(results):
-            log.error(
-                "VPN %s: transaction %s committed at the broker but not replicated",
-                txn.vpn,
-                txn.txid,
-            )
-
-    def commit_soon(
-        self, txn: LocalTransaction, done: Callable[[BaseException | None], None]
-    ) -> None:
-        commit_in_task(self.commit(txn), done)
-
-    async def abort(self, txn: LocalTransaction) -> None:
-        return None
-
-    async def resolve(self, txn: LocalTransaction) -> None:
-        return None
-
-
-async def _nothing() -> None:
-    """A prepare with no coordinator (tests of the sink alone)."""

@@ -17,3 +17,15 @@ class BackgroundTasks:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def __len__(self) -> int:
+        """How many have not ended yet."""
+        return len(self._tasks)
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def wait(self) -> None:
+        """Until every task held now has ended, whatever its end."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)

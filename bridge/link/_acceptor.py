@@ -26,10 +26,10 @@ import logging
 import socket
 import ssl
 import weakref
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 from bridge._settings import HostPort, TlsConfig
+from bridge._tasks import BackgroundTasks
 
 from ._tls import describe_tls_error, make_server_context
 
@@ -96,7 +96,7 @@ class TlsServer:
         self.plaintext_too = False
         self.configure(tls, plaintext_too)
         self.sockets: list[socket.socket] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()
         #: accepted sockets whose handshake task has not started
         self._unstarted: set[socket.socket] = set()
         #: every accepted socket not yet released by its transport
@@ -136,11 +136,6 @@ class TlsServer:
     def port(self) -> int:
         return int(self.sockets[0].getsockname()[1])
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def _accept(self, sock: socket.socket) -> None:
         """The listening socket is readable: accept what is waiting."""
         loop = asyncio.get_running_loop()
@@ -176,7 +171,7 @@ class TlsServer:
             conn.setblocking(False)
             self._unstarted.add(conn)
             self._accepted.add(conn)
-            self._spawn(self._handshake(conn, _address(addr)))
+            self._tasks.spawn(self._handshake(conn, _address(addr)))
 
     def _resume(self, sock: socket.socket) -> None:
         if not self._closed:
@@ -283,8 +278,7 @@ class TlsServer:
         for sock in self.sockets:
             loop.remove_reader(sock)
             sock.close()
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel()
         for conn in self._unstarted:
             conn.close()
         self._unstarted.clear()
@@ -296,7 +290,7 @@ class TlsServer:
         :data:`TLS_SHUTDOWN_TIMEOUT` bounds). A loop stopped before that leaves
         the descriptor open, and uvloop's ``loop.close()`` then waits for
         it forever."""
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.wait()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + TLS_SHUTDOWN_TIMEOUT + 1.0
         held = self._accepted  # no event says when a transport lets go of its socket

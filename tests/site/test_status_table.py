@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 
 from plugin.cli import render
 from tests.fix_cli import Vpnrepl
+from tests.support.two_sites import until
 
 
 def _vpn(**over: Any) -> dict[str, Any]:
@@ -128,12 +128,12 @@ class _Watch:
             text=True,
         )
 
-    def until(self, check: Callable[[str], bool], what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not check(self.out.read_text()):
+    def until(self, check: Callable[[str], bool], what: str) -> None:
+        def seen() -> bool:
             assert self.proc.poll() is None, f"the watch ended before {what}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
-            time.sleep(0.1)
+            return check(self.out.read_text())
+
+        until(seen, what, timeout=60.0)
 
     def stop(self) -> tuple[str, str]:
         self.proc.send_signal(signal.SIGINT)

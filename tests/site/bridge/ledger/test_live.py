@@ -12,7 +12,7 @@ import psycopg
 from bridge import Event
 from bridge.ledger import LedgerWriter, apply_entries_async
 from plugin.devtools import LocalSite
-from tests.site.test_ledger import (
+from tests.site.bridge.ledger.test_writer import (
     Durable,
     _until_blocked,
     ack,

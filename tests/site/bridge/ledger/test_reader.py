@@ -8,7 +8,7 @@ import pytest
 
 from bridge.ledger import LedgerClosed, LedgerPruned, LedgerReader, LedgerWriter, VpnNotOpen
 from plugin.devtools import LocalSite
-from tests.site.test_ledger import prepare, pub, run
+from tests.site.bridge.ledger.test_writer import prepare, pub, run
 
 
 def test_read_range_replays_committed_entries(site_a: LocalSite) -> None:

@@ -14,17 +14,9 @@ import pytest
 from bridge import LedgerEntry, TopologyChanged, name_item, queue_item
 from bridge.ledger import apply_entries
 from bridge.store import keep_definitions, stored_topology
-from plugin.devtools import LocalSite
-from sql import migrate
-from tests.site.test_vpnstore import enable, on_loop
+from tests.site.bridge.store.test_vpn_config import enable, on_loop
 
 VPN = "orders"
-
-
-@pytest.fixture
-def dsn(site_a: LocalSite) -> str:
-    migrate(site_a.pg.dsn())
-    return site_a.pg.dsn()
 
 
 def declare(name: str) -> TopologyChanged:

@@ -30,3 +30,20 @@ def test_the_peer_role_reads_no_window_even_with_a_default_grant(site_a: LocalSi
             conn.execute(
                 "ALTER DEFAULT PRIVILEGES REVOKE SELECT ON TABLES FROM vpnrepl_window_peer"
             )
+
+
+def test_the_upgrade_takes_back_the_insert_the_previous_readme_granted(
+    site_a: LocalSite,
+) -> None:
+    """The previous release's README granted the peer's role INSERT on
+    ``operator_request``; with it the peer could still queue a promote."""
+    dsn = site_a.pg.dsn()
+    migrate(dsn, "0012")
+    old = role_dsn(site_a, "vpnrepl_old_peer", "INSERT ON operator_request TO {role}",
+                   "USAGE ON SEQUENCE operator_request_id_seq TO {role}")  # fmt: skip
+    with psycopg.connect(old, autocommit=True) as conn:
+        conn.execute("INSERT INTO operator_request (command, vpn) VALUES ('noop', 'orders')")
+    migrate(dsn)
+    with psycopg.connect(old, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("INSERT INTO operator_request (command, vpn) VALUES ('promote', 'x')")

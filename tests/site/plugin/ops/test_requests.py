@@ -9,20 +9,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.rows import dict_row
 
 from plugin import PluginError, StateError
 from plugin.devtools import LocalSite
-from plugin.ops import SITE_LOCK, Progress, RequestServer, audit_rows, render_audit, run_command
+from plugin.ops import SITE_LOCK, Progress, RequestServer, run_command
 from sql import migrate
 from tests.fix_sites import role_dsn
-
-
-@pytest.fixture
-def dsn(site_a: LocalSite) -> str:
-    dsn = site_a.pg.dsn()
-    migrate(dsn)
-    return dsn
 
 
 def lock_free(dsn: str) -> bool:
@@ -237,41 +229,3 @@ def test_a_schema_without_the_site_lock_is_named(site_a: LocalSite) -> None:
     with pytest.raises(StateError, match="run `vpnrepl init`"):
         asyncio.run(RequestServer(dsn, {}).start())
     migrate(dsn)
-
-
-def test_what_the_cli_did_itself_is_in_the_audit_trail(dsn: str, site_a: LocalSite) -> None:
-    async def local(progress: Progress) -> dict[str, Any]:
-        return {"line": "done here"}
-
-    async def failing(progress: Progress) -> dict[str, Any]:
-        raise StateError("VPN 'nope' is not enabled here")
-
-    asyncio.run(run_command(dsn, "promote", "orders", {}, local, lambda d, t: None))
-    with pytest.raises(StateError):
-        asyncio.run(run_command(dsn, "demote", "nope", {}, failing, lambda d, t: None))
-    with psycopg.connect(dsn, row_factory=dict_row) as conn:
-        rows = audit_rows(conn, 10)
-    assert [(r["command"], r["vpn"], r["state"], r["by"]) for r in rows[:2]] == [
-        ("demote", "nope", "failed", "postgres"),
-        ("promote", "orders", "done", "postgres"),
-    ]
-    assert "not enabled" in rows[0]["error"]
-    text = render_audit(rows)
-    assert "demote" in text and "failed: VPN 'nope' is not enabled here" in text
-
-
-def test_the_upgrade_takes_back_the_insert_the_previous_readme_granted(
-    site_a: LocalSite,
-) -> None:
-    """The previous release's README granted the peer's role INSERT on
-    ``operator_request``; with it the peer could still queue a promote."""
-    dsn = site_a.pg.dsn()
-    migrate(dsn, "0012")
-    old = role_dsn(site_a, "vpnrepl_old_peer", "INSERT ON operator_request TO {role}",
-                   "USAGE ON SEQUENCE operator_request_id_seq TO {role}")  # fmt: skip
-    with psycopg.connect(old, autocommit=True) as conn:
-        conn.execute("INSERT INTO operator_request (command, vpn) VALUES ('noop', 'orders')")
-    migrate(dsn)
-    with psycopg.connect(old, autocommit=True) as conn:
-        with pytest.raises(psycopg.errors.InsufficientPrivilege):
-            conn.execute("INSERT INTO operator_request (command, vpn) VALUES ('promote', 'x')")

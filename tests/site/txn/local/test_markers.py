@@ -10,10 +10,56 @@ import time
 
 import pika
 
+from bridge import MARKER_QUEUE
 from plugin.devtools import LocalSite
 from tests.fix_listener import ListenerThread, enable_vpn
 from tests.support.two_sites import setup_vpn
+from txn import MarkerKey
 from txn.local import MarkerStore
+
+
+def test_markers_are_read_without_removal_and_swept_by_name(site_a: LocalSite) -> None:
+    """Recovery reads every marker and removes none; a sweep removes exactly
+    the markers of the transactions it names, and every forged one, and
+    leaves the others queued."""
+    site_a.rabbit.add_vhost("v")
+    store = MarkerStore(site_a.rabbit.amqp_url())
+    asyncio.run(store.declare("v"))
+    txids = [f"tx-{n}" for n in range(300)]
+    conn = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("v")))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for txid in txids:
+        body = store.body("v", txid)
+        ch.basic_publish("", MARKER_QUEUE, body, pika.BasicProperties(delivery_mode=2))
+    # forged: untagged, another key's tag, another vhost's tag, not text
+    other = MarkerKey.new()
+    for body in (b"tx-1", other.body("v", "tx-2"), store.body("w", "tx-3"), b"\xff tx"):
+        ch.basic_publish("", MARKER_QUEUE, body, pika.BasicProperties(delivery_mode=2))
+
+    def depth() -> int:
+        return int(ch.queue_declare(MARKER_QUEUE, passive=True).method.message_count)
+
+    assert asyncio.run(store.present("v")) == set(txids)
+    assert depth() == 304
+
+    async def overlapping() -> list[object]:
+        # reads and a sweep at once: a marker one of them holds must not be
+        # missing from another's answer (a missed marker aborts a commit)
+        sweep = store.remove("v", {"tx-never-published"})
+        return list(await asyncio.gather(*(store.present("v") for _ in range(4)), sweep))
+
+    assert asyncio.run(overlapping()) == [set(txids)] * 4 + [0]
+    assert depth() == 300  # the sweep removed the forged ones
+    assert store.forged == {"v": 4}
+    gone = set(txids[::3])
+    assert asyncio.run(store.remove("v", gone | {"tx-never-published"})) == 100
+    assert depth() == 200
+    assert asyncio.run(store.present("v")) == set(txids) - gone
+    assert asyncio.run(store.remove("v", set(txids))) == 200
+    assert depth() == 0
+    assert asyncio.run(store.present("v")) == set()
+    conn.close()
 
 
 def test_a_message_a_client_routes_into_the_marker_queue_is_no_marker(

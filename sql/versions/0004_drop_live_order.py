@@ -9,8 +9,8 @@ autovacuum analyses it) PostgreSQL 15 estimated both indexes on
 ``(vpn, queue, publish_index)``, filtering ``repl_id``: every ack then read
 the whole queue. Measured on a 10,000-message queue: 520-1,000 ms for a
 batch of 500 acks, against 1 ms through the primary key (after an
-``ANALYZE`` with rows in the table). ``tests/two_sites/test_standby_apply.py`` checks
-the plan with the statistics of an empty table.
+``ANALYZE`` with rows in the table). ``tests/site/bridge/ledger/test_apply.py``
+checks the plan with the statistics of an empty table.
 
 The index had no reader that needs it: a checkpoint sorts the VPN's rows
 (rare, and the standby sorts nothing), and a purge's ``publish_index <``

@@ -22,7 +22,7 @@ from bridge.roles import (
 from bridge.standby import NotStandby, StandbyApplier
 from plugin.devtools import LocalSite
 from plugin.ops import connect, status
-from tests.two_sites.test_standby_apply import ack, keys, numbered, prepare, pub
+from tests.site.bridge.ledger.test_apply import ack, keys, numbered, prepare, pub
 from txn.local import Participant, TxnLog, encode_events
 
 VPN = "orders"
@@ -203,7 +203,7 @@ def test_in_doubt_transactions_and_the_new_ledger_start_past_groups_committed_ea
 
 
 def test_the_new_active_hands_out_incarnations_above_those_it_took_over(standby: str) -> None:
-    # the standby's rows carry incarnation 9 (tests/two_sites/test_standby_apply.py's ids)
+    # the standby's rows carry incarnation 9 (tests/site/bridge/ledger/test_apply.py's ids)
     with connect(standby) as conn:
         begin_promotion(conn, VPN, "b")
     [incarnation] = one(

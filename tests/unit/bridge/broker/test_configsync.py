@@ -1,10 +1,11 @@
-"""Config-sync's document and its import, against an in-memory management API.
+"""Config-sync's document and its import (bridge/broker/_configsync.py),
+against an in-memory management API: no servers.
 
 Which users and permissions travel with a VPN (only those on its vhost),
 how the standby brings its broker in line (the active's hash wins, the
 standby's own user is never touched, nothing is written when nothing
 changed) and that no password hash reaches a log line. The real brokers
-are in ``test_two_sites_config_sync.py``.
+are in ``tests/two_sites/test_config_sync.py``.
 """
 
 from __future__ import annotations

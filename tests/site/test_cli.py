@@ -1,10 +1,19 @@
-"""The admin's CLI against a real PostgreSQL: init, vpn enable/disable, status."""
+"""The admin's CLI against a real PostgreSQL: init, vpn enable/disable,
+status (``--json``, and ``--watch N`` refreshing it until interrupted).
+
+It runs ``vpnrepl`` as the admin does, so it tests the command line as a
+whole: the parser, the commands, their exit statuses and one-line errors."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -12,6 +21,7 @@ import pytest
 
 from plugin.devtools import LocalSite
 from tests.fix_cli import Vpnrepl
+from tests.support.two_sites import until
 
 CONTRACT_COMMANDS = ["init", "node", "vpn", "status", "promote", "demote", "reconcile", "demo"]
 
@@ -255,3 +265,63 @@ def test_status_shows_broker_depth_next_to_replicated_count(
         time.sleep(0.2)
         [vpn] = json.loads(vpnrepl_a("status", "--json").stdout)["vpns"]
     assert vpn["broker_queues"] == {"bypass.q": 3}
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [("0", "0.5 to 86400 seconds"), ("soon", "'soon' is not a number of seconds")],
+)
+def test_a_bad_watch_interval_is_a_usage_error(vpnrepl_a: Vpnrepl, value: str, needle: str) -> None:
+    result = vpnrepl_a("status", "--watch", value)
+    assert result.returncode == 2
+    assert "--watch" in result.stderr and needle in result.stderr
+
+
+class _Watch:
+    """``vpnrepl status --watch 0.5`` writing to a file the test can read
+    while it runs (a loaded machine refreshes late, not never)."""
+
+    def __init__(self, config: Path, out: Path, *args: str) -> None:
+        exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))
+        self.out = out
+        self._stdout = out.open("w")
+        self.proc = subprocess.Popen(
+            [exe, "--config", str(config), "status", "--watch", "0.5", *args],
+            stdout=self._stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def until(self, check: Callable[[str], bool], what: str) -> None:
+        def seen() -> bool:
+            assert self.proc.poll() is None, f"the watch ended before {what}"
+            return check(self.out.read_text())
+
+        until(seen, what, timeout=60.0)
+
+    def stop(self) -> tuple[str, str]:
+        self.proc.send_signal(signal.SIGINT)
+        _, err = self.proc.communicate(timeout=30)
+        self._stdout.close()
+        assert self.proc.returncode == 0, err  # Ctrl-C is how a watch ends: not a failure
+        return self.out.read_text(), err
+
+
+def test_watch_refreshes_until_interrupted(vpnrepl_a: Vpnrepl, tmp_path: Path) -> None:
+    assert vpnrepl_a("init").returncode == 0
+    assert vpnrepl_a("vpn", "enable", "orders", "--role", "active").returncode == 0
+    watch = _Watch(vpnrepl_a.config, tmp_path / "table.txt")
+    watch.until(lambda out: out.count("site a\n") >= 2, "second refresh")
+    assert vpnrepl_a("vpn", "enable", "audit", "--role", "standby").returncode == 0
+    watch.until(lambda out: re.search(r"^audit\s+standby\s", out, re.M) is not None, "audit")
+    out, err = watch.stop()
+    assert out.count("site a\n") >= 3, out
+    assert "every 0.5 s (Ctrl-C stops)" in out
+    assert "Traceback" not in err
+
+    watch = _Watch(vpnrepl_a.config, tmp_path / "json.txt", "--json")
+    watch.until(lambda out: out.count("\n") >= 2, "two JSON documents")
+    out, _ = watch.stop()
+    docs = [json.loads(line) for line in out.splitlines()]
+    assert len(docs) >= 2
+    assert all([v["name"] for v in d["vpns"]] == ["audit", "orders"] for d in docs)

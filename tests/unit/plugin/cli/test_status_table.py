@@ -1,23 +1,13 @@
-"""``vpnrepl status``: a table an operator reads at a glance, ``--json``
-unchanged, ``--watch N`` refreshing it until interrupted."""
+"""``vpnrepl status`` as a table (plugin/cli/_status_table.py): a row per
+VPN an operator reads at a glance, its queues below, and what needs
+attention flagged. ``--watch`` is run in ``tests/site/test_cli.py``."""
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
-import signal
-import subprocess
-import sys
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import pytest
-
 from plugin.cli import render
-from tests.fix_cli import Vpnrepl
-from tests.support.two_sites import until
 
 
 def _vpn(**over: Any) -> dict[str, Any]:
@@ -101,63 +91,3 @@ def test_the_table_flags_what_needs_attention() -> None:
     ) in text
     assert "window" not in render({"site": "a", "vpns": [_vpn()]})
     assert render({"site": "a", "vpns": []}) == "site a\nno VPN is enabled for replication\n"
-
-
-@pytest.mark.parametrize(
-    ("value", "needle"),
-    [("0", "0.5 to 86400 seconds"), ("soon", "'soon' is not a number of seconds")],
-)
-def test_a_bad_watch_interval_is_a_usage_error(vpnrepl_a: Vpnrepl, value: str, needle: str) -> None:
-    result = vpnrepl_a("status", "--watch", value)
-    assert result.returncode == 2
-    assert "--watch" in result.stderr and needle in result.stderr
-
-
-class _Watch:
-    """``vpnrepl status --watch 0.5`` writing to a file the test can read
-    while it runs (a loaded machine refreshes late, not never)."""
-
-    def __init__(self, config: Path, out: Path, *args: str) -> None:
-        exe = shutil.which("vpnrepl") or str(Path(sys.executable).with_name("vpnrepl"))
-        self.out = out
-        self._stdout = out.open("w")
-        self.proc = subprocess.Popen(
-            [exe, "--config", str(config), "status", "--watch", "0.5", *args],
-            stdout=self._stdout,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def until(self, check: Callable[[str], bool], what: str) -> None:
-        def seen() -> bool:
-            assert self.proc.poll() is None, f"the watch ended before {what}"
-            return check(self.out.read_text())
-
-        until(seen, what, timeout=60.0)
-
-    def stop(self) -> tuple[str, str]:
-        self.proc.send_signal(signal.SIGINT)
-        _, err = self.proc.communicate(timeout=30)
-        self._stdout.close()
-        assert self.proc.returncode == 0, err  # Ctrl-C is how a watch ends: not a failure
-        return self.out.read_text(), err
-
-
-def test_watch_refreshes_until_interrupted(vpnrepl_a: Vpnrepl, tmp_path: Path) -> None:
-    assert vpnrepl_a("init").returncode == 0
-    assert vpnrepl_a("vpn", "enable", "orders", "--role", "active").returncode == 0
-    watch = _Watch(vpnrepl_a.config, tmp_path / "table.txt")
-    watch.until(lambda out: out.count("site a\n") >= 2, "second refresh")
-    assert vpnrepl_a("vpn", "enable", "audit", "--role", "standby").returncode == 0
-    watch.until(lambda out: re.search(r"^audit\s+standby\s", out, re.M) is not None, "audit")
-    out, err = watch.stop()
-    assert out.count("site a\n") >= 3, out
-    assert "every 0.5 s (Ctrl-C stops)" in out
-    assert "Traceback" not in err
-
-    watch = _Watch(vpnrepl_a.config, tmp_path / "json.txt", "--json")
-    watch.until(lambda out: out.count("\n") >= 2, "two JSON documents")
-    out, _ = watch.stop()
-    docs = [json.loads(line) for line in out.splitlines()]
-    assert len(docs) >= 2
-    assert all([v["name"] for v in d["vpns"]] == ["audit", "orders"] for d in docs)

@@ -1,5 +1,6 @@
-"""The admin endpoint (aiohttp): its resources, its errors, and the lag
-history behind the status page's chart."""
+"""The admin endpoint (plugin/admin/_endpoint.py, aiohttp) on loopback, with
+the node's status and metrics stubbed: its resources, its errors, who may
+reach it and what an action starts."""
 
 from __future__ import annotations
 
@@ -28,17 +29,6 @@ def _doc(lag: int, applied: int) -> dict[str, Any]:
             }
         ],
     }
-
-
-def test_the_history_keeps_the_window_and_drops_disabled_vpns() -> None:
-    h = LagHistory(window=10, every=2)
-    for i in range(8):
-        h.add(_doc(i, 100 + i), at=1000.0 + 2 * i)
-    samples = h.as_json()["vpns"]["orders"]
-    assert len(samples) == 5  # 10 s of samples every 2 s
-    assert samples[-1] == [1014.0, 7, 0.07, 107]
-    h.add({"site": "a", "vpns": []})
-    assert h.as_json()["vpns"] == {}
 
 
 def _get(

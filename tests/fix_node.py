@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from plugin.devtools import LocalNode, LocalSite
+from sql import migrate
 from tests.fix_cli import Vpnrepl
 
 
@@ -28,8 +29,10 @@ class NodeProcess(LocalNode):
 
 @pytest.fixture
 def node_a(site_a: LocalSite, vpnrepl_a: Vpnrepl, tmp_path: Path) -> Iterator[NodeProcess]:
-    """Site A's node (not started): init done; enable VPNs, then ``start()``."""
-    assert vpnrepl_a("init").returncode == 0
+    """Site A's node (not started): its schema made (what ``vpnrepl init``
+    does, in this process: tests/site/test_cli.py runs the command itself);
+    enable VPNs, then ``start()``."""
+    migrate(site_a.pg.dsn())
     node = NodeProcess(site_a, vpnrepl_a.config, tmp_path / "node-a.log")
     try:
         yield node
@@ -40,9 +43,9 @@ def node_a(site_a: LocalSite, vpnrepl_a: Vpnrepl, tmp_path: Path) -> Iterator[No
 
 @pytest.fixture
 def node_b(site_a: LocalSite, site_b: LocalSite, tmp_path: Path) -> Iterator[NodeProcess]:
-    """Site B's node as the standby of site A (not started): init done."""
+    """Site B's node as the standby of site A (not started): its schema made."""
     config = site_b.write_config(tmp_path / "b.toml", peer=site_a)
-    assert Vpnrepl(config)("init").returncode == 0
+    migrate(site_b.pg.dsn())
     node = NodeProcess(site_b, config, tmp_path / "node-b.log")
     try:
         yield node
@@ -58,7 +61,7 @@ class Sites:
         self.a_cfg = a.write_config(tmp / "a.toml", peer=b)
         self.b_cfg = b.write_config(tmp / "b.toml", peer=a)
         self.cli_a, self.cli_b = Vpnrepl(self.a_cfg), Vpnrepl(self.b_cfg)
-        for cli in (self.cli_a, self.cli_b):
-            assert cli("init").returncode == 0
+        for site in (a, b):
+            migrate(site.pg.dsn())
         self.a = NodeProcess(a, self.a_cfg, tmp / "node-a.log", name="a")
         self.b = NodeProcess(b, self.b_cfg, tmp / "node-b.log", name="b")

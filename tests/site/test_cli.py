@@ -7,6 +7,7 @@ whole: the parser, the commands, their exit statuses and one-line errors."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -290,6 +291,8 @@ class _Watch:
             stdout=self._stdout,
             stderr=subprocess.PIPE,
             text=True,
+            # a watch that outlives its Ctrl-C dumps its threads' stacks on SIGABRT
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
         )
 
     def until(self, check: Callable[[str], bool], what: str) -> None:
@@ -300,9 +303,17 @@ class _Watch:
         until(seen, what, timeout=60.0)
 
     def stop(self) -> tuple[str, str]:
+        """Ctrl-C, as a user ends a watch; a watch still running 30 s later
+        fails the test with the stacks it was stuck in."""
         self.proc.send_signal(signal.SIGINT)
-        _, err = self.proc.communicate(timeout=30)
-        self._stdout.close()
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            _, err = self.proc.communicate(timeout=30)
+            raise AssertionError(f"the watch outlived its Ctrl-C by 30 s:\n{err}") from None
+        finally:
+            self._stdout.close()
         assert self.proc.returncode == 0, err  # Ctrl-C is how a watch ends: not a failure
         return self.out.read_text(), err
 

@@ -297,8 +297,8 @@ class _ProgressBar:
 def cmd_promote(cfg: SiteConfig, args: argparse.Namespace) -> int:
     import asyncio
 
-    from plugin.listener import site_broker_ssl
     from plugin.ops import Progress, PromotionSummary, promote, run_command
+    from plugin.tls import site_broker_ssl
 
     async def here(progress: Progress) -> dict[str, Any]:
         summary = await promote(cfg, args.vpn, progress, site_broker_ssl(cfg))

@@ -7,7 +7,7 @@ the site's VPNs current, and where it meets client XA.
 from __future__ import annotations
 
 from ._refresher import DirectoryRefresher
-from ._server import CLOSE_TIMEOUT, BrokerAddress, Listener, broker_context, site_broker_ssl
+from ._server import CLOSE_TIMEOUT, BrokerAddress, Listener
 from ._sink import MemorySink, ReplicationSink, append_events
 from ._xa_gateway import XaGateway
 
@@ -20,6 +20,4 @@ __all__ = [
     "DirectoryRefresher",
     "Listener",
     "XaGateway",
-    "broker_context",
-    "site_broker_ssl",
 ]

@@ -22,7 +22,6 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -36,17 +35,16 @@ from bridge import (
     TransactionRefused,
 )
 from bridge.link import TLS_SHUTDOWN_TIMEOUT, TlsServer, describe_tls_error
-from plugin._config import SiteConfig
-from plugin._errors import ConfigError
 from plugin.admin import ListenerStats
 from plugin.session import BrokerUnavailable, Output, Session, TooManyConnections
+from plugin.tls import broker_context
 from plugin.topology import VpnDirectory
 from txn import MarkerKey
 
 from ._sink import ReplicationSink, append_events
 from ._xa_gateway import XaGateway
 
-__all__ = ["BrokerAddress", "Listener", "broker_context", "site_broker_ssl"]
+__all__ = ["BrokerAddress", "Listener"]
 
 log = logging.getLogger(__name__)
 
@@ -69,33 +67,6 @@ class BrokerAddress:
         parts = urlsplit(url)
         tls = parts.scheme == "amqps"
         return cls(parts.hostname or "127.0.0.1", parts.port or (5671 if tls else 5672), tls)
-
-
-def broker_context(ca: Path | None = None) -> ssl.SSLContext:
-    """The client context for an ``amqps://`` broker: TLS 1.2 or later; the
-    broker's certificate verified against ``ca`` alone when given, else
-    against the system's trusted CAs; and always matched against the URL's
-    host (an IP address must be among the certificate's IP addresses).
-
-    Why hostname checking stays on with a private ``ca``: unlike the bridge's
-    pinned peer CA, a broker's CA is typically an organisation's CA signing
-    many servers, and only the name tells the site's broker from the others.
-    """
-    ctx = ssl.create_default_context(cafile=ca)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    return ctx
-
-
-def site_broker_ssl(cfg: SiteConfig) -> ssl.SSLContext | None:
-    """The context verifying an ``amqps://`` broker (``broker.ca``, else the
-    system's trusted CAs); None for a plain ``amqp://`` one."""
-    if urlsplit(cfg.amqp_url).scheme != "amqps":
-        return None
-    try:
-        return broker_context(cfg.broker_ca)
-    except (ssl.SSLError, OSError) as e:
-        reason = describe_tls_error(e) if isinstance(e, ssl.SSLError) else e.strerror
-        raise ConfigError(cfg.path, "broker.ca", f"not a usable CA file: {reason}") from e
 
 
 def _nodelay(transport: asyncio.BaseTransport) -> None:

@@ -50,7 +50,7 @@ from bridge.store import enabled_vpns
 from plugin._config import SiteConfig
 from plugin._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
 from plugin.admin import AdminCredentials, AdminServer, LagHistory, Metrics
-from plugin.listener import BrokerAddress, DirectoryRefresher, Listener, XaGateway, site_broker_ssl
+from plugin.listener import BrokerAddress, DirectoryRefresher, Listener, XaGateway
 from plugin.ops import (
     NodeRequests,
     RequestServer,
@@ -58,6 +58,7 @@ from plugin.ops import (
     start_request,
 )
 from plugin.reconcile import ReconcileSchedule
+from plugin.tls import site_broker_ssl
 from plugin.topology import VpnDirectory, VpnView
 from txn.branches import XaCoordinator
 from txn.local import (

@@ -37,7 +37,7 @@ from bridge.roles import Tail, demote_to_standby, ensure_fenced, read_tail
 from bridge.store import read_vpn_settings
 from plugin._config import SiteConfig
 from plugin._errors import StateError
-from plugin.listener import site_broker_ssl
+from plugin.tls import site_broker_ssl
 from plugin.topology import ReplicationScope
 
 from ._republish import write_tail_file

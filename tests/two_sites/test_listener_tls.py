@@ -23,7 +23,8 @@ from bridge import Consumed, IdSource, Published, Role, TlsConfig
 from bridge.link import TlsServer, TlsSetupError
 from plugin import ConfigError, load_config
 from plugin.devtools import LocalSite, LocalSites, RabbitNode, free_port
-from plugin.listener import BrokerAddress, Listener, MemorySink, broker_context, site_broker_ssl
+from plugin.listener import BrokerAddress, Listener, MemorySink
+from plugin.tls import broker_context, site_broker_ssl
 from plugin.topology import ReplicationScope, Topology, VpnDirectory, VpnView
 from tests.fix_cli import Vpnrepl
 from tests.fix_listener import ListenerThread, enable_vpn

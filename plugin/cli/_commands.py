@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import time
 from typing import Any
 
 from bridge import VpnSettings
@@ -190,8 +192,6 @@ def cmd_audit(cfg: SiteConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
-    import time
-
     from ._status_table import render
 
     api = ManagementAPI(cfg.management_url, timeout=5)
@@ -210,8 +210,8 @@ def cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
         return EXIT_OK
     clear = not args.json and sys.stdout.isatty()
     first = True
-    try:
-        while True:
+    with _Interrupted() as interrupted:
+        while not interrupted.seen:
             if clear:
                 print("\x1b[H\x1b[2J", end="")
             if not args.json:
@@ -225,9 +225,40 @@ def cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
             first = False
             if not clear and not args.json:
                 print()
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        return EXIT_OK
+            interrupted.sleep(args.watch)
+    return EXIT_OK
+
+
+class _Interrupted:
+    """Ctrl-C (or SIGTERM) as a flag a loop checks, not an exception: a
+    KeyboardInterrupt raised inside a library's C code (libpq's wait) can
+    be lost there, and a watch that missed its Ctrl-C ran on. The first
+    signal ends the loop at its next check; a second one interrupts at once,
+    as Python's own handler would."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Interrupted:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.seen:
+            raise KeyboardInterrupt
+        self.seen = True
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less once the signal came."""
+        deadline = time.monotonic() + seconds
+        while not self.seen and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.1))
 
 
 def cmd_reconcile(cfg: SiteConfig, args: argparse.Namespace) -> int:

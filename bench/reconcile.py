@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         cfg = SiteConfig(
-            path="bench", site_name="a", amqp_url="amqp://x@127.0.0.1/",
-            management_url="http://x@127.0.0.1/", listen_amqp=None,  # type: ignore[arg-type]
+            path="bench", site_name="a", amqp_urls=("amqp://x@127.0.0.1/",),
+            management_urls=("http://x@127.0.0.1/",), listen_amqp=None,  # type: ignore[arg-type]
             listen_bridge=None, listen_admin=None,  # type: ignore[arg-type]
             store_dsn=a_dsn, peer_bridge=None, tls=None, peer_store_dsn=b_dsn,
             reconcile=ReconcileConfig(jdbc_jar=DEFAULT_JDBC_JAR),

@@ -65,8 +65,12 @@ class SiteConfig:
 
     path: str
     site_name: str
-    amqp_url: str
-    management_url: str
+    #: ``broker.amqp_url``: the site's RabbitMQ nodes (one, or a cluster's),
+    #: all with the same scheme and user; the listener spreads clients over
+    #: them and the node's own connections move to the next when one fails
+    amqp_urls: tuple[str, ...]
+    #: ``broker.management_url``: the same nodes' management API
+    management_urls: tuple[str, ...]
     listen_amqp: HostPort
     listen_bridge: HostPort
     listen_admin: HostPort
@@ -118,6 +122,15 @@ class SiteConfig:
     overrides: tuple[str, ...] = ()
 
     @property
+    def amqp_url(self) -> str:
+        """The first broker node's URL: its scheme and user are every node's."""
+        return self.amqp_urls[0]
+
+    @property
+    def management_url(self) -> str:
+        return self.management_urls[0]
+
+    @property
     def peer(self) -> PeerConfig | None:
         """The peer site, if one is configured."""
         return self.peers[0] if self.peers else None
@@ -148,6 +161,40 @@ def _url(*schemes: str) -> Callable[[str], str]:
         if parts.scheme not in schemes or not parts.hostname:
             raise ValueError(f"expected a {' or '.join(schemes)} URL with a host")
         return value
+
+    return check
+
+
+def _urls(*schemes: str) -> Callable[[object], tuple[str, ...]]:
+    """A URL, or a list of them (a RabbitMQ cluster's nodes): one scheme and
+    one user across the list, no node twice."""
+    one = _url(*schemes)
+
+    def check(value: object) -> tuple[str, ...]:
+        if isinstance(value, str):
+            return (one(value),)
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"expected an {' or '.join(schemes)} URL, or a list of them")
+        urls: list[str] = []
+        for n, item in enumerate(value):
+            if not isinstance(item, str):
+                raise ValueError(f"item {n + 1}: expected a URL string, got {type(item).__name__}")
+            try:
+                urls.append(one(item))
+            except ValueError as e:
+                raise ValueError(f"item {n + 1}: {e}") from None
+        first = urlsplit(urls[0])
+        for n, url in enumerate(urls[1:], start=2):
+            parts = urlsplit(url)
+            if parts.scheme != first.scheme:
+                raise ValueError(f"item {n}: {parts.scheme}:// where item 1 is {first.scheme}://")
+            if (parts.username, parts.password) != (first.username, first.password):
+                raise ValueError(f"item {n}: another user or password than item 1's")
+            if (parts.hostname, parts.port) in [
+                (urlsplit(u).hostname, urlsplit(u).port) for u in urls[: n - 1]
+            ]:
+                raise ValueError(f"item {n}: {parts.hostname}:{parts.port} is named twice")
+        return tuple(urls)
 
     return check
 
@@ -224,8 +271,8 @@ def _file(value: str) -> str:
 _SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
     "site": {"name": (str, _REQUIRED, _site_name)},
     "broker": {
-        "amqp_url": (str, _REQUIRED, _url("amqp", "amqps")),
-        "management_url": (str, _REQUIRED, _url("http", "https")),
+        "amqp_url": (object, _REQUIRED, _urls("amqp", "amqps")),
+        "management_url": (object, _REQUIRED, _urls("http", "https")),
         "topology_refresh_seconds": (int, 30, _positive),
         "ca": (str, None, _file),
     },
@@ -399,7 +446,7 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         raise ConfigError(path, "listen.amqps", "requires a [client_tls] section (cert, key)")
     if client_tls is not None and listen_amqps is None:
         raise ConfigError(path, "client_tls", "is only used with listen.amqps, which is not set")
-    if v["broker"]["ca"] is not None and urlsplit(v["broker"]["amqp_url"]).scheme != "amqps":
+    if v["broker"]["ca"] is not None and urlsplit(v["broker"]["amqp_url"][0]).scheme != "amqps":
         raise ConfigError(path, "broker.ca", "is only used with an amqps:// broker.amqp_url")
     plaintext = _plaintext_bridge(path, v, tls)
     peers = _all_peers(path, v, peers)
@@ -408,8 +455,8 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         SiteConfig(
             path=path,
             site_name=v["site"]["name"],
-            amqp_url=v["broker"]["amqp_url"],
-            management_url=v["broker"]["management_url"],
+            amqp_urls=v["broker"]["amqp_url"],
+            management_urls=v["broker"]["management_url"],
             listen_amqp=v["listen"]["amqp"],
             listen_bridge=v["listen"]["bridge"],
             listen_admin=v["listen"]["admin"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,34 @@ def test_tls_beside_the_opt_out_is_a_pair_moving_to_tls(tmp_path: Path) -> None:
     assert cfg.tls is not None and cfg.bridge_moving and not cfg.bridge_authenticated
 
 
+def _brokers(*more: object) -> Callable[[str], str]:
+    """GOOD with ``broker.amqp_url`` a list: its own URL, then ``more``."""
+    listed = ", ".join(f'"{m}"' if isinstance(m, str) else repr(m) for m in more)
+    url = '"amqp://guest:secret@127.0.0.1:5672/"'
+    return lambda t: t.replace(f"amqp_url = {url}", f"amqp_url = [{url}, {listed}]")
+
+
+def test_a_cluster_behind_a_site_is_a_list_of_its_nodes(tmp_path: Path) -> None:
+    text = _brokers("amqp://guest:secret@10.0.0.2:5672/", "amqp://guest:secret@10.0.0.3/")(GOOD)
+    text = text.replace(
+        'management_url = "http://guest:secret@127.0.0.1:15672/"',
+        'management_url = ["http://guest:secret@127.0.0.1:15672/", "http://guest:secret@h2/"]',
+    )
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.amqp_urls == (
+        "amqp://guest:secret@127.0.0.1:5672/",
+        "amqp://guest:secret@10.0.0.2:5672/",
+        "amqp://guest:secret@10.0.0.3/",
+    )
+    assert cfg.amqp_url == cfg.amqp_urls[0]
+    assert cfg.management_urls == (
+        "http://guest:secret@127.0.0.1:15672/",
+        "http://guest:secret@h2/",
+    )
+    single = load_config(write(tmp_path, GOOD))
+    assert single.amqp_urls == ("amqp://guest:secret@127.0.0.1:5672/",)
+
+
 @pytest.mark.parametrize(
     ("edit", "key", "problem"),
     [
@@ -103,6 +132,35 @@ def test_tls_beside_the_opt_out_is_a_pair_moving_to_tls(tmp_path: Path) -> None:
         ),
         (lambda t: t.replace("amqp://guest", "http://guest"), "broker.amqp_url", "amqp"),
         (lambda t: t.replace("postgresql://", "mysql://"), "store.dsn", "postgresql"),
+        (
+            _brokers("amqp://guest:secret@b:5672/", "amqps://guest:secret@c/"),
+            "broker.amqp_url",
+            "item 3: amqps:// where item 1 is amqp://",
+        ),
+        (
+            _brokers("amqp://ops:secret@b:5672/"),
+            "broker.amqp_url",
+            "item 2: another user or password than item 1's",
+        ),
+        (
+            _brokers("amqp://guest:secret@127.0.0.1:5672/"),
+            "broker.amqp_url",
+            "item 2: 127.0.0.1:5672 is named twice",
+        ),
+        (_brokers(5), "broker.amqp_url", "item 2: expected a URL string, got int"),
+        (_brokers("http://guest:secret@b/"), "broker.amqp_url", "item 2: expected a amqp or"),
+        (
+            lambda t: t.replace(
+                'amqp_url = "amqp://guest:secret@127.0.0.1:5672/"', "amqp_url = []"
+            ),
+            "broker.amqp_url",
+            "an amqp or amqps URL, or a list of them",
+        ),
+        (
+            lambda t: t.replace('amqp_url = "amqp://guest:secret@127.0.0.1:5672/"', "amqp_url = 7"),
+            "broker.amqp_url",
+            "an amqp or amqps URL, or a list of them",
+        ),
         (lambda t: t + "\n[extra]\nx = 1\n", "extra", "unknown section"),
         (lambda t: t.replace(':5673"', ':99999"'), "listen.amqp", "outside 0..65535"),
         (lambda t: t.replace('key = "k.pem"\n', ""), "tls.key", "required key is missing"),

@@ -87,6 +87,8 @@ class ListenerStats:
     connections_refused: int = 0
     #: reply code -> client connections closed by the listener for bad input
     protocol_closes: Counter[int] = field(default_factory=Counter)
+    #: broker node (HOST:PORT) -> client upstream connects it refused
+    broker_connect_failures: Counter[str] = field(default_factory=Counter)
     #: (vpn, mode) -> how long publisher confirms were held for replication
     confirm_held: dict[tuple[str, str], Buckets] = field(default_factory=dict)
 
@@ -286,6 +288,13 @@ def _listener_families(stats: ListenerStats) -> Iterator[Metric]:
         "client connections closed for bad input, by AMQP reply code",
         ("reply_code",),
         stats.protocol_closes,
+    )
+    yield _counter(
+        "vpnrepl_broker_connect_failures",
+        "client upstream connections a broker node of the site refused or did not "
+        "answer (the client went to the next node), by node",
+        ("broker",),
+        stats.broker_connect_failures,
     )
     delay = HistogramMetricFamily(
         "vpnrepl_confirm_delay_seconds",

@@ -6,8 +6,9 @@ the site's VPNs current, and where it meets client XA.
 
 from __future__ import annotations
 
+from ._brokers import BrokerAddress, BrokerNodes
 from ._refresher import DirectoryRefresher
-from ._server import CLOSE_TIMEOUT, BrokerAddress, Listener
+from ._server import CLOSE_TIMEOUT, Listener
 from ._sink import MemorySink, ReplicationSink, append_events
 from ._xa_gateway import XaGateway
 
@@ -16,6 +17,7 @@ __all__ = [
     "ReplicationSink",
     "append_events",
     "BrokerAddress",
+    "BrokerNodes",
     "CLOSE_TIMEOUT",
     "DirectoryRefresher",
     "Listener",

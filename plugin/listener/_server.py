@@ -20,10 +20,8 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 from bridge import (
     ConfirmKey,
@@ -41,10 +39,11 @@ from plugin.tls import broker_context
 from plugin.topology import VpnDirectory
 from txn import MarkerKey
 
+from ._brokers import BrokerAddress, BrokerNodes
 from ._sink import ReplicationSink, append_events
 from ._xa_gateway import XaGateway
 
-__all__ = ["BrokerAddress", "Listener"]
+__all__ = ["Listener"]
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +51,6 @@ CONNECT_TIMEOUT = 5.0
 CLOSE_TIMEOUT = 5.0
 #: a refusal for the connection cap is logged at most this often (seconds)
 LIMIT_LOG_SECONDS = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class BrokerAddress:
-    """Where the site's RabbitMQ accepts AMQP (from ``broker.amqp_url``)."""
-
-    host: str
-    port: int
-    tls: bool = False
-
-    @classmethod
-    def from_url(cls, url: str) -> BrokerAddress:
-        parts = urlsplit(url)
-        tls = parts.scheme == "amqps"
-        return cls(parts.hostname or "127.0.0.1", parts.port or (5671 if tls else 5672), tls)
 
 
 def _nodelay(transport: asyncio.BaseTransport) -> None:
@@ -190,29 +174,45 @@ class _ClientSide(asyncio.Protocol):
             )
 
     async def _connect_upstream(self) -> None:
-        addr = self.listener.broker
+        """Connect to the site's broker nodes in :class:`BrokerNodes`' order,
+        the first that answers being this client's upstream; when none
+        does, the client is refused as by an unreachable broker."""
         loop = asyncio.get_running_loop()
-        broker = _BrokerSide(self)
-        try:
-            await asyncio.wait_for(
-                loop.create_connection(
-                    lambda: broker,
-                    addr.host,
-                    addr.port,
-                    ssl=self.listener.broker_ssl if addr.tls else None,
-                    ssl_shutdown_timeout=TLS_SHUTDOWN_TIMEOUT if addr.tls else None,
-                ),
-                CONNECT_TIMEOUT,
-            )
-        except (OSError, TimeoutError) as e:
-            why = describe_tls_error(e) if isinstance(e, ssl.SSLError) else e.strerror
-            reason = f"{addr.host}:{addr.port}: {why or 'timed out'}"
+        nodes = self.listener.brokers
+        reasons: list[str] = []
+        for addr in nodes.order():
+            broker = _BrokerSide(self)
+            try:
+                await asyncio.wait_for(
+                    loop.create_connection(
+                        lambda: broker,  # noqa: B023 - awaited within this iteration
+                        addr.host,
+                        addr.port,
+                        ssl=self.listener.broker_ssl if addr.tls else None,
+                        ssl_shutdown_timeout=TLS_SHUTDOWN_TIMEOUT if addr.tls else None,
+                    ),
+                    CONNECT_TIMEOUT,
+                )
+            except (OSError, TimeoutError) as e:
+                why = describe_tls_error(e) if isinstance(e, ssl.SSLError) else e.strerror
+                reasons.append(f"{addr}: {why or 'timed out'}")
+                nodes.failed(addr)
+                self.listener.stats.broker_connect_failures[str(addr)] += 1
+                if self._closed:
+                    return
+                continue
+            nodes.connected(addr)
+            break
+        else:
+            reason = "; ".join(reasons)
             log.warning("broker unreachable for a client connection: %s", reason)
             self.refusal = BrokerUnavailable(reason)
             early, self._early = self._early, []
             for chunk in early:
                 self.data_received(chunk)
             return
+        if len(reasons):
+            log.info("client upstream on %s after %s", addr, "; ".join(reasons))
         if self._closed:
             if broker.transport is not None:
                 broker.transport.close()
@@ -413,7 +413,7 @@ class Listener:
 
     def __init__(
         self,
-        broker: BrokerAddress,
+        broker: BrokerAddress | Sequence[BrokerAddress],
         directory: VpnDirectory,
         ids: IdSource,
         sink: ReplicationSink,
@@ -421,7 +421,8 @@ class Listener:
         max_connections: int = 10_000,
         marker_key: MarkerKey | None = None,
     ) -> None:
-        self.broker = broker
+        #: the site's RabbitMQ nodes (``broker.amqp_url``), clients spread over them
+        self.brokers = BrokerNodes(broker)
         #: the site's commit-marker key (``txn/_marker_key.py``)
         self.marker_key = marker_key or MarkerKey.new()
         #: client connections served at once; past it one is refused (320)
@@ -430,7 +431,7 @@ class Listener:
         self.directory = directory
         self.ids = ids
         self.sink = sink
-        self.broker_ssl = broker_ssl or (broker_context() if broker.tls else None)
+        self.broker_ssl = broker_ssl or (broker_context() if self.brokers.tls else None)
         self.connections: set[_ClientSide] = set()
         self.stats = ListenerStats()
         #: told of replicated publishes left unconfirmed by a dead broker

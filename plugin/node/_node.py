@@ -317,7 +317,7 @@ class Node:
         cfg = self.cfg
         self.ids = IdSource(incarnation, on_low=self._renew_incarnation)
         self.listener = Listener(
-            BrokerAddress.from_url(cfg.amqp_url),
+            [BrokerAddress.from_url(url) for url in cfg.amqp_urls],
             self.directory,
             self.ids,
             self.sink,

@@ -89,7 +89,7 @@ class ActiveBridge:
         replicator: Replicator,
         *,
         peers: Iterable[str] = (),
-        management_url: str | None = None,
+        management_url: str | Sequence[str] | None = None,
         tls: TlsConfig | None = None,
         plaintext_too: bool = False,
         retain_seconds: float = 300.0,

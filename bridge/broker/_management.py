@@ -17,7 +17,7 @@ import contextlib
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from urllib.parse import quote, unquote, urlsplit
 
 from bridge._errors import BridgeError
@@ -39,23 +39,43 @@ class ManagementUnavailable(BridgeError):
         return self.status == 404
 
 
+class _Unreachable(Exception):
+    """One node gave no HTTP answer (the call may go to the next)."""
+
+
+def _node(url: str) -> tuple[str, str]:
+    """A node's API base URL (no credentials) and its URL for messages."""
+    parts = urlsplit(url)
+    base = f"{parts.scheme}://{parts.hostname}:{parts.port or 15672}{parts.path.rstrip('/')}"
+    return base, redact_url(url)
+
+
 class ManagementAPI:
     """The management API calls the node and config-sync need (blocking; run
     in a thread). ``keep_users`` are users config-sync must leave alone, as
-    it does the user of ``url`` itself (the node's own login)."""
+    it does the user of ``url`` itself (the node's own login).
+
+    ``url`` may be a list: a cluster's nodes, whose API is one (definitions
+    and users are cluster-wide). Calls go to the node that answered last; a
+    node that cannot be reached (no HTTP answer) passes the call to the next,
+    each node tried once per call. Every call here is safe to repeat (reads,
+    PUT, DELETE, a definitions import), which is what a call whose answer
+    was lost on the way may be. An HTTP answer is the cluster's and final.
+    """
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         timeout: float = 10.0,
         keep_users: Iterable[str] = (),
         copy_tags: Iterable[str] = (),
     ) -> None:
-        parts = urlsplit(url)
-        self._base = (
-            f"{parts.scheme}://{parts.hostname}:{parts.port or 15672}{parts.path.rstrip('/')}"
-        )
-        self._display = redact_url(url)
+        urls = (url,) if isinstance(url, str) else tuple(url)
+        if not urls:
+            raise ValueError("a management API needs at least one URL")
+        self._nodes = [_node(u) for u in urls]
+        self._current = 0
+        parts = urlsplit(urls[0])
         user, password = parts.username or "guest", parts.password or "guest"
         self._auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
         self._timeout = timeout
@@ -70,9 +90,25 @@ class ManagementAPI:
         #: (logged once each; their count is a metric)
         self.not_ours: set[str] = set()
 
+    @property
+    def _display(self) -> str:
+        """The node calls go to now, its URL without the password."""
+        return self._nodes[self._current][1]
+
     def _call(self, method: str, path: str, body: bytes | None = None) -> bytes:
+        unreachable: list[str] = []
+        for _ in self._nodes:
+            try:
+                return self._call_node(method, path, body)
+            except _Unreachable as e:
+                unreachable.append(str(e))
+                self._current = (self._current + 1) % len(self._nodes)
+        raise ManagementUnavailable("; ".join(unreachable))
+
+    def _call_node(self, method: str, path: str, body: bytes | None) -> bytes:
+        base, display = self._nodes[self._current]
         req = urllib.request.Request(  # noqa: S310 - admin-configured URL
-            f"{self._base}/api/{path}", data=body, method=method
+            f"{base}/api/{path}", data=body, method=method
         )
         req.add_header("Authorization", self._auth)
         if body is not None:
@@ -86,10 +122,10 @@ class ManagementAPI:
                 reason = str(json.loads(e.read()).get("reason", ""))
             detail = f": {reason}" if reason else ""
             raise ManagementUnavailable(
-                f"{self._display}: {method} /api/{path}: HTTP {e.code}{detail}", e.code
+                f"{display}: {method} /api/{path}: HTTP {e.code}{detail}", e.code
             ) from e
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ManagementUnavailable(f"{self._display}: {method} /api/{path}: {e}") from e
+            raise _Unreachable(f"{display}: {method} /api/{path}: {e}") from e
 
     # -- reads ----------------------------------------------------------------
 

@@ -79,7 +79,7 @@ class StandbyBridge:
         dsn: str,
         peer: HostPort | Sequence[HostPort],
         *,
-        management_url: str | None = None,
+        management_url: str | Sequence[str] | None = None,
         keep_users: tuple[str, ...] = (),
         tls: TlsConfig | None = None,
         heartbeat_interval: float = 1.0,

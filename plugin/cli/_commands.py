@@ -156,7 +156,7 @@ def _print_scope(cfg: SiteConfig, settings: VpnSettings) -> None:
     if scope.everything:
         print("  scope: every queue of the VPN")
         return
-    api = ManagementAPI(cfg.management_url, timeout=5)
+    api = ManagementAPI(cfg.management_urls, timeout=5)
     try:
         listed = api.get(f"queues/{quote(settings.name, safe='')}?columns=name")
     except ManagementUnavailable as e:
@@ -194,7 +194,7 @@ def cmd_audit(cfg: SiteConfig, args: argparse.Namespace) -> int:
 def cmd_status(cfg: SiteConfig, args: argparse.Namespace) -> int:
     from ._status_table import render
 
-    api = ManagementAPI(cfg.management_url, timeout=5)
+    api = ManagementAPI(cfg.management_urls, timeout=5)
 
     def once() -> None:
         with connect(cfg.store_dsn) as conn:

@@ -111,7 +111,7 @@ class Node:
         #: the config file a scheduled ``reconcile`` reads
         self._config_path = os.path.abspath(cfg.path)
         self.directory = VpnDirectory()
-        self.api = ManagementAPI(cfg.management_url)
+        self.api = ManagementAPI(cfg.management_urls)
         self.metrics = Metrics()
         self.tracing = Tracing(cfg)
         self.writer = LedgerWriter(cfg.store_dsn)
@@ -236,7 +236,7 @@ class Node:
                 self.writer,
                 self.replicator,
                 peers=[p.name for p in cfg.peers],
-                management_url=cfg.management_url,
+                management_url=cfg.management_urls,
                 tls=cfg.tls,
                 plaintext_too=cfg.plaintext_bridge,
                 retain_seconds=cfg.ledger_retain_seconds,
@@ -247,7 +247,7 @@ class Node:
                     cfg.site_name,
                     cfg.store_dsn,
                     peer.bridge,
-                    management_url=cfg.management_url,
+                    management_url=cfg.management_urls,
                     # the user this site's node logs in to its broker with
                     keep_users=(unquote(urlsplit(cfg.amqp_url).username or "guest"),),
                     tls=cfg.tls,

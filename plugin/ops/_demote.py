@@ -104,7 +104,7 @@ def _settings(cfg: SiteConfig, vpn: str) -> tuple[VpnSettings, set[str]]:
 
 
 def _queue_names(cfg: SiteConfig, vpn: str) -> list[str]:
-    names = ManagementAPI(cfg.management_url).get(f"queues/{quote(vpn, safe='')}?columns=name")
+    names = ManagementAPI(cfg.management_urls).get(f"queues/{quote(vpn, safe='')}?columns=name")
     return [str(q["name"]) for q in names] if isinstance(names, list) else []
 
 

@@ -99,7 +99,7 @@ def _fail(cfg: SiteConfig, vpn: str, error: str) -> None:
 
 def _reimport(cfg: SiteConfig, vpn: str) -> bool:
     node_user = unquote(urlsplit(cfg.amqp_url).username or "guest")
-    api = ManagementAPI(cfg.management_url, keep_users=(node_user,), copy_tags=cfg.copy_tags)
+    api = ManagementAPI(cfg.management_urls, keep_users=(node_user,), copy_tags=cfg.copy_tags)
     return reimport(api, vpn, cfg.store_dsn)
 
 

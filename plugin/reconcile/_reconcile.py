@@ -376,7 +376,7 @@ class Reconciler:
         """Queues of the scope whose broker count differs from the replicated
         live count the same way in two readings (publishes that bypassed
         the listener). Empty, with a warning, when the broker cannot be asked."""
-        api = ManagementAPI(self.cfg.management_url, timeout=10)
+        api = ManagementAPI(self.cfg.management_urls, timeout=10)
         try:
             first = self._drift_reading(api)
             time.sleep(self.drift_wait)

@@ -107,7 +107,7 @@ class BrokerPublisher(asyncio.Protocol):
     @classmethod
     async def connect(
         cls,
-        endpoint: AmqpEndpoint,
+        endpoint: AmqpEndpoint | Sequence[AmqpEndpoint],
         vhost: str,
         *,
         ssl_context: ssl.SSLContext | None = None,
@@ -120,8 +120,33 @@ class BrokerPublisher(asyncio.Protocol):
         ``transactional``, a channel in transaction mode instead: what is
         published waits for :meth:`commit`).
 
-        ``ssl_context`` is used for ``amqps``; without one, the system's
-        trusted CAs and hostname checking (TLS 1.2 or later)."""
+        ``endpoint`` may be a cluster's nodes: they are tried in order, the
+        next when one cannot be reached; a refusal by one that answered
+        (login, vhost) is the cluster's and final. ``ssl_context`` is used
+        for ``amqps``; without one, the system's trusted CAs and hostname
+        checking (TLS 1.2 or later)."""
+        nodes = [endpoint] if isinstance(endpoint, AmqpEndpoint) else list(endpoint)
+        unreachable: list[str] = []
+        for node in nodes:
+            try:
+                return await cls._connect_one(
+                    node, vhost, ssl_context, connect_timeout,
+                    (heartbeat, connection_name, transactional),
+                )  # fmt: skip
+            except BrokerUnreachable as e:
+                unreachable.append(str(e))
+        raise BrokerUnreachable("; ".join(unreachable) or "no broker node to connect to")
+
+    @classmethod
+    async def _connect_one(
+        cls,
+        endpoint: AmqpEndpoint,
+        vhost: str,
+        ssl_context: ssl.SSLContext | None,
+        connect_timeout: float,
+        options: tuple[int, str, bool],
+    ) -> BrokerPublisher:
+        heartbeat, connection_name, transactional = options
         loop = asyncio.get_running_loop()
         context = ssl_context
         if endpoint.tls and context is None:

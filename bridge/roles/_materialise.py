@@ -23,7 +23,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,7 +140,7 @@ class _QueuePlan:
 
 async def materialise(
     dsn: str,
-    amqp_url: str,
+    amqp_url: str | Sequence[str],
     vpn: str,
     epoch: int,
     *,
@@ -149,7 +149,8 @@ async def materialise(
     progress: OnProgress | None = None,
 ) -> MaterialiseResult:
     """Publish the live messages of ``vpn`` into the site's broker (vhost
-    ``vpn`` at ``amqp_url``) for the promotion to ``epoch``; see the module
+    ``vpn`` at ``amqp_url``, or the first of a cluster's nodes that answers)
+    for the promotion to ``epoch``; see the module
     docstring for what is guaranteed and what the caller must have done.
 
     ``progress(done, total)`` is called at the start, as confirms arrive
@@ -159,7 +160,8 @@ async def materialise(
     if window < 1:
         raise ValueError(f"the confirm window must be at least 1, got {window}")
     try:
-        endpoint = AmqpEndpoint.from_url(amqp_url)
+        urls = [amqp_url] if isinstance(amqp_url, str) else list(amqp_url)
+        endpoint = [AmqpEndpoint.from_url(url) for url in urls]
     except ValueError as e:
         raise MaterialiseError(f"broker URL: {e}", vpn) from e
     run = _Materialisation(dsn, vpn, epoch, window, progress)
@@ -201,7 +203,7 @@ class _Materialisation:
         return self._publisher
 
     async def run(
-        self, endpoint: AmqpEndpoint, ssl_context: ssl.SSLContext | None
+        self, endpoint: Sequence[AmqpEndpoint], ssl_context: ssl.SSLContext | None
     ) -> MaterialiseResult:
         t0 = time.monotonic()
         self._conn = await self._connect_store()
@@ -355,7 +357,7 @@ class _Materialisation:
     # ------------------------------------------------------------ broker
 
     async def _connect(
-        self, endpoint: AmqpEndpoint, ssl_context: ssl.SSLContext | None
+        self, endpoint: Sequence[AmqpEndpoint], ssl_context: ssl.SSLContext | None
     ) -> BrokerPublisher:
         try:
             return await BrokerPublisher.connect(
@@ -366,14 +368,14 @@ class _Materialisation:
             )
         except NotAllowed as e:
             raise MaterialiseError(
-                f"the broker at {endpoint} refused vhost {self.vpn!r} ({e.reply_text}): the "
+                f"the broker at {endpoint[0]} refused vhost {self.vpn!r} ({e.reply_text}): the "
                 "VPN's vhost and topology must be imported before promotion, with permissions "
-                f"for {endpoint.username!r}",
+                f"for {endpoint[0].username!r}",
                 self.vpn,
             ) from e
         except AccessRefused as e:
             raise MaterialiseError(
-                f"the broker at {endpoint} refused the login ({e.reply_text})", self.vpn
+                f"the broker at {endpoint[0]} refused the login ({e.reply_text})", self.vpn
             ) from e
 
     async def _check_queues(self, todo: list[_QueuePlan]) -> None:

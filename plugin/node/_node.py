@@ -121,16 +121,18 @@ class Node:
         self.txn_log = TxnLog(cfg.store_dsn)
         self.broker_ssl = site_broker_ssl(cfg)
         self.coordinator = Coordinator(
-            self.txn_log, MarkerStore(cfg.amqp_url, self.broker_ssl), self.writer, self.replicator
+            self.txn_log, MarkerStore(cfg.amqp_urls, self.broker_ssl), self.writer, self.replicator
         )
         #: what the listener hands its events and transactions to
         self.sink = TransactionalSink(self.replicator, self.coordinator)
         self.participant = Participant(self.txn_log)
         self.xa = XaCoordinator(
             self.coordinator,
-            BranchPublisher(cfg.amqp_url, cfg.store_dsn, self.coordinator.markers, self.broker_ssl),
+            BranchPublisher(
+                cfg.amqp_urls, cfg.store_dsn, self.coordinator.markers, self.broker_ssl
+            ),
         )
-        self.xa_replies = ReplyPublisher(cfg.amqp_url, self.broker_ssl)
+        self.xa_replies = ReplyPublisher(cfg.amqp_urls, self.broker_ssl)
         self.uncertain = UncertainLog(cfg.store_dsn)
         self.ledger_bound = LedgerBound(
             cfg.store_dsn, cfg.ledger_max_bytes, cfg.ledger_check_seconds

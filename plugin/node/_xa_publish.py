@@ -49,8 +49,8 @@ WHERE vpn = %s AND repl_id = %s AND queue = %s
 class ReplyPublisher:
     """XA answers, one kept connection per vhost."""
 
-    def __init__(self, amqp_url: str, ssl_context: ssl.SSLContext | None = None) -> None:
-        self.endpoint = AmqpEndpoint.from_url(amqp_url)
+    def __init__(self, amqp_urls: Sequence[str], ssl_context: ssl.SSLContext | None = None) -> None:
+        self.endpoint = [AmqpEndpoint.from_url(url) for url in amqp_urls]
         self.ssl_context = ssl_context
         self._publishers: dict[str, BrokerPublisher] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -97,12 +97,12 @@ class BranchPublisher:
 
     def __init__(
         self,
-        amqp_url: str,
+        amqp_urls: Sequence[str],
         store_dsn: str,
         markers: MarkerStore,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self.endpoint = AmqpEndpoint.from_url(amqp_url)
+        self.endpoint = [AmqpEndpoint.from_url(url) for url in amqp_urls]
         self.store_dsn = store_dsn
         self.markers = markers
         self.ssl_context = ssl_context

@@ -118,7 +118,7 @@ async def _empty_queues(cfg: SiteConfig, vpn: str) -> tuple[dict[str, int], dict
     emptied: dict[str, int] = {}
     left: dict[str, int] = {}
     async with await BrokerPublisher.connect(
-        AmqpEndpoint.from_url(cfg.amqp_url),
+        [AmqpEndpoint.from_url(url) for url in cfg.amqp_urls],
         vpn,
         ssl_context=site_broker_ssl(cfg),
         connection_name="vpnrepl demote",

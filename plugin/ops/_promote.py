@@ -138,7 +138,12 @@ async def promote(
                 vpn,
             )
         result = await materialise(
-            cfg.store_dsn, cfg.amqp_url, vpn, start.epoch, ssl_context=broker_ssl, progress=advanced
+            cfg.store_dsn,
+            cfg.amqp_urls,
+            vpn,
+            start.epoch,
+            ssl_context=broker_ssl,
+            progress=advanced,
         )
         failpoint("promotion.before-finish")
         await asyncio.to_thread(_finish, cfg, vpn, start.epoch)

@@ -27,7 +27,7 @@ import logging
 import ssl
 import threading
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -79,15 +79,17 @@ class MarkerError(RuntimeError):
 
 
 class MarkerStore:
-    """Markers of every vhost of one broker (``amqp_url`` without a vhost path)."""
+    """Markers of every vhost of the site's broker (``amqp_url`` without a
+    vhost path; a cluster's nodes, tried in order, the next when one cannot
+    be reached)."""
 
     def __init__(
         self,
-        amqp_url: str,
+        amqp_url: str | Sequence[str],
         ssl_context: ssl.SSLContext | None = None,
         key: MarkerKey | None = None,
     ) -> None:
-        self.amqp_url = amqp_url
+        self.amqp_urls = (amqp_url,) if isinstance(amqp_url, str) else tuple(amqp_url)
         #: verifies an ``amqps://`` broker (None: pika's default, the system's CAs)
         self.ssl_context = ssl_context
         #: tags and checks the markers (the node sets its site's at start;
@@ -99,15 +101,19 @@ class MarkerStore:
         self._declared: set[str] = set()
         self._lock = threading.Lock()  # one read of the markers at a time
 
-    def _params(self, vhost: str) -> pika.URLParameters:
-        parts = urlsplit(self.amqp_url)
-        url = urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
-        params = pika.URLParameters(url)
-        if params.ssl_options is not None and self.ssl_context is not None:
-            params.ssl_options = pika.SSLOptions(self.ssl_context, parts.hostname)
-        params.connection_attempts = 2
-        params.socket_timeout = 10
-        return params
+    def _params(self, vhost: str) -> list[pika.URLParameters]:
+        """Each broker node's connection parameters (pika tries them in turn)."""
+        nodes = []
+        for amqp_url in self.amqp_urls:
+            parts = urlsplit(amqp_url)
+            url = urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
+            params = pika.URLParameters(url)
+            if params.ssl_options is not None and self.ssl_context is not None:
+                params.ssl_options = pika.SSLOptions(self.ssl_context, parts.hostname)
+            params.connection_attempts = 2 if len(self.amqp_urls) == 1 else 1
+            params.socket_timeout = 10
+            nodes.append(params)
+        return nodes
 
     def _run(self, vhost: str, what: str, work: Callable[[Any], T]) -> T:
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -34,12 +35,24 @@ log = logging.getLogger(__name__)
 
 
 class LocalSite:
-    """One site's servers plus the ports its vpnrepl node listens on."""
+    """One site's servers plus the ports its vpnrepl node listens on;
+    ``brokers`` RabbitMQ nodes in one cluster (:attr:`rabbit` is the first)."""
 
-    def __init__(self, name: str, base: Path) -> None:
+    def __init__(self, name: str, base: Path, brokers: int = 1) -> None:
+        if brokers < 1:
+            raise HarnessError(f"a site has at least one broker node, not {brokers}")
         self.name = name
         self.base = base
-        self.rabbit = RabbitNode(f"vpnrepl-{name}-{os.getpid()}", base / "rabbit")
+        cookie = secrets.token_hex(16) if brokers > 1 else None
+        self.rabbits = [
+            RabbitNode(
+                f"vpnrepl-{name}-{os.getpid()}" + (f"-{n}" if n else ""),
+                base / ("rabbit" if n == 0 else f"rabbit{n}"),
+                cookie=cookie,
+            )
+            for n in range(brokers)
+        ]
+        self.rabbit = self.rabbits[0]
         self.pg = PostgresCluster(name, base / "pg")
         self.amqp_port, self.bridge_port, self.admin_port = free_port(), free_port(), free_port()
         #: the directory of the bridge certificates (``vpnrepl tls init``'s)
@@ -52,8 +65,8 @@ class LocalSite:
         it dials unless ``dial`` is false: a site that only serves it)."""
         text = (
             f'[site]\nname = "{self.name}"\n\n'
-            f'[broker]\namqp_url = "{self.rabbit.amqp_url()}"\n'
-            f'management_url = "{self.rabbit.management_url}"\n\n'
+            f"[broker]\namqp_url = {_listed([r.amqp_url() for r in self.rabbits])}\n"
+            f"management_url = {_listed([r.management_url for r in self.rabbits])}\n\n"
             f'[listen]\namqp = "127.0.0.1:{self.amqp_port}"\n'
             f'bridge = "127.0.0.1:{self.bridge_port}"\n'
             f'admin = "127.0.0.1:{self.admin_port}"\n\n'
@@ -80,6 +93,12 @@ class LocalSite:
         that adds its own)."""
         path.write_text(self.config_text(peer, tls, dial))
         return path
+
+
+def _listed(urls: list[str]) -> str:
+    """A TOML string, or a list of them for a cluster's nodes."""
+    quoted = [f'"{u}"' for u in urls]
+    return quoted[0] if len(quoted) == 1 else f"[{', '.join(quoted)}]"
 
 
 _SITES_PREFIX = "vpnrepl-sites-"
@@ -110,7 +129,7 @@ def kill_servers_in(base: Path) -> int:
     command line names ``base``, so a reused pid is never hit). Returns how
     many were running."""
     killed = 0
-    for pidfile in (*base.glob("*/rabbit/rabbit.pid"), *base.glob("*/pg/data/postmaster.pid")):
+    for pidfile in (*base.glob("*/rabbit*/rabbit.pid"), *base.glob("*/pg/data/postmaster.pid")):
         try:
             pid = int(pidfile.read_text().split()[0])
         except (OSError, ValueError, IndexError):
@@ -154,15 +173,16 @@ class LocalSites:
     closed is cleaned up by the next :meth:`start` (:func:`sweep_orphans`).
     """
 
-    def __init__(self, base: Path | None = None) -> None:
+    def __init__(self, base: Path | None = None, brokers: tuple[int, int] = (1, 1)) -> None:
+        """``brokers``: how many RabbitMQ nodes each site's cluster has (a, b)."""
         self._own_base = base is None
         self.base = Path(tempfile.mkdtemp(prefix=_SITES_PREFIX)) if base is None else base
         self.base.chmod(0o755)  # the postgres user must reach its directory
         if self._own_base:
             me = os.getpid()
             (self.base / _OWNER_FILE).write_text(f"{me} {_started_at(me)}\n")
-        self.a = LocalSite("a", self.base / "a")
-        self.b = LocalSite("b", self.base / "b")
+        self.a = LocalSite("a", self.base / "a", brokers[0])
+        self.b = LocalSite("b", self.base / "b", brokers[1])
         # the bridge's certificates: a private CA and one naming each site
         pki = self.base / ".pki"
         if not (pki / "b.crt").exists():
@@ -173,25 +193,28 @@ class LocalSites:
     def start(self) -> None:
         t0 = time.monotonic()
         sweep_orphans()
-        for node in (self.a.rabbit, self.b.rabbit):
+        rabbits = [*self.a.rabbits, *self.b.rabbits]
+        for node in rabbits:
             node.launch()
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(2 + len(rabbits)) as pool:
             futures = [
                 pool.submit(self.a.pg.start),
                 pool.submit(self.b.pg.start),
-                pool.submit(self.a.rabbit.wait_ready),
-                pool.submit(self.b.rabbit.wait_ready),
+                *(pool.submit(node.wait_ready) for node in rabbits),
             ]
             for f in futures:
                 f.result()
         for site in (self.a, self.b):
+            for node in site.rabbits[1:]:
+                node.join(site.rabbit)
             site.pg.reset()
         self.startup_seconds = time.monotonic() - t0
         log.info("two sites started in %.1f s", self.startup_seconds)
 
     def close(self) -> None:
         for site in (self.a, self.b):
-            for server in (site.rabbit, site.pg):
+            servers: list[RabbitNode | PostgresCluster] = [*site.rabbits, site.pg]
+            for server in servers:
                 try:
                     server.kill()
                 except HarnessError as e:
@@ -201,8 +224,8 @@ class LocalSites:
 
 
 @contextmanager
-def local_sites() -> Iterator[LocalSites]:
-    sites = LocalSites()
+def local_sites(brokers: tuple[int, int] = (1, 1)) -> Iterator[LocalSites]:
+    sites = LocalSites(brokers=brokers)
     try:
         sites.start()
         yield sites

@@ -33,7 +33,11 @@ class RabbitNode:
     with ``tls``, it also accepts AMQPS on :attr:`amqps_port` with that
     certificate and key (client certificates are not asked for)."""
 
-    def __init__(self, name: str, base: Path, tls: TlsConfig | None = None) -> None:
+    def __init__(
+        self, name: str, base: Path, tls: TlsConfig | None = None, cookie: str | None = None
+    ) -> None:
+        """``cookie``: the Erlang cookie, the same for the nodes of a cluster
+        (None: RabbitMQ makes one of the node's own)."""
         self.name = name
         self.nodename = f"{name}@localhost"
         self.base = base
@@ -60,6 +64,11 @@ class RabbitNode:
             )
             if tls.ca is not None:
                 conf += f"ssl_options.cacertfile = {tls.ca}\n"
+        if cookie is not None:
+            secret = base / "home" / ".erlang.cookie"
+            secret.unlink(missing_ok=True)
+            secret.write_text(cookie)
+            secret.chmod(0o400)
         (base / "rabbitmq.conf").write_text(conf)
         (base / "enabled_plugins").write_text("[rabbitmq_management].\n")
         (base / "rabbitmq-env.conf").write_text("")
@@ -133,6 +142,14 @@ class RabbitNode:
     def start(self) -> None:
         self.launch()
         self.wait_ready()
+
+    def join(self, seed: RabbitNode) -> None:
+        """Join ``seed``'s cluster (this node, running, with the same cookie,
+        leaves its own data behind)."""
+        self.ctl("stop_app")
+        self.ctl("reset")
+        self.ctl("join_cluster", seed.nodename)
+        self.ctl("start_app")
 
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(  # noqa: S603 - fixed argv

@@ -1,0 +1,131 @@
+"""A RabbitMQ cluster behind a site: site A is three broker nodes, site B
+one. The listener spreads clients over A's nodes; when one dies, its
+clients' connections close as they would connected to it directly, they
+connect again through the listener and land on a live node, and nothing
+confirmed is missing on either site."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from plugin.devtools import LocalSite, LocalSites
+from sql import migrate
+from tests.fix_cli import Vpnrepl
+from tests.fix_node import NodeProcess
+from tests.support.prometheus import value
+from tests.support.two_sites import (
+    amqp_url,
+    assert_same_state,
+    body,
+    enable,
+    live_numbers,
+    properties,
+    queues_of,
+    routing_key,
+    setup_vpn,
+    until,
+)
+
+
+@pytest.fixture(scope="module")
+def cluster_sites() -> Iterator[LocalSites]:
+    sites = LocalSites(brokers=(3, 1))
+    try:
+        sites.start()
+        yield sites
+    finally:
+        sites.close()
+
+
+@pytest.fixture
+def nodes(cluster_sites: LocalSites, tmp_path: Path) -> Iterator[tuple[NodeProcess, NodeProcess]]:
+    a, b = cluster_sites.a, cluster_sites.b
+    a_cfg = a.write_config(tmp_path / "a.toml", peer=b, dial=False)
+    b_cfg = b.write_config(tmp_path / "b.toml", peer=a)
+    for site in (a, b):
+        migrate(site.pg.dsn())
+    setup_vpn(a)  # on A's first node: its classic queues live there
+    enable(Vpnrepl(a_cfg))
+    node_a = NodeProcess(a, a_cfg, tmp_path / "node-a.log", name="a")
+    node_b = NodeProcess(b, b_cfg, tmp_path / "node-b.log", name="b")
+    try:
+        node_a.start()
+        node_b.start()
+        yield node_a, node_b
+    finally:
+        node_a.kill()
+        node_b.kill()
+    assert "Traceback" not in node_a.log_text(), node_a.log_text()
+
+
+def _client(site: LocalSite, name: str) -> tuple[pika.BlockingConnection, Any]:
+    """A confirming publisher through the listener, named ``name`` (the
+    listener relays the handshake: its upstream carries the name)."""
+    params = pika.URLParameters(amqp_url(site))
+    params.client_properties = {"connection_name": name}
+    conn = pika.BlockingConnection(params)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    return conn, ch
+
+
+def _publish(ch: Any, numbers: range, confirmed: list[int]) -> None:
+    """Publish ``numbers`` one by one; each that returns was confirmed."""
+    for n in numbers:
+        ch.basic_publish("events", routing_key(n), body(n), properties(n))
+        confirmed.append(n)
+
+
+def _homes(site: LocalSite, names: list[str]) -> dict[str, int] | None:
+    """Which of the site's broker nodes holds each named client's upstream
+    (None until the management API lists them all)."""
+    index = {node.nodename: n for n, node in enumerate(site.rabbits)}
+    found = {}
+    for conn in site.rabbit.api("GET", "connections?columns=client_properties,node"):
+        name = conn.get("client_properties", {}).get("connection_name")
+        if name in names:
+            found[name] = index[conn["node"]]
+    return found if len(found) == len(names) else None
+
+
+def test_a_dead_broker_node_costs_its_clients_a_reconnect_and_loses_nothing(
+    cluster_sites: LocalSites, nodes: tuple[NodeProcess, NodeProcess]
+) -> None:
+    node_a, node_b = nodes
+    site = cluster_sites.a
+    names = ["c0", "c1", "c2"]
+    clients = {name: _client(site, name) for name in names}
+    homes = until(lambda: _homes(site, names), "the clients' upstreams", 30)
+    assert sorted(homes.values()) == [0, 1, 2], homes  # one client per broker node
+
+    confirmed: list[int] = []
+    for i, (_, ch) in enumerate(clients.values()):
+        _publish(ch, range(100 * i + 1, 100 * i + 51), confirmed)
+
+    victim = next(name for name, n in homes.items() if n == 2)  # not the queues' node
+    site.rabbits[2].kill()
+    conn, ch = clients.pop(victim)
+    with pytest.raises(pika.exceptions.AMQPError):  # as connected to that node directly
+        _publish(ch, range(1000, 1100), confirmed)
+
+    # it connects again through the listener, as do two more: one of the
+    # three is the turn of the dead node, which refuses, and goes on to a live one
+    again = {name: _client(site, name) for name in ("r0", "r1", "r2")}
+    for i, (_, ch) in enumerate([*again.values(), *clients.values()]):
+        _publish(ch, range(2000 + 100 * i, 2000 + 100 * i + 30), confirmed)
+    moved = until(lambda: _homes(site, list(again)), "the new upstreams", 30)
+    assert set(moved.values()) <= {0, 1}, moved
+    for conn, _ in [*again.values(), *clients.values()]:
+        conn.close()
+
+    assert_same_state(node_a, node_b)
+    missing = {(n, q) for n in confirmed for q in queues_of(n)} - live_numbers(node_b.site)
+    assert not missing, sorted(missing)[:10]
+    dead = f"127.0.0.1:{site.rabbits[2].amqp_port}"
+    failures = value(node_a.get("/metrics"), "vpnrepl_broker_connect_failures_total", broker=dead)
+    assert failures is not None and failures >= 1

@@ -87,7 +87,7 @@ def cmd_sandbox(cfg: SiteConfig | None, args: argparse.Namespace) -> int:
 
     where = Path(args.dir)
     if args.action == "start":
-        for line in start_sandbox(where):
+        for line in start_sandbox(where, args.brokers):
             print(line)
     else:
         killed = stop_sandbox(where)

@@ -184,6 +184,10 @@ def build_parser() -> _Parser:
     )
     c.add_argument("action", choices=("start", "stop"))
     c.add_argument("dir", metavar="DIR", help="where the servers, configs and addresses go")
+    c.add_argument(
+        "--brokers", type=int, default=1, metavar="N",
+        help="each site's RabbitMQ a cluster of N nodes (start; 1 to 5, default 1)",
+    )  # fmt: skip
     c.set_defaults(run=cmd_sandbox, needs_config=False)
     c = sub.add_parser("audit", help="operator actions on this site, newest first, and who asked")
     c.add_argument("--vpn", help="only this VPN's")

@@ -27,8 +27,11 @@ __all__ = ["start_sandbox", "stop_sandbox"]
 MARKER = "sandbox.env"
 
 
-def start_sandbox(where: Path) -> list[str]:
-    """Start the servers; returns the lines that say what runs where."""
+def start_sandbox(where: Path, brokers: int = 1) -> list[str]:
+    """Start the servers, each site's RabbitMQ a cluster of ``brokers``
+    nodes; returns the lines that say what runs where."""
+    if not 1 <= brokers <= 5:
+        raise UsageError(f"--brokers {brokers}: expected 1 to 5 RabbitMQ nodes per site")
     where = where.resolve()
     if (where / MARKER).exists():
         raise UsageError(f"{where} holds a sandbox already: `vpnrepl sandbox stop {where}` first")
@@ -40,7 +43,7 @@ def start_sandbox(where: Path) -> list[str]:
             f"the postgres user cannot reach {where} (a parent directory is private): "
             "give a directory such as /tmp/vpnrepl-try"
         )
-    sites = LocalSites(where)
+    sites = LocalSites(where, brokers=(brokers, brokers))
     try:
         sites.start()
     except HarnessError:
@@ -56,9 +59,14 @@ def start_sandbox(where: Path) -> list[str]:
             f"SITE_{up}_LISTENER=127.0.0.1:{site.amqp_port}",
             f"SITE_{up}_ADMIN=127.0.0.1:{site.admin_port}",
         ]
+        if brokers > 1:
+            nodes = ",".join(f"127.0.0.1:{r.amqp_port}" for r in site.rabbits)
+            env.append(f"SITE_{up}_BROKERS={nodes}")
     (where / MARKER).write_text("".join(f"export {line}\n" for line in env))
     return [
-        f"sandbox in {where}: RabbitMQ (user guest) and PostgreSQL for sites a and b",
+        f"sandbox in {where}: RabbitMQ (user guest"
+        + (f", a cluster of {brokers} nodes per site" if brokers > 1 else "")
+        + ") and PostgreSQL for sites a and b",
         f"  site configs: {where / 'a.toml'}, {where / 'b.toml'} (without [tls]: add it,"
         f" e.g. from `vpnrepl tls init {where / 'pki'} --sites a,b`)",
         f"  addresses: {where / MARKER} (`. {where / MARKER}`)",

@@ -6,6 +6,7 @@ confirmed is missing on either site."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -63,12 +64,27 @@ def nodes(cluster_sites: LocalSites, tmp_path: Path) -> Iterator[tuple[NodeProce
     assert "Traceback" not in node_a.log_text(), node_a.log_text()
 
 
+#: every client connection a test opened, closed after it whatever happened
+_OPENED: list[pika.BlockingConnection] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _OPENED:
+        conn = _OPENED.pop()
+        with contextlib.suppress(pika.exceptions.AMQPError, OSError):
+            if conn.is_open:
+                conn.close()
+
+
 def _client(site: LocalSite, name: str) -> tuple[pika.BlockingConnection, Any]:
     """A confirming publisher through the listener, named ``name`` (the
     listener relays the handshake: its upstream carries the name)."""
     params = pika.URLParameters(amqp_url(site))
     params.client_properties = {"connection_name": name}
     conn = pika.BlockingConnection(params)
+    _OPENED.append(conn)
     ch = conn.channel()
     ch.confirm_delivery()
     return conn, ch

@@ -20,6 +20,9 @@ def test_sandbox_refuses_a_busy_directory_and_stops_only_a_sandbox(tmp_path: Pat
     assert (tmp_path / "busy" / "notes.txt").exists()
     bad = vpnrepl("sandbox", "pause", str(tmp_path), config=False)
     assert bad.returncode == 2 and "invalid choice: 'pause'" in bad.stderr
+    many = vpnrepl("sandbox", "start", str(tmp_path / "new"), "--brokers", "9", config=False)
+    assert many.returncode == 2 and "--brokers 9: expected 1 to 5" in many.stderr
+    assert not (tmp_path / "new").exists()
 
 
 def test_as_root_a_directory_postgres_cannot_enter_is_refused_before_anything_starts(

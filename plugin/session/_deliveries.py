@@ -154,7 +154,13 @@ class ChannelDeliveries(ChannelState):
         repl_id, alone = found
         ctx = self.ctx
         vpn = ctx.vpn
-        if vpn is not None and inc.queue is not None and not inc.is_return:
+        if (
+            vpn is not None
+            and inc.queue is not None
+            and not inc.is_return
+            # a stream's consumers read from an offset: their acks remove nothing
+            and not vpn.topology.keeps_consumed(inc.queue)
+        ):
             if inc.no_ack:
                 ctx.out.events.append((Consumed(vpn.name, repl_id, inc.queue), None))
             else:

@@ -129,6 +129,13 @@ class Topology:
         value = policy.definition.get("alternate-exchange")
         return value if isinstance(value, str) else None
 
+    def keeps_consumed(self, queue: str) -> bool:
+        """Whether ``queue`` keeps what its consumers ack: a stream queue
+        (``x-queue-type: stream``), an append-only log read from an offset,
+        whose messages only its retention removes."""
+        q = self._queues.get(queue)
+        return q is not None and q.arguments.get("x-queue-type") == "stream"
+
     def dead_letter(self, queue: str) -> tuple[str, str | None] | None:
         """Where RabbitMQ sends a message rejected (or nacked) without
         requeue from ``queue``: its dead-letter exchange and routing key

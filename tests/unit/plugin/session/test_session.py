@@ -1229,3 +1229,27 @@ def test_a_clients_frame_max_of_0_is_clamped_to_the_brokers() -> None:
     closes = [v for _, v in decode_all(out.to_client) if isinstance(v, C.Connection.Close)]
     assert closes and closes[0].reply_code == 501
     assert "exceeds frame-max 131072" in str(closes[0].reply_text)
+
+
+def test_a_stream_queues_consumers_remove_nothing_on_either_site() -> None:
+    """A stream keeps what its consumers ack (they read from an offset, and
+    the broker's retention alone removes): its ack is no consumption event,
+    while a quorum (or classic) queue's ack is one."""
+    topology = Topology("orders")
+    topology.declare_queue("q", {"x-queue-type": "stream"})
+    topology.declare_queue("q2", {"x-queue-type": "quorum"})
+    directory = VpnDirectory()
+    directory.put(VpnView("orders", Role.ACTIVE, ReplicationScope((r"q",)), topology))
+    s = Session(directory, IdSource(1), marker_key=MARKERS)
+    open_session(s)
+    s.client_data(m(C.Basic.Qos(prefetch_count=10), 1))
+    s.client_data(m(C.Basic.Consume(queue="q", consumer_tag="log"), 1))
+    s.broker_data(m(C.Basic.ConsumeOk(consumer_tag="log"), 1))
+    s.client_data(m(C.Basic.Consume(queue="q2", consumer_tag="work"), 1))
+    s.broker_data(m(C.Basic.ConsumeOk(consumer_tag="work"), 1))
+    log, work = ReplicationId.from_parts(3, 1), ReplicationId.from_parts(3, 2)
+    assert deliver(s, 1, "log", log).events == []
+    assert s.client_data(m(C.Basic.Ack(delivery_tag=1), 1)).events == []
+    deliver(s, 2, "work", work)
+    [(event, _)] = s.client_data(m(C.Basic.Ack(delivery_tag=2), 1)).events
+    assert event == Consumed("orders", work, "q2")

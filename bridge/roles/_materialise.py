@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 
@@ -38,7 +40,7 @@ from bridge.amqp import (
     NotFound,
     persistent_properties,
 )
-from bridge.broker import BrokerPublisher
+from bridge.broker import BrokerPublisher, ManagementAPI
 
 __all__ = ["MaterialiseError", "MaterialiseResult", "materialise"]
 
@@ -131,6 +133,31 @@ class MaterialiseResult:
     purged: int = 0
 
 
+def _empty_stream(api: ManagementAPI, vpn: str, queue: str) -> int | None:
+    """If ``queue`` is a stream: delete it and declare it again, with its
+    arguments and bindings (always: the API's message count may be seconds
+    old), and return how many it held; None for any other queue, which the
+    caller purges."""
+    path = f"queues/{quote(vpn, safe='')}/{quote(queue, safe='')}"
+    found = api.get(path)
+    if not isinstance(found, dict) or found.get("type") != "stream":
+        return None
+    held = int(found.get("messages") or 0)
+    bindings = api.get(f"{path}/bindings")
+    api.delete(path)
+    body = {"durable": True, "auto_delete": False, "arguments": found.get("arguments") or {}}
+    api.put(path, json.dumps(body).encode())
+    for b in bindings if isinstance(bindings, list) else []:
+        if b.get("source"):  # not the default exchange's implicit one
+            api.post(
+                f"bindings/{quote(vpn, safe='')}/e/{quote(b['source'], safe='')}"
+                f"/q/{quote(queue, safe='')}",
+                json.dumps({"routing_key": b["routing_key"], "arguments": b["arguments"]}).encode(),
+            )
+    log.info("VPN %r stream %r declared again (it held %d messages)", vpn, queue, held)
+    return held
+
+
 @dataclass(frozen=True, slots=True)
 class _QueuePlan:
     name: str
@@ -147,6 +174,7 @@ async def materialise(
     ssl_context: ssl.SSLContext | None = None,
     window: int = 1000,
     progress: OnProgress | None = None,
+    api: ManagementAPI | None = None,
 ) -> MaterialiseResult:
     """Publish the live messages of ``vpn`` into the site's broker (vhost
     ``vpn`` at ``amqp_url``, or the first of a cluster's nodes that answers)
@@ -156,6 +184,11 @@ async def materialise(
     ``progress(done, total)`` is called at the start, as confirms arrive
     (about every ``window`` messages) and at the end. Every failure is a
     :class:`MaterialiseError`; running again continues where it stopped.
+
+    ``api``: the site's management API, through which a stream queue is
+    emptied before it is filled (a stream cannot be purged: it is deleted
+    and declared again with its arguments and bindings). Without it, every
+    queue is purged, which a stream refuses.
     """
     if window < 1:
         raise ValueError(f"the confirm window must be at least 1, got {window}")
@@ -165,6 +198,7 @@ async def materialise(
     except ValueError as e:
         raise MaterialiseError(f"broker URL: {e}", vpn) from e
     run = _Materialisation(dsn, vpn, epoch, window, progress)
+    run.api = api
     try:
         return await run.run(endpoint, ssl_context)
     except psycopg.Error as e:
@@ -191,6 +225,8 @@ class _Materialisation:
         self._reported = -1
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._publisher: BrokerPublisher | None = None
+        #: the site's management API (streams are emptied through it)
+        self.api: ManagementAPI | None = None
 
     @property
     def conn(self) -> psycopg.AsyncConnection[Any]:
@@ -378,6 +414,15 @@ class _Materialisation:
                 f"the broker at {endpoint[0]} refused the login ({e.reply_text})", self.vpn
             ) from e
 
+    async def _empty(self, queue: str) -> int:
+        """Empty ``queue`` before it is filled; returns what it held. A
+        stream cannot be purged: it is declared again (through the API)."""
+        if self.api is not None:
+            held = await asyncio.to_thread(_empty_stream, self.api, self.vpn, queue)
+            if held is not None:
+                return held
+        return await self.publisher.purge(queue)
+
     async def _check_queues(self, todo: list[_QueuePlan]) -> None:
         """Every queue to fill exists, before anything is purged or published."""
         missing = []
@@ -404,12 +449,12 @@ class _Materialisation:
         """Purge, publish the rows (from ``batches``, the reader's), check the
         depth, mark done; returns (messages published, messages purged)."""
         t0 = time.monotonic()
-        purged = await self.publisher.purge(q.name)  # what an interrupted run left
+        purged = await self._empty(q.name)  # what an interrupted run left
         for attempt in range(1, _ATTEMPTS + 1):
             if attempt == 1:
                 published = await self._publish_rows(q.name, batches)
             else:  # the reader is past this queue: read it again on the side
-                await self.publisher.purge(q.name)
+                await self._empty(q.name)
                 reread = _Reader(self._read, [q.name])
                 try:
                     published = await self._publish_rows(q.name, reread.batches)

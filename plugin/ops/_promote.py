@@ -144,6 +144,7 @@ async def promote(
             start.epoch,
             ssl_context=broker_ssl,
             progress=advanced,
+            api=ManagementAPI(cfg.management_urls),
         )
         failpoint("promotion.before-finish")
         await asyncio.to_thread(_finish, cfg, vpn, start.epoch)

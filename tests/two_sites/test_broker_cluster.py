@@ -145,3 +145,61 @@ def test_a_dead_broker_node_costs_its_clients_a_reconnect_and_loses_nothing(
     dead = f"127.0.0.1:{site.rabbits[2].amqp_port}"
     failures = value(node_a.get("/metrics"), "vpnrepl_broker_connect_failures_total", broker=dead)
     assert failures is not None and failures >= 1
+
+
+def _declare(site: LocalSite) -> None:
+    """A quorum and a stream queue beside the classic ones, declared through
+    the listener (so the declare is replicated), bound like orders.q2."""
+    conn, ch = _client(site, "declarer")
+    for name, kind in (("orders.qq", "quorum"), ("orders.st", "stream")):
+        args = {"x-queue-type": kind, **({"x-delivery-limit": 5} if kind == "quorum" else {})}
+        ch.queue_declare(name, durable=True, arguments=args)
+        ch.queue_bind(name, "events", "order.#")
+    conn.close()
+
+
+def _read(site: LocalSite, queue: str, count: int, ack: int = 0) -> list[int]:
+    """The first ``count`` numbers of ``queue`` read through the site's
+    listener (a stream from its first offset); the first ``ack`` acked,
+    the rest left."""
+    conn, _ = _client(site, f"reader-{queue}")
+    ch = conn.channel()
+    ch.basic_qos(prefetch_count=count)
+    got: list[int] = []
+    args = {"x-stream-offset": "first"} if queue.endswith(".st") else {}
+    for method, _props, payload in ch.consume(queue, arguments=args, inactivity_timeout=10):
+        if method is None:
+            break
+        got.append(int(payload.split(b":")[0]))
+        if len(got) <= ack:
+            ch.basic_ack(method.delivery_tag)
+        if len(got) == count:
+            break
+    conn.close()
+    return got
+
+
+@pytest.mark.fault  # a second cluster of RabbitMQ nodes' worth of time; the default suite has one
+def test_quorum_and_stream_queues_are_promoted_with_their_type_and_what_they_hold(
+    cluster_sites: LocalSites, nodes: tuple[NodeProcess, NodeProcess], tmp_path: Path
+) -> None:
+    node_a, node_b = nodes
+    a, b = cluster_sites.a, cluster_sites.b
+    _declare(a)
+    conn, ch = _client(a, "publisher")
+    confirmed: list[int] = []
+    _publish(ch, range(1, 41), confirmed)
+    conn.close()
+    assert _read(a, "orders.qq", 10, ack=10) == list(range(1, 11))
+    assert _read(a, "orders.st", 40, ack=40) == list(range(1, 41))  # acks remove nothing
+    assert_same_state(node_a, node_b)
+
+    node_a.kill()
+    promoted = Vpnrepl(node_b.config)("promote", "orders")
+    assert promoted.returncode == 0, promoted.stderr
+    for name, kind in (("orders.qq", "quorum"), ("orders.st", "stream"), ("orders.q1", "classic")):
+        q = b.rabbit.api("GET", f"queues/orders/{name}")
+        assert q["type"] == kind, q
+    assert b.rabbit.api("GET", "queues/orders/orders.qq")["arguments"]["x-delivery-limit"] == 5
+    assert _read(b, "orders.qq", 30) == list(range(11, 41))
+    assert _read(b, "orders.st", 40) == list(range(1, 41))

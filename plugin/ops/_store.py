@@ -90,10 +90,10 @@ def add_broker_depths(doc: dict[str, Any], api: Any) -> None:
 
     from bridge import TopicFilter
     from bridge.broker import ManagementUnavailable
-    from plugin.topology import ReplicationScope, out_of_scope
+    from plugin.topology import DEPTH_COLUMNS, ReplicationScope, out_of_scope, replicable_depth
 
     for vpn in doc["vpns"]:
-        path = f"queues/{quote(vpn['name'], safe='')}?columns=name,messages,messages_persistent"
+        path = f"queues/{quote(vpn['name'], safe='')}?columns={DEPTH_COLUMNS}"
         try:
             queues = api.get(path)
         except ManagementUnavailable as e:
@@ -106,7 +106,7 @@ def add_broker_depths(doc: dict[str, Any], api: Any) -> None:
             tuple(vpn["scope"]["queues"]),
             tuple(TopicFilter.parse(t) for t in vpn["scope"]["topics"]),
         )
-        persistent = {q["name"]: q.get("messages_persistent", 0) for q in queues}
+        persistent = {q["name"]: replicable_depth(q) for q in queues}
         vpn["out_of_scope"] = out_of_scope(scope, persistent, vpn["queues"])
 
 

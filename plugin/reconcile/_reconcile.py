@@ -49,7 +49,7 @@ from bridge.broker import ManagementAPI, ManagementUnavailable
 from bridge.store import applied_position, stored_ledger_index
 from plugin._config import SiteConfig
 from plugin._errors import ConfigError, PluginError
-from plugin.topology import ReplicationScope
+from plugin.topology import DEPTH_COLUMNS, ReplicationScope, replicable_depth
 
 from ._spark import SiteSnapshot, SparkRun
 
@@ -429,12 +429,12 @@ class Reconciler:
             ).fetchone()
         patterns, topics = scope_row if scope_row is not None else ([], [])
         scope = ReplicationScope(tuple(patterns), tuple(TopicFilter.parse(t) for t in topics))
-        listed = api.get(f"queues/{quote(self.vpn, safe='')}?columns=name,messages_persistent")
+        listed = api.get(f"queues/{quote(self.vpn, safe='')}?columns={DEPTH_COLUMNS}")
         out = {}
         for q in listed if isinstance(listed, list) else []:
             name = str(q.get("name", ""))
             if name in live or scope.names_queue(name):
-                out[name] = (int(q.get("messages_persistent") or 0), int(live.get(name, 0)))
+                out[name] = (replicable_depth(q), int(live.get(name, 0)))
         return out
 
 

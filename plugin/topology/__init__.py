@@ -8,7 +8,7 @@ from ._directory import VpnDirectory, VpnView
 from ._entities import Binding, DestinationKind, Exchange, ExportError, Policy, Queue
 from ._routing import Refused, header_routes, tagged, topic_matches
 from ._scope import ReplicationScope
-from ._scope_report import out_of_scope, scope_report
+from ._scope_report import DEPTH_COLUMNS, out_of_scope, replicable_depth, scope_report
 from ._topology import Topology
 
 __all__ = [
@@ -25,6 +25,8 @@ __all__ = [
     "VpnView",
     "header_routes",
     "out_of_scope",
+    "replicable_depth",
+    "DEPTH_COLUMNS",
     "scope_report",
     "tagged",
     "topic_matches",

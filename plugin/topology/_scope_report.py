@@ -71,6 +71,21 @@ def scope_report(scope: ReplicationScope, queues: Iterable[str]) -> ScopeReport:
     )
 
 
+#: the management API's columns :func:`replicable_depth` reads
+DEPTH_COLUMNS = "name,type,messages,messages_persistent"
+
+
+def replicable_depth(listed: Mapping[str, object]) -> int:
+    """How many of a queue's messages (one item of the management API's
+    queue listing, with :data:`DEPTH_COLUMNS`) replication would hold: a
+    classic queue's persistent ones (transient messages never replicate); a
+    quorum queue's or a stream's all of them, since they keep every message
+    durably and report no persistent count of their own."""
+    key = "messages" if listed.get("type") in ("quorum", "stream") else "messages_persistent"
+    value = listed.get(key)
+    return value if isinstance(value, int) else 0
+
+
 def out_of_scope(
     scope: ReplicationScope, persistent: Mapping[str, int], replicated: Mapping[str, int]
 ) -> dict[str, int]:

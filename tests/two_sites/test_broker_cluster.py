@@ -15,6 +15,7 @@ import pika
 import pytest
 
 from plugin.devtools import LocalSite, LocalSites
+from plugin.topology import DEPTH_COLUMNS, replicable_depth
 from sql import migrate
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
@@ -23,6 +24,7 @@ from tests.support.two_sites import (
     amqp_url,
     assert_same_state,
     body,
+    cli_status,
     enable,
     live_numbers,
     properties,
@@ -193,6 +195,21 @@ def test_quorum_and_stream_queues_are_promoted_with_their_type_and_what_they_hol
     assert _read(a, "orders.qq", 10, ack=10) == list(range(1, 11))
     assert _read(a, "orders.st", 40, ack=40) == list(range(1, 41))  # acks remove nothing
     assert_same_state(node_a, node_b)
+
+    def no_drift() -> bool:
+        """The broker's depth of each type is what replicated, as status
+        reads it (messages) and as reconcile's drift check does (persistent)."""
+        st = cli_status(node_a)
+        broker, replicated = st["broker_queues"] or {}, st["queues"]
+        listed = a.rabbit.api("GET", f"queues/orders?columns={DEPTH_COLUMNS}")
+        persistent = {q["name"]: replicable_depth(q) for q in listed}
+        return all(
+            broker.get(q) == persistent.get(q) == replicated.get(q)
+            for q in ("orders.qq", "orders.st")
+        )
+
+    until(no_drift, "the quorum queue's and the stream's depths to equal the replicated", 30)
+    assert {30, 40} == {cli_status(node_a)["queues"][q] for q in ("orders.qq", "orders.st")}
 
     node_a.kill()
     promoted = Vpnrepl(node_b.config)("promote", "orders")

@@ -871,3 +871,15 @@ def test_dead_letter_settings_come_from_arguments_else_the_queues_policy_key_by_
     assert t.dead_letter("mixed") == ("dlx-p", "rk-a")  # each key on its own
     assert t.dead_letter("other") is None
     assert t.dead_letter("unknown") is None
+
+
+def test_the_depth_replication_would_hold_is_read_per_queue_type() -> None:
+    """A classic queue's transient messages never replicate; a quorum
+    queue and a stream report their count in ``messages`` alone."""
+    from plugin.topology import replicable_depth
+
+    assert replicable_depth({"type": "classic", "messages": 9, "messages_persistent": 7}) == 7
+    assert replicable_depth({"messages": 9, "messages_persistent": 7}) == 7  # before types
+    assert replicable_depth({"type": "quorum", "messages": 9, "messages_persistent": 0}) == 9
+    assert replicable_depth({"type": "stream", "messages": 40}) == 40
+    assert replicable_depth({"type": "classic"}) == 0

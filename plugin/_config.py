@@ -176,24 +176,21 @@ def _urls(*schemes: str) -> Callable[[object], tuple[str, ...]]:
         if not isinstance(value, list) or not value:
             raise ValueError(f"expected an {' or '.join(schemes)} URL, or a list of them")
         urls: list[str] = []
-        for n, item in enumerate(value):
-            if not isinstance(item, str):
-                raise ValueError(f"item {n + 1}: expected a URL string, got {type(item).__name__}")
+        for n, item in enumerate(value, start=1):
             try:
-                urls.append(one(item))
+                if not isinstance(item, str):
+                    raise ValueError(f"expected a URL string, got {type(item).__name__}")
+                parts, first = urlsplit(one(item)), urlsplit(urls[0] if urls else item)
+                if parts.scheme != first.scheme:
+                    raise ValueError(f"{parts.scheme}:// where item 1 is {first.scheme}://")
+                if (parts.username, parts.password) != (first.username, first.password):
+                    raise ValueError("another user or password than item 1's")
+                node = (parts.hostname, parts.port)
+                if any((urlsplit(u).hostname, urlsplit(u).port) == node for u in urls):
+                    raise ValueError(f"{parts.hostname}:{parts.port} is named twice")
             except ValueError as e:
-                raise ValueError(f"item {n + 1}: {e}") from None
-        first = urlsplit(urls[0])
-        for n, url in enumerate(urls[1:], start=2):
-            parts = urlsplit(url)
-            if parts.scheme != first.scheme:
-                raise ValueError(f"item {n}: {parts.scheme}:// where item 1 is {first.scheme}://")
-            if (parts.username, parts.password) != (first.username, first.password):
-                raise ValueError(f"item {n}: another user or password than item 1's")
-            if (parts.hostname, parts.port) in [
-                (urlsplit(u).hostname, urlsplit(u).port) for u in urls[: n - 1]
-            ]:
-                raise ValueError(f"item {n}: {parts.hostname}:{parts.port} is named twice")
+                raise ValueError(f"item {n}: {e}") from None
+            urls.append(item)
         return tuple(urls)
 
     return check

@@ -126,12 +126,9 @@ class Node:
         #: what the listener hands its events and transactions to
         self.sink = TransactionalSink(self.replicator, self.coordinator)
         self.participant = Participant(self.txn_log)
-        self.xa = XaCoordinator(
-            self.coordinator,
-            BranchPublisher(
-                cfg.amqp_urls, cfg.store_dsn, self.coordinator.markers, self.broker_ssl
-            ),
-        )
+        markers = self.coordinator.markers
+        publisher = BranchPublisher(cfg.amqp_urls, cfg.store_dsn, markers, self.broker_ssl)
+        self.xa = XaCoordinator(self.coordinator, publisher)
         self.xa_replies = ReplyPublisher(cfg.amqp_urls, self.broker_ssl)
         self.uncertain = UncertainLog(cfg.store_dsn)
         self.ledger_bound = LedgerBound(

@@ -138,6 +138,16 @@ def test_a_dead_broker_node_costs_its_clients_a_reconnect_and_loses_nothing(
         _publish(ch, range(2000 + 100 * i, 2000 + 100 * i + 30), confirmed)
     moved = until(lambda: _homes(site, list(again)), "the new upstreams", 30)
     assert set(moved.values()) <= {0, 1}, moved
+    # local transactions go on committing (the commit markers' queue is on a live node)
+    tx_conn, tx = _client(site, "transactions")
+    tx.close()
+    tx = tx_conn.channel()
+    tx.tx_select()
+    for first in range(3000, 3015, 5):
+        for n in range(first, first + 5):
+            tx.basic_publish("events", routing_key(n), body(n), properties(n))
+        tx.tx_commit()
+        confirmed.extend(range(first, first + 5))
     for conn, _ in [*again.values(), *clients.values()]:
         conn.close()
 

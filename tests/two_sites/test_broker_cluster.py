@@ -33,6 +33,7 @@ from tests.support.two_sites import (
     setup_vpn,
     until,
 )
+from tests.support.xa_clients import Manager, app_database, app_rows, publish, resource, take
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +231,42 @@ def test_quorum_and_stream_queues_are_promoted_with_their_type_and_what_they_hol
     assert b.rabbit.api("GET", "queues/orders/orders.qq")["arguments"]["x-delivery-limit"] == 5
     assert _read(b, "orders.qq", 30) == list(range(11, 41))
     assert _read(b, "orders.st", 40) == list(range(1, 41))
+
+
+@pytest.mark.fault  # the default suite's cluster test is the one above
+def test_xa_branches_on_a_quorum_queue_commit_and_roll_back_as_on_a_classic_one(
+    cluster_sites: LocalSites, nodes: tuple[NodeProcess, NodeProcess]
+) -> None:
+    node_a, node_b = nodes
+    a = cluster_sites.a
+    _declare(a)
+    conn, ch = _client(a, "seeder")
+    _publish(ch, range(1, 6), [])  # order.created: orders.q1, q2 and the quorum queue
+    conn.close()
+    app = app_database(a)
+    with resource(a) as (xa_conn, xa):
+        work = xa_conn.channel()
+        manager = Manager(xa, app, "quorum-commit")
+        manager.begin(work)
+        publish(work, (500,))
+        taken = take(work, "orders.qq", 1)
+        manager.app_insert(500)
+        manager.end_and_prepare()
+        manager.commit()
+        assert taken == [1] and app_rows(app) == [500]
+
+        manager = Manager(xa, app, "quorum-rollback")
+        manager.begin(work)
+        publish(work, (505,))
+        take(work, "orders.qq", 1)
+        manager.app_insert(505)
+        manager.end_and_prepare()
+        manager.rollback()
+        work.basic_recover(requeue=True)  # the rolled-back ack's message is unacked again
+    assert app_rows(app) == [500]
+    assert_same_state(node_a, node_b)
+    for site in (a, node_b.site):
+        held = {n for n, q in live_numbers(site) if q == "orders.qq"}
+        assert held == {2, 3, 4, 5, 500}, (site.name, sorted(held))
+    # (sorted: where a quorum queue puts back a requeued message is the version's)
+    assert sorted(_read(a, "orders.qq", 5)) == [2, 3, 4, 5, 500]

@@ -270,3 +270,33 @@ def test_xa_branches_on_a_quorum_queue_commit_and_roll_back_as_on_a_classic_one(
         assert held == {2, 3, 4, 5, 500}, (site.name, sorted(held))
     # (sorted: where a quorum queue puts back a requeued message is the version's)
     assert sorted(_read(a, "orders.qq", 5)) == [2, 3, 4, 5, 500]
+
+
+@pytest.mark.fault  # the default suite's cluster test is the first one
+def test_a_quorum_queues_delivery_limit_drop_shows_as_broker_drift(
+    cluster_sites: LocalSites, nodes: tuple[NodeProcess, NodeProcess]
+) -> None:
+    """The broker drops a message requeued past ``x-delivery-limit`` (5)
+    on its own, as it expires one by TTL: not replicated, so the sites
+    keep it and the broker's depth shows one less (README, "Limits")."""
+    node_a, _ = nodes
+    a = cluster_sites.a
+    _declare(a)
+    conn, ch = _client(a, "publisher")
+    _publish(ch, range(1, 4), [])
+    conn.close()
+    conn, _ = _client(a, "requeuer")
+    ch = conn.channel()
+    for _ in range(7):  # the sixth delivery is past the limit: the broker drops it
+        method, _props, payload = ch.basic_get("orders.qq")
+        if method is None or int(payload.split(b":")[0]) != 1:
+            break
+        ch.basic_nack(method.delivery_tag, requeue=True)
+    conn.close()
+
+    def drifted() -> bool:
+        st = cli_status(node_a)
+        return (st["broker_queues"] or {}).get("orders.qq") == st["queues"]["orders.qq"] - 1
+
+    until(drifted, "the quorum queue's broker depth one below the replicated count", 30)
+    assert cli_status(node_a)["queues"]["orders.qq"] == 3

@@ -49,6 +49,12 @@ def cluster_sites() -> Iterator[LocalSites]:
 @pytest.fixture
 def nodes(cluster_sites: LocalSites, tmp_path: Path) -> Iterator[tuple[NodeProcess, NodeProcess]]:
     a, b = cluster_sites.a, cluster_sites.b
+    for broker in a.rabbits:  # a node an earlier test killed comes back to its cluster
+        if not broker.alive():
+            broker.start()
+    for site in (a, b):
+        site.rabbit.reset()
+        site.pg.reset()
     a_cfg = a.write_config(tmp_path / "a.toml", peer=b, dial=False)
     b_cfg = b.write_config(tmp_path / "b.toml", peer=a)
     for site in (a, b):

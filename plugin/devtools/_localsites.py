@@ -44,9 +44,11 @@ class LocalSite:
         self.name = name
         self.base = base
         cookie = secrets.token_hex(16) if brokers > 1 else None
+        # unique on the host: one process may run two harnesses' sites "a"
+        unique = f"vpnrepl-{name}-{os.getpid()}-{secrets.token_hex(2)}"
         self.rabbits = [
             RabbitNode(
-                f"vpnrepl-{name}-{os.getpid()}" + (f"-{n}" if n else ""),
+                unique + (f"-{n}" if n else ""),
                 base / ("rabbit" if n == 0 else f"rabbit{n}"),
                 cookie=cookie,
             )

@@ -47,6 +47,7 @@ from pathlib import Path
 import pytest
 
 from plugin.devtools import LocalSite, LocalSites, RabbitNode, free_port
+from sql import migrate
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.fix_tls import Pki
@@ -109,7 +110,7 @@ SUITES = (
         default=(
             # connection, channel, publish/confirm/return, consume/ack, tx, DLX
             # (RPC, Master/Worker and type tests run in the whole suite, -m fault)
-            "tests/unit/bridge/amqp/test_methods.py",
+            "tests/test_amqp.py",  # aio-pika's own, in its sdist
             "tests/test_message.py",
             "tests/test_connect.py",
             "tests/test_connection_close_state.py",
@@ -429,6 +430,41 @@ def test_whole_peer_suite_passes_through_the_listener_as_directly(
     tree = peer_suites[suite.dist]
     servers = (peer_broker, site_a, vpnrepl_a, node_a, pki)
     _compare_runs(suite, WHOLE, tree, *servers, tmp_path, 1800)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalSites]:
+    """Site A as three RabbitMQ nodes (B one), for the suites in front of a cluster."""
+    sites = LocalSites(brokers=(3, 1))
+    try:
+        sites.start()
+        yield sites
+    finally:
+        sites.close()
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("suite", SUITES, ids=lambda s: s.dist)
+def test_peer_suite_passes_through_the_listener_in_front_of_a_cluster(
+    suite: PeerSuite,
+    peer_suites: dict[str, Path],
+    peer_broker: RabbitNode,
+    cluster: LocalSites,
+    pki: Pki,
+    tmp_path: Path,
+) -> None:
+    """The default subsets, with the node's listener spreading the suite's
+    connections over site A's three broker nodes."""
+    site = cluster.a
+    vpnrepl = Vpnrepl(site.write_config(tmp_path / "a.toml", peer=cluster.b, dial=False))
+    migrate(site.pg.dsn())
+    node = NodeProcess(site, vpnrepl.config, tmp_path / "node-a.log")
+    try:
+        servers = (peer_broker, site, vpnrepl, node, pki)
+        _compare_runs(suite, suite.default, peer_suites[suite.dist], *servers, tmp_path, 600)
+    finally:
+        node.kill()
+    assert "Traceback" not in node.log_text(), node.log_text()
 
 
 _TOY = PeerSuite(

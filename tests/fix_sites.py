@@ -30,6 +30,18 @@ def sites() -> Iterator[LocalSites]:
         two.close()
 
 
+@pytest.fixture(scope="module")
+def cluster_sites() -> Iterator[LocalSites]:
+    """Two sites of their own for one test module: site A a cluster of
+    three RabbitMQ nodes, site B one."""
+    two = LocalSites(brokers=(3, 1))
+    try:
+        two.start()
+        yield two
+    finally:
+        two.close()
+
+
 def _fresh(site: LocalSite) -> LocalSite:
     if not site.rabbit.alive():
         site.rabbit.start()

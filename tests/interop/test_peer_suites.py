@@ -432,31 +432,20 @@ def test_whole_peer_suite_passes_through_the_listener_as_directly(
     _compare_runs(suite, WHOLE, tree, *servers, tmp_path, 1800)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalSites]:
-    """Site A as three RabbitMQ nodes (B one), for the suites in front of a cluster."""
-    sites = LocalSites(brokers=(3, 1))
-    try:
-        sites.start()
-        yield sites
-    finally:
-        sites.close()
-
-
 @pytest.mark.fault
 @pytest.mark.parametrize("suite", SUITES, ids=lambda s: s.dist)
 def test_peer_suite_passes_through_the_listener_in_front_of_a_cluster(
     suite: PeerSuite,
     peer_suites: dict[str, Path],
     peer_broker: RabbitNode,
-    cluster: LocalSites,
+    cluster_sites: LocalSites,
     pki: Pki,
     tmp_path: Path,
 ) -> None:
     """The default subsets, with the node's listener spreading the suite's
     connections over site A's three broker nodes."""
-    site = cluster.a
-    vpnrepl = Vpnrepl(site.write_config(tmp_path / "a.toml", peer=cluster.b, dial=False))
+    site, peer = cluster_sites.a, cluster_sites.b
+    vpnrepl = Vpnrepl(site.write_config(tmp_path / "a.toml", peer=peer, dial=False))
     migrate(site.pg.dsn())
     node = NodeProcess(site, vpnrepl.config, tmp_path / "node-a.log")
     try:

@@ -36,16 +36,6 @@ from tests.support.two_sites import (
 from tests.support.xa_clients import Manager, app_database, app_rows, publish, resource, take
 
 
-@pytest.fixture(scope="module")
-def cluster_sites() -> Iterator[LocalSites]:
-    sites = LocalSites(brokers=(3, 1))
-    try:
-        sites.start()
-        yield sites
-    finally:
-        sites.close()
-
-
 @pytest.fixture
 def nodes(cluster_sites: LocalSites, tmp_path: Path) -> Iterator[tuple[NodeProcess, NodeProcess]]:
     a, b = cluster_sites.a, cluster_sites.b

@@ -130,9 +130,14 @@ class BrokerPublisher(asyncio.Protocol):
         for node in nodes:
             try:
                 return await cls._connect_one(
-                    node, vhost, ssl_context, connect_timeout,
-                    (heartbeat, connection_name, transactional),
-                )  # fmt: skip
+                    node,
+                    vhost,
+                    ssl_context=ssl_context,
+                    connect_timeout=connect_timeout,
+                    heartbeat=heartbeat,
+                    connection_name=connection_name,
+                    transactional=transactional,
+                )
             except BrokerUnreachable as e:
                 unreachable.append(str(e))
         raise BrokerUnreachable("; ".join(unreachable) or "no broker node to connect to")
@@ -142,11 +147,13 @@ class BrokerPublisher(asyncio.Protocol):
         cls,
         endpoint: AmqpEndpoint,
         vhost: str,
+        *,
         ssl_context: ssl.SSLContext | None,
         connect_timeout: float,
-        options: tuple[int, str, bool],
+        heartbeat: int,
+        connection_name: str,
+        transactional: bool,
     ) -> BrokerPublisher:
-        heartbeat, connection_name, transactional = options
         loop = asyncio.get_running_loop()
         context = ssl_context
         if endpoint.tls and context is None:

@@ -197,8 +197,7 @@ async def materialise(
         endpoint = [AmqpEndpoint.from_url(url) for url in urls]
     except ValueError as e:
         raise MaterialiseError(f"broker URL: {e}", vpn) from e
-    run = _Materialisation(dsn, vpn, epoch, window, progress)
-    run.api = api
+    run = _Materialisation(dsn, vpn, epoch, window, progress, api)
     try:
         return await run.run(endpoint, ssl_context)
     except psycopg.Error as e:
@@ -212,7 +211,13 @@ class _Materialisation:
     """One run: the database connection, the broker connection, the counts."""
 
     def __init__(
-        self, dsn: str, vpn: str, epoch: int, window: int, progress: OnProgress | None
+        self,
+        dsn: str,
+        vpn: str,
+        epoch: int,
+        window: int,
+        progress: OnProgress | None,
+        api: ManagementAPI | None,
     ) -> None:
         self.dsn = dsn
         self.vpn = vpn
@@ -226,7 +231,7 @@ class _Materialisation:
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._publisher: BrokerPublisher | None = None
         #: the site's management API (streams are emptied through it)
-        self.api: ManagementAPI | None = None
+        self.api = api
 
     @property
     def conn(self) -> psycopg.AsyncConnection[Any]:

@@ -211,7 +211,7 @@ class _ClientSide(asyncio.Protocol):
             for chunk in early:
                 self.data_received(chunk)
             return
-        if len(reasons):
+        if reasons:
             log.info("client upstream on %s after %s", addr, "; ".join(reasons))
         if self._closed:
             if broker.transport is not None:

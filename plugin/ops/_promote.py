@@ -97,10 +97,11 @@ def _fail(cfg: SiteConfig, vpn: str, error: str) -> None:
         fail_promotion(conn, vpn, error)
 
 
-def _reimport(cfg: SiteConfig, vpn: str) -> bool:
+def _management(cfg: SiteConfig) -> ManagementAPI:
+    """The site's management API as config-sync uses it: the node's own
+    login, and the users it made itself, left alone."""
     node_user = unquote(urlsplit(cfg.amqp_url).username or "guest")
-    api = ManagementAPI(cfg.management_urls, keep_users=(node_user,), copy_tags=cfg.copy_tags)
-    return reimport(api, vpn, cfg.store_dsn)
+    return ManagementAPI(cfg.management_urls, keep_users=(node_user,), copy_tags=cfg.copy_tags)
 
 
 async def promote(
@@ -131,7 +132,8 @@ async def promote(
         start.txns_committed,
     )
     try:
-        if not await asyncio.to_thread(_reimport, cfg, vpn):
+        api = _management(cfg)
+        if not await asyncio.to_thread(reimport, api, vpn, cfg.store_dsn):
             log.warning(
                 "VPN %s: no definitions from the active are stored here; "
                 "materialising into the topology the broker has",
@@ -144,7 +146,7 @@ async def promote(
             start.epoch,
             ssl_context=broker_ssl,
             progress=advanced,
-            api=ManagementAPI(cfg.management_urls),
+            api=api,
         )
         failpoint("promotion.before-finish")
         await asyncio.to_thread(_finish, cfg, vpn, start.epoch)

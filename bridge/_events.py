@@ -39,11 +39,11 @@ __all__ = [
     "xid_of_txid",
 ]
 
-#: The durable queue of each replicated VPN that holds commit markers: the
-#: listener publishes a local transaction's id there inside the client's own
-#: broker transaction, and recovery looks for it (``txn``'s marker store)
-#: to learn whether the broker committed.
-MARKER_QUEUE = "vpnrepl.txn-markers"
+#: The stream of each replicated VPN that holds commit markers: the listener
+#: publishes a local transaction's id there inside the client's own broker
+#: transaction, and recovery looks for it (``txn``'s marker store) to learn
+#: whether the broker committed.
+MARKER_QUEUE = "vpnrepl.commit-markers"
 
 #: names of queues and exchanges that are the product's own in every VPN:
 #: a client gets 403 for any method on them through the listener, except

@@ -308,7 +308,7 @@ class Node:
                 reraise=True,
             ):
                 with attempt:
-                    await self.coordinator.recover()
+                    await self.coordinator.recover(self.directory.names())
         except MarkerError as e:
             raise PluginError(f"in-doubt transactions not recovered: {e}") from e
 

@@ -117,10 +117,13 @@ class BranchPublisher:
             transactional=transactional,
         )
 
-    async def publish(self, vpn: str, txid: str, messages: Sequence[Published]) -> None:
+    async def publish(
+        self, vpn: str, txid: str, messages: Sequence[Published], since: float
+    ) -> None:
         published = await self._with_marker(
             vpn,
             txid,
+            since,
             [
                 (queue, persistent_properties(message.properties), message.body)
                 for message in messages
@@ -138,7 +141,7 @@ class BranchPublisher:
         )
 
     async def restore(
-        self, vpn: str, txid: str, consumed: Sequence[Consumed | DeadLettered]
+        self, vpn: str, txid: str, consumed: Sequence[Consumed | DeadLettered], since: float
     ) -> int:
         rows: list[tuple[str, bytes, bytes]] = []
         async with await psycopg.AsyncConnection.connect(self.store_dsn) as conn:
@@ -149,19 +152,18 @@ class BranchPublisher:
                     (str(queue), persistent_properties(bytes(properties)), bytes(body))
                     for queue, properties, body in await cur.fetchall()
                 )
-        if not await self._with_marker(vpn, restored_marker(txid), rows):
+        if not await self._with_marker(vpn, restored_marker(txid), since, rows):
             log.info("VPN %s: XA branch %s: its held messages were put back already", vpn, txid)
             return 0
         return len(rows)
 
     async def _with_marker(
-        self, vpn: str, marker: str, messages: Sequence[tuple[str, bytes, bytes]]
+        self, vpn: str, marker: str, since: float, messages: Sequence[tuple[str, bytes, bytes]]
     ) -> bool:
         """``messages`` (queue, properties, body) and the marker ``marker``
         in one broker transaction; nothing (False) when ``marker`` is there
-        already."""
-        await self.markers.declare(vpn)
-        if marker in await self.markers.present(vpn):
+        already (published after ``since``)."""
+        if marker in await self.markers.present(vpn, since):
             return False
         async with await self._connect(vpn, transactional=True) as publisher:
             for queue, properties, body in messages:

@@ -112,12 +112,15 @@ class LogPublisher(Protocol):
     """Publishes a prepared branch's work from its row (the node's own
     broker connection)."""
 
-    async def publish(self, vpn: str, txid: str, messages: Sequence[Published]) -> None:
+    async def publish(
+        self, vpn: str, txid: str, messages: Sequence[Published], since: float
+    ) -> None:
         """``messages`` into their queues and ``txid``'s commit marker in one
-        broker transaction — nothing when the marker is there already."""
+        broker transaction — nothing when the marker is there already (a
+        marker is looked for from ``since``, the branch row's making)."""
 
     async def restore(
-        self, vpn: str, txid: str, consumed: Sequence[Consumed | DeadLettered]
+        self, vpn: str, txid: str, consumed: Sequence[Consumed | DeadLettered], since: float
     ) -> int:
         """Publish the live messages ``consumed`` names into their queues
         again (a promoted site held them back for branch ``txid``), with
@@ -303,7 +306,7 @@ class XaCoordinator:
             committed = await channel.broker_commit(txn.txid)
             if not committed:  # the channel closed under the commit: the marker tells
                 await asyncio.sleep(RESOLVE_DELAY)
-                committed = txn.txid in await self.coordinator.markers.present(branch.vpn)
+                committed = await self.coordinator.marker_found(branch.vpn, txn.txid)
             if committed:
                 try:
                     await self.coordinator.commit(txn)
@@ -409,7 +412,7 @@ class XaCoordinator:
         if published:
             if self.publisher is None:
                 raise XaResourceError("this node cannot publish a branch from its log")
-            await self.publisher.publish(row.vpn, row.txid, published)
+            await self.publisher.publish(row.vpn, row.txid, published, row.created_at)
         try:
             acked = await self.coordinator.decide_logged(row)
         except TransactionRefused as e:
@@ -437,7 +440,7 @@ class XaCoordinator:
             if held:
                 if self.publisher is None:
                     raise XaResourceError("this node cannot put held messages back")
-                await self.publisher.restore(row.vpn, row.txid, held)
+                await self.publisher.restore(row.vpn, row.txid, held, row.created_at)
                 failpoint("xa.after-restore")
             await self.log.release_held(row.txid)
         await self.coordinator.forget_branch(row.vpn, row.txid)

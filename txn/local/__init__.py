@@ -30,7 +30,14 @@ from ._machine import (
     TxnProtocolError,
     WithdrawStandbyWait,
 )
-from ._markers import MarkerError, MarkerStore, load_marker_key, restored_marker
+from ._markers import (
+    LEGACY_MARKER_QUEUE,
+    MARKER_ARGUMENTS,
+    MarkerError,
+    MarkerStore,
+    load_marker_key,
+    restored_marker,
+)
 from ._participant import Participant
 from ._sink import TransactionalSink
 from ._sweep import TXN_RETAIN_SECONDS
@@ -46,6 +53,8 @@ __all__ = [
     "MarkDegraded",
     "MarkerError",
     "MarkerStore",
+    "LEGACY_MARKER_QUEUE",
+    "MARKER_ARGUMENTS",
     "OpenStandbyPhase",
     "PARTICIPANT",
     "PRUNE_LIMIT",

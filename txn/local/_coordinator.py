@@ -95,7 +95,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import psycopg
 
@@ -409,8 +409,8 @@ class Coordinator(DecisionSteps):
         if live is None or live.machine.phase is not TxnPhase.COMMITTING:
             return  # decided meanwhile (a delivery proved the commit)
         try:
-            committed = txn.txid in await self.markers.present(txn.vpn)
-        except MarkerError as e:
+            committed = await self.marker_found(txn.vpn, txn.txid)
+        except (MarkerError, psycopg.Error) as e:
             log.error(
                 "VPN %s: transaction %s stays in doubt until restart: %s", txn.vpn, txn.txid, e
             )
@@ -488,10 +488,19 @@ class Coordinator(DecisionSteps):
 
     # -- recovery ------------------------------------------------------------
 
-    async def recover(self) -> dict[str, str]:
+    async def marker_found(self, vpn: str, txid: str) -> bool:
+        """Whether the broker committed prepared transaction ``txid``: its
+        marker, looked for from its row's making."""
+        since = await self.log.created_at(txid)
+        if since is None:
+            raise MarkerError(f"transaction {txid} has no txn_log row to date its marker by")
+        return txid in await self.markers.present(vpn, since)
+
+    async def recover(self, vpns: Collection[str] = ()) -> dict[str, str]:
         """Resolve every coordinator row left prepared by a crash; returns
-        ``{txid: outcome}`` (``committed``/``aborted``) for the log."""
-        return await _recovery.recover(self.log, self.markers, self.ledger, self.link)
+        ``{txid: outcome}`` (``committed``/``aborted``) for the log. The
+        legacy marker queues of ``vpns`` are retired meanwhile."""
+        return await _recovery.recover(self.log, self.markers, self.ledger, self.link, vpns)
 
     async def outcomes_for(self, txids: Sequence[str]) -> dict[str, bool | None]:
         """For a standby's query: True committed, False aborted (or unknown:

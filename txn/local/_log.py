@@ -62,6 +62,11 @@ class TxnRow:
     #: the broker user that started the XA branch (None: anyone's, a row
     #: from before schema 0014)
     xa_owner: str | None = None
+    #: when the row was made (seconds since the epoch, PostgreSQL's clock):
+    #: its commit marker, if any, is newer
+    created_at: float = 0.0
+    #: seconds since then, by the same clock
+    age: float = 0.0
 
     def recorded_events(self) -> tuple[Event, ...]:
         """The events its commit decision records: all of them, or — a
@@ -111,7 +116,7 @@ SELECT EXISTS (SELECT FROM gate), EXISTS (SELECT FROM written)
 
 _SELECT = """
 SELECT txid, vpn, side, state, degraded, ledger_floor, events, xid, heuristic, hazard, acks_held,
-    xa_owner
+    xa_owner, extract(epoch FROM created_at), extract(epoch FROM now() - created_at)
 FROM txn_log
 """
 
@@ -273,6 +278,16 @@ class TxnLog:
         async with self.pool.connection() as conn:
             await conn.execute("DELETE FROM xa_held WHERE txid = %s", (txid,))
 
+    async def created_at(self, txid: str) -> float | None:
+        """When ``txid``'s row was made (seconds since the epoch, by the
+        database's clock), or None without one."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT extract(epoch FROM created_at) FROM txn_log WHERE txid = %s", (txid,)
+            )
+            row = await cur.fetchone()
+        return None if row is None else float(row[0])
+
     async def states(self, txids: Sequence[str]) -> dict[str, str]:
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=tuple_row)
@@ -301,7 +316,22 @@ class TxnLog:
 
 
 def _row(r: tuple[object, ...]) -> TxnRow:
-    txid, vpn, side, state, degraded, floor, events, xid, heuristic, hazard, held, owner = r
+    (
+        txid,
+        vpn,
+        side,
+        state,
+        degraded,
+        floor,
+        events,
+        xid,
+        heuristic,
+        hazard,
+        held,
+        owner,
+        at,
+        age,
+    ) = r
     assert isinstance(events, bytes | memoryview)  # noqa: S101 - bytea column
     return TxnRow(
         str(txid),
@@ -316,4 +346,6 @@ def _row(r: tuple[object, ...]) -> TxnRow:
         None if hazard is None else str(hazard),
         bool(held),
         None if owner is None else str(owner),
+        float(at),  # type: ignore[arg-type]
+        float(age),  # type: ignore[arg-type]
     )

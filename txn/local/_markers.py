@@ -1,23 +1,29 @@
 """Commit markers in the broker: how recovery learns whether RabbitMQ committed.
 
-The listener publishes a transaction's id to :data:`MARKER_QUEUE` inside the
-client's own broker transaction, so the marker exists exactly when the broker
-committed it. This module declares the queue, reads which markers are there
-and removes those of transactions that are over, with pika in a worker
-thread, never on a client's path. A read browses (delivered unacked, then
-requeued), a sweep acks what it removes; both consume, since a ``basic.get``
-per marker cost about a twelfth of a transactional active's busy CPU.
+The listener publishes a transaction's id to :data:`~bridge.MARKER_QUEUE`
+inside the client's own broker transaction, so the marker exists exactly
+when the broker committed it. That queue is a **stream**: it lives on every
+node of a RabbitMQ cluster (a replicated log, like a quorum queue), and
+reading it is no delivery, so a lookup counts against no delivery limit and
+takes nothing away from another reader. Nothing removes a marker; the
+stream's retention (:data:`MARKER_ARGUMENTS`, two days) drops old segments.
 
-A marker one reader holds is invisible to another, and a missed marker
-aborts its transaction, so reads never overlap (a lock) and each gives back
-what it held before it ends: ``basic.nack`` to requeue, then the queue's
-depth asked on the same channel, which the queue answers only once it took
-the markers back (it takes one channel's messages in order; a channel close
-alone would requeue later). A marker's body is its name and a
-:class:`~txn._marker_key.MarkerKey` tag, so a message a client routed there
-is no marker (:data:`MarkerStore.forged`); ``<txid>#restored``
+A lookup reads from a time (the transaction's start, less
+:data:`CLOCK_SLACK_SECONDS` for the clocks of the node, PostgreSQL and the
+broker) to the end: it first publishes a probe (a marker of its own,
+confirmed), then reads until the probe comes back, so every marker the
+broker held before the lookup began is seen. A marker's body is its name and
+a :class:`~txn._marker_key.MarkerKey` tag, so a message a client routed
+there is no marker (:data:`MarkerStore.forged`); ``<txid>#restored``
 (:func:`restored_marker`) goes with the messages a promoted site puts back
-at an XA rollback (README, "Client XA transactions").
+at an XA rollback (README, "Client XA transactions"). This module uses pika
+in a worker thread, never on a client's path.
+
+Releases before the stream kept markers in the classic queue
+:data:`LEGACY_MARKER_QUEUE`; while a vhost still has it, lookups read it too
+(browsing: delivered, then requeued), recovery acks the markers no prepared
+transaction needs (:meth:`MarkerStore.retire_legacy`), the sweep acks those
+of transactions decided since, and the queue is deleted once empty.
 """
 
 from __future__ import annotations
@@ -26,9 +32,12 @@ import asyncio
 import logging
 import ssl
 import threading
+import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, TypeVar
+from datetime import UTC, datetime
+from typing import Any, Final, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import pika
@@ -38,17 +47,48 @@ import psycopg
 from bridge import MARKER_QUEUE
 from txn._marker_key import MarkerKey
 
-__all__ = ["MarkerError", "MarkerStore", "load_marker_key", "marker_txid", "restored_marker"]
+__all__ = [
+    "CLOCK_SLACK_SECONDS",
+    "LEGACY_MARKER_QUEUE",
+    "MARKER_ARGUMENTS",
+    "RETENTION_SECONDS",
+    "MarkerError",
+    "MarkerStore",
+    "load_marker_key",
+    "marker_txid",
+    "restored_marker",
+]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: how long the stream keeps a marker (``x-max-age``; RabbitMQ drops whole
+#: segments, so a marker may stay up to a segment longer)
+RETENTION_SECONDS: Final = 2 * 86400
+#: the marker stream's arguments (a redeclaration must repeat them exactly)
+MARKER_ARGUMENTS: Final[dict[str, Any]] = {
+    "x-queue-type": "stream",
+    "x-max-age": "2D",
+    "x-stream-max-segment-size-bytes": 8_000_000,
+}
+#: a lookup reads from this long before the transaction began: the
+#: transaction's start is stamped by this node or by PostgreSQL, a marker's
+#: place in the stream by the broker's clock
+CLOCK_SLACK_SECONDS: Final = 120.0
+#: the classic queue of releases before the stream
+LEGACY_MARKER_QUEUE: Final = "vpnrepl.txn-markers"
+#: a lookup gives up when the stream sends nothing for this long
+READ_IDLE_SECONDS: Final = 10.0
+#: markers in flight to a lookup (it acks every half of them)
+READ_PREFETCH: Final = 2000
 
 #: a promoted site's rollback of a branch whose acks it held publishes the
 #: held messages with the marker ``<txid>#restored``: a repeated rollback
 #: (after a crash) that finds it publishes nothing
 _RESTORED = "#restored"
+#: a lookup's own probe: a marker named ``#probe/<uuid>`` (no transaction's)
+_PROBE = "#probe/"
 
 
 def restored_marker(txid: str) -> str:
@@ -95,11 +135,13 @@ class MarkerStore:
         #: tags and checks the markers (the node sets its site's at start;
         #: without one, a key of this process alone)
         self.key = key or MarkerKey.new()
-        #: vhost -> messages in its marker queue that were no marker of this
-        #: site (forged), removed by a sweep
+        #: vhost -> messages in its marker stream (or legacy queue) that were
+        #: no marker of this site (forged), each counted once
         self.forged: Counter[str] = Counter()
+        self._forged_upto: dict[str, int] = {}  # vhost -> stream offset counted up to
         self._declared: set[str] = set()
-        self._lock = threading.Lock()  # one read of the markers at a time
+        self._legacy: set[str] = set()  # vhosts whose legacy queue is still there
+        self._lock = threading.Lock()  # one legacy browse at a time; the forged counts
 
     def _params(self, vhost: str) -> list[pika.URLParameters]:
         """Each broker node's connection parameters (pika tries them in turn)."""
@@ -117,55 +159,193 @@ class MarkerStore:
 
     def _run(self, vhost: str, what: str, work: Callable[[Any], T]) -> T:
         try:
-            with self._lock, pika.BlockingConnection(self._params(vhost)) as conn:
+            with pika.BlockingConnection(self._params(vhost)) as conn:
                 ch = conn.channel()
-                ch.queue_declare(MARKER_QUEUE, durable=True, arguments={"x-queue-type": "classic"})
-                return work(ch)
-        except (pika.exceptions.AMQPError, OSError) as e:
+                ch.queue_declare(MARKER_QUEUE, durable=True, arguments=MARKER_ARGUMENTS)
+                return work(conn)
+        except (pika.exceptions.AMQPError, OSError, TimeoutError) as e:
             raise MarkerError(f"vhost {vhost!r}: cannot {what} commit markers: {e!r}") from e
 
     def declared(self, vhost: str) -> bool:
-        """Whether :meth:`declare` made sure of ``vhost``'s queue already."""
+        """Whether :meth:`declare` made sure of ``vhost``'s stream already."""
         return vhost in self._declared
 
     async def declare(self, vhost: str) -> None:
-        """Make sure the marker queue exists (once per vhost and process)."""
+        """Make sure the marker stream exists, and learn whether the legacy
+        queue does (once per vhost and process)."""
         if vhost in self._declared:
             return
-        await asyncio.to_thread(self._run, vhost, "declare", lambda ch: None)
+        if await asyncio.to_thread(self._run, vhost, "declare", _has_legacy):
+            self._legacy.add(vhost)
         self._declared.add(vhost)
 
     def body(self, vhost: str, name: str) -> bytes:
-        """The message body of marker ``name`` in ``vhost``'s marker queue."""
+        """The message body of marker ``name`` in ``vhost``'s marker stream."""
         return self.key.body(vhost, name)
+
+    async def present(self, vhost: str, since: float) -> set[str]:
+        """The markers published since ``since`` (seconds since the epoch;
+        read from :data:`CLOCK_SLACK_SECONDS` earlier), and every one in the
+        legacy queue; forged ones are not markers."""
+        await self.declare(vhost)
+        names = await asyncio.to_thread(
+            self._run, vhost, "read", lambda conn: self._read(conn, vhost, since)
+        )
+        if vhost in self._legacy:
+            read = self._reader(vhost)
+            names |= await asyncio.to_thread(
+                self._run, vhost, "read", lambda conn: self._browse_legacy(conn, read)
+            )
+        return names
 
     def _reader(self, vhost: str) -> Callable[[bytes], str | None]:
         return lambda body: self.key.name_of(vhost, body)
 
-    async def present(self, vhost: str) -> set[str]:
-        """The markers in the queue (nothing removed); forged ones are not."""
+    def _read(self, conn: Any, vhost: str, since: float) -> set[str]:
+        """Every marker from ``since`` (less the slack) up to a probe this
+        lookup published first."""
+        probe = self.body(vhost, f"{_PROBE}{uuid.uuid4()}")
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish("", MARKER_QUEUE, probe, pika.BasicProperties(delivery_mode=2))
+        start = datetime.fromtimestamp(since - CLOCK_SLACK_SECONDS, UTC)
+        ch.basic_qos(prefetch_count=READ_PREFETCH)
+        names: set[str] = set()
+        forged: list[int] = []  # stream offsets of messages that are no marker
+        unacked = 0
+        for method, props, body in ch.consume(
+            MARKER_QUEUE,
+            arguments={"x-stream-offset": start},
+            inactivity_timeout=READ_IDLE_SECONDS,
+        ):
+            if method is None:
+                raise TimeoutError(
+                    f"the stream sent nothing for {READ_IDLE_SECONDS:.0f} s, not even this "
+                    "lookup's probe: are the clocks of the site's PostgreSQL and RabbitMQ "
+                    f"more than {CLOCK_SLACK_SECONDS:.0f} s apart?"
+                )
+            unacked += 1
+            if unacked >= READ_PREFETCH // 2:
+                ch.basic_ack(method.delivery_tag, multiple=True)
+                unacked = 0
+            if body == probe:
+                break
+            name = self.key.name_of(vhost, body)
+            if name is None:
+                forged.append(int((props.headers or {}).get("x-stream-offset", -1)))
+            elif not name.startswith(_PROBE):
+                names.add(name)
+        _abandon(conn, ch)
+        with self._lock:  # each forged message counted once, by whichever read saw it first
+            upto = self._forged_upto.get(vhost, -1)
+            new = sum(offset > upto for offset in forged)
+            if new:
+                self._forged_upto[vhost] = max(forged)
+        if new:
+            self._count_forged(vhost, new, "found")
+        return names
+
+    def _count_forged(self, vhost: str, forged: int, how: str) -> None:
+        self.forged[vhost] += forged
+        log.warning(
+            "vhost %r: %s %d message(s) among the commit markers that were no marker of "
+            "this site (routed there by a client?)",
+            vhost,
+            how,
+            forged,
+        )
+
+    def _browse_legacy(self, conn: Any, read: Callable[[bytes], str | None]) -> set[str]:
+        with self._lock:
+            ch = conn.channel()
+            got = _drain(ch)
+            if got:
+                _give_back(ch, got[-1][0])  # every marker back to the queue
+        return {name for _, body in got if (name := read(body)) is not None}
+
+    async def retire_legacy(self, vhost: str, keep: Collection[str]) -> bool:
+        """Ack the legacy queue's markers but those of transactions in
+        ``keep`` (still prepared: their markers still prove a commit), and
+        delete the queue once it is empty. True when ``vhost`` has no legacy
+        queue any more."""
+        await self.declare(vhost)
+        if vhost not in self._legacy:
+            return True
         read = self._reader(vhost)
-        return await asyncio.to_thread(self._run, vhost, "read", lambda ch: _browse(ch, read))
+
+        def needless(body: bytes) -> bool:
+            name = read(body)
+            return name is None or marker_txid(name) not in keep
+
+        await asyncio.to_thread(
+            self._run, vhost, "remove", lambda c: self._sweep(c, vhost, needless)
+        )
+        return vhost not in self._legacy
 
     async def remove(self, vhost: str, txids: Collection[str]) -> int:
-        """Ack the markers of ``txids`` and every forged one; requeue every
-        other one. Returns how many markers of ``txids`` were removed."""
-        if not txids:
+        """Ack the legacy queue's markers of ``txids`` and every forged one
+        (a stream's markers stay until its retention drops them); returns
+        how many markers of ``txids`` were removed."""
+        if not txids or vhost not in self._legacy:
             return 0
         wanted, read = set(txids), self._reader(vhost)
-        removed, forged = await asyncio.to_thread(
-            self._run, vhost, "remove", lambda ch: _sweep(ch, wanted, read)
+        removed = 0
+
+        def needless(body: bytes) -> bool:
+            nonlocal removed
+            name = read(body)
+            removed += name in wanted
+            return name is None or name in wanted
+
+        await asyncio.to_thread(
+            self._run, vhost, "remove", lambda c: self._sweep(c, vhost, needless)
         )
-        if forged:
-            self.forged[vhost] += forged
-            log.warning(
-                "vhost %r: removed %d message(s) from %s that were no commit marker of "
-                "this site (routed there by a client?)",
-                vhost,
-                forged,
-                MARKER_QUEUE,
-            )
         return removed
+
+    def _sweep(self, conn: Any, vhost: str, needless: Callable[[bytes], bool]) -> None:
+        """Ack the legacy markers ``needless`` names (and count the forged
+        ones), requeue the others, and delete the queue if that emptied it."""
+        read = self._reader(vhost)
+        with self._lock:
+            ch = conn.channel()
+            forged = _sweep(ch, needless, read)
+            try:
+                ch.queue_delete(LEGACY_MARKER_QUEUE, if_empty=True)
+            except pika.exceptions.ChannelClosedByBroker as e:
+                if e.reply_code != 406:  # PRECONDITION_FAILED: not empty yet
+                    raise
+            else:
+                self._legacy.discard(vhost)
+                log.info("vhost %r: the classic queue %s is retired", vhost, LEGACY_MARKER_QUEUE)
+        if forged:
+            self._count_forged(vhost, forged, "removed")
+
+
+def _abandon(conn: Any, ch: Any) -> None:
+    """Close a stream reader's channel, dropping the deliveries in flight.
+
+    pika's ``BlockingChannel.cancel`` and ``close`` first reject what they
+    hold (``basic.reject``, requeue), which a stream answers by closing the
+    whole connection (540 NOT_IMPLEMENTED); the underlying channel is closed
+    directly instead: it cancels the consumer and rejects nothing while it
+    closes, and a stream has nothing to requeue."""
+    impl = ch._impl  # noqa: SLF001 - see above
+    impl.close()
+    deadline = time.monotonic() + READ_IDLE_SECONDS
+    while not impl.is_closed:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the marker stream's channel did not close")
+        conn.process_data_events(time_limit=0.1)
+
+
+def _has_legacy(conn: Any) -> bool:
+    try:
+        conn.channel().queue_declare(LEGACY_MARKER_QUEUE, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as e:
+        if e.reply_code == 404:
+            return False
+        raise
+    return True
 
 
 #: markers one sweep takes at most (the rest wait for the next sweep)
@@ -175,16 +355,17 @@ DRAIN_IDLE_SECONDS = 5.0
 
 
 def _drain(ch: Any, limit: int | None = None) -> list[tuple[int, bytes]]:
-    """The messages in the queue now (at most ``limit``), delivered and not
-    acked: (delivery tag, body). A marker another reader holds meanwhile is
-    simply not seen (the drain stops when the deliveries pause)."""
-    depth = ch.queue_declare(MARKER_QUEUE, passive=True).method.message_count
+    """The legacy queue's messages now (at most ``limit``), delivered and
+    not acked: (delivery tag, body)."""
+    depth = ch.queue_declare(LEGACY_MARKER_QUEUE, passive=True).method.message_count
     wanted = depth if limit is None else min(depth, limit)
     got: list[tuple[int, bytes]] = []
     if wanted == 0:
         return got
     ch.basic_qos(prefetch_count=0 if limit is None else wanted)
-    for method, _props, body in ch.consume(MARKER_QUEUE, inactivity_timeout=DRAIN_IDLE_SECONDS):
+    for method, _props, body in ch.consume(
+        LEGACY_MARKER_QUEUE, inactivity_timeout=DRAIN_IDLE_SECONDS
+    ):
         if method is None:
             break
         got.append((method.delivery_tag, body))
@@ -196,38 +377,28 @@ def _drain(ch: Any, limit: int | None = None) -> list[tuple[int, bytes]]:
 
 def _give_back(ch: Any, tag: int) -> None:
     """Requeue every marker up to ``tag`` still held, and return once the
-    queue has them back (see the module docstring)."""
+    classic queue has them back (it answers the depth after the requeue)."""
     ch.basic_nack(delivery_tag=tag, multiple=True, requeue=True)
-    ch.queue_declare(MARKER_QUEUE, passive=True)
+    ch.queue_declare(LEGACY_MARKER_QUEUE, passive=True)
 
 
-def _browse(ch: Any, read: Callable[[bytes], str | None]) -> set[str]:
-    got = _drain(ch)
-    if got:
-        _give_back(ch, got[-1][0])  # every marker back to the queue
-    return {name for _, body in got if (name := read(body)) is not None}
-
-
-def _sweep(ch: Any, wanted: set[str], read: Callable[[bytes], str | None]) -> tuple[int, int]:
-    """Ack the drained markers of ``wanted`` and the forged ones (``read``
-    gives None), requeue the others: one
+def _sweep(ch: Any, needless: Callable[[bytes], bool], read: Callable[[bytes], str | None]) -> int:
+    """Ack the drained markers ``needless`` names, requeue the others: one
     ``multiple`` ack or nack per run of like markers (the drained tags
     ascend and the earlier runs are settled, so ``multiple`` at a run's
-    last tag settles exactly that run), not a frame and a flush per marker."""
-    removed = forged = 0
+    last tag settles exactly that run). Returns how many were forged."""
+    forged = 0
     run: tuple[bool, int] | None = None  # (remove?, last tag) of the run unsettled
     for tag, body in _drain(ch, SWEEP_LIMIT):
-        name = read(body)
-        remove = name is None or name in wanted
-        removed += name is not None and remove
-        forged += name is None
+        remove = needless(body)
+        forged += read(body) is None
         if run is not None and run[0] != remove:
             _settle(ch, *run)
         run = (remove, tag)
     if run is not None:
         _settle(ch, *run)
-    ch.queue_declare(MARKER_QUEUE, passive=True)  # the requeued ones are back
-    return removed, forged
+    ch.queue_declare(LEGACY_MARKER_QUEUE, passive=True)  # the requeued ones are back
+    return forged
 
 
 def _settle(ch: Any, remove: bool, tag: int) -> None:

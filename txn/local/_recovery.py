@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from bridge import TransactionRefused, future_callback
 from bridge.ledger import LedgerError
@@ -26,7 +26,7 @@ from bridge.ledger import LedgerError
 from ._collaborators import GroupLedger, ParticipantLink, SyncWait
 from ._inflight import tracer
 from ._log import COORDINATOR, TxnLog, TxnRow
-from ._markers import MarkerStore, marker_txid
+from ._markers import CLOCK_SLACK_SECONDS, RETENTION_SECONDS, MarkerError, MarkerStore
 
 __all__ = ["decide_logged", "outcomes_for", "recover"]
 
@@ -34,16 +34,22 @@ log = logging.getLogger(__name__)
 
 
 async def recover(
-    txn_log: TxnLog, markers: MarkerStore, ledger: GroupLedger, link: ParticipantLink | None
+    txn_log: TxnLog,
+    markers: MarkerStore,
+    ledger: GroupLedger,
+    link: ParticipantLink | None,
+    vpns: Collection[str] = (),
 ) -> dict[str, str]:
     """Resolve every coordinator row left prepared by a crash; returns
-    ``{txid: outcome}`` (``committed``/``aborted``) for the log."""
+    ``{txid: outcome}`` (``committed``/``aborted``) for the log. Then the
+    legacy marker queue of each VPN (of ``vpns`` and of the rows) keeps
+    only the markers a row still prepared needs (``retire_legacy``)."""
     outcomes: dict[str, str] = {}
     rows = await txn_log.prepared_rows(COORDINATOR)
     present: dict[str, set[str]] = {}
     for row in rows:
-        if row.vpn not in present:
-            present[row.vpn] = await markers.present(row.vpn)
+        if row.vpn not in present:  # rows come oldest first
+            present[row.vpn] = await markers.present(row.vpn, since=row.created_at)
         outcomes[row.txid] = await _recover_one(txn_log, ledger, link, row, present[row.vpn])
     if outcomes:
         log.info(
@@ -51,9 +57,12 @@ async def recover(
             len(outcomes),
             ", ".join(f"{t} {o}" for t, o in outcomes.items()),
         )
-    for vpn, names in present.items():
-        done = {t for t in names if outcomes.get(marker_txid(t)) != "prepared"}
-        await markers.remove(vpn, done)
+    prepared = {t for t, outcome in outcomes.items() if outcome == "prepared"}
+    for vpn in sorted({*vpns, *present}):
+        try:
+            await markers.retire_legacy(vpn, keep=prepared)
+        except MarkerError as e:  # its lookups read the legacy queue meanwhile
+            log.warning("VPN %s: the legacy marker queue stays for now: %s", vpn, e)
     return outcomes
 
 
@@ -79,6 +88,15 @@ async def _recover_one(
                 return "prepared"  # the ledger is down: stays in doubt, retried next start
             return "committed"
         if row.xid is not None:  # an XA branch: its transaction manager decides
+            return "prepared"
+        if row.age > RETENTION_SECONDS - CLOCK_SLACK_SECONDS:
+            log.error(
+                "VPN %s: transaction %s stays in doubt: it began before the commit-marker "
+                "stream's retention, so a missing marker proves nothing (README, "
+                '"Transactions left in doubt")',
+                row.vpn,
+                row.txid,
+            )
             return "prepared"
         await txn_log.move(row.txid, "aborted", leaving=("prepared",))
         if link is not None:

@@ -17,11 +17,21 @@ from pika.exceptions import (
     ProbableAuthenticationError,
 )
 
-from bridge import Consumed, LocalTransaction, Published, Purged, Role, TransactionRefused
+from bridge import (
+    MARKER_QUEUE,
+    Consumed,
+    LocalTransaction,
+    Published,
+    Purged,
+    Role,
+    TransactionRefused,
+)
 from plugin.devtools import LocalSite, free_port
 from plugin.listener import MemorySink
 from tests.fix_listener import ListenerThread, enable_vpn
+from tests.support.markers import marker_bodies
 from tests.support.two_sites import setup_vpn
+from txn.local import MARKER_ARGUMENTS
 
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
 TRANSIENT = pika.BasicProperties(delivery_mode=1)
@@ -282,12 +292,12 @@ def test_a_client_cannot_read_or_write_the_commit_markers(
     setup_vpn(site_a)
     enable_vpn(listener_a, site_a, "orders", queues=("orders.q1",))
     admin = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("orders")))
-    admin.channel().queue_declare("vpnrepl.txn-markers", durable=True)
+    admin.channel().queue_declare(MARKER_QUEUE, durable=True, arguments=MARKER_ARGUMENTS)
     admin.close()
     conn = pika.BlockingConnection(pika.URLParameters(listener_a.url("orders")))
     try:
         with pytest.raises(ChannelClosedByBroker) as refused:
-            conn.channel().basic_get("vpnrepl.txn-markers")
+            conn.channel().basic_get(MARKER_QUEUE)
         assert refused.value.reply_code == 403
         assert "vpn-replication's own" in refused.value.reply_text
         forger = conn.channel()
@@ -295,7 +305,7 @@ def test_a_client_cannot_read_or_write_the_commit_markers(
             "",
             "orders.q1",
             b"forged marker",
-            pika.BasicProperties(delivery_mode=2, headers={"CC": ["vpnrepl.txn-markers"]}),
+            pika.BasicProperties(delivery_mode=2, headers={"CC": [MARKER_QUEUE]}),
         )
         with pytest.raises(ChannelClosedByBroker) as refused:
             forger.basic_get("orders.q1")  # the refusal arrives on the next round trip
@@ -306,10 +316,10 @@ def test_a_client_cannot_read_or_write_the_commit_markers(
     admin = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("orders")))
     try:
         ch = admin.channel()
-        assert ch.queue_declare("vpnrepl.txn-markers", passive=True).method.message_count == 0
         assert ch.queue_declare("orders.q1", passive=True).method.message_count == 0
     finally:
         admin.close()
+    assert marker_bodies(site_a.rabbit.amqp_url("orders")) == []
 
 
 def test_past_max_connections_a_client_is_refused_with_320_and_no_broker_connection(

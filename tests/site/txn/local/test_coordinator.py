@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import pika
+import pika.exceptions
 import psycopg
 import pytest
 from opentelemetry import trace
@@ -35,6 +36,7 @@ from plugin.ops import connect, enable_vpn
 from sql import migrate
 from txn import MarkerKey
 from txn.local import (
+    LEGACY_MARKER_QUEUE,
     Coordinator,
     MarkerStore,
     TxnLog,
@@ -164,6 +166,48 @@ def test_commit_abort_recovery_and_spans(site_a: LocalSite) -> None:
     names = [s.name for s in spans]
     assert names.count("txn.prepare") == 5 and names.count("txn.broker_commit") == 5
     assert names.count("txn.decision") == 1 and names.count("txn.recover") == 3
+
+
+def test_recovery_across_the_upgrade_to_the_marker_stream(site_a: LocalSite) -> None:
+    """A site upgraded with transactions in doubt whose markers are in the
+    classic queue of earlier releases: recovery reads them there (one
+    committed, one aborted), acks the stale markers of transactions long
+    over, and deletes the queue; the next marker goes to the stream."""
+    dsn = active_site(site_a)
+    ids = IdSource(21)
+    marked, bare = txn(ids, 1), txn(ids, 2)
+    key = MarkerKey.new()
+
+    async def scenario() -> dict[str, str]:
+        log, writer = await opened(dsn)
+        c = Coordinator(log, MarkerStore(site_a.rabbit.amqp_url(), key=key), writer, NoStandby())
+        c.configure(VpnSettings.from_args("v", "active"))
+        await c.prepare(marked)
+        await c.prepare(bare)
+        conn = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("v")))
+        ch = conn.channel()
+        ch.queue_declare(LEGACY_MARKER_QUEUE, durable=True)
+        for name in (marked.txid, "1.2.3.4", "1.2.3.5"):  # the last two: stale
+            ch.basic_publish("", LEGACY_MARKER_QUEUE, key.body("v", name))
+        conn.close()
+        restarted = Coordinator(
+            log, MarkerStore(site_a.rabbit.amqp_url(), key=key), writer, NoStandby()
+        )
+        outcomes = await restarted.recover(["v"])
+        await c.close()
+        await restarted.close()
+        await writer.close()
+        await log.close()
+        return outcomes
+
+    assert asyncio.run(scenario()) == {marked.txid: "committed", bare.txid: "aborted"}
+    conn = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("v")))
+    try:
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as gone:
+            conn.channel().queue_declare(LEGACY_MARKER_QUEUE, passive=True)
+        assert gone.value.reply_code == 404
+    finally:
+        conn.close()
 
 
 def test_commit_soon_answers_once_the_decision_is_recorded(site_a: LocalSite) -> None:

@@ -14,11 +14,13 @@ from typing import Any
 import pika
 import pytest
 
+from bridge import MARKER_QUEUE
 from plugin.devtools import LocalSite, LocalSites
 from plugin.topology import DEPTH_COLUMNS, replicable_depth
 from sql import migrate
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
+from tests.support.markers import marker_names
 from tests.support.prometheus import value
 from tests.support.two_sites import (
     amqp_url,
@@ -30,10 +32,12 @@ from tests.support.two_sites import (
     properties,
     queues_of,
     routing_key,
+    scalar,
     setup_vpn,
     until,
 )
 from tests.support.xa_clients import Manager, app_database, app_rows, publish, resource, take
+from txn.local import MARKER_ARGUMENTS
 
 
 @pytest.fixture
@@ -50,6 +54,11 @@ def nodes(cluster_sites: LocalSites, tmp_path: Path) -> Iterator[tuple[NodeProce
     for site in (a, b):
         migrate(site.pg.dsn())
     setup_vpn(a)  # on A's first node: its classic queues live there
+    # the commit markers' stream leads on A's third node (the one the default
+    # test kills): declared there before the node would declare it
+    stream = pika.BlockingConnection(pika.URLParameters(a.rabbits[2].amqp_url("orders")))
+    stream.channel().queue_declare(MARKER_QUEUE, durable=True, arguments=MARKER_ARGUMENTS)
+    stream.close()
     enable(Vpnrepl(a_cfg))
     node_a = NodeProcess(a, a_cfg, tmp_path / "node-a.log", name="a")
     node_b = NodeProcess(b, b_cfg, tmp_path / "node-b.log", name="b")
@@ -111,8 +120,16 @@ def _homes(site: LocalSite, names: list[str]) -> dict[str, int] | None:
 def test_a_dead_broker_node_costs_its_clients_a_reconnect_and_loses_nothing(
     cluster_sites: LocalSites, nodes: tuple[NodeProcess, NodeProcess]
 ) -> None:
+    """Kill the broker node that leads the commit markers' stream and holds
+    a third of the clients' upstreams: those clients reconnect through the
+    listener to a live node, transactions go on committing, and every
+    confirmed message is on both sites, in the classic and quorum queues
+    (the stream's replicas hold it too)."""
     node_a, node_b = nodes
     site = cluster_sites.a
+    _declare(site)
+    markers = site.rabbit.api("GET", f"queues/orders/{MARKER_QUEUE}")
+    assert markers["type"] == "stream" and markers["node"] == site.rabbits[2].nodename, markers
     names = ["c0", "c1", "c2"]
     clients = {name: _client(site, name) for name in names}
     homes = until(lambda: _homes(site, names), "the clients' upstreams", 30)
@@ -121,8 +138,12 @@ def test_a_dead_broker_node_costs_its_clients_a_reconnect_and_loses_nothing(
     confirmed: list[int] = []
     for i, (_, ch) in enumerate(clients.values()):
         _publish(ch, range(100 * i + 1, 100 * i + 51), confirmed)
+    tx_conn, _ = _client(site, "transactions")
+    tx = tx_conn.channel()
+    tx.tx_select()
+    _commit(tx, range(3000, 3005), confirmed)
 
-    victim = next(name for name, n in homes.items() if n == 2)  # not the queues' node
+    victim = next(name for name, n in homes.items() if n == 2)  # not the classic queues' node
     site.rabbits[2].kill()
     conn, ch = clients.pop(victim)
     with pytest.raises(pika.exceptions.AMQPError):  # as connected to that node directly
@@ -135,25 +156,44 @@ def test_a_dead_broker_node_costs_its_clients_a_reconnect_and_loses_nothing(
         _publish(ch, range(2000 + 100 * i, 2000 + 100 * i + 30), confirmed)
     moved = until(lambda: _homes(site, list(again)), "the new upstreams", 30)
     assert set(moved.values()) <= {0, 1}, moved
-    # local transactions go on committing (the commit markers' queue is on a live node)
-    tx_conn, tx = _client(site, "transactions")
-    tx.close()
+    # local transactions go on committing: the markers' stream has a new leader
+    if tx_conn.is_open:
+        tx_conn.close()
+    tx_conn, _ = _client(site, "transactions-again")
     tx = tx_conn.channel()
     tx.tx_select()
-    for first in range(3000, 3015, 5):
-        for n in range(first, first + 5):
-            tx.basic_publish("events", routing_key(n), body(n), properties(n))
-        tx.tx_commit()
-        confirmed.extend(range(first, first + 5))
+    for first in range(3100, 3115, 5):
+        _commit(tx, range(first, first + 5), confirmed)
     for conn, _ in [*again.values(), *clients.values()]:
         conn.close()
+    tx_conn.close()
 
     assert_same_state(node_a, node_b)
-    missing = {(n, q) for n in confirmed for q in queues_of(n)} - live_numbers(node_b.site)
+    replicated = live_numbers(node_b.site)
+    missing = {(n, q) for n in confirmed for q in (*queues_of(n), "orders.qq")} - replicated
     assert not missing, sorted(missing)[:10]
+
+    def quorum_depth() -> int:  # the management API's figure, a second old
+        return int(site.rabbit.api("GET", "queues/orders/orders.qq?columns=messages")["messages"])
+
+    # every confirmed publish, and perhaps one never confirmed
+    until(lambda: quorum_depth() >= len(confirmed), "the quorum queue's depth", 30)
+    # four transactions, each decided, each with its marker in the stream
+    txids = scalar(site, "SELECT array_agg(txid ORDER BY created_at) FROM txn_log")
+    states = scalar(site, "SELECT array_agg(DISTINCT state) FROM txn_log")
+    assert len(txids) == 4 and set(states) <= {"committed", "ended"}, states
+    assert marker_names(site.rabbits[0].amqp_url("orders")) == txids
     dead = f"127.0.0.1:{site.rabbits[2].amqp_port}"
     failures = value(node_a.get("/metrics"), "vpnrepl_broker_connect_failures_total", broker=dead)
     assert failures is not None and failures >= 1
+
+
+def _commit(tx: Any, numbers: range, confirmed: list[int]) -> None:
+    """Publish ``numbers`` in one local transaction; confirmed once committed."""
+    for n in numbers:
+        tx.basic_publish("events", routing_key(n), body(n), properties(n))
+    tx.tx_commit()
+    confirmed.extend(numbers)
 
 
 def _declare(site: LocalSite) -> None:

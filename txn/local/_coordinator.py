@@ -14,8 +14,8 @@ messages runs this protocol (the steps are :mod:`txn.local._machine`'s table):
    anywhere), ``degrade`` goes on without it (the row is marked degraded and
    the standby gets the transaction asynchronously, with the ledger).
 2. **Broker commit.** The listener sends the held ``tx.commit`` behind a
-   commit marker: a persistent publish of the transaction id to the VPN's
-   ``vpnrepl.txn-markers`` queue in the same broker transaction. The broker
+   commit marker: a publish of the transaction id to the VPN's
+   ``vpnrepl.commit-markers`` stream in the same broker transaction. The broker
    is the last resource: it cannot prepare, but its outcome stays
    discoverable — the marker exists exactly when the broker committed.
 3. **Decision.** On ``tx.commit-ok`` the transaction's events are appended

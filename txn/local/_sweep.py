@@ -1,8 +1,9 @@
 """The coordinator's housekeeping, off the client's path, every few seconds:
 its rows end once the standby's acknowledged index has passed their
-groups, ended rows are pruned after a while, and the commit markers of
-decided transactions are removed (one not removed yet waits for the next
-sweep).
+groups, ended rows are pruned after a while, and the markers of decided
+transactions still in the classic queue of earlier releases are removed
+(one not removed yet waits for the next sweep; the stream keeps its own
+until its retention).
 """
 
 from __future__ import annotations

@@ -84,18 +84,18 @@ def test_on_a_confirm_channel_a_request_is_refused_as_a_reserved_name() -> None:
 @pytest.mark.parametrize(
     "method",
     [
-        C.Queue.Declare(queue="vpnrepl.txn-markers", durable=True),
-        C.Queue.Declare(queue="vpnrepl.txn-markers", passive=True),
-        C.Queue.Delete(queue="vpnrepl.txn-markers"),
-        C.Queue.Purge(queue="vpnrepl.txn-markers"),
-        C.Queue.Bind(queue="vpnrepl.txn-markers", exchange="amq.fanout"),
+        C.Queue.Declare(queue="vpnrepl.commit-markers", durable=True),
+        C.Queue.Declare(queue="vpnrepl.commit-markers", passive=True),
+        C.Queue.Delete(queue="vpnrepl.commit-markers"),
+        C.Queue.Purge(queue="vpnrepl.commit-markers"),
+        C.Queue.Bind(queue="vpnrepl.commit-markers", exchange="amq.fanout"),
         C.Queue.Bind(queue="q", exchange="vpnrepl.xa"),
         C.Exchange.Declare(exchange="vpnrepl.xa", exchange_type="direct"),
         C.Exchange.Delete(exchange="vpnrepl.anything"),
         C.Exchange.Bind(destination="x", source="vpnrepl.xa"),
-        C.Basic.Consume(queue="vpnrepl.txn-markers"),
-        C.Basic.Get(queue="vpnrepl.txn-markers"),
-        C.Queue.Declare(queue="dl", arguments={"x-dead-letter-routing-key": "vpnrepl.txn-markers"}),
+        C.Basic.Consume(queue="vpnrepl.commit-markers"),
+        C.Basic.Get(queue="vpnrepl.commit-markers"),
+        C.Queue.Declare(queue="dl", arguments={"x-dead-letter-routing-key": "vpnrepl.commit-markers"}),
         C.Queue.Declare(queue="dl", arguments={"x-dead-letter-exchange": "vpnrepl.xa"}),
         C.Exchange.Declare(
             exchange="x", exchange_type="direct", arguments={"alternate-exchange": "vpnrepl.x"}
@@ -118,7 +118,7 @@ def test_every_method_on_a_reserved_name_is_refused_with_403(method: object) -> 
 def test_a_publish_to_a_reserved_queue_by_the_default_exchange_is_refused() -> None:
     s = make_session()
     open_session(s)
-    out = s.client_data(publish(1, b"forged marker", queue="vpnrepl.txn-markers"))
+    out = s.client_data(publish(1, b"forged marker", queue="vpnrepl.commit-markers"))
     closes = [v for _, v in decode_all(out.to_client) if isinstance(v, C.Channel.Close)]
     assert closes and closes[0].reply_code == 403
     assert not [v for _, v in decode_all(out.to_broker) if isinstance(v, C.Basic.Publish)]
@@ -135,13 +135,13 @@ def test_a_publish_whose_cc_or_bcc_names_a_reserved_queue_is_refused(
     frame-by-frame one)."""
     s = make_session()
     open_session(s)
-    data = publish(1, b"forged marker", headers={header_name: ["q", "vpnrepl.txn-markers"]})
+    data = publish(1, b"forged marker", headers={header_name: ["q", "vpnrepl.commit-markers"]})
     outs = feed(s, data, split)
     to_client = decode_all([b"".join(b"".join(o.to_client) for o in outs)])
     to_broker = decode_all([b"".join(b"".join(o.to_broker) for o in outs)])
     closes = [v for _, v in to_client if isinstance(v, C.Channel.Close)]
     assert closes and closes[0].reply_code == 403, to_client
-    assert "'vpnrepl.txn-markers'" in str(closes[0].reply_text)
+    assert "'vpnrepl.commit-markers'" in str(closes[0].reply_text)
     assert [type(v).__name__ for _, v in to_broker] == ["Close"]  # no publish, no content
 
 

@@ -152,21 +152,16 @@ def test_a_dead_broker_node_costs_its_clients_a_reconnect_and_loses_nothing(
     # it connects again through the listener, as do two more: one of the
     # three is the turn of the dead node, which refuses, and goes on to a live one
     again = {name: _client(site, name) for name in ("r0", "r1", "r2")}
-    for i, (_, ch) in enumerate([*again.values(), *clients.values()]):
-        _publish(ch, range(2000 + 100 * i, 2000 + 100 * i + 30), confirmed)
     moved = until(lambda: _homes(site, list(again)), "the new upstreams", 30)
     assert set(moved.values()) <= {0, 1}, moved
+    # while the cluster elects new leaders for what the dead node led, the
+    # broker may close a publisher's connection (541): a client connects
+    # again through the listener and goes on, as it would directly
+    for i, client in enumerate([*again.items(), *clients.items()]):
+        _go_on(site, client, range(2000 + 100 * i, 2000 + 100 * i + 30), confirmed)
     # local transactions go on committing: the markers' stream has a new leader
-    if tx_conn.is_open:
-        tx_conn.close()
-    tx_conn, _ = _client(site, "transactions-again")
-    tx = tx_conn.channel()
-    tx.tx_select()
     for first in range(3100, 3115, 5):
-        _commit(tx, range(first, first + 5), confirmed)
-    for conn, _ in [*again.values(), *clients.values()]:
-        conn.close()
-    tx_conn.close()
+        _go_on(site, ("transactions-again", None), range(first, first + 5), confirmed, tx=True)
 
     assert_same_state(node_a, node_b)
     replicated = live_numbers(node_b.site)
@@ -186,6 +181,38 @@ def test_a_dead_broker_node_costs_its_clients_a_reconnect_and_loses_nothing(
     dead = f"127.0.0.1:{site.rabbits[2].amqp_port}"
     failures = value(node_a.get("/metrics"), "vpnrepl_broker_connect_failures_total", broker=dead)
     assert failures is not None and failures >= 1
+
+
+def _go_on(
+    site: LocalSite,
+    client: tuple[str, tuple[pika.BlockingConnection, Any] | None],
+    numbers: range,
+    confirmed: list[int],
+    tx: bool = False,
+) -> None:
+    """Publish ``numbers`` (one local transaction with ``tx``) as a client
+    that connects again through the listener when the broker closes its
+    connection, up to three times, and republishes what was not confirmed."""
+    name, opened = client
+    for attempt in range(4):
+        conn, ch = opened if opened is not None else _client(site, f"{name}-{attempt}")
+        opened = None
+        try:
+            if tx:
+                ch = conn.channel()
+                ch.tx_select()
+                _commit(ch, numbers, confirmed)
+            else:
+                done = [n for n in confirmed if n in numbers]
+                _publish(
+                    ch, range(max(done, default=numbers.start - 1) + 1, numbers.stop), confirmed
+                )
+            conn.close()
+            assert set(numbers) <= set(confirmed)
+            return
+        except pika.exceptions.AMQPError:
+            if attempt == 3:
+                raise
 
 
 def _commit(tx: Any, numbers: range, confirmed: list[int]) -> None:

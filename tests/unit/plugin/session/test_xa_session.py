@@ -95,7 +95,9 @@ def test_on_a_confirm_channel_a_request_is_refused_as_a_reserved_name() -> None:
         C.Exchange.Bind(destination="x", source="vpnrepl.xa"),
         C.Basic.Consume(queue="vpnrepl.commit-markers"),
         C.Basic.Get(queue="vpnrepl.commit-markers"),
-        C.Queue.Declare(queue="dl", arguments={"x-dead-letter-routing-key": "vpnrepl.commit-markers"}),
+        C.Queue.Declare(
+            queue="dl", arguments={"x-dead-letter-routing-key": "vpnrepl.commit-markers"}
+        ),
         C.Queue.Declare(queue="dl", arguments={"x-dead-letter-exchange": "vpnrepl.xa"}),
         C.Exchange.Declare(
             exchange="x", exchange_type="direct", arguments={"alternate-exchange": "vpnrepl.x"}

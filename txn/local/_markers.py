@@ -8,11 +8,13 @@ reading it is no delivery, so a lookup counts against no delivery limit and
 takes nothing away from another reader. Nothing removes a marker; the
 stream's retention (:data:`MARKER_ARGUMENTS`, two days) drops old segments.
 
-A lookup reads from a time (the transaction's start, less
-:data:`CLOCK_SLACK_SECONDS` for the clocks of the node, PostgreSQL and the
-broker) to the end: it first publishes a probe (a marker of its own,
-confirmed), then reads until the probe comes back, so every marker the
-broker held before the lookup began is seen. A marker's body is its name and
+A lookup reads from a time (the transaction's ``txn_log`` row, less
+:data:`CLOCK_SLACK_SECONDS` for the clocks of PostgreSQL and the broker)
+to the end: it first publishes a probe (a marker of its own, confirmed),
+then reads until the probe comes back, so every marker the broker held
+before the lookup began is seen. A probe that does not come (PostgreSQL's
+clock ahead of the broker's by more than the slack) makes it read the
+whole stream instead, with a warning: slower, never wrong. A marker's body is its name and
 a :class:`~txn._marker_key.MarkerKey` tag, so a message a client routed
 there is no marker (:data:`MarkerStore.forged`); ``<txid>#restored``
 (:func:`restored_marker`) goes with the messages a promoted site puts back
@@ -203,39 +205,28 @@ class MarkerStore:
 
     def _read(self, conn: Any, vhost: str, since: float) -> set[str]:
         """Every marker from ``since`` (less the slack) up to a probe this
-        lookup published first."""
+        lookup published first; from the stream's start if the probe does
+        not come (the transaction's time is ahead of the broker's clock)."""
         probe = self.body(vhost, f"{_PROBE}{uuid.uuid4()}")
         ch = conn.channel()
         ch.confirm_delivery()
         ch.basic_publish("", MARKER_QUEUE, probe, pika.BasicProperties(delivery_mode=2))
         start = datetime.fromtimestamp(since - CLOCK_SLACK_SECONDS, UTC)
-        ch.basic_qos(prefetch_count=READ_PREFETCH)
-        names: set[str] = set()
-        forged: list[int] = []  # stream offsets of messages that are no marker
-        unacked = 0
-        for method, props, body in ch.consume(
-            MARKER_QUEUE,
-            arguments={"x-stream-offset": start},
-            inactivity_timeout=READ_IDLE_SECONDS,
-        ):
-            if method is None:
-                raise TimeoutError(
-                    f"the stream sent nothing for {READ_IDLE_SECONDS:.0f} s, not even this "
-                    "lookup's probe: are the clocks of the site's PostgreSQL and RabbitMQ "
-                    f"more than {CLOCK_SLACK_SECONDS:.0f} s apart?"
-                )
-            unacked += 1
-            if unacked >= READ_PREFETCH // 2:
-                ch.basic_ack(method.delivery_tag, multiple=True)
-                unacked = 0
-            if body == probe:
-                break
-            name = self.key.name_of(vhost, body)
-            if name is None:
-                forged.append(int((props.headers or {}).get("x-stream-offset", -1)))
-            elif not name.startswith(_PROBE):
-                names.add(name)
-        _abandon(conn, ch)
+        found = self._scan(conn, ch, vhost, start, probe)
+        if found is None:
+            log.warning(
+                "vhost %r: a commit-marker lookup from %s saw nothing for %.0f s, not even "
+                "its probe: the site's PostgreSQL clock is ahead of RabbitMQ's by more than "
+                "%.0f s; reading the markers' stream from its start instead",
+                vhost,
+                start.isoformat(),
+                READ_IDLE_SECONDS,
+                CLOCK_SLACK_SECONDS,
+            )
+            found = self._scan(conn, conn.channel(), vhost, "first", probe)
+        if found is None:
+            raise TimeoutError(f"the probe never came back from {MARKER_QUEUE}")
+        names, forged = found
         with self._lock:  # each forged message counted once, by whichever read saw it first
             upto = self._forged_upto.get(vhost, -1)
             new = sum(offset > upto for offset in forged)
@@ -244,6 +235,39 @@ class MarkerStore:
         if new:
             self._count_forged(vhost, new, "found")
         return names
+
+    def _scan(
+        self, conn: Any, ch: Any, vhost: str, offset: datetime | str, probe: bytes
+    ) -> tuple[set[str], list[int]] | None:
+        """The markers from ``offset`` to ``probe``, and the stream offsets
+        of the messages there that are no marker; None when the stream
+        sends nothing for :data:`READ_IDLE_SECONDS` before the probe."""
+        ch.basic_qos(prefetch_count=READ_PREFETCH)
+        names: set[str] = set()
+        forged: list[int] = []
+        unacked = 0
+        try:
+            for method, props, body in ch.consume(
+                MARKER_QUEUE,
+                arguments={"x-stream-offset": offset},
+                inactivity_timeout=READ_IDLE_SECONDS,
+            ):
+                if method is None:
+                    return None
+                unacked += 1
+                if unacked >= READ_PREFETCH // 2:
+                    ch.basic_ack(method.delivery_tag, multiple=True)
+                    unacked = 0
+                if body == probe:
+                    return names, forged
+                name = self.key.name_of(vhost, body)
+                if name is None:
+                    forged.append(int((props.headers or {}).get("x-stream-offset", -1)))
+                elif not name.startswith(_PROBE):
+                    names.add(name)
+            return None  # the consumer was cancelled
+        finally:
+            _abandon(conn, ch)
 
     def _count_forged(self, vhost: str, forged: int, how: str) -> None:
         self.forged[vhost] += forged

@@ -18,7 +18,7 @@ from tests.fix_listener import ListenerThread, enable_vpn
 from tests.support.markers import marker_bodies
 from tests.support.two_sites import setup_vpn
 from txn import MarkerKey
-from txn.local import LEGACY_MARKER_QUEUE, MarkerError, MarkerStore, _markers as markers_module
+from txn.local import LEGACY_MARKER_QUEUE, MarkerStore, _markers as markers_module
 
 
 def test_a_lookup_sees_every_marker_since_its_time_and_removes_none(site_a: LocalSite) -> None:
@@ -55,17 +55,24 @@ def test_a_lookup_sees_every_marker_since_its_time_and_removes_none(site_a: Loca
     ]
 
 
-def test_a_lookup_dated_after_the_brokers_clock_fails_loudly(
-    site_a: LocalSite, monkeypatch: pytest.MonkeyPatch
+def test_a_lookup_dated_after_the_brokers_clock_reads_the_whole_stream(
+    site_a: LocalSite, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A transaction dated an hour ahead of the broker's clock (PostgreSQL's
-    clock far off): its lookup never sees its own probe, and says so rather
-    than answer "no marker" (which would abort a committed transaction)."""
+    clock stepped forward): its lookup never sees its probe from that time,
+    so it reads the stream from its start and finds the marker, rather than
+    answer "no marker" (which would abort a committed transaction)."""
     site_a.rabbit.add_vhost("v")
     store = MarkerStore(site_a.rabbit.amqp_url())
+    asyncio.run(store.declare("v"))
+    conn = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("v")))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("", MARKER_QUEUE, store.body("v", "tx-ahead"))
+    conn.close()
     monkeypatch.setattr(markers_module, "READ_IDLE_SECONDS", 1.0)
-    with pytest.raises(MarkerError, match="clocks of the site's PostgreSQL and RabbitMQ"):
-        asyncio.run(store.present("v", time.time() + 3600))
+    assert asyncio.run(store.present("v", time.time() + 3600)) == {"tx-ahead"}
+    assert "PostgreSQL clock is ahead of RabbitMQ's" in caplog.text
 
 
 def test_a_lookup_reads_from_its_time(site_a: LocalSite, monkeypatch: pytest.MonkeyPatch) -> None:

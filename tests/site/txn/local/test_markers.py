@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pika
 import pika.exceptions
@@ -21,18 +22,25 @@ from txn import MarkerKey
 from txn.local import LEGACY_MARKER_QUEUE, MarkerStore, _markers as markers_module
 
 
+def _declared(site: LocalSite) -> tuple[MarkerStore, pika.BlockingConnection, Any]:
+    """A store of vhost ``v``'s markers, its stream declared, and a
+    confirming channel to publish into it directly."""
+    site.rabbit.add_vhost("v")
+    store = MarkerStore(site.rabbit.amqp_url())
+    asyncio.run(store.declare("v"))
+    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url("v")))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    return store, conn, ch
+
+
 def test_a_lookup_sees_every_marker_since_its_time_and_removes_none(site_a: LocalSite) -> None:
     """Markers are read, never taken: four lookups at once each see all of
     them, and a read leaves them in the stream; forged messages are no
     markers and are counted once however often they are read."""
-    site_a.rabbit.add_vhost("v")
-    store = MarkerStore(site_a.rabbit.amqp_url())
     began = time.time()
-    asyncio.run(store.declare("v"))
+    store, conn, ch = _declared(site_a)
     txids = [f"tx-{n}" for n in range(300)]
-    conn = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("v")))
-    ch = conn.channel()
-    ch.confirm_delivery()
     for txid in txids:
         ch.basic_publish("", MARKER_QUEUE, store.body("v", txid))
     # forged: untagged, another key's tag, another vhost's tag, not text
@@ -62,12 +70,7 @@ def test_a_lookup_dated_after_the_brokers_clock_reads_the_whole_stream(
     clock stepped forward): its lookup never sees its probe from that time,
     so it reads the stream from its start and finds the marker, rather than
     answer "no marker" (which would abort a committed transaction)."""
-    site_a.rabbit.add_vhost("v")
-    store = MarkerStore(site_a.rabbit.amqp_url())
-    asyncio.run(store.declare("v"))
-    conn = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("v")))
-    ch = conn.channel()
-    ch.confirm_delivery()
+    store, conn, ch = _declared(site_a)
     ch.basic_publish("", MARKER_QUEUE, store.body("v", "tx-ahead"))
     conn.close()
     monkeypatch.setattr(markers_module, "READ_IDLE_SECONDS", 1.0)
@@ -79,12 +82,7 @@ def test_a_lookup_reads_from_its_time(site_a: LocalSite, monkeypatch: pytest.Mon
     """Markers older than the lookup's time (less the clock slack, here
     none) are not read: a lookup costs the markers since its transaction
     began, not the stream's whole retention."""
-    site_a.rabbit.add_vhost("v")
-    store = MarkerStore(site_a.rabbit.amqp_url())
-    asyncio.run(store.declare("v"))
-    conn = pika.BlockingConnection(pika.URLParameters(site_a.rabbit.amqp_url("v")))
-    ch = conn.channel()
-    ch.confirm_delivery()
+    store, conn, ch = _declared(site_a)
     ch.basic_publish("", MARKER_QUEUE, store.body("v", "old"))
     time.sleep(2.1)  # the stream's offsets by time are in whole seconds
     since = time.time()

@@ -143,6 +143,7 @@ class MarkerStore:
         self._forged_upto: dict[str, int] = {}  # vhost -> stream offset counted up to
         self._declared: set[str] = set()
         self._legacy: set[str] = set()  # vhosts whose legacy queue is still there
+        self._looked: set[str] = set()  # vhosts whose legacy queue was looked for
         self._lock = threading.Lock()  # one legacy browse at a time; the forged counts
 
     def _params(self, vhost: str) -> list[pika.URLParameters]:
@@ -159,11 +160,15 @@ class MarkerStore:
             nodes.append(params)
         return nodes
 
-    def _run(self, vhost: str, what: str, work: Callable[[Any], T]) -> T:
+    def _run(self, vhost: str, what: str, work: Callable[[Any], T], stream: bool = True) -> T:
+        """``work`` on a connection to ``vhost``, the stream declared first
+        (unless not ``stream``: work on the legacy queue alone)."""
         try:
             with pika.BlockingConnection(self._params(vhost)) as conn:
-                ch = conn.channel()
-                ch.queue_declare(MARKER_QUEUE, durable=True, arguments=MARKER_ARGUMENTS)
+                if stream:
+                    conn.channel().queue_declare(
+                        MARKER_QUEUE, durable=True, arguments=MARKER_ARGUMENTS
+                    )
                 return work(conn)
         except (pika.exceptions.AMQPError, OSError, TimeoutError) as e:
             raise MarkerError(f"vhost {vhost!r}: cannot {what} commit markers: {e!r}") from e
@@ -177,9 +182,15 @@ class MarkerStore:
         queue does (once per vhost and process)."""
         if vhost in self._declared:
             return
-        if await asyncio.to_thread(self._run, vhost, "declare", _has_legacy):
-            self._legacy.add(vhost)
+        legacy = await asyncio.to_thread(self._run, vhost, "declare", _has_legacy)
+        self._learn_legacy(vhost, legacy)
         self._declared.add(vhost)
+
+    def _learn_legacy(self, vhost: str, there: bool) -> None:
+        if vhost not in self._looked:
+            self._looked.add(vhost)
+            if there:
+                self._legacy.add(vhost)
 
     def body(self, vhost: str, name: str) -> bytes:
         """The message body of marker ``name`` in ``vhost``'s marker stream."""
@@ -292,7 +303,9 @@ class MarkerStore:
         ``keep`` (still prepared: their markers still prove a commit), and
         delete the queue once it is empty. True when ``vhost`` has no legacy
         queue any more."""
-        await self.declare(vhost)
+        if vhost not in self._looked:  # a VPN with no transaction yet gets no stream here
+            there = await asyncio.to_thread(self._run, vhost, "read", _has_legacy, False)
+            self._learn_legacy(vhost, there)
         if vhost not in self._legacy:
             return True
         read = self._reader(vhost)
@@ -302,7 +315,7 @@ class MarkerStore:
             return name is None or marker_txid(name) not in keep
 
         await asyncio.to_thread(
-            self._run, vhost, "remove", lambda c: self._sweep(c, vhost, needless)
+            self._run, vhost, "remove", lambda c: self._sweep(c, vhost, needless), False
         )
         return vhost not in self._legacy
 
@@ -322,7 +335,7 @@ class MarkerStore:
             return name is None or name in wanted
 
         await asyncio.to_thread(
-            self._run, vhost, "remove", lambda c: self._sweep(c, vhost, needless)
+            self._run, vhost, "remove", lambda c: self._sweep(c, vhost, needless), False
         )
         return removed
 

@@ -44,6 +44,14 @@ from ._vpn_config import (
     save_vpn_settings,
 )
 from ._vpn_epoch import epoch_taken, record_epoch, record_first_epoch
+from ._vpn_lease import (
+    HeldLease,
+    holds_term,
+    lease_of,
+    release_lease,
+    renew_lease,
+    take_lease,
+)
 from ._vpn_role import (
     become_active,
     become_standby,
@@ -73,6 +81,12 @@ from ._vpn_views import active_vpns, enabled_vpns, role_state, vpn_status_rows
 
 __all__ = [
     "BridgeStateWriter",
+    "HeldLease",
+    "holds_term",
+    "lease_of",
+    "release_lease",
+    "renew_lease",
+    "take_lease",
     "CONNECTED",
     "COUNT_UNKNOWN_ACKS",
     "ConfigLock",

@@ -37,10 +37,10 @@ def test_help_lists_every_contract_command(tmp_path: Path) -> None:
 def test_init_creates_the_schema_and_is_idempotent(vpnrepl_a: Vpnrepl, site_a: LocalSite) -> None:
     first = vpnrepl_a("init")
     assert first.returncode == 0, first.stderr
-    assert "upgraded from empty to revision 0017" in first.stdout
+    assert "upgraded from empty to revision 0018" in first.stdout
     second = vpnrepl_a("init")
     assert second.returncode == 0, second.stderr
-    assert "schema is current (revision 0017)" in second.stdout
+    assert "schema is current (revision 0018)" in second.stdout
     with psycopg.connect(site_a.pg.dsn()) as conn:
         tables = {
             r[0]

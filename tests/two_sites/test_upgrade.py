@@ -162,7 +162,7 @@ def upgraded(
     assert refused.returncode == 2 and "peer.name: required key is missing" in refused.stderr
     this_release_config(site, peer, cfg)
     done = Vpnrepl(cfg)("init")
-    assert done.returncode == 0 and "to revision 0017" in done.stdout, done.stderr
+    assert done.returncode == 0 and "to revision 0018" in done.stdout, done.stderr
     node = NodeProcess(site, cfg, log, name)
     node.start()
     return node

@@ -55,7 +55,11 @@ RETURNING term
 _LEASE_OF = """
 SELECT holder, term, extract(epoch FROM expires_at - now()) FROM vpn_lease WHERE vpn = %s
 """
-_HOLDS = "SELECT EXISTS (SELECT FROM vpn_lease WHERE vpn = %s AND term = %s AND holder = %s)"
+# FOR SHARE: a taker's update of the row waits until the write that checked
+# the term commits, so no new term can begin between the check and the commit
+_HOLDS = """
+SELECT EXISTS (SELECT FROM vpn_lease WHERE vpn = %s AND term = %s AND holder = %s FOR SHARE)
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,5 +117,6 @@ def lease_of(vpn: str) -> Statement[tuple[str, int, float] | None]:
 
 def holds_term(vpn: str, holder: str, term: int) -> Statement[bool]:
     """Whether ``holder`` still holds ``vpn``'s lease at ``term`` (the
-    fencing check a leader's write makes in its own transaction)."""
+    fencing check a leader's write makes in its own transaction: the row
+    stays share-locked until that transaction ends)."""
     return Statement(_HOLDS, (vpn, term, holder), lambda result: bool(result.rows[0][0]))

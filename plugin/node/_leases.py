@@ -6,7 +6,11 @@ lease time apart. It judges each lease itself, on its monotonic clock from
 before the renewal it sent (:class:`~bridge.store.HeldLease`): a lease whose
 time ran out while the database did not answer, or whose renewal found
 another holder's term, is lost, and ``on_lost`` is told once, so the node
-stops confirming for that VPN before another node may take it.
+stops confirming for that VPN before another node may take it. Each
+database call is bounded by a third of the lease time, so a hung renewal
+cannot outlive the lease unnoticed; a node that lost a lease takes it
+again as a new holder (``<holder>.<generation>``), so the term rises and
+fences what it wrote before the loss.
 """
 
 from __future__ import annotations
@@ -16,15 +20,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
-from bridge.store import HeldLease, release_lease, renew_lease, take_lease
+from bridge.store import HeldLease, Statement, release_lease, renew_lease, take_lease
 
 __all__ = ["LeaseKeeper"]
 
 log = logging.getLogger("vpnrepl.node")
+
+T = TypeVar("T")
 
 
 class LeaseKeeper:
@@ -43,6 +49,31 @@ class LeaseKeeper:
         self.on_lost = on_lost
         self._held: dict[str, HeldLease] = {}
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._generation = 0  # rises at each loss: the next take is a new term
+        self._calls = asyncio.Lock()  # one call at a time on the connection
+
+    @property
+    def holder_id(self) -> str:
+        """The holder the database knows this node by, now."""
+        return f"{self.holder}.{self._generation}"
+
+    async def _call(self, statement: Statement[T]) -> T:
+        """``statement`` on the connection, bounded by a third of the lease."""
+        async with self._calls:
+            try:
+                # asyncio.timeout, not wait_for: in Python 3.11 wait_for can
+                # swallow a cancellation that comes as the call completes
+                async with asyncio.timeout(self.seconds / 3):
+                    conn = self._conn
+                    if conn is None or conn.closed:
+                        conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+                        self._conn = conn
+                    return await statement.run_async(conn)
+            except BaseException:  # a call cut short leaves the connection unusable
+                if self._conn is not None:
+                    await self._conn.close()
+                    self._conn = None
+                raise
 
     def term(self, vpn: str) -> int | None:
         """The term this node leads ``vpn`` under, or None when it does not
@@ -55,42 +86,36 @@ class LeaseKeeper:
             return None
         return lease.term
 
-    async def _connection(self) -> psycopg.AsyncConnection[Any]:
-        if self._conn is None or self._conn.closed:
-            self._conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
-        return self._conn
-
     async def take(self, vpn: str) -> int | None:
         """Take ``vpn``'s lease; its term, or None while another node's runs."""
-        asked = time.monotonic()
-        term = await take_lease(vpn, self.holder, self.seconds).run_async(await self._connection())
+        asked, holder = time.monotonic(), self.holder_id
+        term = await self._call(take_lease(vpn, holder, self.seconds))
         if term is not None:
-            self._held[vpn] = HeldLease.asked_at(vpn, self.holder, term, asked, self.seconds)
+            self._held[vpn] = HeldLease.asked_at(vpn, holder, term, asked, self.seconds)
         return term
 
     async def release(self, vpn: str) -> None:
         """Let ``vpn``'s lease go at once (another node may take it now)."""
         lease = self._held.pop(vpn, None)
-        if lease is not None:
-            await release_lease(vpn, self.holder, lease.term).run_async(await self._connection())
+        if lease is not None:  # after any renewal in flight (one call at a time)
+            await self._call(release_lease(vpn, lease.holder, lease.term))
 
     async def renew(self) -> None:
         """Renew every lease held; a lease another node took is lost."""
         for vpn, lease in list(self._held.items()):
             asked = time.monotonic()
             try:
-                conn = await self._connection()
-                term = await renew_lease(vpn, self.holder, lease.term, self.seconds).run_async(conn)
-            except psycopg.Error as e:
-                if self._conn is not None:
-                    await self._conn.close()
-                log.warning("VPN %s: the lease was not renewed: %s", vpn, e)
+                term = await self._call(renew_lease(vpn, lease.holder, lease.term, self.seconds))
+            except (TimeoutError, psycopg.Error) as e:
+                log.warning("VPN %s: the lease was not renewed: %r", vpn, e)
                 self.term(vpn)  # lost if its time ran out meanwhile
                 continue
+            if self._held.get(vpn) is not lease:
+                continue  # released or lost meanwhile: this renewal counts for nothing
             if term is None:
                 self._lose(vpn, "another node took it")
-            elif vpn in self._held:
-                self._held[vpn] = HeldLease.asked_at(vpn, self.holder, term, asked, self.seconds)
+            else:
+                self._held[vpn] = HeldLease.asked_at(vpn, lease.holder, term, asked, self.seconds)
 
     async def run(self) -> None:
         """Renew a third of the lease time apart, until cancelled."""
@@ -100,7 +125,7 @@ class LeaseKeeper:
 
     async def close(self) -> None:
         for vpn in list(self._held):
-            with contextlib.suppress(psycopg.Error):  # a lease not released expires
+            with contextlib.suppress(TimeoutError, psycopg.Error):  # one not released expires
                 await self.release(vpn)
         if self._conn is not None:
             await self._conn.close()
@@ -108,5 +133,6 @@ class LeaseKeeper:
     def _lose(self, vpn: str, why: str) -> None:
         lease = self._held.pop(vpn, None)
         if lease is not None:
+            self._generation += 1
             log.error("VPN %s: this node lost its lease (term %d): %s", vpn, lease.term, why)
             self.on_lost(vpn, lease.term)

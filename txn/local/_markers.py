@@ -82,6 +82,10 @@ CLOCK_SLACK_SECONDS: Final = 120.0
 LEGACY_MARKER_QUEUE: Final = "vpnrepl.txn-markers"
 #: a lookup gives up when the stream sends nothing for this long
 READ_IDLE_SECONDS: Final = 10.0
+#: a read from a time that has not met its probe after this long (the
+#: start fell after the probe, on a stream busy enough never to go idle)
+#: reads from the stream's start instead
+READ_DEADLINE_SECONDS: Final = 60.0
 #: markers in flight to a lookup (it acks every half of them)
 READ_PREFETCH: Final = 2000
 
@@ -144,7 +148,8 @@ class MarkerStore:
         self._declared: set[str] = set()
         self._legacy: set[str] = set()  # vhosts whose legacy queue is still there
         self._looked: set[str] = set()  # vhosts whose legacy queue was looked for
-        self._lock = threading.Lock()  # one legacy browse at a time; the forged counts
+        self._lock = threading.Lock()  # one legacy browse at a time; the forged offsets
+        self._count_lock = threading.Lock()  # the forged counts, added from worker threads
 
     def _params(self, vhost: str) -> list[pika.URLParameters]:
         """Each broker node's connection parameters (pika tries them in turn)."""
@@ -207,7 +212,7 @@ class MarkerStore:
         if vhost in self._legacy:
             read = self._reader(vhost)
             names |= await asyncio.to_thread(
-                self._run, vhost, "read", lambda conn: self._browse_legacy(conn, read)
+                self._run, vhost, "read", lambda conn: self._browse_legacy(conn, vhost, read)
             )
         return names
 
@@ -252,7 +257,9 @@ class MarkerStore:
     ) -> tuple[set[str], list[int]] | None:
         """The markers from ``offset`` to ``probe``, and the stream offsets
         of the messages there that are no marker; None when the stream
-        sends nothing for :data:`READ_IDLE_SECONDS` before the probe."""
+        sends nothing for :data:`READ_IDLE_SECONDS` before the probe, or a
+        read from a time does not meet it within :data:`READ_DEADLINE_SECONDS`."""
+        deadline = None if offset == "first" else time.monotonic() + READ_DEADLINE_SECONDS
         ch.basic_qos(prefetch_count=READ_PREFETCH)
         names: set[str] = set()
         forged: list[int] = []
@@ -271,6 +278,8 @@ class MarkerStore:
                     unacked = 0
                 if body == probe:
                     return names, forged
+                if deadline is not None and time.monotonic() > deadline:
+                    return None
                 name = self.key.name_of(vhost, body)
                 if name is None:
                     forged.append(int((props.headers or {}).get("x-stream-offset", -1)))
@@ -281,7 +290,8 @@ class MarkerStore:
             _abandon(conn, ch)
 
     def _count_forged(self, vhost: str, forged: int, how: str) -> None:
-        self.forged[vhost] += forged
+        with self._count_lock:
+            self.forged[vhost] += forged
         log.warning(
             "vhost %r: %s %d message(s) among the commit markers that were no marker of "
             "this site (routed there by a client?)",
@@ -290,10 +300,18 @@ class MarkerStore:
             forged,
         )
 
-    def _browse_legacy(self, conn: Any, read: Callable[[bytes], str | None]) -> set[str]:
+    def _browse_legacy(
+        self, conn: Any, vhost: str, read: Callable[[bytes], str | None]
+    ) -> set[str]:
         with self._lock:
             ch = conn.channel()
-            got = _drain(ch)
+            try:
+                got = _drain(ch)
+            except pika.exceptions.ChannelClosedByBroker as e:
+                if e.reply_code != 404:
+                    raise
+                self._legacy.discard(vhost)  # retired meanwhile: nothing in it
+                return set()
             if got:
                 _give_back(ch, got[-1][0])  # every marker back to the queue
         return {name for _, body in got if (name := read(body)) is not None}
@@ -347,9 +365,9 @@ class MarkerStore:
             ch = conn.channel()
             forged = _sweep(ch, needless, read)
             try:
-                ch.queue_delete(LEGACY_MARKER_QUEUE, if_empty=True)
+                ch.queue_delete(LEGACY_MARKER_QUEUE, if_empty=True, if_unused=True)
             except pika.exceptions.ChannelClosedByBroker as e:
-                if e.reply_code != 406:  # PRECONDITION_FAILED: not empty yet
+                if e.reply_code != 406:  # PRECONDITION_FAILED: not empty or in use yet
                     raise
             else:
                 self._legacy.discard(vhost)

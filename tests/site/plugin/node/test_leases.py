@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import psycopg
+
 from plugin.devtools import LocalSite
 from plugin.node._leases import LeaseKeeper
 from sql import migrate
@@ -38,8 +40,8 @@ def test_a_hung_leader_judges_its_lease_gone_before_another_node_takes_it(
         assert await a2.take("orders") == 2
         await a1.renew()  # a1 wakes: nothing to renew, nothing reported twice
         assert lost == [("a1", "orders", 1)] and a2.term("orders") == 2
-        await a2.close()  # released: a1 may take it at once
-        assert await a1.take("orders") == 3
+        await a2.close()  # released: a1 may take it at once, as a new holder
+        assert await a1.take("orders") == 3 and a1.holder_id == "a1#1.1"
         await a1.close()
 
     asyncio.run(scenario())
@@ -58,12 +60,16 @@ def test_a_renewal_that_finds_another_term_reports_the_loss(site_a: LocalSite) -
         a1 = LeaseKeeper(dsn, "a1#1", 30, lambda vpn, term: lost.append((vpn, term)))
         a2 = LeaseKeeper(dsn, "a2#1", 30, lambda vpn, term: lost.append((vpn, term)))
         assert await a1.take("orders") == 1
-        conn = await a2._connection()  # noqa: SLF001 - the takeover behind a1's back
-        await conn.execute("UPDATE vpn_lease SET expires_at = now() WHERE vpn = 'orders'")
+        with psycopg.connect(dsn, autocommit=True) as db:  # a takeover behind a1's back
+            db.execute("UPDATE vpn_lease SET expires_at = now() WHERE vpn = 'orders'")
         assert await a2.take("orders") == 2
         assert a1.term("orders") == 1  # its own clock still says so
         await a1.renew()
         assert a1.term("orders") is None and lost == [("orders", 1)]
+        # a1 takes it again once a2 lets go: a new term, which fences what
+        # a1 wrote before it noticed the loss
+        await a2.release("orders")
+        assert await a1.take("orders") == 3
         await a1.close()
         await a2.close()
 

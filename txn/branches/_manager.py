@@ -36,7 +36,15 @@ from bridge import (
     TransactionRefused,
     failpoint,
 )
-from txn.local import RESOLVE_DELAY, Coordinator, MarkerError, TxnRow, restored_marker
+from txn.local import (
+    CLOCK_SLACK_SECONDS,
+    MARKER_RETENTION_SECONDS,
+    RESOLVE_DELAY,
+    Coordinator,
+    MarkerError,
+    TxnRow,
+    restored_marker,
+)
 from txn.xa import (
     Branch,
     BranchState,
@@ -412,6 +420,7 @@ class XaCoordinator:
         if published:
             if self.publisher is None:
                 raise XaResourceError("this node cannot publish a branch from its log")
+            _markers_kept(row)
             await self.publisher.publish(row.vpn, row.txid, published, row.created_at)
         try:
             acked = await self.coordinator.decide_logged(row)
@@ -440,6 +449,7 @@ class XaCoordinator:
             if held:
                 if self.publisher is None:
                     raise XaResourceError("this node cannot put held messages back")
+                _markers_kept(row)
                 await self.publisher.restore(row.vpn, row.txid, held, row.created_at)
                 failpoint("xa.after-restore")
             await self.log.release_held(row.txid)
@@ -502,3 +512,16 @@ def _check_owner(owner: str | None, user: str | None, verb: Verb, xid: str) -> N
 
 def _listed(row: TxnRow) -> Branch:
     return Branch(row.xid or "", row.state, row.heuristic, row.hazard)
+
+
+def _markers_kept(row: TxnRow) -> None:
+    """Refuse to publish ``row``'s work from its log when the branch is
+    older than the commit markers' retention: a marker of an earlier
+    attempt may be gone, and publishing again would put the work in twice."""
+    if row.age > MARKER_RETENTION_SECONDS - CLOCK_SLACK_SECONDS:
+        raise XaResourceError(
+            f"XA branch {row.xid} is older than the commit markers' retention "
+            f"({MARKER_RETENTION_SECONDS // 86400:.0f} days): whether its work already "
+            "reached the broker cannot be told; look at its queues and forget it "
+            '(README, "Transactions left in doubt")'
+        )

@@ -31,8 +31,10 @@ from ._machine import (
     WithdrawStandbyWait,
 )
 from ._markers import (
+    CLOCK_SLACK_SECONDS,
     LEGACY_MARKER_QUEUE,
     MARKER_ARGUMENTS,
+    MARKER_RETENTION_SECONDS,
     MarkerError,
     MarkerStore,
     load_marker_key,
@@ -53,7 +55,9 @@ __all__ = [
     "MarkDegraded",
     "MarkerError",
     "MarkerStore",
+    "CLOCK_SLACK_SECONDS",
     "LEGACY_MARKER_QUEUE",
+    "MARKER_RETENTION_SECONDS",
     "MARKER_ARGUMENTS",
     "OpenStandbyPhase",
     "PARTICIPANT",

@@ -53,7 +53,7 @@ __all__ = [
     "CLOCK_SLACK_SECONDS",
     "LEGACY_MARKER_QUEUE",
     "MARKER_ARGUMENTS",
-    "RETENTION_SECONDS",
+    "MARKER_RETENTION_SECONDS",
     "MarkerError",
     "MarkerStore",
     "load_marker_key",
@@ -67,7 +67,7 @@ T = TypeVar("T")
 
 #: how long the stream keeps a marker (``x-max-age``; RabbitMQ drops whole
 #: segments, so a marker may stay up to a segment longer)
-RETENTION_SECONDS: Final = 2 * 86400
+MARKER_RETENTION_SECONDS: Final = 2 * 86400
 #: the marker stream's arguments (a redeclaration must repeat them exactly)
 MARKER_ARGUMENTS: Final[dict[str, Any]] = {
     "x-queue-type": "stream",

@@ -26,7 +26,7 @@ from bridge.ledger import LedgerError
 from ._collaborators import GroupLedger, ParticipantLink, SyncWait
 from ._inflight import tracer
 from ._log import COORDINATOR, TxnLog, TxnRow
-from ._markers import CLOCK_SLACK_SECONDS, RETENTION_SECONDS, MarkerError, MarkerStore
+from ._markers import CLOCK_SLACK_SECONDS, MARKER_RETENTION_SECONDS, MarkerError, MarkerStore
 
 __all__ = ["decide_logged", "outcomes_for", "recover"]
 
@@ -89,7 +89,7 @@ async def _recover_one(
             return "committed"
         if row.xid is not None:  # an XA branch: its transaction manager decides
             return "prepared"
-        if row.age > RETENTION_SECONDS - CLOCK_SLACK_SECONDS:
+        if row.age > MARKER_RETENTION_SECONDS - CLOCK_SLACK_SECONDS:
             log.error(
                 "VPN %s: transaction %s stays in doubt: it began before the commit-marker "
                 "stream's retention, so a missing marker proves nothing (README, "

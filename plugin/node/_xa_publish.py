@@ -163,7 +163,7 @@ class BranchPublisher:
         """``messages`` (queue, properties, body) and the marker ``marker``
         in one broker transaction; nothing (False) when ``marker`` is there
         already (published after ``since``)."""
-        if marker in await self.markers.present(vpn, since):
+        if marker in await self.markers.present(vpn, since, {marker}):
             return False
         async with await self._connect(vpn, transactional=True) as publisher:
             for queue, properties, body in messages:

@@ -494,7 +494,7 @@ class Coordinator(DecisionSteps):
         since = await self.log.created_at(txid)
         if since is None:
             raise MarkerError(f"transaction {txid} has no txn_log row to date its marker by")
-        return txid in await self.markers.present(vpn, since)
+        return txid in await self.markers.present(vpn, since, {txid})
 
     async def recover(self, vpns: Collection[str] = ()) -> dict[str, str]:
         """Resolve every coordinator row left prepared by a crash; returns

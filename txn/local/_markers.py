@@ -201,25 +201,30 @@ class MarkerStore:
         """The message body of marker ``name`` in ``vhost``'s marker stream."""
         return self.key.body(vhost, name)
 
-    async def present(self, vhost: str, since: float) -> set[str]:
+    async def present(
+        self, vhost: str, since: float, wanted: Collection[str] | None = None
+    ) -> set[str]:
         """The markers published since ``since`` (seconds since the epoch;
         read from :data:`CLOCK_SLACK_SECONDS` earlier), and every one in the
-        legacy queue; forged ones are not markers."""
+        legacy queue; forged ones are not markers. With ``wanted``, only
+        those of its names (kept in memory, and the read ends once it found
+        them all)."""
         await self.declare(vhost)
+        only = None if wanted is None else frozenset(wanted)
         names = await asyncio.to_thread(
-            self._run, vhost, "read", lambda conn: self._read(conn, vhost, since)
+            self._run, vhost, "read", lambda conn: self._read(conn, vhost, since, only)
         )
         if vhost in self._legacy:
             read = self._reader(vhost)
             names |= await asyncio.to_thread(
                 self._run, vhost, "read", lambda conn: self._browse_legacy(conn, vhost, read)
             )
-        return names
+        return names if only is None else names & only
 
     def _reader(self, vhost: str) -> Callable[[bytes], str | None]:
         return lambda body: self.key.name_of(vhost, body)
 
-    def _read(self, conn: Any, vhost: str, since: float) -> set[str]:
+    def _read(self, conn: Any, vhost: str, since: float, wanted: frozenset[str] | None) -> set[str]:
         """Every marker from ``since`` (less the slack) up to a probe this
         lookup published first; from the stream's start if the probe does
         not come (the transaction's time is ahead of the broker's clock)."""
@@ -228,7 +233,7 @@ class MarkerStore:
         ch.confirm_delivery()
         ch.basic_publish("", MARKER_QUEUE, probe, pika.BasicProperties(delivery_mode=2))
         start = datetime.fromtimestamp(since - CLOCK_SLACK_SECONDS, UTC)
-        found = self._scan(conn, ch, vhost, start, probe)
+        found = self._scan(conn, ch, vhost, start, probe, wanted)
         if found is None:
             log.warning(
                 "vhost %r: a commit-marker lookup from %s saw nothing for %.0f s, not even "
@@ -239,7 +244,7 @@ class MarkerStore:
                 READ_IDLE_SECONDS,
                 CLOCK_SLACK_SECONDS,
             )
-            found = self._scan(conn, conn.channel(), vhost, "first", probe)
+            found = self._scan(conn, conn.channel(), vhost, "first", probe, wanted)
         if found is None:
             raise TimeoutError(f"the probe never came back from {MARKER_QUEUE}")
         names, forged = found
@@ -253,7 +258,13 @@ class MarkerStore:
         return names
 
     def _scan(
-        self, conn: Any, ch: Any, vhost: str, offset: datetime | str, probe: bytes
+        self,
+        conn: Any,
+        ch: Any,
+        vhost: str,
+        offset: datetime | str,
+        probe: bytes,
+        wanted: frozenset[str] | None,
     ) -> tuple[set[str], list[int]] | None:
         """The markers from ``offset`` to ``probe``, and the stream offsets
         of the messages there that are no marker; None when the stream
@@ -283,8 +294,10 @@ class MarkerStore:
                 name = self.key.name_of(vhost, body)
                 if name is None:
                     forged.append(int((props.headers or {}).get("x-stream-offset", -1)))
-                elif not name.startswith(_PROBE):
+                elif not name.startswith(_PROBE) and (wanted is None or name in wanted):
                     names.add(name)
+                    if wanted is not None and len(names) == len(wanted):
+                        return names, forged  # all found: the rest cannot change the answer
             return None  # the consumer was cancelled
         finally:
             _abandon(conn, ch)

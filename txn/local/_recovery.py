@@ -49,7 +49,8 @@ async def recover(
     present: dict[str, set[str]] = {}
     for row in rows:
         if row.vpn not in present:  # rows come oldest first
-            present[row.vpn] = await markers.present(row.vpn, since=row.created_at)
+            wanted = {r.txid for r in rows if r.vpn == row.vpn}
+            present[row.vpn] = await markers.present(row.vpn, row.created_at, wanted)
         outcomes[row.txid] = await _recover_one(txn_log, ledger, link, row, present[row.vpn])
     if outcomes:
         log.info(

@@ -56,6 +56,9 @@ def test_a_lookup_sees_every_marker_since_its_time_and_removes_none(site_a: Loca
     assert store.forged == {"v": 4}
     assert asyncio.run(store.present("v", began)) == set(txids)
     assert store.forged == {"v": 4}  # counted once
+    # a lookup for some names keeps only those, and stops once it found them all
+    assert asyncio.run(store.present("v", began, {"tx-7", "tx-never"})) == {"tx-7"}
+    assert asyncio.run(store.present("v", began, {"tx-7", "tx-9"})) == {"tx-7", "tx-9"}
     assert asyncio.run(store.remove("v", set(txids))) == 0  # a stream keeps its markers
     bodies = marker_bodies(site_a.rabbit.amqp_url("v"))
     assert [b for b in bodies if store.key.name_of("v", b) in txids] == [

@@ -162,6 +162,8 @@ class MarkerStore:
                 params.ssl_options = pika.SSLOptions(self.ssl_context, parts.hostname)
             params.connection_attempts = 2 if len(self.amqp_urls) == 1 else 1
             params.socket_timeout = 10
+            # a resource alarm blocks publishers: a probe waits this long at most
+            params.blocked_connection_timeout = 30
             nodes.append(params)
         return nodes
 

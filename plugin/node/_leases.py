@@ -30,7 +30,7 @@ __all__ = ["LeaseKeeper"]
 
 log = logging.getLogger("vpnrepl.node")
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 class LeaseKeeper:
@@ -57,7 +57,7 @@ class LeaseKeeper:
         """The holder the database knows this node by, now."""
         return f"{self.holder}.{self._generation}"
 
-    async def _call(self, statement: Statement[T]) -> T:
+    async def _call(self, statement: Statement[_T]) -> _T:
         """``statement`` on the connection, bounded by a third of the lease."""
         async with self._calls:
             try:

@@ -15,8 +15,8 @@ benchmarks).
 
 from __future__ import annotations
 
-from ._config import DEFAULT_JDBC_JAR, PeerConfig, ReconcileConfig, SiteConfig, load_config
 from ._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
+from .config import DEFAULT_JDBC_JAR, PeerConfig, ReconcileConfig, SiteConfig, load_config
 
 __all__ = [
     "DEFAULT_JDBC_JAR",

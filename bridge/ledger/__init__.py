@@ -24,6 +24,7 @@ from ._bound import LedgerBound
 from ._errors import (
     LedgerClosed,
     LedgerError,
+    LedgerFenced,
     LedgerPruned,
     UnstorableEvent,
     VpnNotOpen,
@@ -40,6 +41,7 @@ __all__ = [
     "LedgerBound",
     "LedgerClosed",
     "LedgerError",
+    "LedgerFenced",
     "LedgerPruned",
     "LedgerReader",
     "LedgerWriter",

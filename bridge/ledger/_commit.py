@@ -27,10 +27,10 @@ from psycopg.rows import tuple_row
 
 from bridge._entry import LedgerEntry, entries_by_vpn
 from bridge._events import DeadLettered, Event, Published, TopologyChanged
-from bridge.store import advance_ledger_indexes, lock_ledger_indexes
+from bridge.store import FENCE, Fence, advance_ledger_indexes, holds_term, lock_ledger_indexes
 
 from ._arrays import bytea_array, int8_array, text_array
-from ._errors import LedgerConflict, UnstorableEvent, describe_error as _describe
+from ._errors import LedgerConflict, LedgerFenced, UnstorableEvent, describe_error as _describe
 from ._retry import retry_log_level, retry_store
 
 __all__ = ["BatchCommitter", "check_storable"]
@@ -54,6 +54,18 @@ WITH advanced AS (
     WHERE s.vpn = v.vpn AND s.ledger_index = v.after
     RETURNING s.vpn
 )"""
+# The same under a leader's lease: nothing advances unless the lease is
+# still held at the writer's term (FENCE's three parameters come first).
+_ADVANCED_FENCED = (
+    "WITH "  # noqa: S608 - constant SQL pieces; every value is a parameter
+    + FENCE
+    + """, advanced AS (
+    UPDATE vpn_state s SET ledger_index = v.last, updated_at = now()
+    FROM unnest(%b::text[], %b::int8[], %b::int8[]) AS v(vpn, after, last)
+    WHERE s.vpn = v.vpn AND s.ledger_index = v.after AND EXISTS (SELECT FROM fence)
+    RETURNING s.vpn
+)"""
+)
 _INSERT_ADVANCED = """
 INSERT INTO ledger (vpn, idx, epoch, kind, event)
 SELECT r.vpn, r.idx, r.epoch, r.kind, r.event
@@ -62,19 +74,18 @@ FROM unnest(%b::text[], %b::int8[], %b::int8[], %b::text[], %b::bytea[])
 WHERE r.vpn IN (SELECT vpn FROM advanced)
 """
 _APPEND = _ADVANCED + _INSERT_ADVANCED
+_APPEND_FENCED = _ADVANCED_FENCED + _INSERT_ADVANCED
 # The same, for a batch that holds local transactions' commit groups
 # (append_group with a decision): their coordinator rows in ``txn_log`` move
 # prepared -> committed in the same statement, only where the VPN's entries
 # went in, so a row is committed exactly when its group is in the ledger.
-_APPEND_DECIDING = (
-    _ADVANCED  # noqa: S608 - constant SQL pieces; every value is a parameter
-    + """, decided AS (
+_DECIDED = """, decided AS (
     UPDATE txn_log t SET state = 'committed', ledger_last = d.last, updated_at = now()
     FROM unnest(%b::text[], %b::int8[]) AS d(txid, last)
     WHERE t.txid = d.txid AND t.state = 'prepared' AND t.vpn IN (SELECT vpn FROM advanced)
 )"""
-    + _INSERT_ADVANCED
-)
+_APPEND_DECIDING = _ADVANCED + _DECIDED + _INSERT_ADVANCED
+_APPEND_DECIDING_FENCED = _ADVANCED_FENCED + _DECIDED + _INSERT_ADVANCED
 # The decisions alone, inside _write_checked's transaction.
 _DECIDE = """
 UPDATE txn_log t SET state = 'committed', ledger_last = d.last, updated_at = now()
@@ -158,6 +169,9 @@ class BatchCommitter:
         self._conn: psycopg.AsyncConnection[Any] | None = None
         #: The last error of an attempt while the store is failing, else None.
         self.store_error: BaseException | None = None
+        #: the lease every batch is committed under (None: no lease, one
+        #: writer by other means: a tool, a test)
+        self.fence: Fence | None = None
 
     async def connection(self) -> psycopg.AsyncConnection[Any]:
         """The commit connection (made anew when there is none or it broke)."""
@@ -247,14 +261,15 @@ class BatchCommitter:
         after = [items[0].index - 1 for items in by_vpn.values()]
         last = [items[-1].index for items in by_vpn.values()]
         decided = _decided_in(entries, decisions)
+        fence = self.fence
+        params = (list(by_vpn), after, last, *(decided or ()), *_columns(entries))
+        if decided is None:
+            sql = _APPEND if fence is None else _APPEND_FENCED
+        else:
+            sql = _APPEND_DECIDING if fence is None else _APPEND_DECIDING_FENCED
         async with conn.cursor() as cur:
             # autocommit: one statement, one transaction, one round trip
-            if decided is None:
-                await cur.execute(_APPEND, (list(by_vpn), after, last, *_columns(entries)))
-            else:
-                await cur.execute(
-                    _APPEND_DECIDING, (list(by_vpn), after, last, *decided, *_columns(entries))
-                )
+            await cur.execute(sql, params if fence is None else (*fence.params(), *params))
             if cur.rowcount == len(entries):
                 return
         await self._write_checked(conn, by_vpn, decided)
@@ -270,6 +285,12 @@ class BatchCommitter:
         the decisions it holds are recorded, unless a lost-reply attempt
         recorded them already)."""
         async with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+            fence = self.fence
+            if fence is not None and not await holds_term(*fence.params()).run_async(conn):
+                raise LedgerFenced(
+                    f"the site's lease is no longer {fence.holder}'s at term {fence.term}: "
+                    "another node took over"
+                )
             stored = await lock_ledger_indexes(by_vpn).run_async(conn)
             todo: dict[str, list[LedgerEntry]] = {}
             for vpn, items in by_vpn.items():

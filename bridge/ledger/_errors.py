@@ -18,6 +18,7 @@ __all__ = [
     "LedgerClosed",
     "LedgerConflict",
     "LedgerError",
+    "LedgerFenced",
     "LedgerPruned",
     "LedgerUnavailable",
     "UnstorableEvent",
@@ -41,6 +42,11 @@ class LedgerClosed(LedgerError):
 class LedgerConflict(LedgerError):
     """The stored ledger does not continue what this writer holds: a second
     writer, or a database restored behind the writer's back. Fatal."""
+
+
+class LedgerFenced(LedgerError):
+    """The lease this writer writes under is not the site's any more:
+    another node took over, and this one must write nothing more. Fatal."""
 
 
 class VpnNotOpen(LedgerError, LookupError):

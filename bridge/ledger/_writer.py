@@ -26,7 +26,7 @@ import psycopg
 
 from bridge._entry import LedgerEntry, encode_event
 from bridge._events import Event
-from bridge.store import active_ledgers, ledger_start
+from bridge.store import Fence, active_ledgers, ledger_start
 
 from ._commit import BatchCommitter, check_storable
 from ._errors import (
@@ -153,6 +153,17 @@ class LedgerWriter:
         self._closing = False
         self._closed = False
         self._failure: BaseException | None = None
+
+    @property
+    def fence(self) -> Fence | None:
+        """The lease every batch is committed under: a batch commits only
+        while the lease is held at its term (else :class:`LedgerFenced`
+        stops the writer). None: no lease (a tool, a test)."""
+        return self._commits.fence
+
+    @fence.setter
+    def fence(self, fence: Fence | None) -> None:
+        self._commits.fence = fence
 
     @property
     def store_error(self) -> BaseException | None:

@@ -20,6 +20,17 @@ from ._bridgestate import (
     open_pool,
     reset_states,
 )
+from ._lease import (
+    FENCE,
+    SITE,
+    Fence,
+    HeldLease,
+    holds_term,
+    lease_of,
+    release_lease,
+    renew_lease,
+    take_lease,
+)
 from ._statement import Script, Statement
 from ._sync_window import (
     SyncWindow,
@@ -44,14 +55,6 @@ from ._vpn_config import (
     save_vpn_settings,
 )
 from ._vpn_epoch import epoch_taken, record_epoch, record_first_epoch
-from ._vpn_lease import (
-    HeldLease,
-    holds_term,
-    lease_of,
-    release_lease,
-    renew_lease,
-    take_lease,
-)
 from ._vpn_role import (
     become_active,
     become_standby,
@@ -81,6 +84,9 @@ from ._vpn_views import active_vpns, enabled_vpns, role_state, vpn_status_rows
 
 __all__ = [
     "BridgeStateWriter",
+    "FENCE",
+    "SITE",
+    "Fence",
     "HeldLease",
     "holds_term",
     "lease_of",

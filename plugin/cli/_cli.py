@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bridge import BridgeError, InvalidSettings
-from plugin._config import load_config
 from plugin._errors import PluginError, UsageError
+from plugin.config import load_config
 
 from ._commands import EXIT_FAILURE, EXIT_USAGE
 from ._parser import build_parser

@@ -15,8 +15,8 @@ from typing import Any
 from bridge import VpnSettings
 from bridge.broker import ManagementAPI, ManagementUnavailable
 from bridge.store import read_vpn_settings
-from plugin._config import SiteConfig
 from plugin._errors import PluginError, UsageError
+from plugin.config import SiteConfig
 from plugin.ops import add_broker_depths, connect, disable_vpn, enable_vpn, status
 
 __all__ = [

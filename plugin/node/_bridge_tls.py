@@ -10,8 +10,8 @@ from dataclasses import replace
 from bridge.active import ActiveBridge
 from bridge.link import TlsSetupError, make_client_context, make_server_context
 from bridge.standby import StandbyBridge
-from plugin._config import SiteConfig, load_config
 from plugin._errors import ConfigError
+from plugin.config import SiteConfig, load_config
 
 __all__ = ["reload_bridge_tls", "warn_plaintext"]
 

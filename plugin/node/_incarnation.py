@@ -9,8 +9,8 @@ import psycopg
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
 
 from bridge import INCARNATION_LIMIT, redact_url
-from plugin._config import SiteConfig
 from plugin._errors import StateError, StoreUnavailable
+from plugin.config import SiteConfig
 
 __all__ = ["new_incarnation", "new_incarnation_retried"]
 

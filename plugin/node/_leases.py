@@ -1,16 +1,16 @@
-"""The VPN leases one node process holds among its site's nodes.
+"""The leases one node process holds among its site's nodes.
 
-A node takes a VPN's lease (``vpn_lease``, :mod:`bridge.store._vpn_lease`)
-before it leads the VPN, and renews every lease it holds a third of the
-lease time apart. It judges each lease itself, on its monotonic clock from
-before the renewal it sent (:class:`~bridge.store.HeldLease`): a lease whose
-time ran out while the database did not answer, or whose renewal found
-another holder's term, is lost, and ``on_lost`` is told once, so the node
-stops confirming for that VPN before another node may take it. Each
-database call is bounded by a third of the lease time, so a hung renewal
-cannot outlive the lease unnoticed; a node that lost a lease takes it
-again as a new holder (``<holder>.<generation>``), so the term rises and
-fences what it wrote before the loss.
+A node takes a lease (``lease``, :mod:`bridge.store._lease`; the scope
+``site`` for the site's whole work) before it leads, and renews every lease
+it holds a third of the lease time apart. It judges each lease itself, on
+its monotonic clock from before the renewal it sent
+(:class:`~bridge.store.HeldLease`): a lease whose time ran out while the
+database did not answer, or whose renewal found another holder's term, is
+lost, and ``on_lost`` is told once, so the node stops confirming before
+another node may take over. Each database call is bounded by a third of the
+lease time, so a hung renewal cannot outlive the lease unnoticed; a node
+that lost a lease takes it again as a new holder (``<holder>.<generation>``),
+so the term rises and fences what it wrote before the loss.
 """
 
 from __future__ import annotations
@@ -75,64 +75,70 @@ class LeaseKeeper:
                     self._conn = None
                 raise
 
-    def term(self, vpn: str) -> int | None:
-        """The term this node leads ``vpn`` under, or None when it does not
+    def term(self, scope: str) -> int | None:
+        """The term this node leads ``scope`` under, or None when it does not
         (never took it, lost it, or its time ran out unrenewed)."""
-        lease = self._held.get(vpn)
+        lease = self._held.get(scope)
         if lease is None:
             return None
         if not lease.valid():
-            self._lose(vpn, "its time ran out before a renewal was answered")
+            self._lose(scope, "its time ran out before a renewal was answered")
             return None
         return lease.term
 
-    async def take(self, vpn: str) -> int | None:
-        """Take ``vpn``'s lease; its term, or None while another node's runs."""
+    async def take(self, scope: str) -> int | None:
+        """Take ``scope``'s lease; its term, or None while another node's runs."""
         asked, holder = time.monotonic(), self.holder_id
-        term = await self._call(take_lease(vpn, holder, self.seconds))
+        term = await self._call(take_lease(scope, holder, self.seconds))
         if term is not None:
-            self._held[vpn] = HeldLease.asked_at(vpn, holder, term, asked, self.seconds)
+            self._held[scope] = HeldLease.asked_at(scope, holder, term, asked, self.seconds)
         return term
 
-    async def release(self, vpn: str) -> None:
-        """Let ``vpn``'s lease go at once (another node may take it now)."""
-        lease = self._held.pop(vpn, None)
+    async def release(self, scope: str) -> None:
+        """Let ``scope``'s lease go at once (another node may take it now)."""
+        lease = self._held.pop(scope, None)
         if lease is not None:  # after any renewal in flight (one call at a time)
-            await self._call(release_lease(vpn, lease.holder, lease.term))
+            await self._call(release_lease(scope, lease.holder, lease.term))
 
     async def renew(self) -> None:
         """Renew every lease held; a lease another node took is lost."""
-        for vpn, lease in list(self._held.items()):
+        for scope, lease in list(self._held.items()):
             asked = time.monotonic()
             try:
-                term = await self._call(renew_lease(vpn, lease.holder, lease.term, self.seconds))
+                term = await self._call(renew_lease(scope, lease.holder, lease.term, self.seconds))
             except (TimeoutError, psycopg.Error) as e:
-                log.warning("VPN %s: the lease was not renewed: %r", vpn, e)
-                self.term(vpn)  # lost if its time ran out meanwhile
+                log.warning("lease %s: the lease was not renewed: %r", scope, e)
+                self.term(scope)  # lost if its time ran out meanwhile
                 continue
-            if self._held.get(vpn) is not lease:
+            if self._held.get(scope) is not lease:
                 continue  # released or lost meanwhile: this renewal counts for nothing
             if term is None:
-                self._lose(vpn, "another node took it")
+                self._lose(scope, "another node took it")
             else:
-                self._held[vpn] = HeldLease.asked_at(vpn, lease.holder, term, asked, self.seconds)
+                self._held[scope] = HeldLease.asked_at(
+                    scope, lease.holder, term, asked, self.seconds
+                )
 
     async def run(self) -> None:
-        """Renew a third of the lease time apart, until cancelled."""
+        """Renew a third of the lease time apart, until cancelled; a lease
+        whose time ran out meanwhile (a process paused, a loop held up) is
+        judged lost before its renewal is even sent."""
         while True:
             await asyncio.sleep(self.seconds / 3)
+            for scope in list(self._held):
+                self.term(scope)
             await self.renew()
 
     async def close(self) -> None:
-        for vpn in list(self._held):
+        for scope in list(self._held):
             with contextlib.suppress(TimeoutError, psycopg.Error):  # one not released expires
-                await self.release(vpn)
+                await self.release(scope)
         if self._conn is not None:
             await self._conn.close()
 
-    def _lose(self, vpn: str, why: str) -> None:
-        lease = self._held.pop(vpn, None)
+    def _lose(self, scope: str, why: str) -> None:
+        lease = self._held.pop(scope, None)
         if lease is not None:
             self._generation += 1
-            log.error("VPN %s: this node lost its lease (term %d): %s", vpn, lease.term, why)
-            self.on_lost(vpn, lease.term)
+            log.error("lease %s: this node lost it (term %d): %s", scope, lease.term, why)
+            self.on_lost(scope, lease.term)

@@ -47,9 +47,9 @@ from bridge.ledger import LedgerBound, LedgerError, LedgerWriter
 from bridge.link import TlsSetupError
 from bridge.standby import StandbyBridge
 from bridge.store import enabled_vpns
-from plugin._config import SiteConfig
 from plugin._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
 from plugin.admin import AdminCredentials, AdminServer, LagHistory, Metrics
+from plugin.config import SiteConfig
 from plugin.listener import BrokerAddress, DirectoryRefresher, Listener, XaGateway
 from plugin.ops import (
     NodeRequests,

@@ -13,9 +13,9 @@ import psycopg
 
 from bridge.active import Replicator
 from bridge.broker import ManagementAPI
-from plugin._config import SiteConfig
 from plugin._errors import PluginError
 from plugin.admin import Metrics
+from plugin.config import SiteConfig
 from plugin.ops import add_broker_depths, connect, status
 
 __all__ = ["metrics_body", "site_status"]

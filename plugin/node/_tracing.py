@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from bridge import redact_url
-from plugin._config import SiteConfig
+from plugin.config import SiteConfig
 
 __all__ = ["Tracing"]
 

@@ -35,8 +35,8 @@ from bridge.amqp import AmqpEndpoint
 from bridge.broker import BrokerPublisher, ManagementAPI, ManagementUnavailable
 from bridge.roles import Tail, demote_to_standby, ensure_fenced, read_tail
 from bridge.store import read_vpn_settings
-from plugin._config import SiteConfig
 from plugin._errors import StateError
+from plugin.config import SiteConfig
 from plugin.tls import site_broker_ssl
 from plugin.topology import ReplicationScope
 

@@ -22,8 +22,8 @@ import psycopg
 from bridge import BridgeError, Consumed, ReplicationId, future_callback
 from bridge.roles import TakeoverUnknown
 from bridge.store import ledger_progress
-from plugin._config import SiteConfig
 from plugin._errors import StateError, UsageError
+from plugin.config import SiteConfig
 
 from ._demote import DemotionSummary, demote, export_tail
 from ._promote import promote

@@ -42,8 +42,8 @@ from bridge.roles import (
     finish_promotion,
     materialise,
 )
-from plugin._config import SiteConfig
 from plugin._errors import StateError
+from plugin.config import SiteConfig
 
 from ._requests import Progress
 from ._store import connect

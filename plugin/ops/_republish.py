@@ -36,8 +36,8 @@ from bridge.amqp import AmqpEndpoint
 from bridge.broker import BrokerPublisher
 from bridge.roles import TailMessage
 from bridge.store import role_state
-from plugin._config import SiteConfig
 from plugin._errors import StateError, UsageError
+from plugin.config import SiteConfig
 
 from ._store import connect
 

@@ -27,8 +27,8 @@ import time
 from typing import Any
 
 from bridge.store import role_state
-from plugin._config import SiteConfig
 from plugin._errors import PluginError, StateError, UsageError
+from plugin.config import SiteConfig
 
 from ._promote import PromotionSummary, promote
 from ._requests import Local, Progress, run_command

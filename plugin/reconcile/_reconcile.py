@@ -47,8 +47,8 @@ from bridge import (
 )
 from bridge.broker import ManagementAPI, ManagementUnavailable
 from bridge.store import applied_position, stored_ledger_index
-from plugin._config import SiteConfig
 from plugin._errors import ConfigError, PluginError
+from plugin.config import SiteConfig
 from plugin.topology import DEPTH_COLUMNS, ReplicationScope, replicable_depth
 
 from ._spark import SiteSnapshot, SparkRun

@@ -9,8 +9,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from bridge.link import describe_tls_error
-from plugin._config import SiteConfig
 from plugin._errors import ConfigError
+from plugin.config import SiteConfig
 
 __all__ = ["broker_context", "site_broker_ssl"]
 

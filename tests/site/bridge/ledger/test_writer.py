@@ -22,6 +22,7 @@ from bridge import (
     encode_event,
 )
 from bridge.ledger import LedgerClosed, LedgerWriter, UnstorableEvent, VpnNotOpen
+from bridge.store import SITE, Fence, take_lease
 from plugin.devtools import LocalSite
 from plugin.ops import connect, enable_vpn
 from sql import migrate
@@ -461,6 +462,37 @@ def test_a_second_writer_stops_the_first_and_nothing_is_confirmed(site_a: LocalS
 
     run(scenario)
     assert [ev for _, _, ev in stored(dsn, "v")] == [pub("v", 101, "q"), pub("v", 102, "q")]
+
+
+def test_a_writer_whose_lease_another_node_took_commits_nothing_more(site_a: LocalSite) -> None:
+    """The fence (schema 0018): a leader paused past its lease and woken
+    after another node took the site cannot append a single entry, whatever
+    its clock says; what it committed before stays."""
+    dsn = site_a.pg.dsn()
+    prepare(dsn, v="active")
+    durable = Durable()
+    with psycopg.connect(dsn, autocommit=True) as db:
+        term = take_lease(SITE, "a1.0", 30).run(db)
+    assert term == 1
+
+    async def scenario() -> None:
+        async with LedgerWriter(dsn) as writer:
+            writer.fence = Fence(SITE, "a1.0", term)
+            writer.append(pub("v", 1, "q"), durable.cb(1))
+            await writer.wait_durable("v", 1)
+            with psycopg.connect(dsn, autocommit=True) as db:
+                db.execute("UPDATE lease SET expires_at = now() WHERE scope = %s", (SITE,))
+                assert take_lease(SITE, "a2.0", 30).run(db) == 2
+            writer.append(pub("v", 2, "q"), durable.cb(2))
+            with pytest.raises(LedgerClosed):
+                await writer.wait_durable("v", 2)
+            with pytest.raises(LedgerClosed, match="another node took over"):
+                writer.append(pub("v", 3, "q"))
+        assert durable.calls == [(1, True), (2, False)]
+
+    run(scenario)
+    assert [ev for _, _, ev in stored(dsn, "v")] == [pub("v", 1, "q")]
+    assert scalar(dsn, "SELECT ledger_index FROM vpn_state WHERE vpn = 'v'") == 1
 
 
 def test_append_many_takes_a_group_with_one_callback_all_or_none(site_a: LocalSite) -> None:

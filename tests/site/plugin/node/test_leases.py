@@ -61,7 +61,7 @@ def test_a_renewal_that_finds_another_term_reports_the_loss(site_a: LocalSite) -
         a2 = LeaseKeeper(dsn, "a2#1", 30, lambda vpn, term: lost.append((vpn, term)))
         assert await a1.take("orders") == 1
         with psycopg.connect(dsn, autocommit=True) as db:  # a takeover behind a1's back
-            db.execute("UPDATE vpn_lease SET expires_at = now() WHERE vpn = 'orders'")
+            db.execute("UPDATE lease SET expires_at = now() WHERE scope = 'orders'")
         assert await a2.take("orders") == 2
         assert a1.term("orders") == 1  # its own clock still says so
         await a1.renew()

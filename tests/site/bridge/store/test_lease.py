@@ -1,4 +1,4 @@
-"""A VPN's lease among a site's nodes (bridge/store/_vpn_lease.py) against a
+"""A VPN's lease among a site's nodes (bridge/store/_lease.py) against a
 real PostgreSQL: one holder at a time, the term rising when the lease
 changes hands, an earlier holder fenced by the term, a release handing it
 over at once."""
@@ -47,5 +47,5 @@ def test_a_lease_that_expired_unclaimed_is_a_new_term_even_for_its_holder(dsn: s
         time.sleep(0.3)
         assert renew_lease("orders", "a1#1", 1, 5).run(db) == 1
         assert holds_term("orders", "a1#1", 1).run(db) is True
-        db.execute("UPDATE vpn_lease SET expires_at = now() WHERE vpn = 'orders'")
+        db.execute("UPDATE lease SET expires_at = now() WHERE scope = 'orders'")
         assert take_lease("orders", "a1#1", 5).run(db) == 2

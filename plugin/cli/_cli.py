@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "needs_config", True):
             if not args.config:
                 raise UsageError("vpnrepl: --config SITE.TOML is required for this command")
-            cfg = load_config(args.config, tuple(args.overrides))
+            cfg = load_config(args.config, tuple(args.overrides), _node_name(args))
         return run(cfg, args)
     except (UsageError, InvalidSettings) as e:
         print(f"vpnrepl: error: {e}", file=sys.stderr)
@@ -63,3 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return EXIT_FAILURE
+
+
+def _node_name(args: argparse.Namespace) -> str | None:
+    """``node --name``; a site of several nodes cannot start one unnamed
+    (load_config says which names it knows)."""
+    name: str | None = getattr(args, "name", None) if args.command == "node" else None
+    return name

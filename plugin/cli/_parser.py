@@ -78,6 +78,11 @@ def build_parser() -> _Parser:
     c = sub.add_parser("init", help="create or upgrade the site's schema")
     c.set_defaults(run=cmd_init)
     c = sub.add_parser("node", help="run the site process")
+    c.add_argument(
+        "--name",
+        metavar="NODE",
+        help="the node to run as: its [nodes.NODE] table (required when the site has several)",
+    )
     c.set_defaults(run=cmd_node)
 
     vpn = sub.add_parser("vpn", help="enable or disable replication of a VPN (vhost)")

@@ -3,11 +3,12 @@ file's sections: what each key holds, its default and its check."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from bridge import MAX_SEGMENTS, HostPort
+from plugin._errors import ConfigError
 
 from ._values import DEFAULT_JDBC_JAR
 
@@ -117,6 +118,18 @@ def _tag_list(value: list[Any]) -> tuple[str, ...]:
     return tuple(value)
 
 
+def lease_seconds_check(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value <= 600:
+        raise ValueError("expected a number of seconds from 1 to 600")
+    return float(value)
+
+
+def _host(value: str) -> str:
+    if not value or any(c.isspace() or c in "/@" for c in value):
+        raise ValueError("expected a host name or address")
+    return value.strip("[]")
+
+
 def _file(value: str) -> str:
     if not value:
         raise ValueError("expected a file path")
@@ -125,7 +138,10 @@ def _file(value: str) -> str:
 
 # section -> key -> (type, default or REQUIRED, converter)
 SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
-    "site": {"name": (str, REQUIRED, site_name_check)},
+    "site": {
+        "name": (str, REQUIRED, site_name_check),
+        "lease_seconds": (object, 15.0, lease_seconds_check),
+    },
     "broker": {
         "amqp_url": (object, REQUIRED, _urls("amqp", "amqps")),
         "management_url": (object, REQUIRED, _urls("http", "https")),
@@ -178,8 +194,18 @@ SCHEMA: dict[str, dict[str, tuple[type, object, Callable[[Any], Any]]]] = {
         "ca": (str, None, _file),
     },
 }
+#: each ``[nodes.NAME]`` table: ``[listen]``'s keys, and the host the
+#: site's other nodes reach the node at
+NODE_KEYS: dict[str, tuple[type, object, Callable[[Any], Any]]] = {
+    "amqp": (str, REQUIRED, HostPort.parse),
+    "amqps": (str, None, HostPort.parse),
+    "bridge": (str, REQUIRED, HostPort.parse),
+    "admin": (str, "127.0.0.1:9480", HostPort.parse),
+    "max_connections": (int, 10_000, _positive),
+    "host": (str, None, _host),
+}
 OPTIONAL_SECTIONS = {
-    "peer", "tls", "client_tls", "replication", "telemetry", "reconcile", "insecure",
+    "listen", "peer", "tls", "client_tls", "replication", "telemetry", "reconcile", "insecure",
     "configsync", "admin",
 }  # fmt: skip
 #: ``[peers.NAME]``: the keys of each peer's table (``bridge``: one address
@@ -189,3 +215,33 @@ NO_TLS = (
     "the bridge is mutual TLS between named sites: set tls.cert, tls.key and tls.ca "
     "(`vpnrepl tls init DIR --sites A,B` makes them), or [insecure] plaintext_bridge = true"
 )
+
+
+def validated_table(
+    path: str,
+    section: str,
+    given: Mapping[str, Any],
+    keys: Mapping[str, tuple[type, object, Callable[[Any], Any]]],
+) -> dict[str, Any]:
+    """``given`` (the table ``section`` of the file) checked against
+    ``keys``: every key known, every required one there, each value
+    converted; a :class:`ConfigError` names the first that is not."""
+    for key in given:
+        if key not in keys:
+            raise ConfigError(path, f"{section}.{key}", f"unknown key (known: {', '.join(keys)})")
+    values: dict[str, Any] = {}
+    for key, (typ, default, convert) in keys.items():
+        dotted = f"{section}.{key}"
+        if key not in given:
+            if default is REQUIRED:
+                raise ConfigError(path, dotted, "required key is missing")
+            values[key] = default if default is None else convert(default)
+            continue
+        value = given[key]
+        if not isinstance(value, typ):
+            raise ConfigError(path, dotted, f"expected {typ.__name__}, got {type(value).__name__}")
+        try:
+            values[key] = convert(value)
+        except ValueError as e:
+            raise ConfigError(path, dotted, str(e)) from e
+    return values

@@ -15,28 +15,29 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from bridge import HostPort, TlsConfig
+from bridge import TlsConfig
 from plugin._errors import ConfigError
 
 from ._checks import (
     NO_TLS,
     OPTIONAL_SECTIONS,
-    PEER_KEYS,
-    REQUIRED,
     SCHEMA,
-    site_name_check,
-    url_check,
+    validated_table,
 )
-from ._values import PeerConfig, ReconcileConfig, SiteConfig
+from ._tables import node_tables, peer_tables
+from ._values import NodeConfig, PeerConfig, ReconcileConfig, SiteConfig
 
 __all__ = ["load_config"]
 
 
-def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
+def load_config(path: str, overrides: tuple[str, ...] = (), node: str | None = None) -> SiteConfig:
     """Read ``path``, apply ``SECTION.KEY=VALUE`` overrides, validate, freeze.
 
     Override values are TOML values when they parse as one (``5``, ``"x"``)
-    and plain strings otherwise (``127.0.0.1:5673``).
+    and plain strings otherwise (``127.0.0.1:5673``). ``node`` is the node
+    this process runs as (``node --name``): its ``[nodes.NAME]`` table gives
+    the listen addresses; without it, the first node's (a command that only
+    reaches the site through its database or listener).
     """
     raw = _read_file(path)
     for item in overrides:
@@ -44,22 +45,26 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
         table = raw.setdefault(section, {})
         if not isinstance(table, dict):
             raise ConfigError(path, section, "expected a [section] table")
-        if section == "peers":
+        if section in ("peers", "nodes"):
             name, dot, key = key.partition(".")
             if not dot:
-                raise ConfigError(path, None, f"override {item!r} is not peers.NAME.KEY=VALUE")
+                raise ConfigError(path, None, f"override {item!r} is not {section}.NAME.KEY=VALUE")
             table = table.setdefault(name, {})
             if not isinstance(table, dict):
-                raise ConfigError(path, f"peers.{name}", "expected a [peers.NAME] table")
+                raise ConfigError(path, f"{section}.{name}", f"expected a [{section}.NAME] table")
         table[key] = value
-    peers = _peers(path, raw)
-    v = _validated(path, {k: t for k, t in raw.items() if k != "peers"})
+    peers = peer_tables(path, raw)
+    nodes = node_tables(path, raw)
+    v = _validated(path, {k: t for k, t in raw.items() if k not in ("peers", "nodes")})
+    listen = _listen(path, v, nodes, node)
     tls = _tls_config(path, "tls", v["tls"]) if "tls" in v else None
     client_tls = _tls_config(path, "client_tls", v["client_tls"]) if "client_tls" in v else None
-    listen_amqps = v["listen"]["amqps"]
+    listen_amqps = listen["amqps"]
     if listen_amqps is not None and client_tls is None:
-        raise ConfigError(path, "listen.amqps", "requires a [client_tls] section (cert, key)")
-    if client_tls is not None and listen_amqps is None:
+        raise ConfigError(path, listen["@amqps"], "requires a [client_tls] section (cert, key)")
+    if client_tls is not None and not any(
+        a is not None for a in [listen_amqps, *(n.amqps for n in nodes)]
+    ):
         raise ConfigError(path, "client_tls", "is only used with listen.amqps, which is not set")
     if v["broker"]["ca"] is not None and urlsplit(v["broker"]["amqp_url"][0]).scheme != "amqps":
         raise ConfigError(path, "broker.ca", "is only used with an amqps:// broker.amqp_url")
@@ -72,12 +77,12 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
             site_name=v["site"]["name"],
             amqp_urls=v["broker"]["amqp_url"],
             management_urls=v["broker"]["management_url"],
-            listen_amqp=v["listen"]["amqp"],
-            listen_bridge=v["listen"]["bridge"],
-            listen_admin=v["listen"]["admin"],
-            max_client_connections=v["listen"]["max_connections"],
+            listen_amqp=listen["amqp"],
+            listen_bridge=listen["bridge"],
+            listen_admin=listen["admin"],
+            max_client_connections=listen["max_connections"],
             copy_tags=v["configsync"]["copy_tags"] if "configsync" in v else (),
-            **_admin(path, v),
+            **_admin(path, v, listen, nodes),
             store_dsn=v["store"]["dsn"],
             peer_bridge=peer.bridge[0] if peer is not None and peer.bridge else None,
             peer_store_dsn=peer.store_dsn if peer is not None else None,
@@ -100,6 +105,9 @@ def load_config(path: str, overrides: tuple[str, ...] = ()) -> SiteConfig:
             client_tls=client_tls,
             broker_ca=_existing_file(path, "broker.ca", v["broker"]["ca"]),
             reconcile=_reconcile(path, v),
+            node_name=listen["@name"],
+            nodes=nodes,
+            lease_seconds=v["site"]["lease_seconds"],
         )
     )
 
@@ -132,29 +140,6 @@ def _read_file(path: str) -> dict[str, Any]:
         raise ConfigError(path, None, f"not UTF-8 text (byte {e.start}): TOML is UTF-8") from e
 
 
-def _validated_section(path: str, section: str, given: Mapping[str, Any]) -> dict[str, Any]:
-    keys = SCHEMA[section]
-    for key in given:
-        if key not in keys:
-            raise ConfigError(path, f"{section}.{key}", f"unknown key (known: {', '.join(keys)})")
-    values: dict[str, Any] = {}
-    for key, (typ, default, convert) in keys.items():
-        dotted = f"{section}.{key}"
-        if key not in given:
-            if default is REQUIRED:
-                raise ConfigError(path, dotted, "required key is missing")
-            values[key] = default if default is None else convert(default)
-            continue
-        value = given[key]
-        if not isinstance(value, typ):
-            raise ConfigError(path, dotted, f"expected {typ.__name__}, got {type(value).__name__}")
-        try:
-            values[key] = convert(value)
-        except ValueError as e:
-            raise ConfigError(path, dotted, str(e)) from e
-    return values
-
-
 def _validated(path: str, raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     for section in raw:
         if section not in SCHEMA:
@@ -162,7 +147,7 @@ def _validated(path: str, raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         if not isinstance(raw[section], dict):
             raise ConfigError(path, section, "expected a [section] table")
     return {
-        section: _validated_section(path, section, raw.get(section) or {})
+        section: validated_table(path, section, raw.get(section) or {}, SCHEMA[section])
         for section in SCHEMA
         if section in raw or section not in OPTIONAL_SECTIONS
     }
@@ -216,20 +201,65 @@ def _all_peers(
     return peers
 
 
-def _admin(path: str, v: Mapping[str, Mapping[str, Any]]) -> dict[str, str | None]:
+def _listen(
+    path: str,
+    v: Mapping[str, Mapping[str, Any]],
+    nodes: tuple[NodeConfig, ...],
+    name: str | None,
+) -> dict[str, Any]:
+    """The listen addresses this process uses: ``[listen]``'s, or the
+    ``[nodes.NAME]`` table of the node it runs as. ``@name`` is the node's
+    name, ``@amqps`` the dotted key its AMQPS address came from."""
+    if nodes and "listen" in v:
+        raise ConfigError(path, "listen", "both [listen] and [nodes.NAME]: keep one of them")
+    if not nodes:
+        if "listen" not in v:
+            raise ConfigError(
+                path, "listen", "missing: a site has [listen] (one node) or [nodes.NAME] tables"
+            )
+        return {**v["listen"], "@name": name or "", "@amqps": "listen.amqps"}
+    if name is None:
+        chosen = nodes[0]
+    elif (found := next((n for n in nodes if n.name == name), None)) is not None:
+        chosen = found
+    else:
+        known = ", ".join(n.name for n in nodes)
+        raise ConfigError(path, f"nodes.{name}", f"no such node table (known: {known})")
+    return {
+        "amqp": chosen.amqp,
+        "amqps": chosen.amqps,
+        "bridge": chosen.bridge,
+        "admin": chosen.admin,
+        "max_connections": chosen.max_connections,
+        "@name": chosen.name if name is not None else "",
+        "@amqps": f"nodes.{chosen.name}.amqps",
+    }
+
+
+def _admin(
+    path: str,
+    v: Mapping[str, Mapping[str, Any]],
+    listen: Mapping[str, Any],
+    nodes: tuple[NodeConfig, ...],
+) -> dict[str, str | None]:
     """``[admin]``'s credentials; off loopback the endpoint must have some."""
     a = v.get("admin", {"user": None, "password": None, "token": None})
     if (a["user"] is None) != (a["password"] is None):
         raise ConfigError(path, "admin", "user and password go together")
-    host = v["listen"]["admin"].host
-    loopback = host in ("localhost", "::1") or host.startswith("127.")
-    if not loopback and a["user"] is None and a["token"] is None:
-        raise ConfigError(
-            path,
-            "listen.admin",
-            f"{host} is not loopback, and the endpoint can promote and demote: set [admin] "
-            "user and password (HTTP basic) or token (a bearer token), or listen on 127.0.0.1",
-        )
+    where = [(f"nodes.{n.name}.admin", n.admin) for n in nodes] or [
+        ("listen.admin", listen["admin"])
+    ]
+    for key, admin in where:
+        host = admin.host
+        loopback = host in ("localhost", "::1") or host.startswith("127.")
+        if not loopback and a["user"] is None and a["token"] is None:
+            raise ConfigError(
+                path,
+                key,
+                f"{host} is not loopback, and the endpoint can promote and demote: set [admin] "
+                "user and password (HTTP basic) or token (a bearer token), or listen on "
+                "127.0.0.1",
+            )
     return {"admin_user": a["user"], "admin_password": a["password"], "admin_token": a["token"]}
 
 
@@ -239,49 +269,6 @@ def _checked(cfg: SiteConfig) -> SiteConfig:
             cfg.path, "reconcile.interval", f"needs {cfg.peer_store_key} (the standby's store)"
         )
     return cfg
-
-
-def _peers(path: str, raw: Mapping[str, Any]) -> tuple[PeerConfig, ...]:
-    """``[peers.NAME]`` tables, in name order."""
-    tables = raw.get("peers", {})
-    if not isinstance(tables, dict):
-        raise ConfigError(path, "peers", "expected [peers.NAME] tables")
-    out = []
-    for name in sorted(tables):
-        try:
-            site_name_check(name)
-        except ValueError as e:
-            raise ConfigError(path, f"peers.{name}", f"peer site name: {e}") from e
-        out.append(_peer_table(path, name, tables[name]))
-    return tuple(out)
-
-
-def _peer_table(path: str, name: str, table: object) -> PeerConfig:
-    where = f"peers.{name}"
-    if not isinstance(table, dict):
-        raise ConfigError(path, where, "expected a [peers.NAME] table")
-    for key in table:
-        if key not in PEER_KEYS:
-            raise ConfigError(
-                path, f"{where}.{key}", f"unknown key (known: {', '.join(PEER_KEYS)})"
-            )
-    bridge = table.get("bridge", [])
-    addresses = [bridge] if isinstance(bridge, str) else bridge
-    if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
-        raise ConfigError(path, f"{where}.bridge", "expected an address or a list of addresses")
-    try:
-        parsed = tuple(HostPort.parse(a) for a in addresses)
-    except ValueError as e:
-        raise ConfigError(path, f"{where}.bridge", str(e)) from e
-    dsn = table.get("store_dsn")
-    if dsn is not None:
-        if not isinstance(dsn, str):
-            raise ConfigError(path, f"{where}.store_dsn", f"expected str, got {type(dsn).__name__}")
-        try:
-            url_check("postgresql", "postgres")(dsn)
-        except ValueError as e:
-            raise ConfigError(path, f"{where}.store_dsn", str(e)) from e
-    return PeerConfig(name, parsed, dsn)
 
 
 def _reconcile(path: str, v: Mapping[str, Mapping[str, Any]]) -> ReconcileConfig:

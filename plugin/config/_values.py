@@ -8,7 +8,9 @@ from pathlib import Path
 
 from bridge import HostPort, TlsConfig
 
-__all__ = ["DEFAULT_JDBC_JAR", "PeerConfig", "ReconcileConfig", "SiteConfig"]
+__all__ = ["DEFAULT_JDBC_JAR", "NodeConfig", "PeerConfig", "ReconcileConfig", "SiteConfig"]
+
+_WILDCARDS = ("0.0.0.0", "::", "")  # noqa: S104 - listen-everywhere addresses, not binds
 
 #: Debian's PostgreSQL JDBC driver (package libpostgresql-jdbc-java)
 DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"
@@ -45,6 +47,26 @@ class PeerConfig:
     bridge: tuple[HostPort, ...] = ()
     #: its database (switchover, reconciliation)
     store_dsn: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """``[nodes.NAME]``: one node process of the site, its listen addresses
+    and the host the site's other nodes reach it at."""
+
+    name: str
+    amqp: HostPort
+    bridge: HostPort
+    admin: HostPort
+    amqps: HostPort | None = None
+    #: the host the other nodes relay to (None: the listen addresses' host)
+    host: str | None = None
+    max_connections: int = 10_000
+
+    def reach(self, listen: HostPort) -> HostPort:
+        """Where another node of the site connects to reach ``listen``."""
+        host = self.host or listen.host
+        return HostPort("127.0.0.1" if host in _WILDCARDS else host, listen.port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +130,23 @@ class SiteConfig:
     plaintext_bridge: bool = False
     #: the ``--set`` overrides the file was read with (SIGHUP reads it again)
     overrides: tuple[str, ...] = ()
+    #: this node's name (``node --name``; ``[nodes.NAME]``), "" for a site
+    #: configured with ``[listen]`` and run without a name
+    node_name: str = ""
+    #: the site's nodes (``[nodes.NAME]``, in name order; empty with ``[listen]``)
+    nodes: tuple[NodeConfig, ...] = ()
+    #: ``[site] lease_seconds``: how long a node leads the site unrenewed;
+    #: another node takes over this long after the leader stops answering
+    lease_seconds: float = 15.0
+
+    @property
+    def holder(self) -> str:
+        """The name this node takes the site's lease by."""
+        return self.node_name or "node"
+
+    def node(self, name: str) -> NodeConfig | None:
+        """The site's node ``name`` (``[nodes.NAME]``), if configured."""
+        return next((n for n in self.nodes if n.name == name), None)
 
     @property
     def amqp_url(self) -> str:

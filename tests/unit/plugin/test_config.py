@@ -402,3 +402,76 @@ def test_reconcile_settings_load_with_their_defaults(tmp_path: Path) -> None:
         1024,
     )
     assert load_config(write(tmp_path, GOOD)).reconcile.interval_seconds is None
+
+
+#: GOOD with two nodes instead of [listen]
+NODES = GOOD.replace(
+    '[listen]\namqp = "0.0.0.0:5673"\nbridge = "0.0.0.0:5680"\n',
+    """[nodes.a1]
+amqp = "0.0.0.0:5673"
+bridge = "0.0.0.0:5680"
+admin = "127.0.0.1:9480"
+host = "a1.example"
+[nodes.a2]
+amqp = "10.0.0.2:5673"
+bridge = "10.0.0.2:5680"
+admin = "127.0.0.1:9481"
+""",
+)
+
+
+def test_a_node_runs_with_its_own_table_and_knows_the_others(tmp_path: Path) -> None:
+    path = write(tmp_path, NODES)
+    a2 = load_config(path, node="a2")
+    assert (a2.node_name, a2.holder) == ("a2", "a2")
+    assert (a2.listen_amqp, a2.listen_bridge) == (
+        HostPort("10.0.0.2", 5673),
+        HostPort("10.0.0.2", 5680),
+    )
+    assert a2.listen_admin == HostPort("127.0.0.1", 9481)
+    assert [n.name for n in a2.nodes] == ["a1", "a2"]
+    a1 = a2.node("a1")
+    assert a1 is not None and a1.reach(a1.amqp) == HostPort("a1.example", 5673)
+    assert a2.lease_seconds == 15.0
+    # a command that is no node reads the site with the first node's addresses
+    cli = load_config(path)
+    assert cli.node_name == "" and cli.listen_amqp == HostPort("0.0.0.0", 5673)
+    # an override reaches a node's table
+    moved = load_config(path, ("nodes.a2.amqp=10.0.0.2:6673", "site.lease_seconds=2.5"), "a2")
+    assert moved.listen_amqp == HostPort("10.0.0.2", 6673) and moved.lease_seconds == 2.5
+
+
+def test_a_one_node_site_keeps_listen_and_may_name_its_node(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, GOOD), node="a1")
+    assert (cfg.node_name, cfg.nodes, cfg.listen_amqp) == ("a1", (), HostPort("0.0.0.0", 5673))
+    assert load_config(write(tmp_path, GOOD)).holder == "node"
+
+
+def _a2_at_a1s_host(text: str) -> str:
+    return text.replace('"10.0.0.2:5673"', '"10.0.0.2:5673"\nhost = "a1.example"')
+
+
+def _short_lease(text: str) -> str:
+    return text.replace('name = "nyc"', 'name = "nyc"\nlease_seconds = 0.5')
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "words"),
+    [
+        (lambda t: t, "nodes.a3", "no such node table (known: a1, a2)"),
+        (lambda t: t + '[listen]\namqp = "x:1"\nbridge = "x:2"\n', "listen", "keep one"),
+        (lambda t: t.replace('host = "a1.example"\n', ""), "nodes.a1.host", "every address"),
+        (_a2_at_a1s_host, "nodes.a2", "also node 'a1'"),
+        (lambda t: t.replace("[nodes.a2]", "[nodes.a2]\nport = 1"), "nodes.a2.port", "unknown key"),
+        (lambda t: t.replace('amqp = "10.0.0.2:5673"\n', ""), "nodes.a2.amqp", "required"),
+        (_short_lease, "site.lease_seconds", "1 to 600"),
+        (lambda t: t.replace("[nodes.a2]", "[nodes.'a 2']"), "nodes.a 2", "node name"),
+        (lambda t: t[: t.index("[nodes.a1]")] + t[t.index("[store]") :], "listen", "missing"),
+    ],
+)  # fmt: skip
+def test_a_bad_nodes_table_is_refused_by_its_key(
+    tmp_path: Path, change: Callable[[str], str], key: str, words: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, change(NODES)), node="a3" if key == "nodes.a3" else None)
+    assert e.value.key == key and words in str(e.value)

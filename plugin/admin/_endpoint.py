@@ -99,11 +99,13 @@ class AdminServer:
         credentials: AdminCredentials | None = None,
         start_request: Starter | None = None,
         read_request: Reader | None = None,
+        healthy: Callable[[], bool] | None = None,
     ) -> None:
         """``status()``: the status document; ``metrics()``: the exposition
         body; ``serves(vpn)``: the VPN is active here and admits clients;
         ``start_request`` / ``read_request``: operator requests (none: the
-        POST paths answer 503)."""
+        POST paths answer 503); ``healthy()``: whether ``/health`` says ok
+        (none: always, once the endpoint answers)."""
         self._status = status
         self._metrics = metrics
         self._serves = serves
@@ -111,6 +113,7 @@ class AdminServer:
         self._credentials = credentials
         self._start_request = start_request
         self._read_request = read_request
+        self._healthy = healthy
         self._page = resources.files(__package__).joinpath("status.html").read_bytes()
         app = web.Application(middlewares=[_plain_errors, self._authenticated])
         app.router.add_get("/", self._index)
@@ -150,6 +153,8 @@ class AdminServer:
         return web.Response(body=self._page, content_type="text/html", charset="utf-8")
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self._healthy is not None and not self._healthy():
+            return web.Response(status=503, text="no leader known to relay to\n")
         return web.Response(text="ok\n")
 
     async def _status_json(self, request: web.Request) -> web.Response:

@@ -481,6 +481,14 @@ class Listener:
             conn.apply(conn.session.shutdown(reason))
         return len(closing)
 
+    def close_all(self, reason: str) -> int:
+        """Close every client connection with 320 and ``reason`` (this node
+        no longer leads its site); returns how many."""
+        closing = list(self.connections)
+        for conn in closing:
+            conn.apply(conn.session.shutdown(reason))
+        return len(closing)
+
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         try:

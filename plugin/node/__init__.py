@@ -5,7 +5,7 @@ transactions, the admin endpoint and the operator's requests together
 
 from __future__ import annotations
 
-from ._node import run_node
+from ._run import run_node
 
 __all__ = [
     "run_node",

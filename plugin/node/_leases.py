@@ -75,6 +75,11 @@ class LeaseKeeper:
                     self._conn = None
                 raise
 
+    async def read(self, statement: Statement[_T]) -> _T:
+        """Run a read of the leases (who holds one) on this keeper's
+        connection, bounded as its own calls are."""
+        return await self._call(statement)
+
     def term(self, scope: str) -> int | None:
         """The term this node leads ``scope`` under, or None when it does not
         (never took it, lost it, or its time ran out unrenewed)."""

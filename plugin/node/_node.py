@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -31,7 +30,6 @@ from tenacity import (
 )
 
 from bridge import (
-    BridgeError,
     IdSource,
     Purged,
     Role,
@@ -79,7 +77,7 @@ from ._tracing import Tracing
 from ._uncertain import UncertainLog
 from ._xa_publish import BranchPublisher, ReplyPublisher
 
-__all__ = ["run_node"]
+__all__ = ["Node", "fenced_text"]
 
 log = logging.getLogger("vpnrepl.node")
 
@@ -142,7 +140,11 @@ class Node:
         self.bridge_client: StandbyBridge | None = None
         self._bridge_up = False
         self._tasks: list[asyncio.Task[None]] = []
-        self.requests = RequestServer(cfg.store_dsn, NodeRequests(self).handlers())
+        # started under the site's lease: a lock still held after the lease
+        # time is an earlier leader's that lost the lease (_run.py)
+        self.requests = RequestServer(
+            cfg.store_dsn, NodeRequests(self).handlers(), take_over_after=cfg.lease_seconds + 2
+        )
         self.refresher: DirectoryRefresher | None = None
         self._refreshing: asyncio.Task[None] | None = None
         #: VPN -> why its clients are refused although it is active here
@@ -575,25 +577,3 @@ class Node:
         self.cfg = fresh
         if fresh.tls is not None:
             self.metrics.observe_certificates(fresh.tls)
-
-
-async def run_node(cfg: SiteConfig, stop: asyncio.Event | None = None) -> None:
-    """Run the site until ``stop`` is set or SIGTERM/SIGINT arrives."""
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    node = Node(cfg)
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        loop.add_signal_handler(signal.SIGHUP, node.reload_tls)
-    try:
-        await node.start()
-        await stop.wait()
-        log.info("site %s stopping", cfg.site_name)
-    except OSError as e:
-        raise PluginError(str(e)) from e
-    except BridgeError as e:
-        raise PluginError(str(e)) from e
-    finally:
-        await node.stop()

@@ -48,6 +48,8 @@ from psycopg.rows import dict_row
 
 from plugin._errors import PluginError, StateError, StoreUnavailable
 
+from ._site_lease import site_lease
+
 __all__ = [
     "ANSWERS",
     "REQUESTS",
@@ -73,6 +75,8 @@ REQUESTS = "vpnrepl_request"
 ANSWERS = "vpnrepl_request_done"
 #: how often a waiting side looks at the row even without a notification
 POLL_SECONDS = 1.0
+#: how long a command handed to a starting node waits for it to take the lock
+NODE_START_SECONDS = 60.0
 #: progress is written to the row at most this often
 PROGRESS_SECONDS = 0.5
 
@@ -148,9 +152,13 @@ async def run_command(
         if lock is None:
             return await _through_node(conn, command, vpn, args, progress)
         try:
-            return await _locally(conn, command, vpn, args, local, progress)
+            async with site_lease(dsn) as held:
+                if held:  # no node leads: this process does
+                    return await _locally(conn, command, vpn, args, local, progress)
         finally:
             await lock.close()  # the lock goes with the session
+        # a live node holds the lease, starting and waiting for the lock
+        return await _through_node(conn, command, vpn, args, progress, NODE_START_SECONDS)
     finally:
         await conn.close()
 
@@ -253,7 +261,10 @@ async def _through_node(
     vpn: str,
     args: Mapping[str, Any],
     progress: Progress,
+    starting: float = 0.0,
 ) -> dict[str, Any]:
+    """Hand the command to the node that holds the site lock, and follow it;
+    ``starting``: how long the lock may still be free (a node starting)."""
     await conn.execute(f"LISTEN {ANSWERS}")
     try:
         request = await _request_row(conn, command, vpn, args)
@@ -277,7 +288,7 @@ async def _through_node(
             return dict(state["result"] or {})
         if state["state"] == "failed":
             raise StateError(str(state["error"]))
-        if not await _held(conn):
+        if not await _held(conn) and (starting := starting - POLL_SECONDS) < 0:
             raise PluginError(
                 f"the site's node stopped while it ran {command} {vpn} (request {request}); "
                 f"run `vpnrepl {command} {vpn}` again"
@@ -301,8 +312,14 @@ class _Request:
 class RequestServer:
     """The running node's side: holds the site lock, carries out requests."""
 
-    def __init__(self, dsn: str, handlers: Mapping[str, Handler]) -> None:
+    def __init__(
+        self, dsn: str, handlers: Mapping[str, Handler], take_over_after: float | None = None
+    ) -> None:
+        """``take_over_after``: this node holds the site's lease, and a lock
+        still held that long after is an earlier leader's, paused or cut
+        off: its session is ended (None: wait for ever)."""
         self._dsn = dsn
+        self._take_over_after = take_over_after
         self._handlers = dict(handlers)
         self._lock: psycopg.AsyncConnection[dict[str, Any]] | None = None
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
@@ -311,12 +328,17 @@ class RequestServer:
     async def start(self, wait_log_seconds: float = 10.0) -> None:
         """Take the site lock (waiting while an operator command run by the
         CLI holds it), fail what a stopped node left running, start serving."""
+        waited = 0.0
         while (lock := await _take_lock(self._dsn)) is None:
-            log.warning(
-                "the site is locked by an operator command run without a node (or by another "
-                "node of this site): waiting for it"
-            )
-            await asyncio.sleep(wait_log_seconds)
+            if self._take_over_after is not None and waited >= self._take_over_after:
+                await self._end_holder()
+            elif waited % wait_log_seconds == 0:
+                log.warning(
+                    "the site is locked by an operator command run without a node (or by a "
+                    "node of this site that lost its lease): waiting for it"
+                )
+            await asyncio.sleep(1.0)
+            waited += 1.0
         self._lock = lock
         conn = await _connect(self._dsn)  # notifications reach a session between transactions
         await conn.execute(
@@ -327,6 +349,23 @@ class RequestServer:
         await conn.execute(f"LISTEN {REQUESTS}")
         self._conn = conn
         self._task = asyncio.create_task(self._serve(), name="operator-requests")
+
+    async def _end_holder(self) -> None:
+        """End the session that holds the site lock: this node took the
+        site's lease, so the holder is an earlier leader that lost it (a
+        CLI waiting out the lease would have handed over by now)."""
+        async with await _connect(self._dsn) as conn:
+            ended = await (
+                await conn.execute(
+                    "SELECT pg_terminate_backend(pid) AS ended FROM pg_locks"
+                    " WHERE locktype = 'relation' AND relation = 'site_lock'::regclass"
+                    " AND mode = 'ExclusiveLock' AND granted"
+                )
+            ).fetchall()
+        log.warning(
+            "the site lock was still held by an earlier leader's session: ended %d session(s)",
+            sum(1 for row in ended if row["ended"]),
+        )
 
     async def close(self) -> None:
         if self._task is not None:

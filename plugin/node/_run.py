@@ -1,0 +1,152 @@
+"""``vpnrepl node``'s life: relay while another node leads, lead once the
+site's lease is this node's, and lead no longer once it is lost.
+
+A site runs any number of nodes (``[nodes.NAME]``); one leads it at a time,
+by the site's lease (``lease``, scope ``site``; :mod:`plugin.node._leases`).
+The others relay their listeners to the leader (:mod:`plugin.node._relay`)
+and try for the lease a third of the lease time apart. The one that takes
+it stops relaying, starts the whole site (:class:`~plugin.node._node.Node`:
+recovery of what the previous leader left in doubt first, clients last) and
+commits every ledger batch under its term (``LedgerWriter.fence``). When it
+loses the lease (its renewal finds another term, or its own monotonic clock
+says the lease ran out unrenewed: a pause, a hung database), it closes its
+clients with 320, stops the site's parts, and goes back to relaying as a
+new holder. A clean stop releases the lease, so another node takes over
+at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import psycopg
+
+from bridge import BridgeError
+from bridge.store import SITE, Fence, lease_of
+from plugin._errors import PluginError
+from plugin.admin import AdminServer
+from plugin.config import NodeConfig, SiteConfig
+
+from ._follower import follower_admin
+from ._leases import LeaseKeeper
+from ._node import Node
+from ._relay import Relay
+
+__all__ = ["run_node"]
+
+log = logging.getLogger("vpnrepl.node")
+
+
+def lost_text(cfg: SiteConfig) -> str:
+    """What a node that lost the lead tells its clients (320)."""
+    return (
+        f"node {cfg.holder!r} no longer leads site {cfg.site_name!r}: "
+        "reconnect (another node of the site serves)"
+    )
+
+
+async def run_node(cfg: SiteConfig, stop: asyncio.Event | None = None) -> None:
+    """Run this node until ``stop`` is set or SIGTERM/SIGINT arrives."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    lost = asyncio.Event()
+    keeper = LeaseKeeper(cfg.store_dsn, cfg.holder, cfg.lease_seconds, lambda _s, _t: lost.set())
+    try:
+        while not stop.is_set():
+            term = await _follow(cfg, keeper, stop)
+            if term is None:
+                break
+            lost.clear()
+            await _lead(cfg, keeper, term, stop, lost)
+    except OSError as e:
+        raise PluginError(str(e)) from e
+    except BridgeError as e:
+        raise PluginError(str(e)) from e
+    finally:
+        await keeper.close()  # a lease still held is released: the next node need not wait
+    log.info("site %s: node %s stopped", cfg.site_name, cfg.holder)
+
+
+async def _follow(cfg: SiteConfig, keeper: LeaseKeeper, stop: asyncio.Event) -> int | None:
+    """Relay to the leader until this node takes the lease (its term), or
+    ``stop`` (None)."""
+    me = cfg.node(cfg.node_name)
+    relay = Relay(me) if me is not None else None
+    admin: AdminServer | None = None
+    said: str | None = None
+    try:
+        while not stop.is_set():
+            try:
+                term = await keeper.take(SITE)
+                if term is not None:
+                    log.info("node %s leads site %s (term %d)", cfg.holder, cfg.site_name, term)
+                    return term
+                leader = await _leader(cfg, keeper)
+            except (TimeoutError, psycopg.Error) as e:
+                log.warning("the site's lease could not be read: %s", e)
+                leader = None
+            if relay is not None:
+                relay.leader = leader
+                if admin is None:  # listening once the leader is first known
+                    await relay.start()
+                    admin = follower_admin(cfg, relay)
+                    await admin.start(cfg.listen_admin.host, cfg.listen_admin.port)
+            name = leader.name if leader is not None else "?"
+            if name != said:
+                log.info("node %s relays to the leader, node %s", cfg.holder, name)
+                said = name
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), cfg.lease_seconds / 3)
+        return None
+    finally:
+        if relay is not None:
+            await relay.close()
+        if admin is not None:
+            await admin.close()
+
+
+async def _leader(cfg: SiteConfig, keeper: LeaseKeeper) -> NodeConfig | None:
+    """The node that holds the site's lease now, if it is one of the site's."""
+    found = await keeper.read(lease_of(SITE))
+    if found is None:
+        return None
+    holder, _term, _left = found
+    return cfg.node(holder.rpartition(".")[0])
+
+
+async def _lead(
+    cfg: SiteConfig, keeper: LeaseKeeper, term: int, stop: asyncio.Event, lost: asyncio.Event
+) -> None:
+    """Run the site under ``term`` until ``stop`` or the lease is ``lost``."""
+    node = Node(cfg)
+    node.writer.fence = Fence(SITE, keeper.holder_id, term)
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGHUP, node.reload_tls)
+    renewing = asyncio.create_task(keeper.run(), name="lease")
+    try:
+        await node.start()
+        ended = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())}
+        _, waiting = await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiting:
+            w.cancel()
+        if lost.is_set():
+            log.error("node %s lost the lead of site %s: closing its clients (320)",
+                      cfg.holder, cfg.site_name)  # fmt: skip
+            if node.listener is not None:
+                node.listener.close_all(lost_text(cfg))
+        else:
+            log.info("site %s stopping", cfg.site_name)
+    finally:
+        renewing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewing
+        await node.stop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGHUP)

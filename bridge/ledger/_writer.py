@@ -32,6 +32,7 @@ from ._commit import BatchCommitter, check_storable
 from ._errors import (
     LedgerClosed,
     LedgerError,
+    LedgerFenced,
     LedgerUnavailable,
     VpnNotOpen,
     describe_error as _describe,
@@ -434,6 +435,9 @@ class LedgerWriter:
             await self._flush_loop()
         except asyncio.CancelledError:
             raise
+        except LedgerFenced as e:  # expected after a pause: no traceback
+            log.error("the ledger writer stopped: %s; %d entries are nacked", e, len(self._pending))
+            self._stop(e)
         except Exception as e:
             log.exception("the ledger writer stopped; %d entries are nacked", len(self._pending))
             self._stop(e)

@@ -25,10 +25,12 @@ from ._lease import (
     SITE,
     Fence,
     HeldLease,
+    end_sessions,
     holds_term,
     lease_of,
     release_lease,
     renew_lease,
+    session_name,
     take_lease,
 )
 from ._statement import Script, Statement
@@ -88,7 +90,9 @@ __all__ = [
     "SITE",
     "Fence",
     "HeldLease",
+    "end_sessions",
     "holds_term",
+    "session_name",
     "lease_of",
     "release_lease",
     "renew_lease",

@@ -27,7 +27,9 @@ __all__ = [
     "SITE",
     "Fence",
     "HeldLease",
+    "end_sessions",
     "holds_term",
+    "session_name",
     "lease_of",
     "release_lease",
     "renew_lease",
@@ -75,6 +77,11 @@ SITE = "site"
 FENCE = """fence AS (
     SELECT FROM lease WHERE scope = %s AND holder = %s AND term = %s FOR SHARE
 )"""
+# the sessions of a holder that lost the lease, but this one
+_END_SESSIONS = """
+SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE application_name = %s AND pid <> pg_backend_pid()
+"""
 # FOR SHARE: a taker's update of the row waits until the write that checked
 # the term commits, so no new term can begin between the check and the commit
 _HOLDS = """
@@ -156,3 +163,16 @@ def holds_term(scope: str, holder: str, term: int) -> Statement[bool]:
     fencing check a leader's write makes in its own transaction: the row
     stays share-locked until that transaction ends)."""
     return Statement(_HOLDS, (scope, term, holder), lambda result: bool(result.rows[0][0]))
+
+
+def session_name(holder: str) -> str:
+    """The ``application_name`` of every database session ``holder`` opens
+    while it leads (libpq's ``PGAPPNAME``), so a taker can end them."""
+    return f"vpnrepl:{holder}"[:63]
+
+
+def end_sessions(holder: str) -> Statement[int]:
+    """End every database session of ``holder``, which lost the lease: a
+    leader paused inside a transaction holds its row locks until its session
+    ends, and the taker's first writes would wait on them. How many ended."""
+    return Statement(_END_SESSIONS, (session_name(holder),), lambda r: int(r.rows[0][0] or 0))

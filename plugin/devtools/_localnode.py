@@ -35,14 +35,20 @@ class LocalNode:
         log: Path,
         name: str | None = None,
         code: Path | None = None,
+        node: str | None = None,
+        admin_port: int | None = None,
     ) -> None:
         """``code``: a directory holding another release's packages to run
-        instead of these (an upgrade test's previous release)."""
+        instead of these (an upgrade test's previous release); ``node``:
+        the ``[nodes.NAME]`` table to run as (``node --name``), whose admin
+        endpoint is on ``admin_port`` (default: the site's)."""
         self.site = site
         self.config = config
         self.log = log
-        self.name = name or site.name
+        self.name = name or node or site.name
         self.code = code
+        self.node = node
+        self.admin_port = admin_port or site.admin_port
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -58,7 +64,8 @@ class LocalNode:
             env["VPNREPL_FAILPOINT"] = failpoint
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(  # noqa: S603 - our own package
-                [sys.executable, "-m", "plugin", "--config", str(self.config), "node"],
+                [sys.executable, "-m", "plugin", "--config", str(self.config), "node"]
+                + (["--name", self.node] if self.node is not None else []),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -81,7 +88,7 @@ class LocalNode:
 
     def get(self, path: str) -> str:
         """GET ``path`` of the node's admin endpoint."""
-        url = f"http://127.0.0.1:{self.site.admin_port}{path}"
+        url = f"http://127.0.0.1:{self.admin_port}{path}"
         with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback
             return str(resp.read().decode())
 

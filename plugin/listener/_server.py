@@ -119,6 +119,12 @@ class _ClientSide(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         _nodelay(transport)
         self.listener._transport_opened()
+        if self.listener.stopped:
+            # accepted as the listener stopped (a queued accept): no session
+            # may start after close_all or close went over the connections
+            self._closed = True
+            transport.close()
+            return
         self.listener.connections.add(self)
         stats = self.listener.stats
         stats.connections_open += 1
@@ -433,6 +439,8 @@ class Listener:
         self.sink = sink
         self.broker_ssl = broker_ssl or (broker_context() if self.brokers.tls else None)
         self.connections: set[_ClientSide] = set()
+        #: no more clients: the node stops, or no longer leads its site
+        self.stopped = False
         self.stats = ListenerStats()
         #: told of replicated publishes left unconfirmed by a dead broker
         #: connection (the node records them: ``plugin.node._uncertain``)
@@ -482,12 +490,20 @@ class Listener:
         return len(closing)
 
     def close_all(self, reason: str) -> int:
-        """Close every client connection with 320 and ``reason`` (this node
-        no longer leads its site); returns how many."""
+        """Stop accepting and close every client connection with 320 and
+        ``reason`` (this node no longer leads its site); returns how many."""
+        self._stop_accepting()
         closing = list(self.connections)
         for conn in closing:
             conn.apply(conn.session.shutdown(reason))
         return len(closing)
+
+    def _stop_accepting(self) -> None:
+        self.stopped = True
+        if self._server is not None:
+            self._server.close()
+        if self._tls_server is not None:
+            self._tls_server.close()
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()

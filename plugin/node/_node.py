@@ -71,6 +71,7 @@ from txn.local import (
 
 from ._bridge_tls import reload_bridge_tls, warn_plaintext
 from ._eligibility import record_eligibility
+from ._follower import leads_metric
 from ._incarnation import new_incarnation, new_incarnation_retried
 from ._status import metrics_body, site_status
 from ._tracing import Tracing
@@ -83,6 +84,9 @@ log = logging.getLogger("vpnrepl.node")
 
 #: how long start-up waits for the broker to answer for commit markers
 RECOVERY_SECONDS = 60.0
+#: how long a node that took the site's lease waits for the site lock before
+#: it ends the session holding it
+LOCK_TAKEOVER_SECONDS = 3.0
 #: how long a starting node waits for its peer's listing (the epochs the
 #: peer holds) before it admits clients of its active VPNs
 PEER_EPOCH_WAIT = 5.0
@@ -140,10 +144,12 @@ class Node:
         self.bridge_client: StandbyBridge | None = None
         self._bridge_up = False
         self._tasks: list[asyncio.Task[None]] = []
-        # started under the site's lease: a lock still held after the lease
-        # time is an earlier leader's that lost the lease (_run.py)
+        # started under the site's lease: a CLI that holds the lock while it
+        # waits out a lease hands over within a second and a half of seeing
+        # the lease renewed (plugin/ops/_site_lease.py); a lock held longer
+        # is an earlier leader's that lost the lease (_run.py)
         self.requests = RequestServer(
-            cfg.store_dsn, NodeRequests(self).handlers(), take_over_after=cfg.lease_seconds + 2
+            cfg.store_dsn, NodeRequests(self).handlers(), take_over_after=LOCK_TAKEOVER_SECONDS
         )
         self.refresher: DirectoryRefresher | None = None
         self._refreshing: asyncio.Task[None] | None = None
@@ -561,12 +567,15 @@ class Node:
         log.info("replication ids continue with incarnation %d", incarnation)
 
     async def status(self, broker: bool = True) -> dict[str, Any]:
-        """The ``status --json`` document (:func:`site_status`)."""
-        return await site_status(self.cfg, self.api, self.replicator, broker)
+        """The ``status --json`` document (:func:`site_status`), and which
+        node of the site this is (it leads: it runs these parts)."""
+        doc = await site_status(self.cfg, self.api, self.replicator, broker)
+        return {**doc, "node": self.cfg.node_name or self.cfg.holder, "leads": True}
 
     async def metrics_text(self) -> bytes:
         """The ``/metrics`` body (:func:`metrics_body`)."""
-        return await metrics_body(self.metrics, lambda: self.status(broker=False))
+        body = await metrics_body(self.metrics, lambda: self.status(broker=False))
+        return body + leads_metric(self.cfg, True)
 
     def reload_tls(self) -> None:
         """SIGHUP: the bridge's TLS read again, without a restart

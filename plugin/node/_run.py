@@ -20,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 
 import psycopg
 
 from bridge import BridgeError
-from bridge.store import SITE, Fence, lease_of
+from bridge.store import SITE, Fence, end_sessions, lease_of, session_name
 from plugin._errors import PluginError
 from plugin.admin import AdminServer
 from plugin.config import NodeConfig, SiteConfig
@@ -59,11 +60,11 @@ async def run_node(cfg: SiteConfig, stop: asyncio.Event | None = None) -> None:
     keeper = LeaseKeeper(cfg.store_dsn, cfg.holder, cfg.lease_seconds, lambda _s, _t: lost.set())
     try:
         while not stop.is_set():
-            term = await _follow(cfg, keeper, stop)
-            if term is None:
+            taken = await _follow(cfg, keeper, stop)
+            if taken is None:
                 break
             lost.clear()
-            await _lead(cfg, keeper, term, stop, lost)
+            await _lead(cfg, keeper, *taken, stop, lost)
     except OSError as e:
         raise PluginError(str(e)) from e
     except BridgeError as e:
@@ -73,9 +74,11 @@ async def run_node(cfg: SiteConfig, stop: asyncio.Event | None = None) -> None:
     log.info("site %s: node %s stopped", cfg.site_name, cfg.holder)
 
 
-async def _follow(cfg: SiteConfig, keeper: LeaseKeeper, stop: asyncio.Event) -> int | None:
-    """Relay to the leader until this node takes the lease (its term), or
-    ``stop`` (None)."""
+async def _follow(
+    cfg: SiteConfig, keeper: LeaseKeeper, stop: asyncio.Event
+) -> tuple[int, str | None] | None:
+    """Relay to the leader until this node takes the lease (its term, and
+    the holder it took it from), or ``stop`` (None)."""
     me = cfg.node(cfg.node_name)
     relay = Relay(me) if me is not None else None
     admin: AdminServer | None = None
@@ -83,10 +86,12 @@ async def _follow(cfg: SiteConfig, keeper: LeaseKeeper, stop: asyncio.Event) -> 
     try:
         while not stop.is_set():
             try:
+                found = await keeper.read(lease_of(SITE))
                 term = await keeper.take(SITE)
                 if term is not None:
                     log.info("node %s leads site %s (term %d)", cfg.holder, cfg.site_name, term)
-                    return term
+                    before = found[0] if found is not None else None
+                    return term, before if before != keeper.holder_id else None
                 leader = await _leader(cfg, keeper)
             except (TimeoutError, psycopg.Error) as e:
                 log.warning("the site's lease could not be read: %s", e)
@@ -121,9 +126,22 @@ async def _leader(cfg: SiteConfig, keeper: LeaseKeeper) -> NodeConfig | None:
 
 
 async def _lead(
-    cfg: SiteConfig, keeper: LeaseKeeper, term: int, stop: asyncio.Event, lost: asyncio.Event
+    cfg: SiteConfig,
+    keeper: LeaseKeeper,
+    term: int,
+    before: str | None,
+    stop: asyncio.Event,
+    lost: asyncio.Event,
 ) -> None:
-    """Run the site under ``term`` until ``stop`` or the lease is ``lost``."""
+    """Run the site under ``term`` until ``stop`` or the lease is ``lost``;
+    first end the database sessions of ``before``, the holder that lost it
+    (paused inside a transaction, it would hold its row locks for ever)."""
+    # every session this node opens while it leads carries its holder name
+    os.environ["PGAPPNAME"] = session_name(keeper.holder_id)
+    if before is not None:
+        ended = await keeper.read(end_sessions(before))
+        if ended:
+            log.warning("ended %d database session(s) of %s, which lost the lease", ended, before)
     node = Node(cfg)
     node.writer.fence = Fence(SITE, keeper.holder_id, term)
     loop = asyncio.get_running_loop()
@@ -132,8 +150,8 @@ async def _lead(
     renewing = asyncio.create_task(keeper.run(), name="lease")
     try:
         await node.start()
-        ended = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())}
-        _, waiting = await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
+        waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())}
+        _, waiting = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waiting:
             w.cancel()
         if lost.is_set():

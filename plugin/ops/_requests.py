@@ -370,7 +370,7 @@ class RequestServer:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, psycopg.Error, StoreUnavailable):
                 await self._task
         if self._conn is not None:
             await self._conn.close()
@@ -378,12 +378,36 @@ class RequestServer:
             await self._lock.close()  # the lock goes with the session
 
     async def _serve(self) -> None:
-        assert self._conn is not None  # noqa: S101 - start() set it
+        """Claim and run requests, woken by a notification or every few
+        seconds. A database that restarted (or a session ended) is
+        reconnected; requests are claimed only while this node holds the
+        site lock, taken again when its session was lost."""
         while True:
-            while await self._claim_one():
-                pass
-            async for _ in self._conn.notifies(timeout=POLL_SECONDS * 5, stop_after=1):
-                pass
+            try:
+                if await self._lock_held():
+                    while await self._claim_one():
+                        pass
+                if self._conn is None or self._conn.closed or self._conn.broken:
+                    self._conn = await _connect(self._dsn)
+                    await self._conn.execute(f"LISTEN {REQUESTS}")
+                async for _ in self._conn.notifies(timeout=POLL_SECONDS * 5, stop_after=1):
+                    pass
+            except (psycopg.OperationalError, StoreUnavailable) as e:
+                log.warning("operator requests: the site database went away (%s); reconnecting", e)
+                await asyncio.sleep(POLL_SECONDS)
+
+    async def _lock_held(self) -> bool:
+        """Whether this node holds the site lock, taking it again (without
+        waiting) when the session that held it is gone."""
+        lock = self._lock
+        if lock is not None and not lock.closed and not lock.broken:
+            return True
+        if lock is not None:
+            await lock.close()
+        self._lock = await _take_lock(self._dsn)
+        if self._lock is None:
+            log.error("the site lock's session ended and another session holds it now")
+        return self._lock is not None
 
     async def _claim_one(self) -> bool:
         async with await _connect(self._dsn) as conn:

@@ -1,0 +1,265 @@
+"""Several nodes on one site: their configuration, and clients that, like a
+real application given the site's node list, reconnect to the next node
+when theirs goes away, recording what each was told."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pika
+import pika.exceptions
+
+from plugin.devtools import LocalSite, free_port
+from tests.fix_node import NodeProcess
+from tests.support.two_sites import VPN, body, number, properties, routing_key
+
+#: what a client connection may fail with while the site changes leader
+LOST = (
+    pika.exceptions.AMQPError,
+    OSError,
+    # pika's blocking adapter can surface a closed socket as these
+    AssertionError,
+    AttributeError,
+)
+
+
+class SiteNodes:
+    """Site ``site``'s nodes ``a1``, ``a2``...: the first on the site's own
+    ports, the others on free ones; one config file for all of them."""
+
+    def __init__(
+        self,
+        site: LocalSite,
+        peer: LocalSite,
+        tmp: Path,
+        count: int = 2,
+        lease_seconds: float = 3.0,
+        peer_bridges: list[int] | None = None,
+    ) -> None:
+        self.site = site
+        self.names = [f"{site.name}{n}" for n in range(1, count + 1)]
+        self.ports: dict[str, tuple[int, int, int]] = {
+            name: (site.amqp_port, site.bridge_port, site.admin_port)
+            if n == 0
+            else (free_port(), free_port(), free_port())
+            for n, name in enumerate(self.names)
+        }
+        text = site.config_text(peer)
+        listen = text[text.index("[listen]") : text.index("[store]")]
+        tables = "".join(
+            f'[nodes.{name}]\namqp = "127.0.0.1:{amqp}"\nbridge = "127.0.0.1:{bridge}"\n'
+            f'admin = "127.0.0.1:{admin}"\n\n'
+            for name, (amqp, bridge, admin) in self.ports.items()
+        )
+        text = text.replace(listen, tables)
+        text = text.replace(
+            f'name = "{site.name}"\n', f'name = "{site.name}"\nlease_seconds = {lease_seconds}\n', 1
+        )
+        if peer_bridges is not None:
+            listed = ", ".join(f'"127.0.0.1:{p}"' for p in peer_bridges)
+            text = text.replace(f'bridge = "127.0.0.1:{peer.bridge_port}"', f"bridge = [{listed}]")
+        self.config = tmp / f"{site.name}-nodes.toml"
+        self.config.write_text(text)
+        self.nodes = {
+            name: NodeProcess(
+                site, self.config, tmp / f"node-{name}.log", node=name,
+                admin_port=self.ports[name][2],
+            )
+            for name in self.names
+        }  # fmt: skip
+
+    def __getitem__(self, name: str) -> NodeProcess:
+        return self.nodes[name]
+
+    def amqp_ports(self, first: str | None = None) -> list[int]:
+        """Every node's AMQP port, ``first``'s first (a client's node list)."""
+        order = sorted(self.names, key=lambda n: n != first)
+        return [self.ports[n][0] for n in order]
+
+    def bridge_ports(self) -> list[int]:
+        return [self.ports[n][1] for n in self.names]
+
+    def leader(self) -> str | None:
+        """The node whose status says it leads, if one answers so."""
+        for name, node in self.nodes.items():
+            if not node.alive():
+                continue
+            try:
+                doc = node.status()
+            except OSError:
+                continue
+            if doc.get("leads", True):
+                return name
+        return None
+
+
+def connect(ports: list[int], deadline: float = 60.0) -> pika.BlockingConnection:
+    """A connection to the first node of ``ports`` that takes it, trying
+    them in turn (as a client given the site's node list does)."""
+    params = [
+        pika.URLParameters(
+            f"amqp://guest:guest@127.0.0.1:{p}/{VPN}?connection_attempts=1&socket_timeout=5"
+            "&blocked_connection_timeout=30&heartbeat=5"
+        )
+        for p in ports
+    ]
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            return pika.BlockingConnection(params)
+        except LOST:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.2)
+
+
+class Client(threading.Thread):
+    """A client thread that reconnects across the site's nodes until
+    :meth:`finish`; ``told`` holds what it was told, with the time of each
+    answer, ``uncertain`` what it sent without an answer, ``closes`` why
+    each connection ended."""
+
+    def __init__(self, name: str, ports: list[int]) -> None:
+        super().__init__(name=name, daemon=True)
+        self.ports = ports
+        self.told: dict[int, float] = {}
+        self.uncertain: set[int] = set()
+        self.closes: list[str] = []
+        self.reconnects: list[float] = []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            try:
+                conn = connect(self.ports)
+            except LOST as e:
+                self.closes.append(f"connect: {e!r}")
+                continue
+            try:
+                self.work(conn)
+                with _quiet():
+                    conn.close()
+                return
+            except LOST as e:
+                self.closes.append(repr(e))
+                self.reconnects.append(time.monotonic())
+                with _quiet():
+                    conn.close()
+
+    def work(self, conn: pika.BlockingConnection) -> None:
+        raise NotImplementedError
+
+    def finish(self, timeout: float = 60.0) -> None:
+        self._done.set()
+        self.join(timeout)
+        assert not self.is_alive(), f"{self.name} still running after {timeout:g} s"
+
+    def served_again(self, when: float) -> float | None:
+        """Seconds from ``when`` to the first answer on a connection made
+        after it (the client lost its connection at or after ``when``)."""
+        again = [t for t in self.reconnects if t >= when]
+        first = self.first_after(again[0]) if again else None
+        return again[0] - when + first if again and first is not None else None
+
+    def first_after(self, when: float) -> float | None:
+        """Seconds from ``when`` to the first answer after it."""
+        after = [t for t in self.told.values() if t > when]
+        return min(after) - when if after else None
+
+
+class _quiet:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return exc[0] is not None and issubclass(exc[0], LOST)  # type: ignore[arg-type]
+
+
+class ConfirmingPublisher(Client):
+    """Publishes numbered messages from ``first`` one at a time with
+    publisher confirms; ``told``: the confirmed ones."""
+
+    def __init__(self, ports: list[int], first: int, pause: float = 0.0) -> None:
+        super().__init__(f"publisher-{first}", ports)
+        self.next = first
+        self.nacked: set[int] = set()
+        self.pause = pause
+
+    def work(self, conn: pika.BlockingConnection) -> None:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        while not self._done.is_set():
+            n = self.next
+            self.next += 1
+            self.uncertain.add(n)
+            try:
+                ch.basic_publish("events", routing_key(n), body(n), properties(n))
+            except pika.exceptions.NackError:
+                self.nacked.add(n)
+                continue
+            self.uncertain.discard(n)
+            self.told[n] = time.monotonic()
+            if self.pause:
+                time.sleep(self.pause)
+
+
+class TxPublisher(Client):
+    """Publishes numbered messages in transactions of five; ``told``: the
+    messages whose ``tx.commit-ok`` came; ``batches``: every batch sent."""
+
+    def __init__(self, ports: list[int], first: int) -> None:
+        super().__init__(f"tx-{first}", ports)
+        self.next = first
+        self.batches: list[list[int]] = []
+
+    def work(self, conn: pika.BlockingConnection) -> None:
+        ch = conn.channel()
+        ch.tx_select()
+        while not self._done.is_set():
+            batch = list(range(self.next, self.next + 5))
+            self.next += 5
+            self.batches.append(batch)
+            self.uncertain.update(batch)
+            for m in batch:
+                ch.basic_publish("events", routing_key(m), body(m), properties(m))
+            ch.tx_commit()
+            self.uncertain.difference_update(batch)
+            now = time.monotonic()
+            for m in batch:
+                self.told[m] = now
+
+
+class AckingConsumer(Client):
+    """Consumes ``queue`` and acks each delivery; ``told``: the acked ones."""
+
+    def __init__(self, ports: list[int], queue: str) -> None:
+        super().__init__(f"consumer-{queue}", ports)
+        self.queue = queue
+
+    def work(self, conn: pika.BlockingConnection) -> None:
+        ch = conn.channel()
+        ch.basic_qos(prefetch_count=20)
+        for method, _, payload in ch.consume(self.queue, inactivity_timeout=0.5):
+            if self._done.is_set():
+                return
+            if method is None:
+                continue
+            ch.basic_ack(method.delivery_tag)
+            self.told[number(payload)] = time.monotonic()
+
+
+def queue_contents(ports: list[int], queue: str) -> list[int]:
+    """The numbers in ``queue``, in queue order, read through the site's
+    nodes (unacked: they go back)."""
+    conn = connect(ports)
+    ch = conn.channel()
+    got: list[int] = []
+    while True:
+        method, _, payload = ch.basic_get(queue)
+        if method is None:
+            break
+        got.append(number(payload))
+    conn.close()
+    return got

@@ -1,0 +1,220 @@
+"""Two nodes on site A, one on B: the site keeps serving when its leading
+node is killed, paused past its lease, or when the other node dies; what
+every client was told is checked against what each site holds while the
+failed node is still down (or still paused)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from plugin.devtools import LocalSite
+from sql import migrate
+from tests.fix_cli import Vpnrepl
+from tests.fix_node import NodeProcess
+from tests.support.nodes import (
+    AckingConsumer,
+    ConfirmingPublisher,
+    SiteNodes,
+    TxPublisher,
+    queue_contents,
+)
+from tests.support.two_sites import (
+    IN_SCOPE,
+    VPN,
+    caught_up,
+    enable,
+    live_numbers,
+    queues_of,
+    setup_vpn,
+    until,
+    vpn_status,
+)
+
+#: the lease the tests run with (the default, 15 s, leaves room for a loaded machine)
+LEASE = 3.0
+#: how long after a kill clients may wait to be served again: the issue's
+#: lease + 5 s, and room for this shared two-core machine's load
+SERVED_AGAIN = LEASE + 5.0 + 10.0
+
+
+class Pair:
+    def __init__(self, a: SiteNodes, b: NodeProcess) -> None:
+        self.a, self.b = a, b
+        self.cli_a = Vpnrepl(a.config)
+
+
+@pytest.fixture
+def pair(site_a: LocalSite, site_b: LocalSite, tmp_path: Path) -> Iterator[Pair]:
+    for site in (site_a, site_b):
+        migrate(site.pg.dsn())
+    a = SiteNodes(site_a, site_b, tmp_path, lease_seconds=LEASE)
+    b_config = tmp_path / "b.toml"
+    text = site_b.config_text(site_a)
+    listed = ", ".join(f'"127.0.0.1:{p}"' for p in a.bridge_ports())
+    b_config.write_text(
+        text.replace(f'bridge = "127.0.0.1:{site_a.bridge_port}"', f"bridge = [{listed}]")
+    )
+    b = NodeProcess(site_b, b_config, tmp_path / "node-b.log", name="b")
+    try:
+        yield Pair(a, b)
+    finally:
+        for node in (*a.nodes.values(), b):
+            if node.proc is not None and node.proc.poll() is None:
+                with_signal(node, signal.SIGCONT)
+            node.kill()
+    for node in (*a.nodes.values(), b):
+        assert "Traceback" not in node.log_text(), node.log_text()
+
+
+def with_signal(node: NodeProcess, sig: signal.Signals) -> None:
+    assert node.pid is not None
+    os.kill(node.pid, sig)
+
+
+def leads(node: NodeProcess) -> bool:
+    return bool(node.status().get("leads"))
+
+
+def started(pair: Pair, *options: str) -> None:
+    """The VPN enabled on A, a1 leading, a2 relaying, B following."""
+    setup_vpn(pair.a.site)
+    enable(pair.cli_a, *options)
+    pair.a["a1"].start()
+    assert leads(pair.a["a1"])
+    pair.a["a2"].start()  # healthy once it knows the leader it relays to
+    assert pair.a["a2"].status() == {**pair.a["a2"].status(), "leads": False, "leader": "a1"}
+    pair.b.start()
+    until(lambda: vpn_status(pair.b).get("bridge") == "connected", "B to follow A")
+
+
+def check_sites(
+    pair: Pair,
+    leader: str,
+    told: set[int],
+    acked: set[int],
+    batches: list[list[int]],
+) -> None:
+    """What the clients were told against A's broker (read through
+    ``leader``) and B's live state: every confirmed or committed message is
+    on both, but those a consumer acked; a transaction is whole or absent."""
+    ports = pair.a.amqp_ports(leader)
+    for queue in IN_SCOPE:
+        got = queue_contents(ports, queue)
+        assert len(got) == len(set(got)), f"{queue}: a message twice on A"
+        expected = {n for n in told if queue in queues_of(n)}
+        missing = expected - set(got) - (acked if queue == "orders.q1" else set())
+        assert not missing, f"{queue}: told and missing on A: {sorted(missing)[:10]}"
+    audit = set(queue_contents(ports, "audit"))  # every message, out of the VPN's scope
+    for batch in batches:
+        there = [m in audit for m in batch]
+        assert all(there) or not any(there), f"transaction {batch} half-applied: {there}"
+    caught_up(pair.a[leader], pair.b)
+    on_b = live_numbers(pair.b.site)
+    missing_b = {
+        (n, q)
+        for n in told
+        for q in queues_of(n)
+        if (n, q) not in on_b and not (q == "orders.q1" and n in acked)
+    }
+    assert not missing_b, f"told and missing on B: {sorted(missing_b)[:10]}"
+
+
+def test_killing_the_leader_or_the_other_node_loses_nothing_and_the_site_serves_on(
+    pair: Pair,
+) -> None:
+    started(pair, "--mode", "sync", "--on-sync-timeout", "reject")
+    a1, a2 = pair.a["a1"], pair.a["a2"]
+
+    # the node that does not lead dies: its relayed clients move, nothing stops
+    direct = ConfirmingPublisher(pair.a.amqp_ports("a1"), 1)
+    relayed = ConfirmingPublisher(pair.a.amqp_ports("a2"), 50_001)
+    for client in (direct, relayed):
+        client.start()
+    until(lambda: len(direct.told) >= 100 and len(relayed.told) >= 100, "confirms on both")
+    killed = time.monotonic()
+    a2.kill()
+    until(lambda: relayed.first_after(killed) and direct.first_after(killed), "confirms after")
+    assert not direct.closes, "a client of the leader saw the other node die"
+    assert relayed.closes, "a relayed client kept a connection through a dead node"
+    a2.start()
+
+    # the leader dies under confirmed, transactional and consuming clients
+    tx = TxPublisher(pair.a.amqp_ports("a2"), 500_001)
+    consumer = AckingConsumer(pair.a.amqp_ports("a1"), "orders.q1")
+    for client in (tx, consumer):
+        client.start()
+    until(lambda: len(tx.told) >= 50 and len(consumer.told) >= 50, "commits and acks")
+    killed = time.monotonic()
+    a1.kill()
+    until(lambda: leads(a2), "a2 to lead", 60)
+    until(
+        lambda: all(c.first_after(killed) for c in (direct, relayed, tx)),
+        "every client served again",
+        60,
+    )
+    served = {c.name: round(c.served_again(killed) or 0.0, 1) for c in (direct, relayed, tx)}
+    print(f"served again after the leader's kill (s): {served}")
+    assert max(served.values()) <= SERVED_AGAIN, served
+    for client in (direct, relayed, tx, consumer):
+        client.finish()
+    assert not direct.nacked and not relayed.nacked
+
+    # a1 is still down: each site holds what the clients were told
+    told = set(direct.told) | set(relayed.told) | set(tx.told)
+    check_sites(pair, "a2", told, set(consumer.told), tx.batches)
+
+
+def test_a_leader_paused_past_its_lease_confirms_nothing_the_new_leader_does_not_hold(
+    pair: Pair,
+) -> None:
+    """a1 is paused with a publish in hand and woken as soon as a2 leads,
+    before a2 wrote anything: a1's ledger commit under its old term is
+    refused (without the fence it would take the index a2 writes next, and
+    a2 would stop), a1 closes its clients with 320 and relays to a2."""
+    started(pair, "--mode", "async")
+    a1, a2 = pair.a["a1"], pair.a["a2"]
+    old = ConfirmingPublisher(pair.a.amqp_ports("a1"), 1)
+    old.start()
+    until(lambda: len(old.told) >= 200, "confirms from a1")
+    with_signal(a1, signal.SIGSTOP)
+    paused = time.monotonic()
+    until(lambda: leads(a2), "a2 to take the lead from the paused a1", 60)
+    print(f"a2 led {time.monotonic() - paused:.1f} s after a1's pause")
+    with_signal(a1, signal.SIGCONT)
+    until(lambda: any("320" in c for c in old.closes), "a1 to close its clients with 320")
+    until(lambda: not leads(a1), "a1 to relay", 30)
+    assert "lost the lead of site" in a1.log_text()
+    with psycopg.connect(pair.a.site.pg.dsn()) as db:
+        holder, term = db.execute(
+            "SELECT holder, term FROM lease WHERE scope = 'site'"
+        ).fetchone() or ("", 0)
+    assert holder.startswith("a2.") and term >= 2
+
+    # both clients are served by a2: the old one through a1's relay
+    new = ConfirmingPublisher(pair.a.amqp_ports("a2"), 300_001)
+    new.start()
+    woke = time.monotonic()
+    try:
+        until(lambda: len(new.told) >= 200 and old.first_after(woke), "confirms from a2 to both")
+    except AssertionError as e:
+        raise AssertionError(
+            f"{e}: new {len(new.told)} told, {len(new.nacked)} nacked, closes {new.closes[-3:]}; "
+            f"old {len(old.told)} told, {len(old.nacked)} nacked, closes {old.closes[-3:]}"
+        ) from None
+    for client in (old, new):
+        client.finish()
+    assert not old.nacked and not new.nacked
+    check_sites(pair, "a2", set(old.told) | set(new.told), set(), [])
+    # one writer at a time: A's ledger is dense, no index written twice
+    with psycopg.connect(pair.a.site.pg.dsn()) as db:
+        count, low, top = db.execute(
+            "SELECT count(*), min(idx), max(idx) FROM ledger WHERE vpn = %s", (VPN,)
+        ).fetchone() or (0, 0, 0)
+    assert count == top - low + 1

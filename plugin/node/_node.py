@@ -34,9 +34,7 @@ from bridge import (
     Purged,
     Role,
     TopologyChanged,
-    UnknownFailpoint,
     VpnSettings,
-    armed,
     name_item,
 )
 from bridge.active import ActiveBridge, Replicator, WindowRecorder
@@ -45,7 +43,7 @@ from bridge.ledger import LedgerBound, LedgerError, LedgerWriter
 from bridge.link import TlsSetupError
 from bridge.standby import StandbyBridge
 from bridge.store import enabled_vpns
-from plugin._errors import ConfigError, PluginError, StateError, StoreUnavailable, UsageError
+from plugin._errors import ConfigError, PluginError, StateError, StoreUnavailable
 from plugin.admin import AdminCredentials, AdminServer, LagHistory, Metrics
 from plugin.config import SiteConfig
 from plugin.listener import BrokerAddress, DirectoryRefresher, Listener, XaGateway
@@ -161,7 +159,6 @@ class Node:
     async def start(self) -> None:
         """Start the site's parts in order; clients are admitted only once
         what a crash left in doubt is resolved."""
-        self._check_failpoint()
         warn_plaintext(self.cfg)
         incarnation = await new_incarnation(self.cfg)  # checks the schema first
         # the site lock: no operator command runs without the node meanwhile
@@ -181,14 +178,6 @@ class Node:
         await self._start_admin()
         self._start_background()
         self._log_up(incarnation)
-
-    def _check_failpoint(self) -> None:
-        try:
-            point = armed()  # an unknown name stops the node here
-        except UnknownFailpoint as e:
-            raise UsageError(str(e)) from e
-        if point is not None:
-            log.warning("failpoint %s is armed: this node kills itself there", point)
 
     async def _open_ledger(self) -> None:
         """The ledger writer, the sync-ineligible windows, the marker key

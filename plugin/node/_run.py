@@ -25,9 +25,9 @@ import signal
 
 import psycopg
 
-from bridge import BridgeError
+from bridge import BridgeError, UnknownFailpoint, armed, redact_url
 from bridge.store import SITE, Fence, end_sessions, lease_of, session_name
-from plugin._errors import PluginError
+from plugin._errors import PluginError, StateError, StoreUnavailable, UsageError
 from plugin.admin import AdminServer
 from plugin.config import NodeConfig, SiteConfig
 
@@ -56,9 +56,11 @@ async def run_node(cfg: SiteConfig, stop: asyncio.Event | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    _check_failpoint()
     lost = asyncio.Event()
     keeper = LeaseKeeper(cfg.store_dsn, cfg.holder, cfg.lease_seconds, lambda _s, _t: lost.set())
     try:
+        await _check_store(cfg, keeper)
         while not stop.is_set():
             taken = await _follow(cfg, keeper, stop)
             if taken is None:
@@ -72,6 +74,30 @@ async def run_node(cfg: SiteConfig, stop: asyncio.Event | None = None) -> None:
     finally:
         await keeper.close()  # a lease still held is released: the next node need not wait
     log.info("site %s: node %s stopped", cfg.site_name, cfg.holder)
+
+
+def _check_failpoint() -> None:
+    try:
+        point = armed()  # an unknown name stops the node here
+    except UnknownFailpoint as e:
+        raise UsageError(str(e)) from e
+    if point is not None:
+        log.warning("failpoint %s is armed: this node kills itself there", point)
+
+
+async def _check_store(cfg: SiteConfig, keeper: LeaseKeeper) -> None:
+    """The site database answers and has this release's schema: a node
+    that cannot start says why at once (later, it rides an outage out)."""
+    try:
+        await keeper.read(lease_of(SITE))
+    except psycopg.errors.UndefinedTable as e:
+        raise StateError(
+            "the site database's schema is older than this release (no table lease): "
+            "run `vpnrepl init`, which creates or upgrades it"
+        ) from e
+    except (psycopg.OperationalError, TimeoutError) as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise StoreUnavailable(f"cannot connect to {redact_url(cfg.store_dsn)}: {reason}") from e
 
 
 async def _follow(

@@ -27,9 +27,11 @@ __all__ = [
     "SITE",
     "Fence",
     "HeldLease",
+    "beat",
     "end_sessions",
     "holds_term",
     "session_name",
+    "heartbeats",
     "lease_of",
     "release_lease",
     "renew_lease",
@@ -176,3 +178,26 @@ def end_sessions(holder: str) -> Statement[int]:
     leader paused inside a transaction holds its row locks until its session
     ends, and the taker's first writes would wait on them. How many ended."""
     return Statement(_END_SESSIONS, (session_name(holder),), lambda r: int(r.rows[0][0] or 0))
+
+
+_BEAT = """
+INSERT INTO node_heartbeat AS h (node, holder, leads, seen_at) VALUES (%s, %s, %s, now())
+ON CONFLICT (node) DO UPDATE SET holder = EXCLUDED.holder, leads = EXCLUDED.leads, seen_at = now()
+"""
+_HEARTBEATS = """
+SELECT node, holder, leads, extract(epoch FROM now() - seen_at) FROM node_heartbeat ORDER BY node
+"""
+
+
+def beat(node: str, holder: str, leads: bool) -> Statement[None]:
+    """Record that ``node`` (as ``holder``) is alive now, leading or not."""
+    return Statement(_BEAT, (node, holder, leads), lambda result: None)
+
+
+def heartbeats() -> Statement[list[tuple[str, str, bool, float]]]:
+    """Each node's last heartbeat: name, holder, whether it led, seconds ago."""
+    return Statement(
+        _HEARTBEATS,
+        None,
+        lambda result: [(str(r[0]), str(r[1]), bool(r[2]), float(r[3])) for r in result.rows],
+    )

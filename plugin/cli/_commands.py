@@ -29,6 +29,7 @@ __all__ = [
     "cmd_demote",
     "cmd_init",
     "cmd_node",
+    "cmd_nodes",
     "cmd_promote",
     "cmd_reconcile",
     "cmd_republish",
@@ -188,6 +189,15 @@ def cmd_audit(cfg: SiteConfig, args: argparse.Namespace) -> int:
     with connect(cfg.store_dsn) as conn:
         rows = audit_rows(conn, args.limit, args.vpn)
     print(json.dumps(rows) if args.json else render_audit(rows), end="\n" if args.json else "")
+    return EXIT_OK
+
+
+def cmd_nodes(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    from plugin.ops import nodes_doc, render_nodes
+
+    with connect(cfg.store_dsn) as conn:
+        doc = nodes_doc(conn, cfg)
+    print(json.dumps(doc) if args.json else render_nodes(doc), end="\n" if args.json else "")
     return EXIT_OK
 
 

@@ -17,6 +17,7 @@ from ._commands import (
     cmd_demote,
     cmd_init,
     cmd_node,
+    cmd_nodes,
     cmd_promote,
     cmd_reconcile,
     cmd_republish,
@@ -134,6 +135,9 @@ def build_parser() -> _Parser:
         help="refresh every N seconds until interrupted",
     )
     s.set_defaults(run=cmd_status)
+    s = sub.add_parser("nodes", help="the site's nodes: which leads, its term, heartbeats, VPNs")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(run=cmd_nodes)
     c = sub.add_parser("promote", help="standby -> active (after a disaster, or a switchover)")
     c.add_argument("vpn", metavar="VPN")
     c.add_argument(

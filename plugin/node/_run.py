@@ -26,7 +26,7 @@ import signal
 import psycopg
 
 from bridge import BridgeError, UnknownFailpoint, armed, redact_url
-from bridge.store import SITE, Fence, end_sessions, lease_of, session_name
+from bridge.store import SITE, Fence, beat, end_sessions, lease_of, session_name
 from plugin._errors import PluginError, StateError, StoreUnavailable, UsageError
 from plugin.admin import AdminServer
 from plugin.config import NodeConfig, SiteConfig
@@ -128,6 +128,7 @@ async def _follow(
                     await relay.start()
                     admin = follower_admin(cfg, relay)
                     await admin.start(cfg.listen_admin.host, cfg.listen_admin.port)
+            await _beat(cfg, keeper, False)
             name = leader.name if leader is not None else "?"
             if name != said:
                 log.info("node %s relays to the leader, node %s", cfg.holder, name)
@@ -140,6 +141,20 @@ async def _follow(
             await relay.close()
         if admin is not None:
             await admin.close()
+
+
+async def _beat(cfg: SiteConfig, keeper: LeaseKeeper, leads: bool) -> None:
+    """This node's heartbeat (``vpnrepl nodes``); a missed one is only late."""
+    try:
+        await keeper.read(beat(cfg.node_name or cfg.holder, keeper.holder_id, leads))
+    except (TimeoutError, psycopg.Error) as e:
+        log.debug("heartbeat not recorded: %s", e)
+
+
+async def _beating(cfg: SiteConfig, keeper: LeaseKeeper) -> None:
+    while True:
+        await _beat(cfg, keeper, True)
+        await asyncio.sleep(cfg.lease_seconds / 3)
 
 
 async def _leader(cfg: SiteConfig, keeper: LeaseKeeper) -> NodeConfig | None:
@@ -174,6 +189,7 @@ async def _lead(
     with contextlib.suppress(NotImplementedError, RuntimeError):
         loop.add_signal_handler(signal.SIGHUP, node.reload_tls)
     renewing = asyncio.create_task(keeper.run(), name="lease")
+    beating = asyncio.create_task(_beating(cfg, keeper), name="heartbeat")
     try:
         await node.start()
         waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())}
@@ -188,9 +204,10 @@ async def _lead(
         else:
             log.info("site %s stopping", cfg.site_name)
     finally:
-        renewing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await renewing
+        for task in (renewing, beating):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await node.stop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signal.SIGHUP)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ._audit import audit_rows, render_audit
 from ._demote import DemotionSummary, demote, export_tail
 from ._node_requests import NodeRequests, RunningNode
+from ._nodes import nodes_doc, render_nodes
 from ._promote import PromotionSummary, promote
 from ._republish import RepublishSummary, TailRecord, read_tail_file, republish, write_tail_file
 from ._requests import (
@@ -47,6 +48,8 @@ __all__ = [
     "RunningNode",
     "TailRecord",
     "audit_rows",
+    "nodes_doc",
+    "render_nodes",
     "decide_branch",
     "demote",
     "export_tail",

@@ -9,6 +9,8 @@ holder); ``term`` rises each time the lease changes hands and fences what an
 earlier holder still tries to write; ``expires_at`` is judged by this
 database's clock for a taker, while the holder judges its own lease on its
 monotonic clock from before each renewal (``bridge/store/_lease.py``).
+``node_heartbeat`` is each node's last sign of life, whether it leads or
+relays (``vpnrepl nodes``).
 
 Revision ID: 0018
 Revises: 0017
@@ -32,6 +34,12 @@ CREATE TABLE lease (
     taken_at          timestamptz NOT NULL DEFAULT now(),
     renewed_at        timestamptz NOT NULL DEFAULT now()
 );
+CREATE TABLE node_heartbeat (
+    node              text PRIMARY KEY,
+    holder            text NOT NULL,
+    leads             boolean NOT NULL,
+    seen_at           timestamptz NOT NULL DEFAULT now()
+);
 """
 
 
@@ -40,4 +48,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.execute("DROP TABLE node_heartbeat")
     op.execute("DROP TABLE lease")

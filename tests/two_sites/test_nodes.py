@@ -5,6 +5,7 @@ failed node is still down (or still paused)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -169,6 +170,17 @@ def test_killing_the_leader_or_the_other_node_loses_nothing_and_the_site_serves_
     # a1 is still down: each site holds what the clients were told
     told = set(direct.told) | set(relayed.told) | set(tx.told)
     check_sites(pair, "a2", told, set(consumer.told), tx.batches)
+
+    # `vpnrepl nodes` says who leads, under which term, and who went quiet
+    shown = pair.cli_a("nodes", "--json")
+    assert shown.returncode == 0, shown.stderr
+    doc = json.loads(shown.stdout)
+    rows = {n["name"]: n for n in doc["nodes"]}
+    assert (rows["a2"]["leads"], rows["a2"]["vpns"], rows["a1"]["leads"]) == (True, [VPN], False)
+    assert rows["a2"]["term"] == doc["lease"]["term"] == 2  # a1 led, then a2
+    assert rows["a1"]["last_heartbeat_seconds"] > rows["a2"]["last_heartbeat_seconds"]
+    table = pair.cli_a("nodes").stdout
+    assert "a2" in table and "leader" in table and "relays" in table
 
 
 def test_a_leader_paused_past_its_lease_confirms_nothing_the_new_leader_does_not_hold(

@@ -230,3 +230,22 @@ def test_a_leader_paused_past_its_lease_confirms_nothing_the_new_leader_does_not
             "SELECT count(*), min(idx), max(idx) FROM ledger WHERE vpn = %s", (VPN,)
         ).fetchone() or (0, 0, 0)
     assert count == top - low + 1
+
+
+def test_the_site_rides_out_a_restart_of_its_postgresql(pair: Pair) -> None:
+    """The site's database restarts (an HA pair failing over behind one
+    address looks the same to a node): the nodes stay up, a leader leads on
+    (the same one, or another under a new term when the restart outlasted
+    the lease), clients are served again, and nothing they were told is
+    lost."""
+    started(pair, "--mode", "sync", "--on-sync-timeout", "degrade")
+    publisher = ConfirmingPublisher(pair.a.amqp_ports("a2"), 1)
+    publisher.start()
+    until(lambda: len(publisher.told) >= 200, "confirms before the restart")
+    restarted = time.monotonic()
+    pair.a.site.pg.restart()
+    until(lambda: publisher.first_after(restarted + 0.5), "confirms after the restart", 60)
+    until(lambda: pair.a.leader() is not None, "a node to lead", 60)
+    assert all(node.alive() for node in pair.a.nodes.values())
+    publisher.finish()
+    check_sites(pair, pair.a.leader() or "a1", set(publisher.told), set(), [])

@@ -18,7 +18,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,23 +61,44 @@ class LocalSite:
         self.pki: Path | None = None
 
     def config_text(
-        self, peer: LocalSite | None = None, tls: bool = True, dial: bool = True
+        self,
+        peer: LocalSite | None = None,
+        tls: bool = True,
+        dial: bool = True,
+        nodes: Mapping[str, tuple[int, int, int]] | None = None,
+        lease_seconds: float | None = None,
+        peer_bridges: Sequence[int] | None = None,
     ) -> str:
         """This site's config; ``peer``: the site it replicates with (which
-        it dials unless ``dial`` is false: a site that only serves it)."""
+        it dials unless ``dial`` is false: a site that only serves it, at
+        ``peer_bridges`` when its nodes are several). ``nodes``: the site's
+        nodes by name, each with its AMQP, bridge and admin ports
+        (``[nodes.NAME]`` instead of ``[listen]``)."""
+        lease = f"lease_seconds = {lease_seconds}\n" if lease_seconds is not None else ""
+        if nodes:
+            listen = "".join(
+                f'[nodes.{name}]\namqp = "127.0.0.1:{amqp}"\nbridge = "127.0.0.1:{bridge}"\n'
+                f'admin = "127.0.0.1:{admin}"\n\n'
+                for name, (amqp, bridge, admin) in nodes.items()
+            )
+        else:
+            listen = (
+                f'[listen]\namqp = "127.0.0.1:{self.amqp_port}"\n'
+                f'bridge = "127.0.0.1:{self.bridge_port}"\n'
+                f'admin = "127.0.0.1:{self.admin_port}"\n\n'
+            )
         text = (
-            f'[site]\nname = "{self.name}"\n\n'
+            f'[site]\nname = "{self.name}"\n{lease}\n'
             f"[broker]\namqp_url = {_listed([r.amqp_url() for r in self.rabbits])}\n"
             f"management_url = {_listed([r.management_url for r in self.rabbits])}\n\n"
-            f'[listen]\namqp = "127.0.0.1:{self.amqp_port}"\n'
-            f'bridge = "127.0.0.1:{self.bridge_port}"\n'
-            f'admin = "127.0.0.1:{self.admin_port}"\n\n'
+            f"{listen}"
             f'[store]\ndsn = "{self.pg.dsn()}"\n'
         )
         if peer is not None:
             text += f"\n[peers.{peer.name}]\n"
             if dial:
-                text += f'bridge = "127.0.0.1:{peer.bridge_port}"\n'
+                ports = list(peer_bridges or [peer.bridge_port])
+                text += f"bridge = {_listed([f'127.0.0.1:{p}' for p in ports])}\n"
             text += f'store_dsn = "{peer.pg.dsn()}"\n'
 
         if tls and self.pki is not None:

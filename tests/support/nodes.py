@@ -46,20 +46,9 @@ class SiteNodes:
             else (free_port(), free_port(), free_port())
             for n, name in enumerate(self.names)
         }
-        text = site.config_text(peer)
-        listen = text[text.index("[listen]") : text.index("[store]")]
-        tables = "".join(
-            f'[nodes.{name}]\namqp = "127.0.0.1:{amqp}"\nbridge = "127.0.0.1:{bridge}"\n'
-            f'admin = "127.0.0.1:{admin}"\n\n'
-            for name, (amqp, bridge, admin) in self.ports.items()
+        text = site.config_text(
+            peer, nodes=self.ports, lease_seconds=lease_seconds, peer_bridges=peer_bridges
         )
-        text = text.replace(listen, tables)
-        text = text.replace(
-            f'name = "{site.name}"\n', f'name = "{site.name}"\nlease_seconds = {lease_seconds}\n', 1
-        )
-        if peer_bridges is not None:
-            listed = ", ".join(f'"127.0.0.1:{p}"' for p in peer_bridges)
-            text = text.replace(f'bridge = "127.0.0.1:{peer.bridge_port}"', f"bridge = [{listed}]")
         self.config = tmp / f"{site.name}-nodes.toml"
         self.config.write_text(text)
         self.nodes = {

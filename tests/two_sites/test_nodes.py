@@ -57,11 +57,7 @@ def pair(site_a: LocalSite, site_b: LocalSite, tmp_path: Path) -> Iterator[Pair]
         migrate(site.pg.dsn())
     a = SiteNodes(site_a, site_b, tmp_path, lease_seconds=LEASE)
     b_config = tmp_path / "b.toml"
-    text = site_b.config_text(site_a)
-    listed = ", ".join(f'"127.0.0.1:{p}"' for p in a.bridge_ports())
-    b_config.write_text(
-        text.replace(f'bridge = "127.0.0.1:{site_a.bridge_port}"', f"bridge = [{listed}]")
-    )
+    b_config.write_text(site_b.config_text(site_a, peer_bridges=a.bridge_ports()))
     b = NodeProcess(site_b, b_config, tmp_path / "node-b.log", name="b")
     try:
         yield Pair(a, b)

@@ -62,13 +62,15 @@ def test_the_readme_walkthrough_works_as_written() -> None:
     assert rows == [("active", "1001", "1001"), ("standby", "0", "1001")], out
     assert out.count("orders.created: 1000 replicated live") == 2
     assert 'vpnrepl_replication_lag_events{vpn="orders"} 0.0' in out
+    assert out.count("vpnrepl_node_leads{") == 2 and 'vpnrepl_node_leads{site="a"' in out
+    assert re.search(r"published and confirmed again \d+ s after the kill", out), out
     assert "stopped (4 servers) and removed" in out
     assert not where.exists()
 
 
 def _clean_up(where: Path, env: dict[str, str]) -> None:
     """After a failure: the nodes the script started, then the sandbox."""
-    for pidfile in (where / "a.pid", where / "b.pid"):
+    for pidfile in (where / f"{node}.pid" for node in ("a1", "a2", "b1", "b2")):
         with suppress(OSError, ValueError, ProcessLookupError):
             os.kill(int(pidfile.read_text()), signal.SIGTERM)
     if (where / "sandbox.env").exists():

@@ -124,6 +124,15 @@ async def _take_lock(dsn: str) -> psycopg.AsyncConnection[dict[str, Any]] | None
             await conn.close()
 
 
+async def _release(lock: psycopg.AsyncConnection[dict[str, Any]]) -> None:
+    """Let the site lock go before returning: the transaction's end frees
+    it at once (a closed session's backend frees it only when it exits,
+    a moment later)."""
+    with contextlib.suppress(psycopg.Error):
+        await lock.rollback()
+    await lock.close()
+
+
 async def _held(conn: psycopg.AsyncConnection[dict[str, Any]]) -> bool:
     """Whether a node (or a CLI acting without one) holds the site lock,
     as any role can see it."""
@@ -156,7 +165,7 @@ async def run_command(
                 if held:  # no node leads: this process does
                     return await _locally(conn, command, vpn, args, local, progress)
         finally:
-            await lock.close()  # the lock goes with the session
+            await _release(lock)
         # a live node holds the lease, starting and waiting for the lock
         return await _through_node(conn, command, vpn, args, progress, NODE_START_SECONDS)
     finally:
@@ -375,7 +384,7 @@ class RequestServer:
         if self._conn is not None:
             await self._conn.close()
         if self._lock is not None:
-            await self._lock.close()  # the lock goes with the session
+            await _release(self._lock)
 
     async def _serve(self) -> None:
         """Claim and run requests, woken by a notification or every few

@@ -12,8 +12,18 @@ import pika
 import pika.exceptions
 
 from plugin.devtools import LocalSite, free_port
+from tests.fault.checker import Fault, Final, History, Publish, Txn, check, table, violations
 from tests.fix_node import NodeProcess
-from tests.support.two_sites import VPN, body, number, properties, routing_key
+from tests.support.two_sites import (
+    IN_SCOPE,
+    VPN,
+    body,
+    live,
+    number,
+    properties,
+    queues_of,
+    routing_key,
+)
 
 #: what a client connection may fail with while the site changes leader
 LOST = (
@@ -252,3 +262,49 @@ def queue_contents(ports: list[int], queue: str) -> list[int]:
         got.append(number(payload))
     conn.close()
     return got
+
+
+def judged(
+    mode: str,
+    policy: str,
+    clients: list[Client],
+    faults: list[Fault],
+    ports: list[int],
+    active: LocalSite,
+    standby: LocalSite,
+) -> str:
+    """The fault suite's checker on what ``clients`` were told against
+    what the sites hold (the active's broker read through ``ports``, both
+    live states): "" when nothing breaks ``mode``'s promise, else its
+    table of verdicts. Acks are counted unsure (no synchronous call after
+    them); a transaction is judged on ``orders.q2``, where all its
+    messages go."""
+    history = History(mode, policy, faults=faults, consumed_queues=frozenset({"orders.q1"}))
+    for i, client in enumerate(clients):
+        if isinstance(client, ConfirmingPublisher):
+            for n in client.told:
+                history.published[n] = Publish(queues_of(n), "confirmed", i)
+            for n in client.uncertain:
+                history.published[n] = Publish(queues_of(n), "uncertain", i)
+            for n in client.nacked:
+                history.published[n] = Publish(queues_of(n), "nacked", i)
+        elif isinstance(client, TxPublisher):
+            for batch in client.batches:
+                outcome = "committed" if batch[0] in client.told else "uncertain"
+                history.txns.append(Txn(tuple(batch), ("orders.q2",), outcome))
+        elif isinstance(client, AckingConsumer):
+            history.acks_unsure.update((n, client.queue) for n in client.told)
+    final = Final(
+        broker={q: queue_contents(ports, q) for q in IN_SCOPE},
+        active_live=_live_sets(active),
+        standby_live=_live_sets(standby),
+    )
+    verdicts = check(history, final)
+    return table(verdicts) if violations(history, verdicts) else ""
+
+
+def _live_sets(site: LocalSite) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for row in live(site):
+        out.setdefault(str(row[0]), set()).add(number(bytes(row[6])))
+    return out

@@ -17,22 +17,22 @@ import pytest
 
 from plugin.devtools import LocalSite
 from sql import migrate
+from tests.fault.checker import Fault
 from tests.fix_cli import Vpnrepl
 from tests.fix_node import NodeProcess
 from tests.support.nodes import (
     AckingConsumer,
+    Client,
     ConfirmingPublisher,
     SiteNodes,
     TxPublisher,
-    queue_contents,
+    judged,
 )
 from tests.support.two_sites import (
-    IN_SCOPE,
     VPN,
     caught_up,
     enable,
-    live_numbers,
-    queues_of,
+    live_caught_up,
     setup_vpn,
     until,
     vpn_status,
@@ -92,35 +92,17 @@ def started(pair: Pair, *options: str) -> None:
 
 
 def check_sites(
-    pair: Pair,
-    leader: str,
-    told: set[int],
-    acked: set[int],
-    batches: list[list[int]],
+    pair: Pair, leader: str, mode: str, policy: str, clients: list[Client], faults: list[Fault]
 ) -> None:
-    """What the clients were told against A's broker (read through
-    ``leader``) and B's live state: every confirmed or committed message is
-    on both, but those a consumer acked; a transaction is whole or absent."""
-    ports = pair.a.amqp_ports(leader)
-    for queue in IN_SCOPE:
-        got = queue_contents(ports, queue)
-        assert len(got) == len(set(got)), f"{queue}: a message twice on A"
-        expected = {n for n in told if queue in queues_of(n)}
-        missing = expected - set(got) - (acked if queue == "orders.q1" else set())
-        assert not missing, f"{queue}: told and missing on A: {sorted(missing)[:10]}"
-    audit = set(queue_contents(ports, "audit"))  # every message, out of the VPN's scope
-    for batch in batches:
-        there = [m in audit for m in batch]
-        assert all(there) or not any(there), f"transaction {batch} half-applied: {there}"
+    """The fault suite's checker, once B applied all of A's ledger and A's
+    live state caught up: nothing told lost on A or B, no transaction
+    half-applied, B's live state A's."""
     caught_up(pair.a[leader], pair.b)
-    on_b = live_numbers(pair.b.site)
-    missing_b = {
-        (n, q)
-        for n in told
-        for q in queues_of(n)
-        if (n, q) not in on_b and not (q == "orders.q1" and n in acked)
-    }
-    assert not missing_b, f"told and missing on B: {sorted(missing_b)[:10]}"
+    live_caught_up(pair.a.site)
+    verdict = judged(
+        mode, policy, clients, faults, pair.a.amqp_ports(leader), pair.a.site, pair.b.site
+    )
+    assert not verdict, verdict
 
 
 def test_killing_the_leader_or_the_other_node_loses_nothing_and_the_site_serves_on(
@@ -135,7 +117,7 @@ def test_killing_the_leader_or_the_other_node_loses_nothing_and_the_site_serves_
     for client in (direct, relayed):
         client.start()
     until(lambda: len(direct.told) >= 100 and len(relayed.told) >= 100, "confirms on both")
-    killed = time.monotonic()
+    killed_a2 = killed = time.monotonic()
     a2.kill()
     until(lambda: relayed.first_after(killed) and direct.first_after(killed), "confirms after")
     assert not direct.closes, "a client of the leader saw the other node die"
@@ -164,8 +146,8 @@ def test_killing_the_leader_or_the_other_node_loses_nothing_and_the_site_serves_
     assert not direct.nacked and not relayed.nacked
 
     # a1 is still down: each site holds what the clients were told
-    told = set(direct.told) | set(relayed.told) | set(tx.told)
-    check_sites(pair, "a2", told, set(consumer.told), tx.batches)
+    faults = [Fault("kill a2", killed_a2, killed_a2 + 1), Fault("kill a1", killed, killed + 1)]
+    check_sites(pair, "a2", "sync", "reject", [direct, relayed, tx, consumer], faults)
 
     # `vpnrepl nodes` says who leads, under which term, and who went quiet
     shown = pair.cli_a("nodes", "--json")
@@ -219,7 +201,7 @@ def test_a_leader_paused_past_its_lease_confirms_nothing_the_new_leader_does_not
     for client in (old, new):
         client.finish()
     assert not old.nacked and not new.nacked
-    check_sites(pair, "a2", set(old.told) | set(new.told), set(), [])
+    check_sites(pair, "a2", "async", "reject", [old, new], [Fault("pause a1", paused, woke)])
     # one writer at a time: A's ledger is dense, no index written twice
     with psycopg.connect(pair.a.site.pg.dsn()) as db:
         count, low, top = db.execute(
@@ -244,4 +226,5 @@ def test_the_site_rides_out_a_restart_of_its_postgresql(pair: Pair) -> None:
     until(lambda: pair.a.leader() is not None, "a node to lead", 60)
     assert all(node.alive() for node in pair.a.nodes.values())
     publisher.finish()
-    check_sites(pair, pair.a.leader() or "a1", set(publisher.told), set(), [])
+    restart = [Fault("restart PostgreSQL A", restarted, restarted + 5)]
+    check_sites(pair, pair.a.leader() or "a1", "sync", "degrade", [publisher], restart)

@@ -18,6 +18,7 @@ from tests.support.two_sites import (
     IN_SCOPE,
     VPN,
     body,
+    drained,
     live,
     number,
     properties,
@@ -252,16 +253,7 @@ class AckingConsumer(Client):
 def queue_contents(ports: list[int], queue: str) -> list[int]:
     """The numbers in ``queue``, in queue order, read through the site's
     nodes (unacked: they go back)."""
-    conn = connect(ports)
-    ch = conn.channel()
-    got: list[int] = []
-    while True:
-        method, _, payload = ch.basic_get(queue)
-        if method is None:
-            break
-        got.append(number(payload))
-    conn.close()
-    return got
+    return drained(connect(ports), queue)
 
 
 def judged(

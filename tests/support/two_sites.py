@@ -63,7 +63,12 @@ def number(payload: bytes) -> int:
 
 def queue_numbers(site: LocalSite, queue: str) -> list[int]:
     """The numbers in ``queue`` of ``site``'s broker (read directly, requeued)."""
-    conn = pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url(VPN)))
+    return drained(pika.BlockingConnection(pika.URLParameters(site.rabbit.amqp_url(VPN))), queue)
+
+
+def drained(conn: pika.BlockingConnection, queue: str) -> list[int]:
+    """The numbers in ``queue``, in queue order, read without acking on
+    ``conn``, which is then closed (the messages go back)."""
     ch = conn.channel()
     got = []
     while True:

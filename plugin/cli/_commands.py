@@ -65,6 +65,11 @@ def cmd_init(cfg: SiteConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_node(cfg: SiteConfig, args: argparse.Namespace) -> int:
+    if cfg.nodes and not cfg.node_name:
+        names = ", ".join(n.name for n in cfg.nodes)
+        raise UsageError(
+            f"{cfg.path}: the site has several nodes ({names}): start one with --name NODE"
+        )
     import uvloop  # the relay's round trips are about half as long on uvloop
 
     from plugin.node import run_node  # imports the bridge; only the node needs it

@@ -57,6 +57,13 @@ def load_config(path: str, overrides: tuple[str, ...] = (), node: str | None = N
     nodes = node_tables(path, raw)
     v = _validated(path, {k: t for k, t in raw.items() if k not in ("peers", "nodes")})
     listen = _listen(path, v, nodes, node)
+    if "application_name" in urlsplit(v["store"]["dsn"]).query:
+        raise ConfigError(
+            path,
+            "store.dsn",
+            "application_name is the node's to set (a node that takes the site's lease ends "
+            "the sessions of the one before by it): remove it",
+        )
     tls = _tls_config(path, "tls", v["tls"]) if "tls" in v else None
     client_tls = _tls_config(path, "client_tls", v["client_tls"]) if "client_tls" in v else None
     listen_amqps = listen["amqps"]

@@ -12,7 +12,11 @@ from plugin._errors import ConfigError
 from ._checks import NODE_KEYS, PEER_KEYS, site_name_check, url_check, validated_table
 from ._values import NodeConfig, PeerConfig
 
-__all__ = ["node_tables", "peer_tables"]
+__all__ = ["RESERVED_NODE_NAMES", "node_tables", "peer_tables"]
+
+#: holders of the site's lease that are no node: the CLI acting alone, and
+#: the one node of a ``[listen]`` site
+RESERVED_NODE_NAMES = ("cli", "node")
 
 
 def peer_tables(path: str, raw: Mapping[str, Any]) -> tuple[PeerConfig, ...]:
@@ -71,6 +75,10 @@ def node_tables(path: str, raw: Mapping[str, Any]) -> tuple[NodeConfig, ...]:
             site_name_check(name)
         except ValueError as e:
             raise ConfigError(path, where, f"node name: {e}") from e
+        if name in RESERVED_NODE_NAMES:
+            raise ConfigError(
+                path, where, f"node name: {name!r} names a holder of the site's lease already"
+            )
         if not isinstance(tables[name], dict):
             raise ConfigError(path, where, "expected a [nodes.NAME] table")
         v = validated_table(path, where, tables[name], NODE_KEYS)
@@ -92,15 +100,15 @@ def _reachable_apart(path: str, nodes: list[NodeConfig]) -> None:
     seen: dict[HostPort, str] = {}
     for node in nodes:
         where = f"nodes.{node.name}"
-        if node.host is None and node.amqp.host in ("0.0.0.0", "::", ""):  # noqa: S104
-            raise ConfigError(
-                path,
-                f"{where}.host",
-                f"{node.amqp} listens on every address: name the host the site's other "
-                "nodes reach this node at",
-            )
         listens = (node.amqp, node.bridge, node.admin, node.amqps)
         for listen in (a for a in listens if a is not None):
+            if node.host is None and listen.host in ("0.0.0.0", "::", ""):  # noqa: S104
+                raise ConfigError(
+                    path,
+                    f"{where}.host",
+                    f"{listen} listens on every address: name the host the site's other "
+                    "nodes reach this node at",
+                )
             at = node.reach(listen)
             if at in seen:
                 raise ConfigError(path, where, f"{at} is also node {seen[at]!r}'s address")

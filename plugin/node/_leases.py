@@ -9,8 +9,10 @@ database did not answer, or whose renewal found another holder's term, is
 lost, and ``on_lost`` is told once, so the node stops confirming before
 another node may take over. Each database call is bounded by a third of the
 lease time, so a hung renewal cannot outlive the lease unnoticed; a node
-that lost a lease takes it again as a new holder (``<holder>.<generation>``),
-so the term rises and fences what it wrote before the loss.
+that lost a lease takes it again as a new holder
+(``<holder>.<process>-<generation>``), so the term rises and fences what it
+wrote before the loss; a second process started under the same name is
+another holder too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -34,7 +37,7 @@ _T = TypeVar("_T")
 
 
 class LeaseKeeper:
-    """Takes, renews and releases ``holder``'s VPN leases of ``seconds``."""
+    """Takes, renews and releases ``holder``'s leases of ``seconds``."""
 
     def __init__(
         self,
@@ -50,12 +53,18 @@ class LeaseKeeper:
         self._held: dict[str, HeldLease] = {}
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._generation = 0  # rises at each loss: the next take is a new term
+        # this process's own: two processes started with one node name (a
+        # mistake, or a restart within the lease) are two holders, and the
+        # second cannot take the first one's lease as if it were its own
+        self._process = secrets.token_hex(4)
         self._calls = asyncio.Lock()  # one call at a time on the connection
 
     @property
     def holder_id(self) -> str:
-        """The holder the database knows this node by, now."""
-        return f"{self.holder}.{self._generation}"
+        """The holder the database knows this node by, now:
+        ``<node>.<process>-<generation>`` (the node's name is before the
+        last dot)."""
+        return f"{self.holder}.{self._process}-{self._generation}"
 
     async def _call(self, statement: Statement[_T]) -> _T:
         """``statement`` on the connection, bounded by a third of the lease."""

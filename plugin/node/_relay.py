@@ -13,7 +13,9 @@ reading a single frame.
 
 Bounds: at most ``max_connections`` relayed at once (more are closed on
 accept); each direction holds at most one read (``CHUNK``) in memory and
-reads no further until the other side took it. When the leader is unknown
+reads no further until the other side took it; TCP keepalive ends a
+connection whose peer vanished within about a minute; a new leader cuts
+every connection relayed to the one before. When the leader is unknown
 or unreachable, the connection is closed at once: a client moves to the
 next address it knows, and the peer's bridge retries.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Callable
 
 from bridge import HostPort
@@ -46,12 +49,26 @@ class Relay:
 
     def __init__(self, me: NodeConfig) -> None:
         self.me = me
-        #: the node that leads the site now (None: unknown, or no node)
-        self.leader: NodeConfig | None = None
+        self._leader: NodeConfig | None = None
         self._servers: list[asyncio.Server] = []
         self._pipes: set[asyncio.Task[None]] = set()
+        self._closed = False
         #: connections relayed since start (status, tests)
         self.relayed = 0
+
+    @property
+    def leader(self) -> NodeConfig | None:
+        """The node that leads the site now (None: unknown, or no node)."""
+        return self._leader
+
+    @leader.setter
+    def leader(self, leader: NodeConfig | None) -> None:
+        """A new leader: connections relayed to the one before are cut (it
+        died or lost its lease; its clients connect again and land here)."""
+        if leader != self._leader:
+            for task in list(self._pipes):
+                task.cancel()
+        self._leader = leader
 
     async def start(self) -> None:
         """Listen on this node's AMQP, AMQPS and bridge addresses."""
@@ -76,11 +93,12 @@ class Relay:
         self, target: Listen
     ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], None]:
         def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            leader = self.leader
+            leader = self._leader
             to = target(leader) if leader is not None and leader.name != self.me.name else None
-            if to is None or len(self._pipes) >= self.me.max_connections:
+            if self._closed or to is None or len(self._pipes) >= self.me.max_connections:
                 writer.close()
                 return
+            _keepalive(writer)
             task = asyncio.create_task(self._pipe(reader, writer, to), name="relay")
             self._pipes.add(task)
             task.add_done_callback(self._pipes.discard)
@@ -90,27 +108,30 @@ class Relay:
     async def _pipe(
         self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter, to: HostPort
     ) -> None:
+        leader_w: asyncio.StreamWriter | None = None
         try:
-            async with asyncio.timeout(CONNECT_SECONDS):
-                leader_r, leader_w = await asyncio.open_connection(to.host, to.port)
-        except (OSError, TimeoutError) as e:
-            log.info("relay to the leader at %s failed: %s", to, e)
-            client_w.close()
-            return
-        self.relayed += 1
-        try:
+            try:
+                async with asyncio.timeout(CONNECT_SECONDS):
+                    leader_r, leader_w = await asyncio.open_connection(to.host, to.port)
+            except (OSError, TimeoutError) as e:
+                log.info("relay to the leader at %s failed: %s", to, e)
+                return
+            _keepalive(leader_w)
+            self.relayed += 1
             async with asyncio.TaskGroup() as both:
                 both.create_task(_copy(client_r, leader_w))
                 both.create_task(_copy(leader_r, client_w))
         except* (OSError, asyncio.IncompleteReadError):
             pass  # one side went away: both are closed below
-        finally:
-            for w in (client_w, leader_w):
-                w.close()
+        finally:  # cancelled too (a new leader, a stop): nothing stays open
+            client_w.close()
+            if leader_w is not None:
+                leader_w.close()
 
     async def close(self) -> None:
         """Stop listening and cut every relayed connection (the leader is
         changing: this node leads next, or is stopping)."""
+        self._closed = True  # an accept already queued is closed at once
         for server in self._servers:
             server.close()
         for task in list(self._pipes):
@@ -121,6 +142,18 @@ class Relay:
         for server in self._servers:
             await server.wait_closed()
         self._servers = []
+
+
+def _keepalive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive: a peer that vanished (a host gone, a process paused)
+    ends its relayed connection within about a minute, not hours."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:

@@ -111,27 +111,25 @@ async def _follow(
     said: str | None = None
     try:
         while not stop.is_set():
+            # a failed read keeps the leader known before: its relayed clients stay
+            leader = relay.leader if relay is not None else None
             try:
-                found = await keeper.read(lease_of(SITE))
-                term = await keeper.take(SITE)
-                if term is not None:
-                    log.info("node %s leads site %s (term %d)", cfg.holder, cfg.site_name, term)
-                    before = found[0] if found is not None else None
-                    return term, before if before != keeper.holder_id else None
+                taken = await _try_lead(cfg, keeper)
+                if taken is not None:
+                    return taken
                 leader = await _leader(cfg, keeper)
             except (TimeoutError, psycopg.Error) as e:
-                log.warning("the site's lease could not be read: %s", e)
-                leader = None
+                log.warning("the site's lease could not be read or taken: %s", e)
             if relay is not None:
                 relay.leader = leader
-                if admin is None:  # listening once the leader is first known
+                if admin is None:  # listening once the lease was first read
                     await relay.start()
                     admin = follower_admin(cfg, relay)
                     await admin.start(cfg.listen_admin.host, cfg.listen_admin.port)
             await _beat(cfg, keeper, False)
-            name = leader.name if leader is not None else "?"
+            name = leader.name if leader is not None else "none"
             if name != said:
-                log.info("node %s relays to the leader, node %s", cfg.holder, name)
+                log.info("node %s relays to the leader: node %s", cfg.holder, name)
                 said = name
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), cfg.lease_seconds / 3)
@@ -141,6 +139,26 @@ async def _follow(
             await relay.close()
         if admin is not None:
             await admin.close()
+
+
+async def _try_lead(cfg: SiteConfig, keeper: LeaseKeeper) -> tuple[int, str | None] | None:
+    """Take the site's lease if it is free or ran out: its term and the
+    holder it ran out on. That holder's database sessions are ended first:
+    one paused inside a ledger commit share-locks the lease row, and the
+    take would wait on it for as long as the session lives."""
+    found = await keeper.read(lease_of(SITE))
+    before = found[0] if found is not None and found[0] != keeper.holder_id else None
+    if found is not None and found[2] > 0 and before is not None:
+        return None  # another holder's lease runs
+    if before is not None:
+        ended = await keeper.read(end_sessions(before))
+        if ended:
+            log.warning("ended %d database session(s) of %s, whose lease ran out", ended, before)
+    term = await keeper.take(SITE)
+    if term is None:
+        return None
+    log.info("node %s leads site %s (term %d)", cfg.holder, cfg.site_name, term)
+    return term, before
 
 
 async def _beat(cfg: SiteConfig, keeper: LeaseKeeper, leads: bool) -> None:
@@ -158,12 +176,12 @@ async def _beating(cfg: SiteConfig, keeper: LeaseKeeper) -> None:
 
 
 async def _leader(cfg: SiteConfig, keeper: LeaseKeeper) -> NodeConfig | None:
-    """The node that holds the site's lease now, if it is one of the site's."""
+    """The node whose lease runs now, if it is one of the site's (None: the
+    lease ran out, or a CLI holds it)."""
     found = await keeper.read(lease_of(SITE))
-    if found is None:
+    if found is None or found[2] <= 0:
         return None
-    holder, _term, _left = found
-    return cfg.node(holder.rpartition(".")[0])
+    return cfg.node(found[0].rpartition(".")[0])
 
 
 async def _lead(
@@ -174,24 +192,26 @@ async def _lead(
     stop: asyncio.Event,
     lost: asyncio.Event,
 ) -> None:
-    """Run the site under ``term`` until ``stop`` or the lease is ``lost``;
-    first end the database sessions of ``before``, the holder that lost it
-    (paused inside a transaction, it would hold its row locks for ever)."""
+    """Run the site under ``term`` until ``stop`` or the lease is ``lost``.
+    A database that fails the start sends the node back to relaying (the
+    lease released, so another node may try)."""
     # every session this node opens while it leads carries its holder name
     os.environ["PGAPPNAME"] = session_name(keeper.holder_id)
-    if before is not None:
-        ended = await keeper.read(end_sessions(before))
-        if ended:
-            log.warning("ended %d database session(s) of %s, which lost the lease", ended, before)
     node = Node(cfg)
     node.writer.fence = Fence(SITE, keeper.holder_id, term)
+    node.requests.may_serve = lambda: keeper.term(SITE) == term
     loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError, RuntimeError):
         loop.add_signal_handler(signal.SIGHUP, node.reload_tls)
     renewing = asyncio.create_task(keeper.run(), name="lease")
     beating = asyncio.create_task(_beating(cfg, keeper), name="heartbeat")
     try:
-        await node.start()
+        try:
+            await node.start()
+        except (psycopg.Error, StoreUnavailable, TimeoutError) as e:
+            log.error("node %s could not start the site as its leader: %s; relaying",
+                      cfg.holder, e)  # fmt: skip
+            return
         waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())}
         _, waiting = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waiting:
@@ -199,15 +219,20 @@ async def _lead(
         if lost.is_set():
             log.error("node %s lost the lead of site %s: closing its clients (320)",
                       cfg.holder, cfg.site_name)  # fmt: skip
+            await node.requests.close()  # no operator command runs on from here
             if node.listener is not None:
                 node.listener.close_all(lost_text(cfg))
         else:
             log.info("site %s stopping", cfg.site_name)
     finally:
-        for task in (renewing, beating):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await node.stop()
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
+        await node.stop()  # renewed meanwhile: a clean stop keeps the lease to its end
+        renewing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewing
+        with contextlib.suppress(TimeoutError, psycopg.Error):
+            await keeper.release(SITE)  # the next node need not wait out the lease
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signal.SIGHUP)

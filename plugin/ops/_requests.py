@@ -329,6 +329,9 @@ class RequestServer:
         off: its session is ended (None: wait for ever)."""
         self._dsn = dsn
         self._take_over_after = take_over_after
+        #: whether this node may carry out requests now (it still holds the
+        #: site's lease: one that lost it claims nothing more)
+        self.may_serve: Callable[[], bool] = lambda: True
         self._handlers = dict(handlers)
         self._lock: psycopg.AsyncConnection[dict[str, Any]] | None = None
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
@@ -377,14 +380,18 @@ class RequestServer:
         )
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        """Stop serving and let the site lock go (again: nothing happens)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, psycopg.Error, StoreUnavailable):
-                await self._task
-        if self._conn is not None:
-            await self._conn.close()
-        if self._lock is not None:
-            await _release(self._lock)
+                await task
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            await _release(lock)
 
     async def _serve(self) -> None:
         """Claim and run requests, woken by a notification or every few
@@ -393,8 +400,8 @@ class RequestServer:
         site lock, taken again when its session was lost."""
         while True:
             try:
-                if await self._lock_held():
-                    while await self._claim_one():
+                if self.may_serve() and await self._lock_held():
+                    while self.may_serve() and await self._claim_one():
                         pass
                 if self._conn is None or self._conn.closed or self._conn.broken:
                     self._conn = await _connect(self._dsn)
@@ -410,7 +417,11 @@ class RequestServer:
         waiting) when the session that held it is gone."""
         lock = self._lock
         if lock is not None and not lock.closed and not lock.broken:
-            return True
+            try:
+                await lock.execute("SELECT 1")  # in the lock's transaction: is it alive?
+                return True
+            except psycopg.Error as e:
+                log.warning("the site lock's session is gone (%s): taking the lock again", e)
         if lock is not None:
             await lock.close()
         self._lock = await _take_lock(self._dsn)

@@ -9,6 +9,7 @@ import pytest
 
 from bridge import HostPort, redact_url
 from plugin import ConfigError, PeerConfig, load_config
+from plugin.cli import main
 
 GOOD = """
 [site]
@@ -451,6 +452,10 @@ def _a2_at_a1s_host(text: str) -> str:
     return text.replace('"10.0.0.2:5673"', '"10.0.0.2:5673"\nhost = "a1.example"')
 
 
+def _named_sessions(text: str) -> str:
+    return text.replace('/vpnrepl"', '/vpnrepl?application_name=x"')
+
+
 def _short_lease(text: str) -> str:
     return text.replace('name = "nyc"', 'name = "nyc"\nlease_seconds = 0.5')
 
@@ -466,6 +471,9 @@ def _short_lease(text: str) -> str:
         (lambda t: t.replace('amqp = "10.0.0.2:5673"\n', ""), "nodes.a2.amqp", "required"),
         (_short_lease, "site.lease_seconds", "1 to 600"),
         (lambda t: t.replace("[nodes.a2]", "[nodes.'a 2']"), "nodes.a 2", "node name"),
+        (lambda t: t.replace("[nodes.a2]", "[nodes.cli]"), "nodes.cli", "holder of the site"),
+        (lambda t: t.replace("10.0.0.2:5680", "0.0.0.0:5680"), "nodes.a2.host", "every address"),
+        (_named_sessions, "store.dsn", "the node's"),
         (lambda t: t[: t.index("[nodes.a1]")] + t[t.index("[store]") :], "listen", "missing"),
     ],
 )  # fmt: skip
@@ -475,3 +483,13 @@ def test_a_bad_nodes_table_is_refused_by_its_key(
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, change(NODES)), node="a3" if key == "nodes.a3" else None)
     assert e.value.key == key and words in str(e.value)
+
+
+def test_a_node_of_a_site_of_several_must_be_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, NODES)
+    assert main(["--config", path, "node"]) == 2
+    assert "several nodes (a1, a2): start one with --name NODE" in capsys.readouterr().err
+    assert main(["--config", path, "node", "--name", "a3"]) == 2
+    assert "nodes.a3: no such node table (known: a1, a2)" in capsys.readouterr().err

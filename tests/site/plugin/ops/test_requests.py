@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import psycopg
 import pytest
 
+from bridge.store import SITE, holds_term, lease_of, renew_lease, take_lease
 from plugin import PluginError, StateError
 from plugin.devtools import LocalSite
 from plugin.ops import SITE_LOCK, Progress, RequestServer, run_command
@@ -229,3 +231,65 @@ def test_a_schema_without_the_site_lock_is_named(site_a: LocalSite) -> None:
     with pytest.raises(StateError, match="run `vpnrepl init`"):
         asyncio.run(RequestServer(dsn, {}).start())
     migrate(dsn)
+
+
+def test_the_cli_acting_alone_waits_out_a_lease_and_fences_its_holder(dsn: str) -> None:
+    """No node holds the site lock, but a node's lease still runs (a leader
+    cut off from its database, perhaps alive): the CLI waits until the
+    lease ran out, takes it (the term rises, so that leader's ledger commits
+    are refused from then on), and lets it go when done."""
+    with psycopg.connect(dsn, autocommit=True) as db:
+        assert take_lease(SITE, "a1.cafe-0", 1.5).run(db) == 1
+    seen: list[tuple[str, int, float] | None] = []
+
+    async def local(progress: Progress) -> dict[str, Any]:
+        with psycopg.connect(dsn, autocommit=True) as db:
+            seen.append(lease_of(SITE).run(db))
+            assert not holds_term(SITE, "a1.cafe-0", 1).run(db)
+        return {"done": True}
+
+    t0 = time.monotonic()
+    assert asyncio.run(run_command(dsn, "promote", "orders", {}, local, lambda d, t: None)) == {
+        "done": True
+    }
+    assert time.monotonic() - t0 >= 1.0  # it waited the lease out
+    assert seen[0] is not None and seen[0][0].startswith("cli.") and seen[0][1] == 2
+    with psycopg.connect(dsn, autocommit=True) as db:
+        after = lease_of(SITE).run(db)
+    assert after is not None and after[2] <= 0  # released: a node may take it at once
+
+
+def test_the_cli_hands_a_command_to_a_node_that_renews_its_lease(dsn: str) -> None:
+    """A node that took the lease and waits for the lock the CLI holds is
+    alive: the CLI sees the renewal, lets the lock go, and the node runs the
+    command."""
+
+    async def scenario() -> dict[str, Any]:
+        async def local(progress: Progress) -> dict[str, Any]:
+            raise AssertionError("a node is alive: the CLI must not act alone")
+
+        async def promote(vpn: str, args: Mapping[str, Any], p: Progress) -> dict[str, Any]:
+            return {"by": "node"}
+
+        async def node() -> RequestServer:
+            with psycopg.connect(dsn, autocommit=True) as db:
+                assert take_lease(SITE, "a1.beef-0", 3).run(db) is not None
+            server = RequestServer(dsn, {"promote": promote}, take_over_after=30)
+            starting = asyncio.create_task(server.start(wait_log_seconds=1))
+            while not starting.done():  # renewing, as a node's keeper does
+                await asyncio.sleep(0.3)
+                with psycopg.connect(dsn, autocommit=True) as db:
+                    renew_lease(SITE, "a1.beef-0", 1, 3).run(db)
+            await starting
+            return server
+
+        lock = hold_site_lock(dsn)  # the CLI will find the lock free only once this goes
+        starting = asyncio.create_task(node())
+        await asyncio.sleep(0.5)
+        lock.close()
+        result = await run_command(dsn, "promote", "orders", {}, local, lambda d, t: None)
+        server = await starting
+        await server.close()
+        return result
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == {"by": "node"}

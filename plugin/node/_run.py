@@ -162,9 +162,16 @@ async def _try_lead(cfg: SiteConfig, keeper: LeaseKeeper) -> tuple[int, str | No
 
 
 async def _beat(cfg: SiteConfig, keeper: LeaseKeeper, leads: bool) -> None:
-    """This node's heartbeat (``vpnrepl nodes``); a missed one is only late."""
+    """This node's heartbeat (``vpnrepl nodes``), on a connection of its
+    own (a slow one never holds a lease renewal back); a missed one is
+    only late."""
+    statement = beat(cfg.node_name or cfg.holder, keeper.holder_id, leads)
     try:
-        await keeper.read(beat(cfg.node_name or cfg.holder, keeper.holder_id, leads))
+        async with asyncio.timeout(cfg.lease_seconds / 3):
+            async with await psycopg.AsyncConnection.connect(
+                cfg.store_dsn, autocommit=True
+            ) as conn:
+                await statement.run_async(conn)
     except (TimeoutError, psycopg.Error) as e:
         log.debug("heartbeat not recorded: %s", e)
 

@@ -105,10 +105,13 @@ def check_sites(
     assert not verdict, verdict
 
 
+@pytest.mark.parametrize(
+    "mode", ["sync", pytest.param("async", marks=pytest.mark.fault)]
+)  # the async variant under -m fault: the default suite keeps one
 def test_killing_the_leader_or_the_other_node_loses_nothing_and_the_site_serves_on(
-    pair: Pair,
+    pair: Pair, mode: str
 ) -> None:
-    started(pair, "--mode", "sync", "--on-sync-timeout", "reject")
+    started(pair, "--mode", mode, "--on-sync-timeout", "reject")
     a1, a2 = pair.a["a1"], pair.a["a2"]
 
     # the node that does not lead dies: its relayed clients move, nothing stops
@@ -147,7 +150,7 @@ def test_killing_the_leader_or_the_other_node_loses_nothing_and_the_site_serves_
 
     # a1 is still down: each site holds what the clients were told
     faults = [Fault("kill a2", killed_a2, killed_a2 + 1), Fault("kill a1", killed, killed + 1)]
-    check_sites(pair, "a2", "sync", "reject", [direct, relayed, tx, consumer], faults)
+    check_sites(pair, "a2", mode, "reject", [direct, relayed, tx, consumer], faults)
 
     # `vpnrepl nodes` says who leads, under which term, and who went quiet
     shown = pair.cli_a("nodes", "--json")

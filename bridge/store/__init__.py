@@ -33,7 +33,9 @@ from ._lease import (
     release_lease,
     renew_lease,
     session_name,
+    sessions_of,
     take_lease,
+    take_lease_from,
 )
 from ._statement import Script, Statement
 from ._sync_window import (
@@ -97,10 +99,12 @@ __all__ = [
     "heartbeats",
     "holds_term",
     "session_name",
+    "sessions_of",
     "lease_of",
     "release_lease",
     "renew_lease",
     "take_lease",
+    "take_lease_from",
     "CONNECTED",
     "COUNT_UNKNOWN_ACKS",
     "ConfigLock",

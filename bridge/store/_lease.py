@@ -31,6 +31,8 @@ __all__ = [
     "end_sessions",
     "holds_term",
     "session_name",
+    "sessions_of",
+    "take_lease_from",
     "heartbeats",
     "lease_of",
     "release_lease",
@@ -80,6 +82,15 @@ FENCE = """fence AS (
     SELECT FROM lease WHERE scope = %s AND holder = %s AND term = %s FOR SHARE
 )"""
 # the sessions of a holder that lost the lease, but this one
+_SESSIONS_OF = """
+SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND pid <> pg_backend_pid()
+"""
+_TAKE_FROM = """
+UPDATE lease SET holder = %s, term = term + 1, expires_at = now() + make_interval(secs => %s),
+    taken_at = now(), renewed_at = now()
+WHERE scope = %s AND holder = %s
+RETURNING term
+"""
 _END_SESSIONS = """
 SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
 WHERE application_name = %s AND pid <> pg_backend_pid()
@@ -168,9 +179,25 @@ def holds_term(scope: str, holder: str, term: int) -> Statement[bool]:
 
 
 def session_name(holder: str) -> str:
-    """The ``application_name`` of every database session ``holder`` opens
-    while it leads (libpq's ``PGAPPNAME``), so a taker can end them."""
-    return f"vpnrepl:{holder}"[:63]
+    """The ``application_name`` of the database sessions of the process
+    that holds (or held) a lease as ``holder`` (``<node>.<process>-<n>``:
+    every generation of one process shares it), so a taker can tell
+    whether that process still has sessions, and end them."""
+    return f"vpnrepl:{holder.rsplit('-', 1)[0]}"[:63]
+
+
+def sessions_of(holder: str) -> Statement[int]:
+    """How many database sessions the process of ``holder`` has now."""
+    return Statement(_SESSIONS_OF, (session_name(holder),), lambda r: int(r.rows[0][0] or 0))
+
+
+def take_lease_from(
+    scope: str, holder: str, previous: str, seconds: float
+) -> Statement[int | None]:
+    """Take ``scope``'s lease from ``previous`` before it ran out (its
+    process is gone: see :func:`sessions_of`); the new term, or None when
+    ``previous`` no longer holds it."""
+    return fetch_one(_TAKE_FROM, (holder, seconds, scope, previous), _term)
 
 
 def end_sessions(holder: str) -> Statement[int]:

@@ -27,7 +27,15 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from bridge.store import HeldLease, Statement, release_lease, renew_lease, take_lease
+from bridge.store import (
+    HeldLease,
+    Statement,
+    release_lease,
+    renew_lease,
+    session_name,
+    take_lease,
+    take_lease_from,
+)
 
 __all__ = ["LeaseKeeper"]
 
@@ -75,7 +83,13 @@ class LeaseKeeper:
                 async with asyncio.timeout(self.seconds / 3):
                     conn = self._conn
                     if conn is None or conn.closed:
-                        conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+                        conn = await psycopg.AsyncConnection.connect(
+                            self.dsn,
+                            autocommit=True,
+                            # while this process lives it has this session:
+                            # a taker can tell it from a process that died
+                            application_name=session_name(self.holder_id),
+                        )
                         self._conn = conn
                     return await statement.run_async(conn)
             except BaseException:  # a call cut short leaves the connection unusable
@@ -104,6 +118,15 @@ class LeaseKeeper:
         """Take ``scope``'s lease; its term, or None while another node's runs."""
         asked, holder = time.monotonic(), self.holder_id
         term = await self._call(take_lease(scope, holder, self.seconds))
+        if term is not None:
+            self._held[scope] = HeldLease.asked_at(scope, holder, term, asked, self.seconds)
+        return term
+
+    async def take_from(self, scope: str, previous: str) -> int | None:
+        """Take ``scope``'s lease from ``previous``, whose process is gone,
+        before it ran out; its term, or None when ``previous`` lost it meanwhile."""
+        asked, holder = time.monotonic(), self.holder_id
+        term = await self._call(take_lease_from(scope, holder, previous, self.seconds))
         if term is not None:
             self._held[scope] = HeldLease.asked_at(scope, holder, term, asked, self.seconds)
         return term

@@ -26,7 +26,15 @@ import signal
 import psycopg
 
 from bridge import BridgeError, UnknownFailpoint, armed, redact_url
-from bridge.store import SITE, Fence, beat, end_sessions, lease_of, session_name
+from bridge.store import (
+    SITE,
+    Fence,
+    beat,
+    end_sessions,
+    lease_of,
+    session_name,
+    sessions_of,
+)
 from plugin._errors import PluginError, StateError, StoreUnavailable, UsageError
 from plugin.admin import AdminServer
 from plugin.config import NodeConfig, SiteConfig
@@ -148,13 +156,23 @@ async def _try_lead(cfg: SiteConfig, keeper: LeaseKeeper) -> tuple[int, str | No
     take would wait on it for as long as the session lives."""
     found = await keeper.read(lease_of(SITE))
     before = found[0] if found is not None and found[0] != keeper.holder_id else None
+    mine = before is not None and session_name(before) == session_name(keeper.holder_id)
     if found is not None and found[2] > 0 and before is not None:
-        return None  # another holder's lease runs
-    if before is not None:
-        ended = await keeper.read(end_sessions(before))
-        if ended:
-            log.warning("ended %d database session(s) of %s, whose lease ran out", ended, before)
-    term = await keeper.take(SITE)
+        # another holder's lease runs; unless it is this node's own, from a
+        # process that is gone (a crash and a restart: no session of it is
+        # left), this node waits it out
+        if before.rpartition(".")[0] != cfg.holder or mine:
+            return None
+        if await keeper.read(sessions_of(before)) > 0:
+            return None
+        term = await keeper.take_from(SITE, before)
+    else:
+        if before is not None and not mine:
+            ended = await keeper.read(end_sessions(before))
+            if ended:
+                log.warning("ended %d database session(s) of %s, whose lease ran out",
+                            ended, before)  # fmt: skip
+        term = await keeper.take(SITE)
     if term is None:
         return None
     log.info("node %s leads site %s (term %d)", cfg.holder, cfg.site_name, term)

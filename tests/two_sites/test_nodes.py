@@ -19,7 +19,7 @@ from plugin.devtools import LocalSite
 from sql import migrate
 from tests.fault.checker import Fault
 from tests.fix_cli import Vpnrepl
-from tests.fix_node import NodeProcess
+from tests.fix_node import NodeProcess, Sites
 from tests.support.nodes import (
     AckingConsumer,
     Client,
@@ -231,3 +231,29 @@ def test_the_site_rides_out_a_restart_of_its_postgresql(pair: Pair) -> None:
     publisher.finish()
     restart = [Fault("restart PostgreSQL A", restarted, restarted + 5)]
     check_sites(pair, pair.a.leader() or "a1", "sync", "degrade", [publisher], restart)
+
+
+def test_a_node_restarted_after_a_crash_takes_its_own_lease_back_at_once(
+    site_a: LocalSite, site_b: LocalSite, tmp_path: Path
+) -> None:
+    """A one-node site ([listen], the default 15 s lease): the process dies
+    and is started again (systemd's Restart=). No session of the dead
+    process is left, so the new one takes the lease at once instead of
+    waiting it out; a holder whose sessions live (paused) is waited out."""
+    sites = Sites(site_a, site_b, tmp_path)
+    setup_vpn(site_a)
+    enable(sites.cli_a)
+    try:
+        sites.a.start()
+        sites.a.kill()
+        restarted = time.monotonic()
+        sites.a.start()
+        took = time.monotonic() - restarted
+    finally:
+        sites.a.kill()
+    with psycopg.connect(site_a.pg.dsn()) as db:
+        holder, term = db.execute(
+            "SELECT holder, term FROM lease WHERE scope = 'site'"
+        ).fetchone() or ("", 0)
+    assert holder.startswith("node.") and term == 2
+    assert took < 15.0, f"the restarted node waited {took:.1f} s: it waited the lease out"

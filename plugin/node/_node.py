@@ -82,6 +82,9 @@ log = logging.getLogger("vpnrepl.node")
 
 #: how long start-up waits for the broker to answer for commit markers
 RECOVERY_SECONDS = 60.0
+#: the longest wait between dials of a peer site that lists several nodes:
+#: after its leader died, the new one is there within its lease
+PEER_NODES_BACKOFF = 2.0
 #: how long a node that took the site's lease waits for the site lock before
 #: it ends the session holding it
 LOCK_TAKEOVER_SECONDS = 3.0
@@ -250,6 +253,8 @@ class Node:
                     plaintext_too=cfg.plaintext_bridge,
                     peer_site=peer.name,
                     copy_tags=cfg.copy_tags,
+                    # a peer of several nodes changes leader: retry soon
+                    max_backoff=PEER_NODES_BACKOFF if len(peer.bridge) > 1 else 10.0,
                 )
         except TlsSetupError as e:
             raise ConfigError(cfg.path, "tls", str(e)) from e

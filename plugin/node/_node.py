@@ -564,7 +564,7 @@ class Node:
         """The ``status --json`` document (:func:`site_status`), and which
         node of the site this is (it leads: it runs these parts)."""
         doc = await site_status(self.cfg, self.api, self.replicator, broker)
-        return {**doc, "node": self.cfg.node_name or self.cfg.holder, "leads": True}
+        return {**doc, "node": self.cfg.node_name or None, "leads": True}
 
     async def metrics_text(self) -> bytes:
         """The ``/metrics`` body (:func:`metrics_body`)."""

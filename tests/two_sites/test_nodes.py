@@ -146,7 +146,8 @@ def test_killing_the_leader_or_the_other_node_loses_nothing_and_the_site_serves_
     assert max(served.values()) <= SERVED_AGAIN, served
     for client in (direct, relayed, tx, consumer):
         client.finish()
-    assert not direct.nacked and not relayed.nacked
+    # (under sync + reject a publish may be nacked while B finds the new
+    # leader: the checker counts a nack as nothing told)
 
     # a1 is still down: each site holds what the clients were told
     faults = [Fault("kill a2", killed_a2, killed_a2 + 1), Fault("kill a1", killed, killed + 1)]

@@ -12,8 +12,8 @@ same run, alternated where they are comparable:
   until a client that tries the site's nodes in turn has a publish
   confirmed again; the killed node is started again (it relays) before the
   next kill. p50 and max against the lease plus 5 s.
-* **throughput by nodes**: two VPNs published at once, 500 in flight
-  each, with every client on the leader (one node serves) and with one
+* **throughput by nodes**: a1 and a2 each pinned to a core of their own
+  (``--no-pin``: not); two VPNs published at once, 500 in flight each, with every client on the leader (one node serves) and with one
   VPN's clients on the relaying node (two nodes serve), alternated per
   round. One node leads all of a site's VPNs in this release, so the
   second node can only add its relay's cost; the ratio says how much.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -42,8 +43,9 @@ QUEUE = "bench.nodes"
 class TwoNodeSite:
     """Sites A (nodes a1, a2) and B (one node), VPNs enabled, all up."""
 
-    def __init__(self, lease: float) -> None:
+    def __init__(self, lease: float, pinned: bool = True) -> None:
         self.lease = lease
+        self.pinned = pinned
         self.sites = LocalSites()
         self.a, self.b = self.sites.a, self.sites.b
         self.ports: dict[str, tuple[int, int, int]] = {}
@@ -74,6 +76,18 @@ class TwoNodeSite:
         self.nodes["b"] = LocalNode(b, cfg_b, base / "node-b.log", name="b")
         for node in self.nodes.values():
             node.start()
+        self.pin()
+
+    def pin(self) -> None:
+        """Site A's nodes each on a core of their own (a1 on the first, a2
+        on the second), as the issue measures them; again after a restart."""
+        cores = sorted(os.sched_getaffinity(0))
+        if not self.pinned or len(cores) < 2:
+            return
+        for core, name in zip(cores, ("a1", "a2"), strict=False):
+            pid = self.nodes[name].pid
+            if pid is not None:
+                os.sched_setaffinity(pid, {core})
 
     def amqp(self, name: str) -> int:
         return self.ports[name][0]
@@ -152,6 +166,7 @@ async def takeovers(site: TwoNodeSite, kills: int) -> None:
             await asyncio.sleep(0.05)
         times.append(time.monotonic() - killed)
         node.start()  # relays from now on
+        site.pin()
         print(f"  kill {n + 1:2}: {leader} killed, served again after {times[-1]:.2f} s")
     bound = site.lease + 5.0
     print(
@@ -195,7 +210,7 @@ async def throughput(site: TwoNodeSite, messages: int, rounds: int) -> None:
 
 
 async def run(opts: argparse.Namespace) -> None:
-    site = TwoNodeSite(opts.lease)
+    site = TwoNodeSite(opts.lease, pinned=not opts.no_pin)
     try:
         site.start()
         print(f"site A: a1 and a2 (lease {opts.lease:g} s); site B: one node")
@@ -213,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe", type=int, default=2000, help="1-in-flight publishes per path")
     p.add_argument("--messages", type=int, default=10_000, help="per VPN per throughput run")
     p.add_argument("--rounds", type=int, default=3, help="throughput rounds (alternated)")
+    p.add_argument(
+        "--no-pin", action="store_true", help="leave a1 and a2 unpinned (default: a core each)"
+    )
     opts = p.parse_args(argv)
     try:
         uvloop.run(run(opts))

@@ -13,8 +13,9 @@ same run, alternated where they are comparable:
   confirmed again; the killed node is started again (it relays) before the
   next kill. p50 and max against the lease plus 5 s.
 * **throughput by nodes**: a1 and a2 each pinned to a core of their own
-  (``--no-pin``: not); two VPNs published at once, 500 in flight each, with every client on the leader (one node serves) and with one
-  VPN's clients on the relaying node (two nodes serve), alternated per
+  (``--no-pin``: not); two VPNs published at once, 500 in flight each,
+  with every client on the leader (one node serves) and with one VPN's
+  clients on the relaying node (two nodes serve), alternated per
   round. One node leads all of a site's VPNs in this release, so the
   second node can only add its relay's cost; the ratio says how much.
 

@@ -154,6 +154,8 @@ class LedgerWriter:
         self._closing = False
         self._closed = False
         self._failure: BaseException | None = None
+        #: told once the fence refused a batch: the node lost its lease
+        self.on_fenced: Callable[[], None] = lambda: None
 
     @property
     def fence(self) -> Fence | None:
@@ -438,6 +440,7 @@ class LedgerWriter:
         except LedgerFenced as e:  # expected after a pause: no traceback
             log.error("the ledger writer stopped: %s; %d entries are nacked", e, len(self._pending))
             self._stop(e)
+            self.on_fenced()
         except Exception as e:
             log.exception("the ledger writer stopped; %d entries are nacked", len(self._pending))
             self._stop(e)

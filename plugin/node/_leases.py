@@ -173,6 +173,11 @@ class LeaseKeeper:
         if self._conn is not None:
             await self._conn.close()
 
+    def lose(self, scope: str, why: str) -> None:
+        """Count ``scope``'s lease lost now (a write it fences was refused:
+        another holder took it), without waiting for the next renewal."""
+        self._lose(scope, why)
+
     def _lose(self, scope: str, why: str) -> None:
         lease = self._held.pop(scope, None)
         if lease is not None:

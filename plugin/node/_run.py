@@ -224,6 +224,7 @@ async def _lead(
     os.environ["PGAPPNAME"] = session_name(keeper.holder_id)
     node = Node(cfg)
     node.writer.fence = Fence(SITE, keeper.holder_id, term)
+    node.writer.on_fenced = lambda: keeper.lose(SITE, "a ledger commit found another term")
     node.requests.may_serve = lambda: keeper.term(SITE) == term
     loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -478,6 +478,7 @@ def test_a_writer_whose_lease_another_node_took_commits_nothing_more(site_a: Loc
     async def scenario() -> None:
         async with LedgerWriter(dsn) as writer:
             writer.fence = Fence(SITE, "a1.0", term)
+            writer.on_fenced = lambda: fenced.append(True)
             writer.append(pub("v", 1, "q"), durable.cb(1))
             await writer.wait_durable("v", 1)
             with psycopg.connect(dsn, autocommit=True) as db:
@@ -489,7 +490,9 @@ def test_a_writer_whose_lease_another_node_took_commits_nothing_more(site_a: Loc
             with pytest.raises(LedgerClosed, match="another node took over"):
                 writer.append(pub("v", 3, "q"))
         assert durable.calls == [(1, True), (2, False)]
+        assert fenced == [True]  # the node hears of it at once
 
+    fenced: list[bool] = []
     run(scenario)
     assert [ev for _, _, ev in stored(dsn, "v")] == [pub("v", 1, "q")]
     assert scalar(dsn, "SELECT ledger_index FROM vpn_state WHERE vpn = 'v'") == 1

@@ -56,6 +56,7 @@ def test_metrics_during_a_sync_workload_then_equal_to_status(
     for metric in PER_VPN + COUNTERS:
         assert metric in names, f"{metric} missing from /metrics during the workload"
     assert value(during, "vpnrepl_store_up") == 1
+    assert value(during, "vpnrepl_node_leads", site="a", node="node") == 1  # its one node
     assert value(during, "vpnrepl_vpn_info", vpn=VPN, role="active", mode="sync") == 1
     # the histograms: confirms held for the standby, group commits
     held = value(during, "vpnrepl_confirm_delay_seconds_count", vpn=VPN, mode="sync")
@@ -143,6 +144,7 @@ def test_the_grafana_dashboard_uses_only_metrics_the_node_exposes() -> None:
         "vpnrepl_txn_total",
         "vpnrepl_txn_applied_ahead_total",
         "vpnrepl_protocol_closes_total",
+        "vpnrepl_node_leads",
     }
     for hist in ("vpnrepl_confirm_delay_seconds", "vpnrepl_ledger_commit_entries"):
         exposed |= {f"{hist}_bucket", f"{hist}_count", f"{hist}_sum"}

@@ -47,24 +47,19 @@ _TRANSIENT = (psycopg.OperationalError, OSError, TimeoutError)
 # one this writer continues from, and the advanced ledger_index. Rows go in
 # as binary array parameters of one INSERT ... SELECT FROM unnest(...): as
 # fast as binary COPY, in one round trip instead of about six.
-_ADVANCED = """
-WITH advanced AS (
+_ADVANCE = """advanced AS (
     UPDATE vpn_state s SET ledger_index = v.last, updated_at = now()
     FROM unnest(%b::text[], %b::int8[], %b::int8[]) AS v(vpn, after, last)
-    WHERE s.vpn = v.vpn AND s.ledger_index = v.after
-    RETURNING s.vpn
-)"""
+    WHERE s.vpn = v.vpn AND s.ledger_index = v.after"""
+_ADVANCED = "\nWITH " + _ADVANCE + "\n    RETURNING s.vpn\n)"
 # The same under a leader's lease: nothing advances unless the lease is
 # still held at the writer's term (FENCE's three parameters come first).
 _ADVANCED_FENCED = (
     "WITH "  # noqa: S608 - constant SQL pieces; every value is a parameter
     + FENCE
-    + """, advanced AS (
-    UPDATE vpn_state s SET ledger_index = v.last, updated_at = now()
-    FROM unnest(%b::text[], %b::int8[], %b::int8[]) AS v(vpn, after, last)
-    WHERE s.vpn = v.vpn AND s.ledger_index = v.after AND EXISTS (SELECT FROM fence)
-    RETURNING s.vpn
-)"""
+    + ", "
+    + _ADVANCE
+    + " AND EXISTS (SELECT FROM fence)\n    RETURNING s.vpn\n)"
 )
 _INSERT_ADVANCED = """
 INSERT INTO ledger (vpn, idx, epoch, kind, event)

@@ -26,11 +26,10 @@ __all__ = ["follower_admin", "leads_metric"]
 
 def leads_metric(cfg: SiteConfig, leads: bool) -> bytes:
     """The ``vpnrepl_node_leads`` gauge of this node, in the exposition format."""
-    node = cfg.node_name or cfg.holder
     return (
         "# HELP vpnrepl_node_leads 1 while this node leads its site's VPNs, 0 while it relays\n"
         "# TYPE vpnrepl_node_leads gauge\n"
-        f'vpnrepl_node_leads{{site="{cfg.site_name}",node="{node}"}} {int(leads)}\n'
+        f'vpnrepl_node_leads{{site="{cfg.site_name}",node="{cfg.holder}"}} {int(leads)}\n'
     ).encode()
 
 
@@ -41,7 +40,7 @@ def follower_admin(cfg: SiteConfig, relay: Relay | None) -> AdminServer:
         leader = relay.leader.name if relay is not None and relay.leader is not None else None
         return {
             "site": cfg.site_name,
-            "node": cfg.node_name or cfg.holder,
+            "node": cfg.holder,
             "leads": False,
             "leader": leader,
             "relayed_connections": relay.relayed if relay is not None else 0,

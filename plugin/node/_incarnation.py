@@ -8,9 +8,10 @@ from __future__ import annotations
 import psycopg
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
 
-from bridge import INCARNATION_LIMIT, redact_url
+from bridge import INCARNATION_LIMIT
 from plugin._errors import StateError, StoreUnavailable
 from plugin.config import SiteConfig
+from plugin.ops import store_unreachable
 
 __all__ = ["new_incarnation", "new_incarnation_retried"]
 
@@ -31,8 +32,7 @@ async def new_incarnation(cfg: SiteConfig) -> int:
     except psycopg.errors.UndefinedTable as e:
         raise StateError("the site database has no schema: run `vpnrepl init` first") from e
     except psycopg.OperationalError as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise StoreUnavailable(f"cannot connect to {redact_url(cfg.store_dsn)}: {reason}") from e
+        raise store_unreachable(cfg.store_dsn, e) from e
     if incarnation >= INCARNATION_LIMIT:
         raise StateError(
             f"this site has recorded {incarnation - 1} node incarnations; replication ids "

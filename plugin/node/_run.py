@@ -25,7 +25,7 @@ import signal
 
 import psycopg
 
-from bridge import BridgeError, UnknownFailpoint, armed, redact_url
+from bridge import BridgeError, UnknownFailpoint, armed
 from bridge.store import (
     SITE,
     Fence,
@@ -38,6 +38,7 @@ from bridge.store import (
 from plugin._errors import PluginError, StateError, StoreUnavailable, UsageError
 from plugin.admin import AdminServer
 from plugin.config import NodeConfig, SiteConfig
+from plugin.ops import store_unreachable
 
 from ._follower import follower_admin
 from ._leases import LeaseKeeper
@@ -104,8 +105,7 @@ async def _check_store(cfg: SiteConfig, keeper: LeaseKeeper) -> None:
             "run `vpnrepl init`, which creates or upgrades it"
         ) from e
     except (psycopg.OperationalError, TimeoutError) as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise StoreUnavailable(f"cannot connect to {redact_url(cfg.store_dsn)}: {reason}") from e
+        raise store_unreachable(cfg.store_dsn, e) from e
 
 
 async def _follow(
@@ -122,10 +122,13 @@ async def _follow(
             # a failed read keeps the leader known before: its relayed clients stay
             leader = relay.leader if relay is not None else None
             try:
-                taken = await _try_lead(cfg, keeper)
+                found = await keeper.read(lease_of(SITE))
+                taken = await _try_lead(cfg, keeper, found)
                 if taken is not None:
                     return taken
-                leader = await _leader(cfg, keeper)
+                if found is None or found[2] <= 0:  # a take was tried and lost: who won?
+                    found = await keeper.read(lease_of(SITE))
+                leader = _leader(cfg, found)
             except (TimeoutError, psycopg.Error) as e:
                 log.warning("the site's lease could not be read or taken: %s", e)
             if relay is not None:
@@ -149,12 +152,14 @@ async def _follow(
             await admin.close()
 
 
-async def _try_lead(cfg: SiteConfig, keeper: LeaseKeeper) -> tuple[int, str | None] | None:
-    """Take the site's lease if it is free or ran out: its term and the
-    holder it ran out on. That holder's database sessions are ended first:
-    one paused inside a ledger commit share-locks the lease row, and the
-    take would wait on it for as long as the session lives."""
-    found = await keeper.read(lease_of(SITE))
+async def _try_lead(
+    cfg: SiteConfig, keeper: LeaseKeeper, found: tuple[str, int, float] | None
+) -> tuple[int, str | None] | None:
+    """Take the site's lease if it is free or ran out (``found``: as just
+    read): its term and the holder it ran out on. That holder's database
+    sessions are ended first: one paused inside a ledger commit share-locks
+    the lease row, and the take would wait on it for as long as the session
+    lives."""
     before = found[0] if found is not None and found[0] != keeper.holder_id else None
     mine = before is not None and session_name(before) == session_name(keeper.holder_id)
     if found is not None and found[2] > 0 and before is not None:
@@ -183,7 +188,7 @@ async def _beat(cfg: SiteConfig, keeper: LeaseKeeper, leads: bool) -> None:
     """This node's heartbeat (``vpnrepl nodes``), on a connection of its
     own (a slow one never holds a lease renewal back); a missed one is
     only late."""
-    statement = beat(cfg.node_name or cfg.holder, keeper.holder_id, leads)
+    statement = beat(cfg.holder, keeper.holder_id, leads)
     try:
         async with asyncio.timeout(cfg.lease_seconds / 3):
             async with await psycopg.AsyncConnection.connect(
@@ -200,10 +205,9 @@ async def _beating(cfg: SiteConfig, keeper: LeaseKeeper) -> None:
         await asyncio.sleep(cfg.lease_seconds / 3)
 
 
-async def _leader(cfg: SiteConfig, keeper: LeaseKeeper) -> NodeConfig | None:
-    """The node whose lease runs now, if it is one of the site's (None: the
-    lease ran out, or a CLI holds it)."""
-    found = await keeper.read(lease_of(SITE))
+def _leader(cfg: SiteConfig, found: tuple[str, int, float] | None) -> NodeConfig | None:
+    """The node whose lease runs (``found``: the lease as read), if it is
+    one of the site's (None: the lease ran out, or a CLI holds it)."""
     if found is None or found[2] <= 0:
         return None
     return cfg.node(found[0].rpartition(".")[0])

@@ -25,7 +25,14 @@ from ._requests import (
     run_command,
     start_request,
 )
-from ._store import add_broker_depths, connect, disable_vpn, enable_vpn, status
+from ._store import (
+    add_broker_depths,
+    connect,
+    disable_vpn,
+    enable_vpn,
+    status,
+    store_unreachable,
+)
 from ._switchover import switchover
 from ._xa_admin import decide_branch, list_branches
 
@@ -35,6 +42,7 @@ __all__ = [
     "disable_vpn",
     "enable_vpn",
     "status",
+    "store_unreachable",
     "ANSWERS",
     "REQUESTS",
     "SITE_LOCK",

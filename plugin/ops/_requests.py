@@ -67,10 +67,13 @@ log = logging.getLogger(__name__)
 #: the table whose lock a running node holds
 SITE_LOCK = "site_lock"
 _TAKE = "LOCK TABLE site_lock IN EXCLUSIVE MODE NOWAIT"
-_HELD = (
-    "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'relation'"
-    " AND relation = 'site_lock'::regclass AND mode = 'ExclusiveLock' AND granted) AS held"
+# the sessions holding the site lock, as any role can see them
+_HOLDERS = (
+    "FROM pg_locks WHERE locktype = 'relation'"
+    " AND relation = 'site_lock'::regclass AND mode = 'ExclusiveLock' AND granted"
 )
+_HELD = "SELECT EXISTS (SELECT " + _HOLDERS + ") AS held"
+_END_HOLDERS = "SELECT pg_terminate_backend(pid) AS ended " + _HOLDERS
 REQUESTS = "vpnrepl_request"
 ANSWERS = "vpnrepl_request_done"
 #: how often a waiting side looks at the row even without a notification
@@ -367,13 +370,7 @@ class RequestServer:
         site's lease, so the holder is an earlier leader that lost it (a
         CLI waiting out the lease would have handed over by now)."""
         async with await _connect(self._dsn) as conn:
-            ended = await (
-                await conn.execute(
-                    "SELECT pg_terminate_backend(pid) AS ended FROM pg_locks"
-                    " WHERE locktype = 'relation' AND relation = 'site_lock'::regclass"
-                    " AND mode = 'ExclusiveLock' AND granted"
-                )
-            ).fetchall()
+            ended = await (await conn.execute(_END_HOLDERS)).fetchall()
         log.warning(
             "the site lock was still held by an earlier leader's session: ended %d session(s)",
             sum(1 for row in ended if row["ended"]),

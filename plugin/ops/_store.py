@@ -32,7 +32,21 @@ from bridge.store import (
 )
 from plugin._errors import StateError, StoreUnavailable
 
-__all__ = ["add_broker_depths", "connect", "disable_vpn", "enable_vpn", "status"]
+__all__ = [
+    "add_broker_depths",
+    "connect",
+    "disable_vpn",
+    "enable_vpn",
+    "status",
+    "store_unreachable",
+]
+
+
+def store_unreachable(dsn: str, e: BaseException) -> StoreUnavailable:
+    """The error for a site database that could not be reached: its
+    address (password redacted) and libpq's last line of why."""
+    reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return StoreUnavailable(f"cannot connect to {redact_url(dsn)}: {reason}")
 
 
 @contextmanager
@@ -41,8 +55,7 @@ def connect(dsn: str) -> Iterator[psycopg.Connection[dict[str, Any]]]:
     try:
         conn = psycopg.connect(dsn, row_factory=dict_row, connect_timeout=10)
     except psycopg.OperationalError as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise StoreUnavailable(f"cannot connect to {redact_url(dsn)}: {reason}") from e
+        raise store_unreachable(dsn, e) from e
     try:
         with conn:
             yield conn

@@ -4,6 +4,7 @@ when theirs goes away, recording what each was told."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -139,13 +140,13 @@ class Client(threading.Thread):
                 continue
             try:
                 self.work(conn)
-                with _quiet():
+                with contextlib.suppress(*LOST):
                     conn.close()
                 return
             except LOST as e:
                 self.closes.append(repr(e))
                 self.reconnects.append(time.monotonic())
-                with _quiet():
+                with contextlib.suppress(*LOST):
                     conn.close()
 
     def work(self, conn: pika.BlockingConnection) -> None:
@@ -167,14 +168,6 @@ class Client(threading.Thread):
         """Seconds from ``when`` to the first answer after it."""
         after = [t for t in self.told.values() if t > when]
         return min(after) - when if after else None
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], LOST)  # type: ignore[arg-type]
 
 
 class ConfirmingPublisher(Client):
